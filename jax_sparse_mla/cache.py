@@ -1,0 +1,122 @@
+"""Paged caches: the MLA latent cache and the lightning indexer's key cache.
+
+Both hold `num_pages` pages of `page_size` tokens. Token slot = page * page_size + offset.
+Latent cache per token: c (kv_lora_rank) and rope(k_pe) (qk_rope_head_dim), stored as
+  bfloat16 / float32: `latent` [P, page, R] and `k_pe` [P, page, rope] in that dtype;
+  fp8 (FlashMLA's 656 bytes per token for R=512): `latent` e4m3 [P, page, R],
+    `latent_scale` f32 [P, page, R // 128], `k_pe` bf16 [P, page, rope].
+Indexer key cache per token: `index_k` [P, page, D] in the indexer dtype, plus
+  `index_k_scale` f32 [P, page] on the fp8 path (132 bytes per token for D=128).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from . import ops
+from .config import FP8_TILE, MLAConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedCache:
+    latent: jax.Array
+    latent_scale: jax.Array | None
+    k_pe: jax.Array
+    index_k: jax.Array
+    index_k_scale: jax.Array | None
+
+    @property
+    def num_pages(self) -> int:
+        return self.latent.shape[0]
+
+    def flat(self, name: str):
+        """One cache array with pages flattened to slots: [num_slots, ...] (None stays None)."""
+        a = getattr(self, name)
+        return None if a is None else a.reshape((-1,) + a.shape[2:])
+
+
+def _storage_dtype(name: str):
+    return ops.FP8_DTYPE if name == "fp8" else jnp.dtype(name)
+
+
+def init_cache(config: MLAConfig, num_pages: int) -> PagedCache:
+    """An empty cache of num_pages pages (contents are zeros: unwritten slots are never read)."""
+    if not isinstance(num_pages, int) or num_pages <= 0:
+        raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+    shape = (num_pages, config.page_size)
+    fp8_kv = config.kv_cache_dtype == "fp8"
+    fp8_idx = config.indexer_dtype == "fp8"
+    return PagedCache(
+        latent=jnp.zeros(shape + (config.kv_lora_rank,), _storage_dtype(config.kv_cache_dtype)),
+        latent_scale=jnp.zeros(shape + (config.kv_lora_rank // FP8_TILE,), jnp.float32) if fp8_kv else None,
+        k_pe=jnp.zeros(shape + (config.qk_rope_head_dim,), jnp.bfloat16 if fp8_kv else jnp.dtype(config.kv_cache_dtype)),
+        index_k=jnp.zeros(shape + (config.index_head_dim,), _storage_dtype(config.indexer_dtype)),
+        index_k_scale=jnp.zeros(shape, jnp.float32) if fp8_idx else None,
+    )
+
+
+def check_cache(cache: PagedCache, config: MLAConfig) -> None:
+    """Raises ValueError if the cache's arrays do not match the config (shapes and dtypes)."""
+    expected = jax.eval_shape(lambda: init_cache(config, cache.num_pages))
+    for field in dataclasses.fields(PagedCache):
+        got, want = getattr(cache, field.name), getattr(expected, field.name)
+        if (got is None) != (want is None):
+            raise ValueError(f"cache.{field.name} is {'missing' if got is None else 'unexpected'} "
+                             f"for kv_cache_dtype={config.kv_cache_dtype!r}, indexer_dtype={config.indexer_dtype!r}")
+        if got is not None and (got.shape != want.shape or got.dtype != want.dtype):
+            raise ValueError(f"cache.{field.name} has {got.dtype}{list(got.shape)}, expected {want.dtype}{list(want.shape)}")
+
+
+def encode_latent(c, k_pe, config: MLAConfig) -> dict[str, jax.Array]:
+    """Latent rows in storage form. c: [T, R], k_pe: [T, rope] (float32) -> cache field -> [T, ...]."""
+    if config.kv_cache_dtype == "fp8":
+        values, scale = ops.quantize_tiles(c, FP8_TILE)
+        return {"latent": values, "latent_scale": scale, "k_pe": k_pe.astype(jnp.bfloat16)}
+    dt = jnp.dtype(config.kv_cache_dtype)
+    return {"latent": c.astype(dt), "k_pe": k_pe.astype(dt)}
+
+
+def encode_index_keys(k, config: MLAConfig) -> dict[str, jax.Array]:
+    """Indexer keys in storage form. k: [T, D] float32 (after rope and Hadamard)."""
+    if config.indexer_dtype == "fp8":
+        values, scale = ops.act_quant(k)
+        return {"index_k": values, "index_k_scale": scale}
+    return {"index_k": k.astype(jnp.dtype(config.indexer_dtype))}
+
+
+def write(cache: PagedCache, slot_mapping, rows: dict[str, jax.Array]) -> PagedCache:
+    """Writes rows[name][t] into slot slot_mapping[t] of each named field; slots < 0 write nowhere."""
+    num_slots = cache.latent.shape[0] * cache.latent.shape[1]
+    target = jnp.where(slot_mapping >= 0, slot_mapping, num_slots)  # out of range: dropped
+    updates = {}
+    for name, value in rows.items():
+        flat = cache.flat(name)
+        updates[name] = flat.at[target].set(value.astype(flat.dtype), mode="drop").reshape(getattr(cache, name).shape)
+    return dataclasses.replace(cache, **updates)
+
+
+def _sequence_slots(block_table, length: int, page_size: int):
+    pos = jnp.arange(length)
+    return jnp.asarray(block_table)[pos // page_size] * page_size + pos % page_size
+
+
+def read_latent(cache: PagedCache, block_table, length: int, config: MLAConfig):
+    """Dense, dequantized latent rows of one sequence: (c [length, R], k_pe [length, rope]) float32."""
+    slots = _sequence_slots(block_table, length, config.page_size)
+    c = cache.flat("latent")[slots].astype(jnp.float32)
+    if cache.latent_scale is not None:
+        c = ops.dequantize_tiles(cache.flat("latent")[slots], cache.flat("latent_scale")[slots])
+    return c, cache.flat("k_pe")[slots].astype(jnp.float32)
+
+
+def read_indexer_keys(cache: PagedCache, block_table, length: int, config: MLAConfig):
+    """Dense, dequantized indexer keys of one sequence: [length, D] float32."""
+    slots = _sequence_slots(block_table, length, config.page_size)
+    k = cache.flat("index_k")[slots].astype(jnp.float32)
+    if cache.index_k_scale is not None:
+        k = k * cache.flat("index_k_scale")[slots][:, None]
+    return k

@@ -1,0 +1,197 @@
+"""The functional core: one sparse-MLA layer step over a planned batch.
+
+`forward` projects every row, writes both paged caches, then runs one of two programs chosen by
+the static plan: the dense program sends prefills through dense causal MHA (k_nope and v
+up-projected from the latent cache) and contains no indexer scoring unless decode rows need it;
+the sparse program scores every row with the lightning indexer, takes top-k and runs absorbed
+sparse attention over the selected latent rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import cache as cache_lib
+from . import kernels as kernel_ops
+from . import ops
+from .config import MLAConfig
+from .plan import BatchMeta, BatchPlan
+
+
+def _precision(config: MLAConfig):
+    # float32 configs are used as oracles: keep GPU matmuls out of tf32.
+    return jax.lax.Precision.HIGHEST if config.dtype == "float32" else jax.lax.Precision.DEFAULT
+
+
+def linear(x, weight, config: MLAConfig):
+    """x: [..., in] @ weight[out, in]^T -> [..., out] float32 (operands in config.dtype)."""
+    return jnp.einsum("...i,oi->...o", x.astype(config.jnp_dtype), weight.astype(config.jnp_dtype),
+                      precision=_precision(config), preferred_element_type=jnp.float32)
+
+
+def mla_projections(params, x, positions, config: MLAConfig):
+    """Queries and the latent of each row.
+
+    x: [T, hidden], positions: [T] -> qr [T, q_lora], q_nope [T, H, nope], q_pe [T, H, rope]
+    (rope applied), c [T, R], k_pe [T, rope] (rope applied); all float32.
+    """
+    c_ = config
+    qr = ops.rms_norm(linear(x, params["q_a_proj.weight"], c_), params["q_a_layernorm.weight"], c_.rms_norm_eps)
+    q = linear(qr, params["q_b_proj.weight"], c_).reshape(x.shape[0], c_.num_attention_heads, c_.qk_head_dim)
+    q_nope, q_pe = q[..., : c_.qk_nope_head_dim], q[..., c_.qk_nope_head_dim:]
+    kv = linear(x, params["kv_a_proj_with_mqa.weight"], c_)
+    c = ops.rms_norm(kv[:, : c_.kv_lora_rank], params["kv_a_layernorm.weight"], c_.rms_norm_eps)
+    k_pe = ops.rope_interleaved(kv[:, c_.kv_lora_rank:], positions, c_)
+    return qr, q_nope, ops.rope_interleaved(q_pe, positions, c_), c, k_pe
+
+
+def indexer_keys(params, x, positions, config: MLAConfig):
+    """Indexer key of each row: LayerNorm(wk x), NeoX rope on the first rope dims, Hadamard. [T, D] f32."""
+    k = ops.layer_norm(linear(x, params["indexer.wk.weight"], config), params["indexer.k_norm.weight"],
+                       params["indexer.k_norm.bias"], 1e-6)
+    return ops.hadamard(ops.rope_neox_prefix(k, positions, config))
+
+
+def indexer_queries(params, x, qr, positions, config: MLAConfig):
+    """Indexer queries and head weights: (q [N, Hi, D] in the indexer dtype, weights [N, Hi] f32).
+
+    On the fp8 path q is e4m3 and each (row, head) scale is folded into the weights.
+    """
+    c_ = config
+    q = linear(qr, params["indexer.wq_b.weight"], c_).reshape(qr.shape[0], c_.index_n_heads, c_.index_head_dim)
+    q = ops.hadamard(ops.rope_neox_prefix(q, positions, c_))
+    weights = linear(x, params["indexer.weights_proj.weight"], c_) * (c_.index_n_heads ** -0.5 * c_.index_head_dim ** -0.5)
+    if c_.indexer_dtype == "fp8":
+        q, q_scale = ops.act_quant(q)
+        return q, weights * q_scale
+    return q.astype(jnp.dtype(c_.indexer_dtype)), weights
+
+
+def positions_to_slots(key_positions, block_tables, row_seq, page_size: int):
+    """key_positions: [N, K] (-1 padded), block_tables: [S, W], row_seq: [N] -> cache slots [N, K] (-1 kept)."""
+    safe = jnp.maximum(key_positions, 0)
+    pages = block_tables[row_seq[:, None], safe // page_size]
+    return jnp.where(key_positions >= 0, pages * page_size + safe % page_size, -1)
+
+
+def _take_rows(a, rows):
+    """a[rows] with rows -1 padded (padding rows read row 0; their results are dropped)."""
+    return a[jnp.maximum(rows, 0)]
+
+
+def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, config: MLAConfig):
+    if hidden.ndim != 2 or hidden.shape != (plan.num_tokens, config.hidden_size):
+        raise ValueError(f"hidden has shape {hidden.shape}, expected [plan.num_tokens, hidden_size] = "
+                         f"{[plan.num_tokens, config.hidden_size]}")
+    if not jnp.issubdtype(hidden.dtype, jnp.floating):
+        raise ValueError(f"hidden must be floating point, got {hidden.dtype}")
+    cache_lib.check_cache(cache, config)
+    expected = {"positions": (plan.num_tokens,), "slot_mapping": (plan.num_tokens,), "row_seq": (plan.num_tokens,),
+                "query_start_loc": (plan.num_seqs + 1,), "seq_lens": (plan.num_seqs,),
+                "block_tables": (plan.num_seqs, plan.pages_per_seq), "decode_rows": (plan.num_decode_tokens,),
+                "dense_query_len": (plan.num_seqs,)}
+    for name, shape in expected.items():
+        got = getattr(meta, name)
+        if got.shape != shape:
+            raise ValueError(f"meta.{name} has shape {got.shape}, expected {shape} for this plan (was it made by plan_batch?)")
+    from .params import param_shapes
+    for name, shape in param_shapes(config).items():
+        if name not in params or params[name].shape != shape:
+            raise ValueError(f"params[{name!r}] is {'missing' if name not in params else params[name].shape}, expected {shape}")
+
+
+def _dense_prefill(q_nope, q_pe, cache, meta: BatchMeta, w_uk, w_uv, plan: BatchPlan, config: MLAConfig, impl):
+    """Dense causal MHA for the sequences routed dense. Returns (rows [S, Q], out [S, Q, H, v])."""
+    rows = meta.query_start_loc[:-1, None] + jnp.arange(plan.max_query_len)  # [S, Q]
+    valid = jnp.arange(plan.max_query_len) < meta.dense_query_len[:, None]
+    rows = jnp.where(valid, rows, -1)
+    q_positions = jnp.where(valid, _take_rows(meta.positions, rows), -1)
+    latent = kernel_ops.gather_paged_rows(cache.flat("latent"), meta.block_tables, config.page_size)
+    scale = (None if cache.latent_scale is None
+             else kernel_ops.gather_paged_rows(cache.flat("latent_scale"), meta.block_tables, config.page_size))
+    c = kernel_ops.dequantize_latent(latent, scale)  # [S, L, R]
+    k_pe = kernel_ops.gather_paged_rows(cache.flat("k_pe"), meta.block_tables, config.page_size).astype(jnp.float32)
+    prec = _precision(config)
+    k_nope = jnp.einsum("slr,hnr->slhn", c, w_uk, precision=prec)
+    v = jnp.einsum("slr,hvr->slhv", c, w_uv, precision=prec)
+    heads = config.num_attention_heads
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], k_pe.shape[:2] + (heads, k_pe.shape[-1]))], -1)
+    q = jnp.concatenate([_take_rows(q_nope, rows), _take_rows(q_pe, rows)], -1)  # [S, Q, H, qk]
+    dt = config.jnp_dtype
+    out = kernel_ops.causal_attention(q.astype(dt), k.astype(dt), v.astype(dt), q_positions,
+                                      scale=config.softmax_scale, impl=impl)
+    return rows, out
+
+
+def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, plan: BatchPlan,
+            config: MLAConfig, kernels: str = "auto"):
+    """One attention layer step over a planned batch.
+
+    params: HF-named dict (see params.py); hidden: [plan.num_tokens, hidden_size], rows in
+    plan_batch's order, padding last; cache: PagedCache (donate it under jit); meta: BatchMeta.
+    Returns (out [num_tokens, hidden_size] in config.dtype, new cache). Padding rows give 0.
+    Jit with plan, config and kernels static.
+    """
+    _check_inputs(params, hidden, cache, meta, plan, config)
+    impl = kernel_ops.resolve(kernels)
+    c_ = config
+    T, H = plan.num_tokens, c_.num_attention_heads
+    x = hidden.astype(c_.jnp_dtype)
+    positions = jnp.maximum(meta.positions, 0)
+
+    qr, q_nope, q_pe, c, k_pe = mla_projections(params, x, positions, c_)
+    k_index = indexer_keys(params, x, positions, c_)
+    # Both caches are written first: the dense program still fills the indexer key cache,
+    # or later decode steps would score against stale keys.
+    cache = cache_lib.write(cache, meta.slot_mapping,
+                            {**cache_lib.encode_latent(c, k_pe, c_), **cache_lib.encode_index_keys(k_index, c_)})
+
+    kv_b = params["kv_b_proj.weight"].astype(jnp.float32).reshape(H, c_.qk_nope_head_dim + c_.v_head_dim, c_.kv_lora_rank)
+    w_uk, w_uv = kv_b[:, : c_.qk_nope_head_dim], kv_b[:, c_.qk_nope_head_dim:]  # [H, nope, R], [H, v, R]
+    out_heads = jnp.zeros((T, H, c_.v_head_dim), jnp.float32)
+
+    if plan.use_dense_mha:
+        rows, dense_out = _dense_prefill(q_nope, q_pe, cache, meta, w_uk, w_uv, plan, c_, impl)
+        out_heads = out_heads.at[jnp.where(rows >= 0, rows, T)].set(dense_out, mode="drop")
+
+    sparse_rows = meta.decode_rows if plan.use_dense_mha else None  # None: every row
+    scored_rows = None if plan.num_scored_tokens == T else meta.decode_rows
+    top_slots = None
+    if plan.has_indexer_scoring:
+        pick = (lambda a: a) if scored_rows is None else (lambda a: _take_rows(a, scored_rows))
+        row_end = jnp.where(pick(meta.positions) >= 0, pick(meta.positions) + 1, 0)
+        if scored_rows is not None:
+            row_end = jnp.where(scored_rows >= 0, row_end, 0)
+        with jax.named_scope("indexer_logits"):
+            q_i, w_i = indexer_queries(params, pick(x), pick(qr), pick(positions), c_)
+            logits = kernel_ops.indexer_logits(q_i, w_i, cache.flat("index_k"), cache.flat("index_k_scale"),
+                                               meta.block_tables, pick(meta.row_seq), row_end,
+                                               page_size=c_.page_size, impl=impl)
+        with jax.named_scope("indexer_topk"):
+            top_pos = kernel_ops.topk_indices(logits, c_.index_topk, impl=impl)
+        top_slots = positions_to_slots(top_pos, meta.block_tables, pick(meta.row_seq), c_.page_size)
+
+    if plan.use_dense_mha and plan.num_decode_tokens == 0:
+        if top_slots is not None:  # baseline without the skip: keep the unused scoring in the program
+            out_heads, _ = jax.lax.optimization_barrier((out_heads, top_slots))
+    else:
+        slots = top_slots if scored_rows is sparse_rows else _take_rows(top_slots, sparse_rows)
+        pick = (lambda a: a) if sparse_rows is None else (lambda a: _take_rows(a, sparse_rows))
+        q_lat = jnp.einsum("thn,hnr->thr", pick(q_nope), w_uk, precision=_precision(c_))
+        q_abs = jnp.concatenate([q_lat, pick(q_pe)], -1).astype(c_.jnp_dtype)
+        out_lat, _ = kernel_ops.sparse_mla(q_abs, cache.flat("latent"), cache.flat("latent_scale"),
+                                           cache.flat("k_pe"), slots, scale=c_.softmax_scale, impl=impl)
+        sparse_out = jnp.einsum("thr,hvr->thv", out_lat, w_uv, precision=_precision(c_))
+        if sparse_rows is None:
+            out_heads = sparse_out
+        else:
+            if scored_rows is None:  # baseline: every row was scored, keep it all in the program
+                sparse_out, _ = jax.lax.optimization_barrier((sparse_out, top_slots))
+            out_heads = out_heads.at[jnp.where(sparse_rows >= 0, sparse_rows, T)].set(sparse_out, mode="drop")
+
+    out = linear(out_heads.reshape(T, H * c_.v_head_dim), params["o_proj.weight"], c_)
+    return out.astype(c_.jnp_dtype), cache
+
+
+jit_forward = jax.jit(forward, static_argnames=("plan", "config", "kernels"), donate_argnames=("cache",))

@@ -1,0 +1,93 @@
+"""The oracle: a slow, obviously correct float32 DeepSeek-V3.2 sparse-MLA layer.
+
+It runs one whole sequence from scratch (no cache, no plan, no absorption): every token's
+indexer logits over its causal range, its top-k set (every position when the range holds at
+most index_topk), then plain multi-head attention (k_nope and v up-projected per head) masked
+to that set. Storage rounding of the caches (bf16 / fp8) is applied the way the caches store
+values, so that the fast path can be compared tightly for every dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import cache as cache_lib
+from . import ops
+from .config import MLAConfig
+from .model import indexer_keys, indexer_queries, mla_projections
+
+HI = jax.lax.Precision.HIGHEST
+
+
+def _f32_config(config: MLAConfig) -> MLAConfig:
+    import dataclasses
+    return dataclasses.replace(config, dtype="float32")
+
+
+def _stored_latent(c, k_pe, config):
+    rows = cache_lib.encode_latent(c, k_pe, config)
+    if "latent_scale" in rows:
+        c = ops.dequantize_tiles(rows["latent"], rows["latent_scale"])
+    else:
+        c = rows["latent"].astype(jnp.float32)
+    return c, rows["k_pe"].astype(jnp.float32)
+
+
+def _stored_index_keys(k, config):
+    rows = cache_lib.encode_index_keys(k, config)
+    k = rows["index_k"].astype(jnp.float32)
+    return k * rows["index_k_scale"][:, None] if "index_k_scale" in rows else k
+
+
+def indexer_logits(params, hidden, config: MLAConfig) -> np.ndarray:
+    """[L, L] float32 logits of a whole sequence, -inf above the diagonal (non-causal)."""
+    cfg = _f32_config(config)
+    params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+    x = jnp.asarray(hidden, jnp.float32)
+    pos = jnp.arange(x.shape[0])
+    qr = mla_projections(params, x, pos, cfg)[0]
+    q, w = indexer_queries(params, x, qr, pos, cfg)
+    k = _stored_index_keys(indexer_keys(params, x, pos, cfg), cfg)
+    scores = jnp.einsum("thd,sd->ths", q.astype(jnp.float32), k, precision=HI)
+    logits = jnp.einsum("th,ths->ts", w, jax.nn.relu(scores), precision=HI)
+    causal = pos[None, :] <= pos[:, None]
+    return np.asarray(jnp.where(causal, logits, -jnp.inf))
+
+
+def selection(params, hidden, config: MLAConfig) -> np.ndarray:
+    """[L, L] bool: position s is among token t's top-k (all causal positions when t < index_topk)."""
+    logits = indexer_logits(params, hidden, config)
+    L = logits.shape[0]
+    mask = np.zeros((L, L), bool)
+    for t in range(L):
+        order = np.argsort(-logits[t, : t + 1], kind="stable")
+        mask[t, order[: config.index_topk]] = True
+    return mask
+
+
+def sequence_forward(params, hidden, config: MLAConfig, *, dense: bool = False) -> np.ndarray:
+    """Output [L, hidden_size] float32 of one whole sequence hidden [L, hidden_size].
+
+    dense=True attends every causal position (what the dense route computes).
+    """
+    cfg = _f32_config(config)
+    params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+    x = jnp.asarray(hidden, jnp.float32)
+    L, H = x.shape[0], cfg.num_attention_heads
+    pos = jnp.arange(L)
+    _, q_nope, q_pe, c, k_pe = mla_projections(params, x, pos, cfg)
+    c, k_pe = _stored_latent(c, k_pe, config)
+    kv = jnp.einsum("sr,or->so", c, params["kv_b_proj.weight"], precision=HI)
+    kv = kv.reshape(L, H, cfg.qk_nope_head_dim + cfg.v_head_dim)
+    k_nope, v = kv[..., : cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim:]
+    scores = (jnp.einsum("thn,shn->hts", q_nope, k_nope, precision=HI)
+              + jnp.einsum("thp,sp->hts", q_pe, k_pe, precision=HI)) * cfg.softmax_scale
+    if dense:
+        mask = np.tril(np.ones((L, L), bool))
+    else:
+        mask = selection(params, hidden, config)
+    probs = jax.nn.softmax(jnp.where(mask[None], scores, -jnp.inf), axis=-1)
+    heads = jnp.einsum("hts,shv->thv", probs, v, precision=HI).reshape(L, H * cfg.v_head_dim)
+    return np.asarray(jnp.einsum("ti,oi->to", heads, params["o_proj.weight"], precision=HI))
