@@ -1,0 +1,184 @@
+"""forward against the whole-sequence reference: routes, chunking, decode, padding, dtypes."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_sparse_mla import MLAConfig, Request, init_cache, plan_batch, read_indexer_keys, read_latent
+from jax_sparse_mla.model import forward
+from tests.harness import Harness, rel_err
+
+TINY = MLAConfig.tiny()  # topk 16, page 4, float32 activations, bf16 latent cache, fp8 indexer
+TOL_F32 = 1e-4
+
+
+def test_short_prefill_runs_dense_and_matches_reference():
+    h = Harness(TINY)
+    h.add(0, 11)
+    h.add(1, 16)  # exactly topk: still dense
+    out, plan = h.step([(0, 11), (1, 16)])
+    assert plan.use_dense_mha and not plan.has_indexer_scoring
+    h.check(out, TOL_F32)
+
+
+def test_force_sparse_equals_dense_for_short_prefills():
+    """The identity behind the skip: with every position selected, sparse == dense."""
+    outs = []
+    for force in (False, True):
+        h = Harness(TINY, seed=3)
+        h.add(0, 13)
+        h.add(1, 7)
+        out, plan = h.step([(0, 13), (1, 7)], force_sparse=force)
+        assert plan.use_dense_mha != force
+        outs.append(out)
+    for sid in (0, 1):
+        assert rel_err(outs[1][sid], outs[0][sid]) < 1e-5
+
+
+def test_long_prefill_runs_sparse_and_matches_reference():
+    h = Harness(TINY, seed=1)
+    h.add(0, 37)
+    out, plan = h.step([(0, 37)])
+    assert not plan.use_dense_mha and plan.has_indexer_scoring
+    h.check(out, TOL_F32)
+
+
+def test_sparse_selection_matters():
+    """Past topk, the output differs from dense attention: the top-k really restricts keys."""
+    h = Harness(TINY, seed=2)
+    h.add(0, 40)
+    out, _ = h.step([(0, 40)])
+    dense = h.reference(0, 40, dense=True)
+    sparse = h.reference(0, 40)
+    assert rel_err(out[0][TINY.index_topk:], dense[TINY.index_topk:]) > 1e-3
+    assert rel_err(out[0], sparse) < TOL_F32
+
+
+@pytest.mark.parametrize("length", [TINY.index_topk - 1, TINY.index_topk, TINY.index_topk + 1])
+def test_lengths_around_topk(length):
+    h = Harness(TINY, seed=length)
+    h.add(0, length)
+    out, plan = h.step([(0, length)])
+    assert plan.use_dense_mha == (length <= TINY.index_topk)
+    h.check(out, TOL_F32)
+
+
+def test_chunked_prefill_with_context():
+    h = Harness(TINY, seed=4)
+    h.add(0, 30)
+    h.add(1, 14)
+    out, plan = h.step([(0, 9), (1, 6)])  # all short: dense
+    assert plan.use_dense_mha
+    h.check(out, TOL_F32)
+    out, plan = h.step([(0, 12), (1, 8)])  # seq 0 total 21 > topk: sparse, with context
+    assert not plan.use_dense_mha
+    h.check(out, TOL_F32)
+    out, plan = h.step([(0, 9)])  # the rest
+    h.check(out, TOL_F32)
+
+
+def test_decodes_after_prefills():
+    h = Harness(TINY, seed=5)
+    h.add(0, 24)
+    h.add(1, 12)
+    h.step([(0, 18), (1, 8)])
+    for _ in range(4):  # seq 0 crosses topk while decoding; seq 1 stays under it
+        out, plan = h.step([(0, 1), (1, 1)])
+        assert not plan.use_dense_mha  # no prefill in the batch: every row is sparse
+        h.check(out, TOL_F32)
+
+
+def test_mixed_prefill_and_decode_batch():
+    """Short prefills beside decodes: prefills dense, only the decode rows are scored."""
+    h = Harness(TINY, seed=6)
+    for sid, n in [(0, 30), (1, 12), (2, 12)]:
+        h.add(sid, n)
+    h.step([(0, 25)])
+    out, plan = h.step([(1, 9), (0, 1), (2, 12)])
+    assert plan.use_dense_mha and plan.num_decode_tokens == 1 and plan.num_scored_tokens == 1
+    h.check(out, TOL_F32)
+    out, plan = h.step([(0, 1), (1, 3)], skip_indexer=False)  # baseline: every row scored
+    assert plan.use_dense_mha and plan.num_scored_tokens == plan.num_tokens
+    h.check(out, TOL_F32)
+
+
+def test_padded_batch_many_sequences():
+    h = Harness(TINY, seed=7, num_pages=96)
+    lengths = [1, 2, 5, 17, 3]
+    for sid, n in enumerate(lengths):
+        h.add(sid, n)
+    out, plan = h.step([(sid, n) for sid, n in enumerate(lengths)])
+    assert plan.num_tokens > sum(lengths) and plan.num_seqs > len(lengths)
+    h.check(out, TOL_F32)
+
+
+@pytest.mark.parametrize("indexer_dtype", ["fp8", "bfloat16", "float32"])
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float32", "fp8"])
+def test_dtypes(indexer_dtype, kv_cache_dtype):
+    cfg = dataclasses.replace(TINY, indexer_dtype=indexer_dtype, kv_cache_dtype=kv_cache_dtype)
+    h = Harness(cfg, seed=8)
+    h.add(0, 26)
+    h.add(1, 11)
+    for work in ([(0, 20), (1, 10)], [(0, 1), (1, 1)], [(0, 5)]):
+        out, _ = h.step(work)
+        h.check(out, TOL_F32)
+
+
+def test_bfloat16_activations():
+    cfg = dataclasses.replace(TINY, dtype="bfloat16")
+    h = Harness(cfg, seed=9)
+    h.add(0, 28)
+    h.add(1, 9)
+    out, _ = h.step([(0, 28), (1, 9)])
+    k = TINY.index_topk
+    # Rows that attend every causal position: bf16 rounding of each matmul operand only.
+    assert rel_err(out[1], h.reference(1, 9)) < 1e-2
+    assert rel_err(out[0][:k], h.reference(0, 28)[:k]) < 1e-2
+    # Past topk, bf16 logits also flip near-ties of the tiny indexer (4 heads of 16 dims).
+    assert rel_err(out[0][k:], h.reference(0, 28)[k:]) < 1e-1
+
+
+def test_dense_program_writes_the_same_caches_as_the_sparse_one():
+    caches = []
+    for force in (False, True):
+        h = Harness(TINY, seed=10)
+        h.add(0, 14)
+        h.add(1, 5)
+        h.step([(0, 14), (1, 5)], force_sparse=force)
+        caches.append((h.cache, h.tables))
+    (dense, tables), (sparse, _) = caches
+    for sid, n in [(0, 14), (1, 5)]:
+        k_d, k_s = read_indexer_keys(dense, tables[sid], n, TINY), read_indexer_keys(sparse, tables[sid], n, TINY)
+        assert float(jnp.abs(k_d).min(axis=-1).max()) >= 0 and float(jnp.abs(k_d).max()) > 0
+        np.testing.assert_array_equal(k_d, k_s)
+        for a, b in zip(read_latent(dense, tables[sid], n, TINY), read_latent(sparse, tables[sid], n, TINY)):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_padding_rows_write_nowhere():
+    h = Harness(TINY, seed=11, num_pages=8)
+    before = jax.tree.map(np.asarray, h.cache)
+    h.add(0, 3)
+    h.step([(0, 3)])  # 3 real rows, 13 padding rows with random hidden states
+    after = jax.tree.map(np.asarray, h.cache)
+    page = h.tables[0][0]
+    for name in ("latent", "k_pe", "index_k"):
+        b, a = getattr(before, name), getattr(after, name)
+        changed = np.argwhere(np.any(a.reshape(a.shape[0], a.shape[1], -1) != b.reshape(a.shape[0], a.shape[1], -1), -1))
+        assert sorted(map(tuple, changed)) == [(page, 0), (page, 1), (page, 2)], name
+
+
+def test_hidden_shape_and_cache_dtype_errors():
+    h = Harness(TINY)
+    plan, meta = plan_batch(TINY, [Request(0, 3, [0])])
+    x = jnp.ones((plan.num_tokens + 1, TINY.hidden_size))
+    with pytest.raises(ValueError, match="hidden has shape"):
+        forward(h.params, x, h.cache, meta, plan=plan, config=TINY)
+    wrong = init_cache(dataclasses.replace(TINY, kv_cache_dtype="fp8"), 64)
+    with pytest.raises(ValueError, match="cache.latent"):
+        forward(h.params, x[:-1], wrong, meta, plan=plan, config=TINY)
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        forward(h.params, x[:-1], h.cache, meta, plan=plan, config=TINY, kernels="cuda")
