@@ -80,6 +80,13 @@ def _take_rows(a, rows):
     return a[jnp.maximum(rows, 0)]
 
 
+def _depend_on(x, unused):
+    """x, made to depend on `unused` (top-k slots, always >= -1) so that XLA keeps computing it:
+    the skip_indexer=False baseline must pay for scoring that no row reads. (An optimization
+    barrier does not survive XLA's dead-code elimination of unused tuple elements.)"""
+    return x + jnp.where(jnp.min(unused) < -1, jnp.nan, 0.0)
+
+
 def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, config: MLAConfig):
     if hidden.ndim != 2 or hidden.shape != (plan.num_tokens, config.hidden_size):
         raise ValueError(f"hidden has shape {hidden.shape}, expected [plan.num_tokens, hidden_size] = "
@@ -173,8 +180,8 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
         top_slots = positions_to_slots(top_pos, meta.block_tables, pick(meta.row_seq), c_.page_size)
 
     if plan.use_dense_mha and plan.num_decode_tokens == 0:
-        if top_slots is not None:  # baseline without the skip: keep the unused scoring in the program
-            out_heads, _ = jax.lax.optimization_barrier((out_heads, top_slots))
+        if top_slots is not None:  # baseline without the skip: no row reads the scores
+            out_heads = _depend_on(out_heads, top_slots)
     else:
         slots = top_slots if scored_rows is sparse_rows else _take_rows(top_slots, sparse_rows)
         pick = (lambda a: a) if sparse_rows is None else (lambda a: _take_rows(a, sparse_rows))
@@ -186,8 +193,8 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
         if sparse_rows is None:
             out_heads = sparse_out
         else:
-            if scored_rows is None:  # baseline: every row was scored, keep it all in the program
-                sparse_out, _ = jax.lax.optimization_barrier((sparse_out, top_slots))
+            if scored_rows is None:  # baseline: every row was scored, only decode rows read it
+                sparse_out = _depend_on(sparse_out, top_slots)
             out_heads = out_heads.at[jnp.where(sparse_rows >= 0, sparse_rows, T)].set(sparse_out, mode="drop")
 
     out = linear(out_heads.reshape(T, H * c_.v_head_dim), params["o_proj.weight"], c_)

@@ -1,0 +1,131 @@
+"""Which programs exist: HLO contents per route, the bucketed program count, NNX use under jit."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_sparse_mla import (BucketPolicy, MLAConfig, Request, SparseMLA, init_cache, init_params, jit_forward,
+                            plan_batch)
+from jax_sparse_mla.model import forward
+from tests.harness import rel_err
+
+TINY = MLAConfig.tiny()
+
+
+def compiled_hlo(plan, meta, config=TINY):
+    params = init_params(config, jax.random.key(0))
+    cache = init_cache(config, 16)
+    x = jnp.ones((plan.num_tokens, config.hidden_size))
+    return jit_forward.lower(params, x, cache, meta, plan=plan, config=config).compile().as_text()
+
+
+def scoring_ops(hlo: str) -> dict[str, int]:
+    return {
+        "indexer_logits": len(re.findall(r'op_name="[^"]*indexer_logits', hlo)),
+        "topk_or_sort": len(re.findall(r"\bsort\(|custom_call_target=\"[^\"]*[Tt]op[Kk]|\btopk\(", hlo)),
+    }
+
+
+@pytest.mark.parametrize("options,scored", [
+    ({}, False),                        # short prefill: dense program, scoring absent
+    ({"force_sparse": True}, True),     # sparse program
+    ({"skip_indexer": False}, True),    # dense route, baseline that keeps scoring
+])
+def test_scoring_exists_only_where_the_plan_says(options, scored):
+    plan, meta = plan_batch(TINY, [Request(0, 10, [0, 1, 2]), Request(0, 5, [3, 4])], **options)
+    assert plan.has_indexer_scoring == scored
+    ops = scoring_ops(compiled_hlo(plan, meta))
+    if scored:
+        assert ops["indexer_logits"] > 0 and ops["topk_or_sort"] > 0, ops
+    else:
+        assert ops == {"indexer_logits": 0, "topk_or_sort": 0}, ops
+
+
+def test_mixed_batch_scores_only_the_decode_rows():
+    plan, meta = plan_batch(TINY, [Request(20, 1, list(range(6))), Request(0, 9, [6, 7, 8])])
+    assert plan.use_dense_mha and plan.num_scored_tokens == plan.num_decode_tokens == 1
+    hlo = compiled_hlo(plan, meta)
+    assert scoring_ops(hlo)["indexer_logits"] > 0
+    # every scoring instruction works on the one decode row, none on all num_tokens rows
+    leading = [int(m) for m in re.findall(r'= \w+\[(\d+)[,\]][^\n]*op_name="[^"]*indexer_logits', hlo)]
+    assert leading and plan.num_tokens not in leading, leading
+
+
+def test_serving_loop_compiles_no_more_programs_than_the_buckets_allow():
+    """Random batches of a continuous-batching loop: one program per distinct plan, and the
+    distinct plans are bounded by the bucket grid."""
+    config, rng = TINY, np.random.default_rng(0)
+    params = init_params(config, jax.random.key(1))
+    num_pages = 128
+    cache = init_cache(config, num_pages)
+    policy = BucketPolicy()
+    start = jit_forward._cache_size()
+    plans = set()
+    done = {}  # seq -> tokens in cache
+    pages = {}
+    free = list(range(num_pages))
+    next_id = 0
+    for _ in range(40):
+        reqs = []
+        for sid in list(done):
+            if done[sid] >= 40:  # finished: free its pages
+                free += pages.pop(sid)
+                del done[sid]
+        while len(done) < 4:
+            done[next_id], pages[next_id] = 0, [free.pop(0) for _ in range(10)]
+            next_id += 1
+        work = []
+        for sid in done:
+            n = 1 if done[sid] > 0 and rng.random() < 0.6 else int(rng.integers(1, 41 - done[sid]))
+            n = min(n, 40 - done[sid])
+            reqs.append(Request(done[sid], n, pages[sid]))
+            work.append((sid, n))
+        plan, meta = plan_batch(config, reqs, num_pages=num_pages, buckets=policy)
+        x = jnp.asarray(rng.standard_normal((plan.num_tokens, config.hidden_size)), jnp.float32)
+        _, cache = jit_forward(params, x, cache, meta, plan=plan, config=config)
+        plans.add(plan)
+        for sid, n in work:
+            done[sid] += n
+    compiled = jit_forward._cache_size() - start
+    assert compiled == len(plans)
+    # Bucket grid for this workload: <= 160 tokens -> {16..256}: 5 values; 4 seqs -> {4}; <= 40
+    # tokens of 4 per page -> {4, 8, 16}; decode rows <= 4 -> {0,1,2,4}; dense query <= 40 -> {0,16,32,64}.
+    for p in plans:
+        assert p.num_tokens in (16, 32, 64, 128, 256) and p.num_seqs == 4
+        assert p.pages_per_seq in (4, 8, 16) and p.num_decode_tokens in (0, 1, 2, 4)
+        assert p.max_query_len in (0, 16, 32, 64)
+    assert len(plans) < 40  # the bucketing is what makes programs repeat
+
+
+def test_bad_request_raises_and_leaves_the_cache_untouched():
+    params = init_params(TINY, jax.random.key(0))
+    cache = init_cache(TINY, 8)
+    plan, meta = plan_batch(TINY, [Request(0, 5, [0, 1])], num_pages=8)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((plan.num_tokens, TINY.hidden_size)), jnp.float32)
+    _, cache = jit_forward(params, x, cache, meta, plan=plan, config=TINY)
+    snapshot = jax.tree.map(np.asarray, cache)
+    with pytest.raises(ValueError, match="request 1: page id 9"):
+        plan_batch(TINY, [Request(5, 1, [0, 1]), Request(0, 3, [9])], num_pages=8)
+    after = jax.tree.map(np.asarray, cache)
+    for a, b in zip(jax.tree.leaves(snapshot), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_nnx_module_under_jit_matches_functional_forward():
+    layer = SparseMLA(TINY, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(layer)
+    plan, meta = plan_batch(TINY, [Request(0, 20, list(range(5)))])
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((plan.num_tokens, TINY.hidden_size)), jnp.float32)
+
+    @jax.jit
+    def step(state, x, cache, meta):
+        return nnx.merge(graphdef, state)(x, cache, meta, plan)
+
+    out, _ = step(state, x, init_cache(TINY, 8), meta)
+    ref, _ = forward(layer.params(), x, init_cache(TINY, 8), meta, plan=plan, config=TINY)
+    assert rel_err(out, ref) < 1e-6
+    assert set(layer.params()) == set(init_params(TINY, jax.random.key(0)))
