@@ -100,7 +100,9 @@ def act_quant(x):
     """
     x = x.astype(jnp.float32)
     amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1), 1e-4)
-    scale = jnp.exp2(jnp.ceil(jnp.log2(amax / FP8_MAX)))
+    # Round amax / 448 up to a power of two exactly (exp2(ceil(log2())) is approximate on CPU).
+    mantissa, exponent = jnp.frexp(amax / FP8_MAX)  # value = mantissa * 2^exponent, mantissa in [0.5, 1)
+    scale = jnp.ldexp(jnp.ones_like(amax), jnp.where(mantissa == 0.5, exponent - 1, exponent))
     values = jnp.clip(x / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     return values, scale
 

@@ -1,0 +1,115 @@
+"""Paged caches (layout, write/read) and plan_batch (routing, buckets, validation)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_sparse_mla import (BucketPolicy, MLAConfig, Request, init_cache, plan_batch, read_indexer_keys,
+                            read_latent)
+from jax_sparse_mla import cache as cache_lib
+from jax_sparse_mla import ops
+
+TINY = MLAConfig.tiny()
+
+
+def bytes_per_token(cache):
+    return sum(a.dtype.itemsize * int(np.prod(a.shape[2:])) for a in jax.tree.leaves(cache))
+
+
+def test_real_dimension_cache_layouts():
+    real = MLAConfig.deepseek_v32(kv_cache_dtype="fp8")
+    c = jax.eval_shape(lambda: init_cache(real, 2))
+    latent_bytes = sum(getattr(c, f).dtype.itemsize * int(np.prod(getattr(c, f).shape[2:]))
+                       for f in ("latent", "latent_scale", "k_pe"))
+    index_bytes = sum(getattr(c, f).dtype.itemsize * int(np.prod(getattr(c, f).shape[2:]))
+                      for f in ("index_k", "index_k_scale"))
+    assert latent_bytes == 656 and index_bytes == 132  # FlashMLA's and DeepSeek's layouts
+    bf16 = jax.eval_shape(lambda: init_cache(MLAConfig.deepseek_v32(indexer_dtype="bfloat16"), 2))
+    assert bf16.latent_scale is None and bf16.index_k_scale is None and bytes_per_token(bf16) == 576 * 2 + 128 * 2
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float32", "fp8"])
+@pytest.mark.parametrize("indexer_dtype", ["fp8", "bfloat16", "float32"])
+def test_write_then_read_back(kv_cache_dtype, indexer_dtype):
+    cfg = dataclasses.replace(TINY, kv_cache_dtype=kv_cache_dtype, indexer_dtype=indexer_dtype)
+    rng = np.random.default_rng(0)
+    cache = init_cache(cfg, 6)
+    table = [4, 1, 3]  # 12 slots, out of order
+    n = 10
+    c = jnp.asarray(rng.standard_normal((n, cfg.kv_lora_rank)), jnp.float32)
+    k_pe = jnp.asarray(rng.standard_normal((n, cfg.qk_rope_head_dim)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((n, cfg.index_head_dim)), jnp.float32)
+    pos = np.arange(n)
+    slots = np.asarray(table)[pos // cfg.page_size] * cfg.page_size + pos % cfg.page_size
+    cache = cache_lib.write(cache, jnp.asarray(slots),
+                            {**cache_lib.encode_latent(c, k_pe, cfg), **cache_lib.encode_index_keys(k, cfg)})
+    c_back, pe_back = read_latent(cache, table, n, cfg)
+    k_back = read_indexer_keys(cache, table, n, cfg)
+    tol = {"float32": 1e-7, "bfloat16": 1e-2, "fp8": 0.06}
+    for got, want, dt in [(c_back, c, kv_cache_dtype), (pe_back, k_pe, "float32" if kv_cache_dtype == "float32" else "bfloat16"),
+                          (k_back, k, indexer_dtype)]:
+        err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+        assert err < tol[dt], (dt, err)
+    assert not np.any(np.asarray(cache.latent[0]).astype(np.float32))  # page 0 untouched
+
+
+def test_plan_routes_by_prefill_length_and_decodes():
+    k = TINY.index_topk
+    dense, _ = plan_batch(TINY, [Request(0, k, list(range(4))), Request(3, 4, [4, 5])])
+    assert dense.use_dense_mha and not dense.has_indexer_scoring
+    sparse, _ = plan_batch(TINY, [Request(0, k + 1, list(range(5))), Request(0, 3, [5])])
+    assert not sparse.use_dense_mha and sparse.num_scored_tokens == sparse.num_tokens
+    chunk, _ = plan_batch(TINY, [Request(k - 2, 3, list(range(5)))])  # context counts toward the length
+    assert not chunk.use_dense_mha
+    decode_only, _ = plan_batch(TINY, [Request(5, 1, [0, 1])])
+    assert not decode_only.use_dense_mha and decode_only.has_indexer_scoring
+    mixed, meta = plan_batch(TINY, [Request(0, 4, [0]), Request(30, 1, list(range(1, 9)))])
+    assert mixed.use_dense_mha and mixed.num_scored_tokens == mixed.num_decode_tokens == 1
+    assert list(np.asarray(meta.decode_rows)) == [4] and list(np.asarray(meta.dense_query_len[:2])) == [4, 0]
+    forced, _ = plan_batch(TINY, [Request(0, 4, [0])], force_sparse=True)
+    assert not forced.use_dense_mha
+    baseline, _ = plan_batch(TINY, [Request(0, 4, [0])], skip_indexer=False)
+    assert baseline.use_dense_mha and baseline.num_scored_tokens == baseline.num_tokens
+
+
+def test_plan_meta_slots_positions_and_padding():
+    plan, meta = plan_batch(TINY, [Request(2, 3, [7, 2]), Request(0, 2, [5])])
+    np.testing.assert_array_equal(meta.positions[:6], [2, 3, 4, 0, 1, -1])
+    np.testing.assert_array_equal(meta.slot_mapping[:6], [30, 31, 8, 20, 21, -1])
+    np.testing.assert_array_equal(meta.row_seq[:5], [0, 0, 0, 1, 1])
+    np.testing.assert_array_equal(meta.query_start_loc, [0, 3, 5, 5, 5])
+    np.testing.assert_array_equal(meta.seq_lens, [5, 2, 0, 0])
+    np.testing.assert_array_equal(meta.block_tables[:2, :2], [[7, 2], [5, -1]])
+    assert plan.num_tokens == 16 and np.all(np.asarray(meta.slot_mapping[5:]) == -1)
+    assert all(a.dtype == jnp.int32 for a in jax.tree.leaves(meta))
+
+
+def test_bucket_policy_pads_to_powers_of_two():
+    policy = BucketPolicy(min_tokens=8, min_seqs=2, min_pages_per_seq=1, min_query_len=8)
+    plan, _ = plan_batch(TINY, [Request(0, 33, list(range(9)))], buckets=policy, force_sparse=True)
+    assert (plan.num_tokens, plan.num_seqs, plan.pages_per_seq) == (64, 2, 16)
+    assert [BucketPolicy.round_up(n, 1) for n in (1, 2, 3, 4, 5, 1000)] == [1, 2, 4, 4, 8, 1024]
+
+
+@pytest.mark.parametrize("requests,num_pages,message", [
+    ([], None, "empty batch"),
+    ([Request(0, 0, [0])], None, "request 0: query_len must be >= 1, got 0"),
+    ([Request(0, 2, [0]), Request(-1, 2, [1])], None, "request 1: context_len must be >= 0"),
+    ([Request(3, 3, [0])], None, "request 0: block_table has 1 pages, but context_len \\+ query_len = 6 tokens need 2"),
+    ([Request(0, 3, [8])], 8, "request 0: page id 8 is outside \\[0, 8\\)"),
+    ([Request(0, 3, [-2])], None, "request 0: page id -2"),
+    ([Request(0, 3, [1]), Request(0, 2, [1])], None, "request 1: page 1 is written by this step more than once"),
+    ([Request(0, 8, [3, 3])], None, "request 0: page 3 is written"),
+])
+def test_plan_rejects_bad_requests(requests, num_pages, message):
+    with pytest.raises(ValueError, match=message):
+        plan_batch(TINY, requests, num_pages=num_pages)
+
+
+def test_shared_read_only_prefix_pages_are_allowed():
+    """Two requests may read one cached prefix page (prefix caching) as long as neither writes it."""
+    plan, _ = plan_batch(TINY, [Request(4, 2, [0, 1]), Request(4, 3, [0, 2])], num_pages=4)
+    assert plan.num_seqs == 4
