@@ -1,7 +1,8 @@
 """The one dispatch point between the layer and the kernels of `pallas_kernels`.
 
-`kernels="xla"` runs each op's pure-jnp implementation, `"pallas"` the Pallas GPU kernels, and
-`"auto"` the Pallas kernels on a GPU and XLA elsewhere.
+`kernels="xla"` runs each op's pure-jnp implementation, `"pallas"` the Pallas GPU kernels
+(compiled on a GPU, in Pallas interpret mode elsewhere: slow, for tests), and `"auto"` the
+Pallas kernels on a GPU and XLA elsewhere.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ def resolve(kernels: str) -> str:
     return kernels
 
 
-def _unavailable(op: str):
-    raise NotImplementedError(f"no Pallas kernel for {op} yet: use kernels='xla'")
+def _interpret() -> bool:
+    return jax.default_backend() != "gpu"
 
 
 def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size, impl):
     """[N, W * page_size] f32 indexer logits, -inf outside [0, row_end) (see pallas_kernels.indexer)."""
     if impl == "pallas":
-        _unavailable("indexer_logits")
+        return indexer.indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
+                                      page_size=page_size, interpret=_interpret())
     return indexer.indexer_logits_reference(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
                                             page_size=page_size)
 
@@ -36,21 +38,21 @@ def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
 def topk_indices(logits, k: int, *, impl):
     """[N, k] int32 positions of the k largest finite logits per row, -1 padded."""
     if impl == "pallas":
-        _unavailable("topk")
+        return topk.topk(logits, k, interpret=_interpret())
     return topk.topk_reference(logits, k)
 
 
 def sparse_mla(q, latent, latent_scale, k_pe, slots, *, scale, impl):
     """(out [N, H, R] f32, lse [N, H]) of absorbed attention over cache slots (-1 skipped)."""
     if impl == "pallas":
-        _unavailable("sparse_mla")
+        return sparse_attention.sparse_mla_attention(q, latent, latent_scale, k_pe, slots, scale=scale,
+                                                     interpret=_interpret())
     return sparse_attention.sparse_mla_reference(q, latent, latent_scale, k_pe, slots, scale=scale)
 
 
-def causal_attention(q, k, v, q_positions, *, scale, impl):
+def causal_attention(q, k, v, q_positions, *, scale):
     """[S, Q, H, Dv] f32 causal attention of padded per-sequence blocks."""
-    if impl == "pallas":
-        _unavailable("causal_attention")
+    # No Pallas kernel yet for the dense route: XLA on every backend.
     return dense_attention.causal_attention_reference(q, k, v, q_positions, scale=scale)
 
 

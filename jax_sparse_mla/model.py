@@ -108,7 +108,7 @@ def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, confi
             raise ValueError(f"params[{name!r}] is {'missing' if name not in params else params[name].shape}, expected {shape}")
 
 
-def _dense_prefill(q_nope, q_pe, cache, meta: BatchMeta, w_uk, w_uv, plan: BatchPlan, config: MLAConfig, impl):
+def _dense_prefill(q_nope, q_pe, cache, meta: BatchMeta, w_uk, w_uv, plan: BatchPlan, config: MLAConfig):
     """Dense causal MHA for the sequences routed dense. Returns (rows [S, Q], out [S, Q, H, v])."""
     rows = meta.query_start_loc[:-1, None] + jnp.arange(plan.max_query_len)  # [S, Q]
     valid = jnp.arange(plan.max_query_len) < meta.dense_query_len[:, None]
@@ -127,7 +127,7 @@ def _dense_prefill(q_nope, q_pe, cache, meta: BatchMeta, w_uk, w_uv, plan: Batch
     q = jnp.concatenate([_take_rows(q_nope, rows), _take_rows(q_pe, rows)], -1)  # [S, Q, H, qk]
     dt = config.jnp_dtype
     out = kernel_ops.causal_attention(q.astype(dt), k.astype(dt), v.astype(dt), q_positions,
-                                      scale=config.softmax_scale, impl=impl)
+                                      scale=config.softmax_scale)
     return rows, out
 
 
@@ -159,7 +159,7 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
     out_heads = jnp.zeros((T, H, c_.v_head_dim), jnp.float32)
 
     if plan.use_dense_mha:
-        rows, dense_out = _dense_prefill(q_nope, q_pe, cache, meta, w_uk, w_uv, plan, c_, impl)
+        rows, dense_out = _dense_prefill(q_nope, q_pe, cache, meta, w_uk, w_uv, plan, c_)
         out_heads = out_heads.at[jnp.where(rows >= 0, rows, T)].set(dense_out, mode="drop")
 
     sparse_rows = meta.decode_rows if plan.use_dense_mha else None  # None: every row

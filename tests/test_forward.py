@@ -9,7 +9,7 @@ import pytest
 
 from jax_sparse_mla import MLAConfig, Request, init_cache, plan_batch, read_indexer_keys, read_latent
 from jax_sparse_mla.model import forward
-from tests.harness import Harness, rel_err
+from jax_sparse_mla.synthetic import Harness, rel_err
 
 TINY = MLAConfig.tiny()  # topk 16, page 4, float32 activations, bf16 latent cache, fp8 indexer
 TOL_F32 = 1e-4
@@ -19,7 +19,7 @@ def test_short_prefill_runs_dense_and_matches_reference():
     h = Harness(TINY)
     h.add(0, 11)
     h.add(1, 16)  # exactly topk: still dense
-    out, plan = h.step([(0, 11), (1, 16)])
+    out, plan, _ = h.step([(0, 11), (1, 16)])
     assert plan.use_dense_mha and not plan.has_indexer_scoring
     h.check(out, TOL_F32)
 
@@ -31,7 +31,7 @@ def test_force_sparse_equals_dense_for_short_prefills():
         h = Harness(TINY, seed=3)
         h.add(0, 13)
         h.add(1, 7)
-        out, plan = h.step([(0, 13), (1, 7)], force_sparse=force)
+        out, plan, _ = h.step([(0, 13), (1, 7)], force_sparse=force)
         assert plan.use_dense_mha != force
         outs.append(out)
     for sid in (0, 1):
@@ -41,7 +41,7 @@ def test_force_sparse_equals_dense_for_short_prefills():
 def test_long_prefill_runs_sparse_and_matches_reference():
     h = Harness(TINY, seed=1)
     h.add(0, 37)
-    out, plan = h.step([(0, 37)])
+    out, plan, _ = h.step([(0, 37)])
     assert not plan.use_dense_mha and plan.has_indexer_scoring
     h.check(out, TOL_F32)
 
@@ -50,7 +50,7 @@ def test_sparse_selection_matters():
     """Past topk, the output differs from dense attention: the top-k really restricts keys."""
     h = Harness(TINY, seed=2)
     h.add(0, 40)
-    out, _ = h.step([(0, 40)])
+    out, _, _ = h.step([(0, 40)])
     dense = h.reference(0, 40, dense=True)
     sparse = h.reference(0, 40)
     assert rel_err(out[0][TINY.index_topk:], dense[TINY.index_topk:]) > 1e-3
@@ -61,7 +61,7 @@ def test_sparse_selection_matters():
 def test_lengths_around_topk(length):
     h = Harness(TINY, seed=length)
     h.add(0, length)
-    out, plan = h.step([(0, length)])
+    out, plan, _ = h.step([(0, length)])
     assert plan.use_dense_mha == (length <= TINY.index_topk)
     h.check(out, TOL_F32)
 
@@ -70,13 +70,13 @@ def test_chunked_prefill_with_context():
     h = Harness(TINY, seed=4)
     h.add(0, 30)
     h.add(1, 14)
-    out, plan = h.step([(0, 9), (1, 6)])  # all short: dense
+    out, plan, _ = h.step([(0, 9), (1, 6)])  # all short: dense
     assert plan.use_dense_mha
     h.check(out, TOL_F32)
-    out, plan = h.step([(0, 12), (1, 8)])  # seq 0 total 21 > topk: sparse, with context
+    out, plan, _ = h.step([(0, 12), (1, 8)])  # seq 0 total 21 > topk: sparse, with context
     assert not plan.use_dense_mha
     h.check(out, TOL_F32)
-    out, plan = h.step([(0, 9)])  # the rest
+    out, plan, _ = h.step([(0, 9)])  # the rest
     h.check(out, TOL_F32)
 
 
@@ -86,7 +86,7 @@ def test_decodes_after_prefills():
     h.add(1, 12)
     h.step([(0, 18), (1, 8)])
     for _ in range(4):  # seq 0 crosses topk while decoding; seq 1 stays under it
-        out, plan = h.step([(0, 1), (1, 1)])
+        out, plan, _ = h.step([(0, 1), (1, 1)])
         assert not plan.use_dense_mha  # no prefill in the batch: every row is sparse
         h.check(out, TOL_F32)
 
@@ -97,10 +97,10 @@ def test_mixed_prefill_and_decode_batch():
     for sid, n in [(0, 30), (1, 12), (2, 12)]:
         h.add(sid, n)
     h.step([(0, 25)])
-    out, plan = h.step([(1, 9), (0, 1), (2, 12)])
+    out, plan, _ = h.step([(1, 9), (0, 1), (2, 12)])
     assert plan.use_dense_mha and plan.num_decode_tokens == 1 and plan.num_scored_tokens == 1
     h.check(out, TOL_F32)
-    out, plan = h.step([(0, 1), (1, 3)], skip_indexer=False)  # baseline: every row scored
+    out, plan, _ = h.step([(0, 1), (1, 3)], skip_indexer=False)  # baseline: every row scored
     assert plan.use_dense_mha and plan.num_scored_tokens == plan.num_tokens
     h.check(out, TOL_F32)
 
@@ -110,7 +110,7 @@ def test_padded_batch_many_sequences():
     lengths = [1, 2, 5, 17, 3]
     for sid, n in enumerate(lengths):
         h.add(sid, n)
-    out, plan = h.step([(sid, n) for sid, n in enumerate(lengths)])
+    out, plan, _ = h.step([(sid, n) for sid, n in enumerate(lengths)])
     assert plan.num_tokens > sum(lengths) and plan.num_seqs > len(lengths)
     h.check(out, TOL_F32)
 
@@ -123,7 +123,7 @@ def test_dtypes(indexer_dtype, kv_cache_dtype):
     h.add(0, 26)
     h.add(1, 11)
     for work in ([(0, 20), (1, 10)], [(0, 1), (1, 1)], [(0, 5)]):
-        out, _ = h.step(work)
+        out, _, _ = h.step(work)
         h.check(out, TOL_F32)
 
 
@@ -132,7 +132,7 @@ def test_bfloat16_activations():
     h = Harness(cfg, seed=9)
     h.add(0, 28)
     h.add(1, 9)
-    out, _ = h.step([(0, 28), (1, 9)])
+    out, _, _ = h.step([(0, 28), (1, 9)])
     k = TINY.index_topk
     # Rows that attend every causal position: bf16 rounding of each matmul operand only.
     assert rel_err(out[1], h.reference(1, 9)) < 1e-2

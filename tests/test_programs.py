@@ -11,7 +11,7 @@ from flax import nnx
 from jax_sparse_mla import (BucketPolicy, MLAConfig, Request, SparseMLA, init_cache, init_params, jit_forward,
                             plan_batch)
 from jax_sparse_mla.model import forward
-from tests.harness import rel_err
+from jax_sparse_mla.synthetic import rel_err
 
 TINY = MLAConfig.tiny()
 

@@ -1,0 +1,288 @@
+"""Absorbed (MQA-form) sparse MLA attention over selected latent-cache rows.
+
+For each query row n and head h, over the cache slots idx = slots[n, :] that are >= 0:
+    score[j] = scale * (q[n, h, :R] . c[idx_j] + q[n, h, R:] . k_pe[idx_j])
+    out[n, h] = softmax(score) @ c[idx],   lse[n, h] = logsumexp(score)
+Rows with no valid slot give out = 0 and lse = +inf (FlashMLA's convention).
+
+`sparse_mla_reference` is the jnp oracle (and the XLA path); `sparse_mla_attention` is the
+Pallas GPU kernel (Triton backend; `interpret=True` runs it on CPU). Same signature and results.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+ROW_CHUNK = 32  # rows per step of the reference, bounding its [rows, topk, R] gather
+
+
+def dequantize_latent(latent, latent_scale):
+    """latent: [..., R] (bf16 | f32 | e4m3); latent_scale: [..., R // tile] f32 or None -> f32."""
+    values = latent.astype(jnp.float32)
+    if latent_scale is None:
+        return values
+    tile = latent.shape[-1] // latent_scale.shape[-1]
+    shaped = values.reshape(values.shape[:-1] + (latent_scale.shape[-1], tile))
+    return (shaped * latent_scale[..., None]).reshape(values.shape)
+
+
+def sparse_mla_reference(q, latent, latent_scale, k_pe, slots, *, scale):
+    """Sparse MLA attention in jnp, float32.
+
+    q: [N, H, R + P]; latent: [num_slots, R]; latent_scale: [num_slots, R // 128] f32 or None;
+    k_pe: [num_slots, P]; slots: [N, K] int32 (-1 = skip). Returns (out [N, H, R] f32, lse [N, H] f32).
+    """
+    rank = latent.shape[-1]
+
+    def one_row(args):
+        q_n, idx = args
+        valid = idx >= 0
+        safe = jnp.where(valid, idx, 0)
+        c = dequantize_latent(latent[safe], None if latent_scale is None else latent_scale[safe])  # [K, R]
+        pe = k_pe[safe].astype(jnp.float32)  # [K, P]
+        q_n = q_n.astype(jnp.float32)
+        hi = jax.lax.Precision.HIGHEST
+        s = (jnp.einsum("hr,kr->hk", q_n[:, :rank], c, precision=hi)
+             + jnp.einsum("hp,kp->hk", q_n[:, rank:], pe, precision=hi)) * scale
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.exp(s - m)
+        denom = jnp.sum(p, axis=-1)
+        out = jnp.einsum("hk,kr->hr", p, c, precision=hi) / jnp.where(denom > 0, denom, 1.0)[:, None]
+        lse = jnp.where(denom > 0, jnp.log(denom) + m[:, 0], jnp.inf)
+        return out, lse
+
+    return jax.lax.map(one_row, (q, slots), batch_size=ROW_CHUNK)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pallas GPU kernel (Triton backend)
+# ----------------------------------------------------------------------------------------------
+
+_LOG2E = 1.4426950408889634  # scores are kept in log2 units so the kernel can use exp2
+_LN2 = 0.6931471805599453
+_MIN_DOT = 16  # Triton's tl.dot needs every matrix dimension >= 16
+
+
+def _pow2_at_least(x: int, floor: int = _MIN_DOT) -> int:
+    return max(floor, 1 << max(0, int(x) - 1).bit_length())
+
+
+def _sparse_mla_kernel(q_ref, latent_ref, *rest, heads, rank, rope, topk, chunk, has_scale,
+                       block_h, block_k, rope_pad, blocks_per_split, qk_scale):
+    """One program: one query row, `block_h` heads, one split of the row's slot blocks.
+
+    Refs are whole arrays (raw pointers on Triton): q [N, H, R+P], latent [S, R],
+    latent_scale [S, R // chunk] (fp8 only), k_pe [S, P], slots [N, K];
+    outputs out [splits, N, H, R] f32 and lse [splits, N, H] f32 (natural log, -inf if empty).
+    """
+    if has_scale:
+        scale_ref, kpe_ref, slots_ref, out_ref, lse_ref = rest
+    else:
+        scale_ref = None
+        kpe_ref, slots_ref, out_ref, lse_ref = rest
+    head_block, row, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_chunks = rank // chunk
+    dot_dtype = q_ref.dtype  # matrix products run in q's dtype (bf16 -> tensor cores, f32 -> exact)
+    # HIGHEST keeps f32 products in IEEE f32 (Triton's default for f32 is TF32); no effect on bf16.
+    dot = functools.partial(pltriton.dot, precision=lax.Precision.HIGHEST)
+
+    # Query tile, loaded once: [block_h, chunk] per latent chunk and [block_h, rope_pad] of rope.
+    # Padded heads (>= H) and padded rope columns (>= P) read as 0, so they add nothing.
+    h0 = head_block * block_h
+    head_ids = h0 + jnp.arange(block_h)
+    head_ok = head_ids < heads  # [block_h]
+    rope_cols = jnp.arange(rope_pad)
+    rope_ok = rope_cols < rope  # [rope_pad]
+
+    def zero(ref):  # `other=` for masked loads, in the ref's dtype (an int 0 won't cast to fp8)
+        return jnp.zeros((), ref.dtype)
+
+    def load_q(cols, col_ok=None):
+        # Indices are clamped into the array (the values there are masked to 0 anyway).
+        rows_ = jnp.minimum(head_ids, heads - 1)[:, None]
+        mask = head_ok[:, None] if col_ok is None else head_ok[:, None] & col_ok[None, :]
+        mask = jnp.broadcast_to(mask, (block_h, cols.shape[0]))
+        return pltriton.load(q_ref.at[row, rows_, cols[None, :]], mask=mask, other=zero(q_ref))
+
+    q_lat = [load_q(c * chunk + jnp.arange(chunk)) for c in range(num_chunks)]
+    q_pe = load_q(rank + jnp.minimum(rope_cols, rope - 1), rope_ok)
+
+    def body(block, carry):
+        m, l, accs = carry  # m, l: [block_h] f32 (log2 units); accs: num_chunks x [block_h, chunk] f32
+        # Slot ids of this block: [block_k]; entries past K read as -1.
+        k0 = block * block_k
+        in_range = (k0 + jnp.arange(block_k)) < topk
+        idx = pltriton.load(slots_ref.at[row, pl.ds(k0, block_k)], mask=in_range, other=-1)
+        valid = idx >= 0
+        safe = jnp.where(valid, idx, 0)  # never form an address from -1, even under a mask
+
+        # Gather the selected cache rows chunk by chunk: [block_k, chunk] each. The gather uses
+        # two broadcast index vectors (rows x columns) rather than `ref[idx, pl.ds(..)]`: the
+        # Triton lowering takes both, but interpret mode only handles all-array indexers.
+        # Invalid slots are masked off, so they cost no memory traffic.
+        s = jnp.zeros((block_h, block_k), jnp.float32)
+        kv = []
+        for c in range(num_chunks):
+            cols = c * chunk + jnp.arange(chunk)
+            tile = pltriton.load(latent_ref.at[safe[:, None], cols[None, :]],
+                                 mask=jnp.broadcast_to(valid[:, None], (block_k, chunk)),
+                                 other=zero(latent_ref))
+            if has_scale:  # fp8 e4m3 -> f32, times the row's scale of this 128-wide tile
+                tile_scale = pltriton.load(scale_ref.at[safe, c], mask=valid, other=0.0)
+                tile = tile.astype(jnp.float32) * tile_scale[:, None]
+            tile = tile.astype(dot_dtype)
+            kv.append(tile)
+            s += dot(q_lat[c], tile, trans_b=True)  # [block_h, block_k]
+        pe = pltriton.load(kpe_ref.at[safe[:, None], jnp.minimum(rope_cols, rope - 1)[None, :]],
+                           mask=valid[:, None] & rope_ok[None, :], other=zero(kpe_ref))
+        s += dot(q_pe, pe.astype(dot_dtype), trans_b=True)
+        s = jnp.where(valid[None, :], s * qk_scale, -jnp.inf)
+
+        # Online softmax. Until a row has seen a valid slot its max is -inf: shift by 0 then,
+        # so exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = nan.
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - shift)
+        p = jnp.exp2(s - shift[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        p = p.astype(dot_dtype)
+        accs = tuple(acc * alpha[:, None] + dot(p, tile) for acc, tile in zip(accs, kv))
+        return m_new, l, accs
+
+    m0 = jnp.full((block_h,), -jnp.inf, jnp.float32)
+    l0 = jnp.zeros((block_h,), jnp.float32)
+    acc0 = tuple(jnp.zeros((block_h, chunk), jnp.float32) for _ in range(num_chunks))
+    num_blocks = pl.cdiv(topk, block_k)
+    first = split * blocks_per_split
+    last = jnp.minimum(first + blocks_per_split, num_blocks)
+    m, l, accs = lax.fori_loop(first, last, body, (m0, l0, acc0))
+
+    empty = l == 0.0
+    inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+    store_mask = jnp.broadcast_to(head_ok[:, None], (block_h, chunk))
+    for c in range(num_chunks):
+        pltriton.store(out_ref.at[split, row, pl.ds(h0, block_h), pl.ds(c * chunk, chunk)],
+                       accs[c] * inv_l[:, None], mask=store_mask)
+    lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
+    pltriton.store(lse_ref.at[split, row, pl.ds(h0, block_h)], lse, mask=head_ok)
+
+
+def _combine_splits(out, lse):
+    """Merge per-split partial results: out [S, N, H, R], lse [S, N, H] (-inf = empty) -> final."""
+    if out.shape[0] == 1:
+        return out[0], jnp.where(lse[0] == -jnp.inf, jnp.inf, lse[0])
+    total = jax.nn.logsumexp(lse, axis=0)  # -inf where every split was empty
+    weight = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse - jnp.where(total == -jnp.inf, 0.0, total)))
+    merged = jnp.einsum("snh,snhr->nhr", weight, out, precision=lax.Precision.HIGHEST)
+    return merged, jnp.where(total == -jnp.inf, jnp.inf, total)
+
+
+def _auto_num_splits(rows, head_blocks, num_blocks, target_programs=264, min_blocks_per_split=4):
+    """Split a row's slot list across programs only when rows x head blocks can't fill the GPU.
+
+    264 = 2 programs per SM on an H200 (132 SMs). Each split keeps >= 4 slot blocks of work.
+    """
+    programs = rows * head_blocks
+    if programs >= target_programs:
+        return 1
+    return max(1, min(pl.cdiv(target_programs, programs), num_blocks // min_blocks_per_split))
+
+
+def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale, interpret=False,
+                         block_h=64, block_k=32, num_splits=None, num_warps=None, num_stages=2):
+    """Sparse MLA attention as a Pallas GPU kernel; same semantics as `sparse_mla_reference`.
+
+    q: [N, H, R + P] (bf16 | f32); latent: [num_slots, R] (bf16 | f32 | float8_e4m3fn);
+    latent_scale: [num_slots, R // 128] f32 (fp8 cache: FlashMLA's per-128-value tile scales) or
+    None; k_pe: [num_slots, P]; slots: [N, K] int32 (-1 = skip).
+    Returns (out [N, H, R] f32, lse [N, H] f32); rows with no valid slot give out 0, lse +inf.
+    `scale` is a static Python number (folded into the kernel).
+
+    Keyword-only tuning knobs (defaults are meant for H200 and the real model's shapes):
+      block_h    heads per program (the M side of both matrix products), capped at next_pow2(H);
+      block_k    selected slots per loop step (the N side of Q.K^T, the K side of P.V);
+      num_splits programs per (row, head block) over disjoint parts of the slot list, merged
+                 by their lse afterwards (flash-decoding); None picks it from the grid size;
+      num_warps / num_stages  Triton's; num_warps None = 4 if block_h <= 16 else 8.
+
+    Why Pallas on the Triton backend: the selected rows are scattered over the cache, so each
+    step gathers `block_k` rows by a vector of slot ids (`ref[idx_vector]`), which Triton lowers
+    to pointer-tensor loads that Hopper serves fine; Mosaic GPU (wgmma/TMA) would need the rows
+    staged through TMA gathers, a much larger kernel. (jax 0.11 marks the Pallas Triton backend
+    deprecated and warns on each lowering; it is still the simplest route to vector gathers.)
+    Triton's rules shape the tiling: every
+    loaded/computed block is a power of two and each `tl.dot` dimension is >= 16, so
+      * the 576-wide q.k product is split into R (512 | 128) latent columns + P (64 | 8) rope
+        columns; rope is padded to max(16, next_pow2(P)) with masked (zero) loads;
+      * heads are padded to a power of two >= 16 and masked on store (H=4 or 6 -> 16 rows);
+      * the slot list is walked in blocks of `block_k` (>= 16); the tail block and -1 entries
+        are masked, and a K smaller than the block just masks more.
+    The latent is processed in column chunks: 128 for fp8 (one chunk per scale tile, so each
+    chunk is dequantised with one scale per row before the bf16 product) and all R otherwise.
+    Softmax runs online in fp32 (exp2, scores pre-multiplied by scale * log2 e); the matrix
+    products accumulate in fp32 and take their inputs in q's dtype (bf16 q -> tensor cores;
+    f32 q -> exact IEEE products, slow, meant for tests).
+    Grid: (head blocks, rows, splits): head blocks vary fastest, so the programs reading the
+    same gathered rows run side by side and share them through L2.
+    Register budget at the defaults (H=128, R=512): acc 64 x 512 f32 = 128 KiB, i.e. 128
+    registers per thread at 8 warps, plus the q tile, hence block_h 64 and block_k 32.
+    """
+    n_rows, heads, width = q.shape
+    num_slots, rank = latent.shape
+    rope = k_pe.shape[-1]
+    topk = slots.shape[-1]
+    if width != rank + rope:
+        raise ValueError(f"q width {width} != latent rank {rank} + rope {rope}")
+    if rank & (rank - 1) or rank < _MIN_DOT:
+        raise ValueError(f"latent rank must be a power of two >= {_MIN_DOT}, got {rank}")
+    has_scale = latent_scale is not None
+    if has_scale:
+        chunk = rank // latent_scale.shape[-1]
+        if chunk * latent_scale.shape[-1] != rank or chunk & (chunk - 1) or chunk < _MIN_DOT:
+            raise ValueError(f"latent_scale {latent_scale.shape} does not tile rank {rank}")
+    elif latent.dtype == jnp.float8_e4m3fn:
+        raise ValueError("an fp8 latent needs latent_scale")
+    else:
+        chunk = rank
+    if q.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"q must be bf16 or f32, got {q.dtype}")
+    if n_rows == 0 or topk == 0:  # nothing to attend: every row is empty
+        return (jnp.zeros((n_rows, heads, rank), jnp.float32), jnp.full((n_rows, heads), jnp.inf, jnp.float32))
+
+    block_h = min(_pow2_at_least(block_h), _pow2_at_least(heads))
+    block_k = min(_pow2_at_least(block_k), _pow2_at_least(topk))
+    rope_pad = _pow2_at_least(rope)
+    head_blocks = pl.cdiv(heads, block_h)
+    num_blocks = pl.cdiv(topk, block_k)
+    if num_splits is None:
+        num_splits = _auto_num_splits(n_rows, head_blocks, num_blocks)
+    num_splits = max(1, min(num_splits, num_blocks))
+    blocks_per_split = pl.cdiv(num_blocks, num_splits)
+    num_splits = pl.cdiv(num_blocks, blocks_per_split)  # no split left without work
+    if num_warps is None:
+        num_warps = 4 if block_h <= 16 else 8
+
+    kernel = functools.partial(
+        _sparse_mla_kernel, heads=heads, rank=rank, rope=rope, topk=topk, chunk=chunk,
+        has_scale=has_scale, block_h=block_h, block_k=block_k, rope_pad=rope_pad,
+        blocks_per_split=blocks_per_split, qk_scale=float(scale) * _LOG2E)
+    operands = (q, latent) + ((latent_scale.astype(jnp.float32),) if has_scale else ()) + (
+        k_pe, slots.astype(jnp.int32))
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(head_blocks, n_rows, num_splits),
+        out_shape=(jax.ShapeDtypeStruct((num_splits, n_rows, heads, rank), jnp.float32),
+                   jax.ShapeDtypeStruct((num_splits, n_rows, heads), jnp.float32)),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="sparse_mla_attention",
+    )(*operands)
+    return _combine_splits(out, lse)

@@ -1,0 +1,312 @@
+"""Benchmark the Pallas indexer kernels against the XLA path (jit of the jnp references).
+
+    python scripts/bench_indexer.py --out results.json [--quick] [--sweep]
+
+* prefill logits: one causal sequence, T = S rows/keys, Hi=64, D=128, page 64, fp8 (+ k_scale)
+  and bf16; TFLOP/s counted as 2 * valid_causal_pairs * Hi * D.
+* decode logits: batch B of sequences, each with --decode-rows query rows at the end of a
+  context of C keys; GB/s of key bytes read once per sequence (D + 4 per key for fp8 with its
+  scale, 2 * D for bf16).
+* top-k (k=2048) of [rows, L] f32 logits against lax.top_k.
+Every config is checked against the reference (on a sample of rows) before it is timed; a
+failing config is recorded with its error and the run goes on. The XLA reference is skipped
+where it would take too long or too much memory (said so in the table). --sweep adds a small
+tiling sweep of the kernels. Meant to finish in < 5 minutes on an H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from pallas_kernels.indexer import indexer_logits, indexer_logits_reference  # noqa: E402
+from pallas_kernels.topk import topk, topk_reference  # noqa: E402
+
+HI, D, PAGE, TOPK = 64, 128, 64, 2048
+FP8 = jnp.float8_e4m3fn
+
+
+# ------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------
+
+def _block(x):
+    return jax.tree_util.tree_map(lambda a: a.block_until_ready(), x)
+
+
+try:  # triton's do_bench (CUDA events, L2 flush) when the image has triton
+    from triton.testing import do_bench as _do_bench  # type: ignore
+except Exception:  # noqa: BLE001
+    _do_bench = None
+
+
+def time_ms(fn, *args, budget_s=0.6):
+    """Median milliseconds of fn(*args) after warm-up."""
+    _block(fn(*args))  # compile + warm-up
+    _block(fn(*args))
+    if _do_bench is not None:
+        try:
+            return float(_do_bench(lambda: _block(fn(*args)), return_mode="median"))
+        except Exception:  # noqa: BLE001
+            pass
+    t0 = time.perf_counter()
+    _block(fn(*args))
+    one = max(time.perf_counter() - t0, 1e-6)
+    reps = int(min(200, max(1, 0.05 / one)))  # batches of ~50 ms: dispatch overhead amortised
+    batches = int(min(15, max(3, budget_s / (one * reps))))
+    samples = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(reps):
+            out = fn(*args)
+        _block(out)
+        samples.append((time.perf_counter() - t0) / reps * 1e3)
+    return statistics.median(samples)
+
+
+# ------------------------------------------------------------------------------------------------
+# inputs
+# ------------------------------------------------------------------------------------------------
+
+def paged_inputs(key, *, dtype, lengths, rows_per_seq):
+    """Keys of each sequence on shuffled pages; rows at the end of each sequence (causal)."""
+    num_seqs = len(lengths)
+    width = max(-(-l // PAGE) for l in lengths)
+    num_pages = num_seqs * width
+    kq, kk, kw, kp, ks = jax.random.split(key, 5)
+    tables = jax.random.permutation(kp, num_pages).astype(jnp.int32).reshape(num_seqs, width)
+    row_seq = np.concatenate([np.full(r, s, np.int32) for s, r in enumerate(rows_per_seq)])
+    row_end = np.concatenate([np.arange(l - r + 1, l + 1, dtype=np.int32)
+                              for l, r in zip(lengths, rows_per_seq)])
+    n = len(row_seq)
+    q = jax.random.normal(kq, (n, HI, D), jnp.float32)
+    k = jax.random.normal(kk, (num_pages * PAGE, D), jnp.float32)
+    if dtype == FP8:
+        q, k = (q * 64).astype(FP8), (k * 64).astype(FP8)
+        k_scale = 2.0 ** jax.random.randint(ks, (num_pages * PAGE,), -8, -4).astype(jnp.float32)
+    else:
+        q, k, k_scale = q.astype(dtype), k.astype(dtype), None
+    w = jax.random.normal(kw, (n, HI), jnp.float32) * HI ** -0.5
+    return (q, w, k, k_scale, tables, jnp.asarray(row_seq), jnp.asarray(row_end))
+
+
+def check_logits_sample(out, args, num_rows=192, seed=0):
+    """Relative error of the kernel's logits on a sample of rows (the reference sees only the
+    sampled rows' sequences, to bound its gathered [S, L, D] f32 keys), and the -inf pattern."""
+    q, w, k, ks, bt, rs, re = args
+    n = q.shape[0]
+    sel = np.sort(np.random.default_rng(seed).choice(n, size=min(n, num_rows), replace=False))
+    seqs, sub_seq = np.unique(np.asarray(rs)[sel], return_inverse=True)
+    sel_j = jnp.asarray(sel)
+    ref = jax.jit(functools.partial(indexer_logits_reference, page_size=PAGE))(
+        q[sel_j], w[sel_j], k, ks, bt[jnp.asarray(seqs)], jnp.asarray(sub_seq, jnp.int32), re[sel_j])
+    out = np.asarray(out[sel_j])
+    ref = np.asarray(ref)
+    fin = np.isfinite(ref)
+    if not np.array_equal(np.isfinite(out), fin):
+        raise AssertionError("-inf pattern differs from the reference")
+    err = float(np.linalg.norm(out[fin] - ref[fin]) / max(np.linalg.norm(ref[fin]), 1e-30))
+    tol = 2e-3 if q.dtype == FP8 else 1e-4
+    if not err <= tol:
+        raise AssertionError(f"relative error {err:.2e} > {tol}")
+    return err
+
+
+def check_topk_sample(out, logits, k, num_rows=12, seed=0):
+    n = logits.shape[0]
+    sel = np.sort(np.random.default_rng(seed).choice(n, size=min(n, num_rows), replace=False))
+    x = np.asarray(logits[jnp.asarray(sel)])
+    got = np.asarray(out[jnp.asarray(sel)])
+    ref = np.asarray(topk_reference(jnp.asarray(x), k))
+    for i in range(len(sel)):
+        g = got[i][got[i] >= 0]
+        r = ref[i][ref[i] >= 0]
+        if len(g) != len(r) or len(np.unique(g)) != len(g):
+            raise AssertionError(f"row {sel[i]}: {len(g)} selected, want {len(r)}")
+        if not np.array_equal(np.sort(x[i][g]), np.sort(x[i][r])):
+            raise AssertionError(f"row {sel[i]}: selected values differ from the reference")
+    return 0.0
+
+
+# ------------------------------------------------------------------------------------------------
+# benchmarks
+# ------------------------------------------------------------------------------------------------
+
+RESULTS = []
+DEADLINE = [float("inf")]  # configs starting after this time.time() are skipped
+
+
+def record(**kw):
+    RESULTS.append(kw)
+    status = kw.get("error") or ""
+    print(json.dumps({k: v for k, v in kw.items() if k != "trace"}), flush=True)
+    return status
+
+
+def run_config(kind, params, make, kernel_fn, xla_fn, metric, unit, check, xla_skip_reason=None):
+    """make() -> args; kernel_fn/xla_fn(*args); metric(ms) -> value in `unit`."""
+    rec = dict(kind=kind, **params, unit=unit)
+    if time.time() > DEADLINE[0]:
+        rec["error"] = "skipped: run time budget spent"
+        return record(**rec)
+    try:
+        args = make()
+        out = _block(kernel_fn(*args))
+        rec["check_err"] = check(out, args)
+        del out
+        rec["kernel_ms"] = time_ms(kernel_fn, *args)
+        rec["kernel_" + unit] = metric(rec["kernel_ms"])
+    except Exception as e:  # noqa: BLE001
+        rec["error"] = f"kernel: {type(e).__name__}: {str(e)[:300]}"
+        rec["trace"] = traceback.format_exc()[-2000:]
+        return record(**rec)
+    if xla_skip_reason:
+        rec["xla"] = "skipped: " + xla_skip_reason
+    else:
+        try:
+            rec["xla_ms"] = time_ms(xla_fn, *args, budget_s=0.3)
+            rec["xla_" + unit] = metric(rec["xla_ms"])
+            rec["speedup"] = rec["xla_ms"] / rec["kernel_ms"]
+        except Exception as e:  # noqa: BLE001
+            rec["xla"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+    del args
+    return record(**rec)
+
+
+def bench_prefill(quick, tiling=None, sizes=None, dtypes=(FP8, jnp.bfloat16), tag=""):
+    sizes = sizes or ([1024, 2048, 4096, 8192] + ([] if quick else [16384, 32768]))
+    kern = jax.jit(functools.partial(indexer_logits, page_size=PAGE, **(tiling or {})))
+    xla = jax.jit(functools.partial(indexer_logits_reference, page_size=PAGE))
+    for dtype in dtypes:
+        for t in sizes:
+            flops = 2.0 * (t * (t + 1) / 2) * HI * D
+            run_config(
+                "prefill" + tag, dict(dtype=jnp.dtype(dtype).name, T=t, tiling=tiling or "default"),
+                lambda: paged_inputs(jax.random.key(t), dtype=dtype, lengths=[t], rows_per_seq=[t]),
+                kern, xla, lambda ms: flops / (ms * 1e-3) / 1e12, "TFLOPs",
+                lambda out, args: check_logits_sample(out, args),
+                xla_skip_reason=None if t <= 16384 else "T > 16K: the reference would take ~1 s a call")
+
+
+def bench_decode(quick, tiling=None, batches=None, contexts=None, dtypes=(FP8, jnp.bfloat16), rows=1,
+                 tag=""):
+    batches = batches or ([1, 32, 128] if quick else [1, 8, 32, 128])
+    contexts = contexts or ([4096, 32768, 131072] if quick else [4096, 16384, 65536, 131072])
+    kern = jax.jit(functools.partial(indexer_logits, page_size=PAGE, **(tiling or {})))
+    xla = jax.jit(functools.partial(indexer_logits_reference, page_size=PAGE))
+    for dtype in dtypes:
+        key_bytes = D + 4 if dtype == FP8 else 2 * D
+        for b in batches:
+            for c in contexts:
+                nbytes = float(b) * c * key_bytes
+                skip = None
+                if b * c > (1 << 22):  # the reference gathers [B, C, D] f32 keys: > 2 GiB
+                    skip = "B*C > 4M: the reference materialises > 2 GiB of f32 keys"
+                run_config(
+                    "decode" + tag,
+                    dict(dtype=jnp.dtype(dtype).name, B=b, C=c, rows_per_seq=rows, tiling=tiling or "default"),
+                    lambda: paged_inputs(jax.random.key(b * 7 + c), dtype=dtype, lengths=[c] * b,
+                                         rows_per_seq=[rows] * b),
+                    kern, xla, lambda ms: nbytes / (ms * 1e-3) / 1e9, "GBps",
+                    lambda out, args: check_logits_sample(out, args, num_rows=8),
+                    xla_skip_reason=skip)
+
+
+def topk_inputs(rows, length, causal, seed):
+    x = jax.random.normal(jax.random.key(seed), (rows, length), jnp.float32)
+    if causal:  # prefill-like: row r of a causal sequence sees (r + 1) * length / rows keys
+        ends = (jnp.arange(rows) + 1) * length // rows
+        x = jnp.where(jnp.arange(length)[None, :] < ends[:, None], x, -jnp.inf)
+    return (x,)
+
+
+def bench_topk(quick, tiling=None, shapes=None, tag=""):
+    shapes = shapes or ([(1024, 32768, False), (4096, 32768, False), (4096, 32768, True),
+                         (128, 131072, False)])
+    kern = jax.jit(functools.partial(topk, k=TOPK, **(tiling or {})))
+    xla = jax.jit(lambda x: jax.lax.top_k(x, TOPK)[1])
+    for rows, length, causal in shapes:
+        nbytes = float(rows) * length * 4
+        run_config(
+            "topk" + tag, dict(rows=rows, L=length, k=TOPK, causal=causal, tiling=tiling or "default"),
+            lambda: topk_inputs(rows, length, causal, rows + length),
+            kern, xla, lambda ms: nbytes / (ms * 1e-3) / 1e9, "GBps",
+            lambda out, args: check_topk_sample(out, args[0], TOPK))
+
+
+def sweep():
+    for t in [dict(block_rows=2), dict(block_rows=4, block_keys=128), dict(block_rows=4, num_warps=8),
+              dict(block_rows=8, num_warps=8), dict(block_rows=4, num_stages=2),
+              dict(fp8_imprecise_acc=0)]:  # fp8: exact f32 accumulation (mma.sync instead of wgmma)
+        bench_prefill(True, tiling=t, sizes=[8192], dtypes=(FP8, jnp.bfloat16), tag="-sweep")
+    for t in [dict(block_keys=128), dict(block_keys=128, num_warps=8), dict(chunk=4096),
+              dict(block_keys=32)]:
+        bench_decode(True, tiling=t, batches=[64], contexts=[65536], dtypes=(FP8,), tag="-sweep")
+    for t in [dict(num_warps=16), dict(block=512), dict(block=256, num_warps=4),
+              dict(block=2048, num_warps=16), dict(num_stages=2)]:
+        bench_topk(True, tiling=t, shapes=[(4096, 32768, False)], tag="-sweep")
+
+
+def print_table():
+    print("\n" + "=" * 110)
+    print(f"{'kind':14} {'config':44} {'kernel':>18} {'XLA':>18} {'speedup':>8}  note")
+    for r in RESULTS:
+        unit = r["unit"]
+        cfg = {k: v for k, v in r.items() if k in ("dtype", "T", "B", "C", "rows", "L", "causal")}
+        if r.get("tiling") not in (None, "default"):
+            cfg["tiling"] = r["tiling"]
+        cfg = " ".join(f"{k}={v}" for k, v in cfg.items())
+        kern = f"{r['kernel_ms']:.3f}ms {r['kernel_' + unit]:.0f}" if "kernel_ms" in r else "-"
+        xla = f"{r['xla_ms']:.3f}ms {r['xla_' + unit]:.0f}" if "xla_ms" in r else "-"
+        sp = f"{r['speedup']:.1f}x" if "speedup" in r else ""
+        note = r.get("error") or r.get("xla", "")
+        print(f"{r['kind']:14} {cfg[:44]:44} {kern:>18} {xla:>18} {sp:>8}  {unit} {note[:60]}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_indexer.json")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also sweep a few kernel tilings")
+    ap.add_argument("--only", default="prefill,decode,topk")
+    ap.add_argument("--budget-s", type=float, default=270, help="skip configs starting later than this")
+    ap.add_argument("--decode-rows", type=int, default=1, help="query rows per decode sequence (MTP: 2)")
+    a = ap.parse_args()
+    t0 = time.time()
+    DEADLINE[0] = t0 + a.budget_s
+    only = a.only.split(",")
+    if "topk" in only:
+        bench_topk(a.quick)
+    if "prefill" in only:
+        bench_prefill(a.quick)
+    if "decode" in only:
+        bench_decode(a.quick, rows=a.decode_rows)
+    if a.sweep:
+        sweep()
+    print_table()
+    info = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, python=platform.python_version(),
+                timer="triton.testing.do_bench" if _do_bench else "block_until_ready loop",
+                total_s=time.time() - t0, quick=a.quick)
+    with open(a.out, "w") as f:
+        json.dump(dict(info=info, results=RESULTS), f, indent=1)
+    print(f"\nwrote {a.out} ({len(RESULTS)} configs, {sum('error' in r for r in RESULTS)} failed) "
+          f"in {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

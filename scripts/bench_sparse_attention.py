@@ -1,0 +1,247 @@
+"""Benchmark the Pallas sparse MLA kernel against the XLA path (jit of the jnp reference).
+
+    python scripts/bench_sparse_attention.py --out results.json [--quick] [--sweep]
+
+Shapes are DeepSeek-V3.2's: 128 heads, latent rank 512, rope 64, topk 2048, bf16 q.
+  prefill: 4096 query rows of one sequence, slots drawn from a cache of s_kv tokens (8K..128K);
+  decode:  batch 1..128 x s_q 1..2 rows, each sequence selecting from its own 32K-token cache.
+Cache formats: bf16 (latent + rope, 1152 B/token) and fp8 (FlashMLA's layout: e4m3 latent with
+one f32 scale per 128 values, bf16 rope: 656 B/token).
+Every config is first checked against the reference (relative error of out, lse), then timed\n(median of 7 batches of back-to-back calls, after warm-up).
+TFLOP/s follow FlashMLA's convention: 2 * rows * topk * heads * (d_qk + d_v), d_qk 576, d_v 512.
+GB/s counts the gathered cache bytes (rows * topk * bytes per token) plus q and out.
+A config whose kernel fails to compile or mismatches is recorded with its error; the run goes on.
+--sweep also times a few kernel tilings (block_h, block_k, num_warps, num_stages) on two configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+import warnings
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from pallas_kernels.sparse_attention import sparse_mla_attention, sparse_mla_reference  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+
+HEADS, RANK, ROPE, TOPK = 128, 512, 64, 2048
+SCALE = (128 + 64) ** -0.5 * (0.1 * np.log(40.0) + 1) ** 2  # the model's softmax scale (YaRN mscale^2)
+BYTES_PER_TOKEN = {"bf16": (RANK + ROPE) * 2, "fp8": RANK + 4 * RANK // 128 + 2 * ROPE}
+OUT_TOL = 2e-2  # bf16 q: probabilities round to bf16 in the kernel (see the kernel tests)
+LSE_TOL = 1e-2
+
+FULL = {
+    "prefill": [(4096, s_kv) for s_kv in (8192, 32768, 65536, 131072)],
+    "decode": [(b, s_q) for b in (1, 8, 32, 64, 128) for s_q in (1, 2)],
+}
+QUICK = {
+    "prefill": [(4096, 8192), (4096, 131072)],
+    "decode": [(1, 2), (64, 2), (128, 2)],
+}
+DECODE_S_KV = 32768
+INTERPRET = {}  # {"interpret": True} under --smoke
+TILING_KEYS = ("block_h", "block_k", "num_warps", "num_stages")
+SWEEP = [  # TILING_KEYS
+    (64, 32, 8, 2), (64, 32, 8, 1), (64, 32, 8, 3), (64, 64, 8, 2),
+    (64, 16, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2), (32, 64, 4, 2), (16, 32, 4, 2),
+]
+
+
+def quantize_fp8(x):
+    """[S, R] f32 -> e4m3 [S, R], f32 scales [S, R // 128] (amax / 448 per 128-value tile)."""
+    tiles = x.reshape(x.shape[0], -1, 128)
+    scale = jnp.maximum(jnp.max(jnp.abs(tiles), axis=-1), 1e-4) / 448.0
+    return (tiles / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(x.shape), scale
+
+
+_caches = {}
+
+
+def get_cache(fmt, num_slots):
+    """One cache per format, sized for the largest config up front (smaller configs use a prefix)."""
+    if fmt not in _caches:
+        make = jax.jit(lambda k: (jax.random.normal(k, (num_slots, RANK), jnp.float32),
+                                  jax.random.normal(jax.random.fold_in(k, 1), (num_slots, ROPE), jnp.bfloat16)))
+        latent, k_pe = make(jax.random.key(1))
+        if fmt == "fp8":
+            latent, scale = jax.jit(quantize_fp8)(latent)
+        else:
+            latent, scale = latent.astype(jnp.bfloat16), None
+        _caches[fmt] = jax.block_until_ready((latent, scale, k_pe))
+    return _caches[fmt]
+
+
+def cache_slots(kind, a, b):
+    return b if kind == "prefill" else a * DECODE_S_KV
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _random_subset(key, offsets, s_kv, topk):
+    """[rows] offsets -> [rows, topk] distinct random slots in [offset, offset + s_kv), random order."""
+    noise = jax.random.uniform(key, (offsets.shape[0], s_kv))
+    return (jax.lax.top_k(noise, topk)[1] + offsets[:, None]).astype(jnp.int32)
+
+
+def make_problem(kind, a, b):
+    """-> (q, slots, s_kv, batch, s_q) for prefill (rows=a, s_kv=b) or decode (batch=a, s_q=b)."""
+    if kind == "prefill":
+        rows, s_kv, batch, s_q = a, b, 1, a
+        offsets = jnp.zeros((rows,), jnp.int32)
+    else:
+        batch, s_q, s_kv = a, b, DECODE_S_KV
+        rows = batch * s_q
+        offsets = jnp.repeat(jnp.arange(batch, dtype=jnp.int32) * s_kv, s_q)
+    key = jax.random.key(zlib.crc32(f"{kind} {a} {b}".encode()))
+    q = jax.random.normal(key, (rows, HEADS, RANK + ROPE), jnp.bfloat16)
+    slots = _random_subset(jax.random.fold_in(key, 1), offsets, s_kv, TOPK)
+    return q, slots, s_kv, batch, s_q
+
+
+def median_time_s(fn, *args):
+    """Median seconds per call over 7 batches of back-to-back async calls (>= ~20 ms a batch).
+
+    Batching amortises JAX's per-call dispatch for the small decode kernels. (triton's
+    do_bench is not used: it times with torch CUDA events on torch's stream, not JAX's.)
+    """
+    jax.block_until_ready(fn(*args))  # compile + warm-up
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    once = time.perf_counter() - t0
+    reps = int(min(200, max(2, 0.02 / max(once, 1e-6))))
+    samples = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / reps)
+    return statistics.median(samples)
+
+
+def rel_err(out, ref_out, lse, ref_lse, slots):
+    live = np.asarray((slots >= 0).any(axis=1))
+    out, ref_out = np.asarray(out)[live], np.asarray(ref_out)[live]
+    err = float(np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out))
+    lse_err = float(np.max(np.abs(np.asarray(lse)[live] - np.asarray(ref_lse)[live])))
+    return err, lse_err
+
+
+def run_config(kind, fmt, a, b, num_slots, reference_fn, tilings=(None,), time_reference=True):
+    q, slots, s_kv, batch, s_q = make_problem(kind, a, b)
+    latent, latent_scale, k_pe = get_cache(fmt, num_slots)
+    rows = q.shape[0]
+    flops = 2 * rows * TOPK * HEADS * (RANK + ROPE + RANK)
+    moved = rows * TOPK * BYTES_PER_TOKEN[fmt] + q.size * 2 + rows * HEADS * RANK * 4
+    base = dict(kind=kind, cache=fmt, rows=rows, batch=batch, s_q=s_q, s_kv=s_kv, topk=TOPK, heads=HEADS)
+    records = []
+
+    def record(impl, tiling=None, **extra):
+        rec = dict(base, impl=impl, **extra)
+        if tiling is not None:
+            rec["tiling"] = dict(zip(TILING_KEYS, tiling))
+        if "seconds" in rec:
+            rec["ms"] = rec["seconds"] * 1e3
+            rec["tflops"] = flops / rec["seconds"] / 1e12
+            rec["gbps"] = moved / rec["seconds"] / 1e9
+        records.append(rec)
+        print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
+
+    args = (q, latent, latent_scale, k_pe, slots)
+    try:
+        ref_out, ref_lse = jax.block_until_ready(reference_fn(*args))
+        if time_reference:
+            record("xla", seconds=median_time_s(reference_fn, *args))
+    except Exception as e:  # noqa: BLE001 - record and go on
+        record("xla", error=f"{type(e).__name__}: {e}"[:2000])
+        return records
+
+    for tiling in tilings:
+        kw = dict(INTERPRET) if tiling is None else dict(zip(TILING_KEYS, tiling), **INTERPRET)
+        fn = jax.jit(functools.partial(sparse_mla_attention, scale=SCALE, **kw))
+        try:
+            out, lse = jax.block_until_ready(fn(*args))
+            err, lse_err = rel_err(out, ref_out, lse, ref_lse, slots)
+            if not (err < OUT_TOL and lse_err < LSE_TOL):
+                raise AssertionError(f"mismatch vs reference: rel err {err:.3e}, lse err {lse_err:.3e}")
+            record("pallas", tiling, seconds=median_time_s(fn, *args), rel_err=err, lse_err=lse_err)
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile must not end the run
+            record("pallas", tiling, error=f"{type(e).__name__}: {e}"[:2000],
+                   traceback=traceback.format_exc()[-3000:])
+    return records
+
+
+def print_table(records):
+    head = f"{'kind':8} {'cache':5} {'batch':>5} {'s_q':>5} {'s_kv':>7} {'impl':7} {'ms':>9} {'TFLOP/s':>8} {'GB/s':>7}  note"
+    print("\n" + head + "\n" + "-" * len(head))
+    for r in records:
+        note = r.get("error", "")[:60] or (f"err {r['rel_err']:.1e}" if "rel_err" in r else "")
+        if "tiling" in r:
+            note = f"{tuple(r['tiling'].values())} " + note
+        ms = f"{r['ms']:9.3f}" if "ms" in r else f"{'-':>9}"
+        tf = f"{r['tflops']:8.1f}" if "tflops" in r else f"{'-':>8}"
+        gb = f"{r['gbps']:7.0f}" if "gbps" in r else f"{'-':>7}"
+        print(f"{r['kind']:8} {r['cache']:5} {r['batch']:5} {r['s_q']:5} {r['s_kv']:7} {r['impl']:7} {ms} {tf} {gb}  {note}")
+
+
+def main():
+    global HEADS, RANK, ROPE, TOPK, DECODE_S_KV, FULL, QUICK, SWEEP, BYTES_PER_TOKEN
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="results.json")
+    parser.add_argument("--quick", action="store_true", help="a few configs only")
+    parser.add_argument("--sweep", action="store_true", help="also time several kernel tilings")
+    parser.add_argument("--formats", default="bf16,fp8", help="comma list of bf16, fp8")
+    parser.add_argument("--kinds", default="prefill,decode", help="comma list of prefill, decode")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes in Pallas interpret mode: checks this script on a CPU")
+    args = parser.parse_args()
+    if args.smoke:  # the tiny test config; timings are meaningless
+        HEADS, RANK, ROPE, TOPK, DECODE_S_KV = 4, 128, 8, 16, 64
+        BYTES_PER_TOKEN = {"bf16": (RANK + ROPE) * 2, "fp8": RANK + 4 * RANK // 128 + 2 * ROPE}
+        FULL = QUICK = {"prefill": [(8, 64)], "decode": [(2, 2)]}
+        SWEEP = [(16, 16, 4, 1)]
+        INTERPRET["interpret"] = True
+
+    start = time.perf_counter()
+    print(f"devices: {jax.devices()}", flush=True)
+    reference_fn = jax.jit(lambda q, l, s, p, i: sparse_mla_reference(q, l, s, p, i, scale=SCALE))
+    configs = QUICK if args.quick else FULL
+    formats, kinds = args.formats.split(","), args.kinds.split(",")
+    plan = [(kind, fmt, a, b) for kind in kinds for fmt in formats for a, b in configs[kind]]
+    sweep = [(kind, fmt, a, b) for kind, a, b in (("prefill", 4096, 32768), ("decode", 64, 2))
+             for fmt in formats] if args.sweep else []
+    if args.smoke:
+        sweep = [(kind, fmt, a, b) for kind, fmt, a, b in plan[:1]] if args.sweep else []
+    num_slots = max(cache_slots(kind, a, b) for kind, _, a, b in plan + sweep)
+
+    records = []
+    for kind, fmt, a, b in plan:
+        records += run_config(kind, fmt, a, b, num_slots, reference_fn)
+    for kind, fmt, a, b in sweep:
+        records += run_config(kind, fmt, a, b, num_slots, reference_fn, tilings=tuple(SWEEP),
+                              time_reference=False)
+    elapsed = time.perf_counter() - start
+
+    print_table(records)
+    print(f"\ntotal {elapsed:.0f} s")
+    with open(args.out, "w") as f:
+        json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                       elapsed_s=elapsed, records=records), f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

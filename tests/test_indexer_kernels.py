@@ -1,0 +1,205 @@
+"""Pallas indexer kernels (logits over a paged key cache, top-k) against their jnp references.
+
+On CPU the kernels run in Pallas interpret mode on the tiny config (Hi=4, D=16, page 4); the
+`gpu` tests compile them for real dimensions (Hi=64, D=128, page 64, k=2048).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.indexer import indexer_logits, indexer_logits_reference
+from pallas_kernels.topk import topk, topk_reference
+from tests.conftest import INTERPRET
+
+FP8 = jnp.float8_e4m3fn
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+
+def make_indexer_case(seed, *, dtype, scaled, hi, d, page, lengths, rows_per_seq, extra_pages=3):
+    """A ragged batch: sequence s has lengths[s] keys (pages shuffled over a shared pool) and
+    rows_per_seq[s] query rows; rows are interleaved across sequences; row ends are a causal
+    run ending at the sequence length plus a few odd ones (0, 1, full)."""
+    rng = np.random.default_rng(seed)
+    num_seqs = len(lengths)
+    width = max(-(-l // page) for l in lengths) + 1  # one spare (unused, -1) page column
+    num_pages = num_seqs * width + extra_pages
+    pool = rng.permutation(num_pages).astype(np.int32)
+    tables = np.full((num_seqs, width), -1, np.int32)
+    used = 0
+    for s, l in enumerate(lengths):
+        n_p = -(-l // page)
+        tables[s, :n_p] = pool[used:used + n_p]
+        used += n_p
+    row_seq, row_end = [], []
+    for s, (l, r) in enumerate(zip(lengths, rows_per_seq)):
+        ends = list(range(max(1, l - r + 1), l + 1))[-r:]
+        ends = ends + [l] * (r - len(ends))
+        row_seq += [s] * r
+        row_end += ends
+    row_seq, row_end = np.array(row_seq, np.int32), np.array(row_end, np.int32)
+    n = len(row_seq)
+    if n >= 3:  # odd ends: no valid key, exactly one, the whole table width
+        row_end[0], row_end[1], row_end[2] = 0, 1, min(lengths[row_seq[2]], width * page)
+    perm = rng.permutation(n)  # rows of different sequences interleaved
+    row_seq, row_end = row_seq[perm], row_end[perm]
+
+    q = rng.standard_normal((n, hi, d)).astype(np.float32)
+    k = rng.standard_normal((num_pages * page, d)).astype(np.float32)
+    w = rng.standard_normal((n, hi)).astype(np.float32)  # negative weights included
+    if dtype == FP8:
+        q, k = q * 8, k * 8
+    q, k = jnp.asarray(q).astype(dtype), jnp.asarray(k).astype(dtype)
+    k_scale = None
+    if scaled:
+        k_scale = jnp.asarray((2.0 ** rng.integers(-6, 2, num_pages * page)).astype(np.float32))
+    return (q, jnp.asarray(w), k, k_scale, jnp.asarray(tables), jnp.asarray(row_seq),
+            jnp.asarray(row_end)), page
+
+
+def check_logits(out, ref, tol):
+    out, ref = np.asarray(out), np.asarray(ref)
+    assert out.shape == ref.shape and out.dtype == np.float32
+    fin = np.isfinite(ref)
+    np.testing.assert_array_equal(np.isfinite(out), fin)
+    np.testing.assert_array_equal(out[~fin], ref[~fin])  # -inf exactly
+    if fin.any():
+        err = np.linalg.norm(out[fin] - ref[fin]) / max(np.linalg.norm(ref[fin]), 1e-30)
+        assert err <= tol, err
+
+
+def check_topk(out, logits, k):
+    """Per row: distinct valid indices, min(k, #(> -inf)) of them, -1 after, and the multiset of
+    their values equal to the reference's (any choice among ties is fine)."""
+    out, x = np.asarray(out), np.asarray(logits)
+    ref = np.asarray(topk_reference(jnp.asarray(x), k))
+    assert out.shape == (x.shape[0], k) and out.dtype == np.int32
+    for r in range(x.shape[0]):
+        n_sel = min(k, int((x[r] > -np.inf).sum()))  # +inf counts as valid, as in the reference
+        sel = out[r]
+        assert (sel[sel < 0] == -1).all(), r
+        idx = np.sort(sel[sel >= 0])
+        assert len(idx) == n_sel, (r, len(idx), n_sel)
+        assert len(np.unique(idx)) == n_sel and (idx < x.shape[1]).all(), r
+        ref_idx = ref[r][ref[r] >= 0]
+        np.testing.assert_array_equal(np.sort(x[r][idx]), np.sort(x[r][ref_idx]), err_msg=f"row {r}")
+        if not _has_ties(x[r], ref_idx):
+            np.testing.assert_array_equal(idx, np.sort(ref_idx), err_msg=f"row {r}")
+
+
+def _has_ties(row, ref_idx):
+    if len(ref_idx) == 0:
+        return False
+    kth = row[ref_idx].min()
+    return (row == kth).sum() > 1
+
+
+# ------------------------------------------------------------------------------------------------
+# indexer logits (CPU: interpret mode, tiny dims)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,scaled,tiling", [
+    (jnp.float32, False, dict(block_rows=1, block_keys=16, chunk=32)),   # key axis split, ragged
+    (jnp.bfloat16, False, dict(block_rows=4, block_keys=16)),            # multi-row tiles
+    (FP8, True, dict()),                                                 # default tiling
+    (FP8, True, dict(block_rows=2, block_keys=32, chunk=32)),
+])
+def test_indexer_logits_ragged(dtype, scaled, tiling):
+    args, page = make_indexer_case(0, dtype=dtype, scaled=scaled, hi=4, d=16, page=4,
+                                   lengths=[37, 1, 90, 12], rows_per_seq=[5, 1, 7, 3])
+    out = indexer_logits(*args, page_size=page, interpret=INTERPRET, **tiling)
+    ref = indexer_logits_reference(*args, page_size=page)
+    check_logits(out, ref, 1e-5)
+
+
+def test_indexer_logits_prefill_causal_fp8_unscaled():
+    # one causal sequence, every position a row (prefill); fp8 without k_scale; 3 heads (padded)
+    args, page = make_indexer_case(1, dtype=FP8, scaled=False, hi=3, d=16, page=4,
+                                   lengths=[45], rows_per_seq=[45])
+    out = indexer_logits(*args, page_size=page, interpret=INTERPRET)
+    ref = indexer_logits_reference(*args, page_size=page)
+    check_logits(out, ref, 1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# top-k (CPU: interpret mode)
+# ------------------------------------------------------------------------------------------------
+
+def _topk_rows(seed, num_keys, k):
+    rng = np.random.default_rng(seed)
+    rows = []
+    def add(r):
+        rows.append(np.asarray(r, np.float32))
+    base = lambda: rng.standard_normal(num_keys).astype(np.float32)
+    add(base())                                              # all valid
+    r = base(); r[k:] = -np.inf; add(r)                      # exactly k valid
+    r = base(); r[k + 1:] = -np.inf; add(r)                  # k + 1 valid
+    add(np.full(num_keys, -np.inf))                          # nothing valid
+    r = np.full(num_keys, -np.inf); r[num_keys // 2] = 3.0; add(r)  # one valid entry
+    r = base(); r[rng.random(num_keys) < 0.5] = -np.inf; add(r)     # scattered -inf
+    add(np.round(base() * 2))                                # heavy ties across the threshold
+    add(np.full(num_keys, 0.25))                             # all equal
+    add(-np.abs(base()) * 1e-30)                             # tiny negatives (denormal range)
+    r = base() * 1e30; r[:7] = np.inf; add(r)                # huge values and +inf
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("num_keys,k,block", [
+    (300, 37, 64),     # L not a multiple of the block
+    (150, 200, 64),    # k > L
+    (1000, 128, None), # default block (capped at the row length)
+])
+def test_topk(num_keys, k, block):
+    x = _topk_rows(num_keys, num_keys, k)
+    out = topk(jnp.asarray(x), k, interpret=INTERPRET, block=block)
+    check_topk(out, x, k)
+
+
+def test_topk_on_indexer_logits():
+    """The pipeline: logits of a ragged batch (with -inf tails) -> top-k."""
+    args, page = make_indexer_case(2, dtype=jnp.bfloat16, scaled=False, hi=4, d=16, page=4,
+                                   lengths=[70, 9], rows_per_seq=[6, 2])
+    logits = indexer_logits_reference(*args, page_size=page)
+    out = topk(logits, 16, interpret=INTERPRET, block=32)
+    check_topk(out, logits, 16)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: compiled kernels, real dimensions
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,scaled", [(FP8, True), (jnp.bfloat16, False)])
+@pytest.mark.parametrize("layout", ["prefill", "decode"])
+def test_indexer_logits_gpu(dtype, scaled, layout):
+    if layout == "prefill":  # two causal sequences (one with context), many rows each
+        lengths, rows = [3000, 1100], [1200, 1100]
+    else:  # decode: 1-2 rows per sequence, longer contexts
+        lengths, rows = [4100, 700, 6000, 1, 2500] * 4, [2, 1, 2, 1, 2] * 4
+    args, page = make_indexer_case(3, dtype=dtype, scaled=scaled, hi=64, d=128, page=64,
+                                   lengths=lengths, rows_per_seq=rows)
+    out = jax.jit(functools.partial(indexer_logits, page_size=page))(*args)
+    ref = jax.jit(functools.partial(indexer_logits_reference, page_size=page))(*args)
+    check_logits(out, ref, 2e-3 if dtype == FP8 else 1e-4)
+
+
+@pytest.mark.gpu
+def test_topk_gpu():
+    rng = np.random.default_rng(4)
+    num_keys, k = 32768, 2048
+    x = rng.standard_normal((24, num_keys)).astype(np.float32)
+    ends = [0, 1, 2047, 2048, 2049, 5000, 32768, 20000] * 3
+    for r, e in enumerate(ends):
+        x[r, e:] = -np.inf
+    x[8:12] = np.round(x[8:12] * 4)  # ties
+    x[12] = 1.0
+    out = jax.jit(functools.partial(topk, k=k))(jnp.asarray(x))
+    check_topk(out, x, k)

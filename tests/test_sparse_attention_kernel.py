@@ -1,0 +1,140 @@
+"""The Pallas sparse MLA kernel against its jnp reference (`sparse_mla_reference`).
+
+Errors are relative: ||out - ref|| / ||ref|| over the rows that have a valid slot. Tolerances:
+  * f32 q and f32 (or fp8 with f32 q) cache: 1e-5. The kernel's products are IEEE f32 there, so
+    only summation order differs (online softmax, split merging).
+  * bf16 q (bf16 or fp8 cache): 2e-2. The kernel rounds the softmax probabilities (and, for fp8,
+    the dequantised latent) to bf16 before the P.V product, as flash attention does; the
+    reference keeps them in f32. Observed errors are ~3e-3.
+lse is compared in absolute terms (it is a log): 1e-5 / 1e-2 with the same split.
+On CPU the kernel runs in Pallas interpret mode; on a GPU it compiles through Triton.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.sparse_attention import sparse_mla_attention, sparse_mla_reference
+from tests.conftest import INTERPRET
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_TILE = 128
+
+
+def quantize_fp8(x):
+    """x: [S, R] f32 -> (e4m3 [S, R], scale [S, R // 128] f32), scale = amax / 448 per tile."""
+    tiles = x.reshape(x.shape[0], -1, FP8_TILE)
+    scale = jnp.max(jnp.abs(tiles), axis=-1) / FP8_MAX
+    values = (tiles / scale[..., None]).astype(jnp.float8_e4m3fn)
+    return values.reshape(x.shape), scale.astype(jnp.float32)
+
+
+def make_inputs(seed, *, rows, heads, rank, rope, topk, num_slots, cache, q_dtype, hole_frac=0.3):
+    """Fresh random inputs. cache: "f32" | "bf16" | "fp8". Slots are distinct per row, ~hole_frac -1."""
+    keys = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(keys[0], (rows, heads, rank + rope), jnp.float32).astype(q_dtype)
+    latent = jax.random.normal(keys[1], (num_slots, rank), jnp.float32)
+    k_pe = jax.random.normal(keys[2], (num_slots, rope), jnp.float32)
+    if cache == "fp8":
+        latent, latent_scale = quantize_fp8(latent)
+        k_pe = k_pe.astype(jnp.bfloat16)
+    else:
+        latent_scale = None
+        dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[cache]
+        latent, k_pe = latent.astype(dtype), k_pe.astype(dtype)
+    # distinct slots per row (as top-k produces), then random holes
+    perm = jax.vmap(lambda k: jax.random.permutation(k, num_slots)[:topk])(jax.random.split(keys[3], rows))
+    holes = jax.random.uniform(keys[4], (rows, topk)) < hole_frac
+    slots = jnp.where(holes, -1, perm).astype(jnp.int32)
+    return q, latent, latent_scale, k_pe, slots
+
+
+def check(inputs, *, scale, out_tol, lse_tol, **kwargs):
+    q, latent, latent_scale, k_pe, slots = inputs
+    out, lse = sparse_mla_attention(q, latent, latent_scale, k_pe, slots, scale=scale,
+                                    interpret=INTERPRET, **kwargs)
+    ref_out, ref_lse = sparse_mla_reference(q, latent, latent_scale, k_pe, slots, scale=scale)
+    out, lse, ref_out, ref_lse = map(np.asarray, (out, lse, ref_out, ref_lse))
+    assert out.shape == ref_out.shape and out.dtype == np.float32
+    assert lse.shape == ref_lse.shape and lse.dtype == np.float32
+
+    empty = ~(np.asarray(slots) >= 0).any(axis=1)  # rows with no valid slot
+    np.testing.assert_array_equal(out[empty], 0.0)
+    np.testing.assert_array_equal(lse[empty], np.inf)
+    live = ~empty
+    if live.any():
+        err = np.linalg.norm(out[live] - ref_out[live]) / np.linalg.norm(ref_out[live])
+        assert err < out_tol, f"relative error {err:.2e} >= {out_tol}"
+        np.testing.assert_allclose(lse[live], ref_lse[live], rtol=0, atol=lse_tol)
+    return out, lse
+
+
+TINY = dict(rank=128, rope=8, num_slots=96)
+EXACT = dict(out_tol=1e-5, lse_tol=1e-5)
+BF16 = dict(out_tol=2e-2, lse_tol=1e-2)
+
+
+@pytest.mark.parametrize("cache,q_dtype,tol", [
+    ("f32", jnp.float32, EXACT),
+    ("bf16", jnp.bfloat16, BF16),
+    ("fp8", jnp.bfloat16, BF16),
+    ("fp8", jnp.float32, EXACT),  # dequantised in f32: checks the scales are applied exactly
+])
+def test_random_slots_with_holes(cache, q_dtype, tol):
+    inputs = make_inputs(0, rows=6, heads=4, topk=16, cache=cache, q_dtype=q_dtype, **TINY)
+    check(inputs, scale=0.1, **tol)
+
+
+@pytest.mark.parametrize("cache", ["f32", "fp8"])
+def test_empty_and_sparse_rows(cache):
+    """Rows with no valid slot (out 0, lse +inf) and rows with only a few (index set < topk)."""
+    q, latent, latent_scale, k_pe, slots = make_inputs(
+        1, rows=6, heads=4, topk=16, cache=cache, q_dtype=jnp.float32, **TINY)
+    slots = slots.at[0].set(-1)                                      # no valid slot
+    slots = slots.at[1].set(jnp.full((16,), -1).at[3].set(5))        # a single slot
+    slots = slots.at[2].set(jnp.full((16,), -1).at[:3].set(jnp.array([7, 8, 9])))  # a short prefix
+    slots = slots.at[5].set(-1)
+    out, lse = check((q, latent, latent_scale, k_pe, slots), scale=0.1, **EXACT)
+    # one slot: softmax weight 1, the output is that cache row
+    row = latent.astype(jnp.float32)[5] if latent_scale is None else (
+        latent.astype(jnp.float32)[5].reshape(-1, FP8_TILE) * latent_scale[5][:, None]).reshape(-1)
+    np.testing.assert_allclose(out[1], np.broadcast_to(np.asarray(row), out[1].shape), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads,topk", [(6, 20), (4, 8), (20, 40)])
+def test_odd_heads_and_topk(heads, topk):
+    """H not a power of two (padded, masked), K not a multiple of the block or below it.
+
+    H=20 with block_h=16 gives two head blocks, the second mostly padding.
+    """
+    inputs = make_inputs(2, rows=3, heads=heads, topk=topk, cache="f32", q_dtype=jnp.float32, **TINY)
+    check(inputs, scale=0.2, block_h=16, block_k=16, **EXACT)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_split_slot_list(num_splits):
+    """Slot lists split over programs and merged by lse, including splits with no valid slot."""
+    q, latent, latent_scale, k_pe, slots = make_inputs(
+        3, rows=4, heads=4, topk=48, cache="bf16", q_dtype=jnp.bfloat16, **TINY)
+    slots = slots.at[0, 16:].set(-1)   # only the first split has work
+    slots = slots.at[1, :40].set(-1)   # only the last split has work
+    slots = slots.at[2].set(-1)        # nothing at all
+    check((q, latent, latent_scale, k_pe, slots), scale=0.1, block_k=16, num_splits=num_splits, **BF16)
+
+
+def test_large_scores_are_stable():
+    """Scores in the hundreds: the online softmax must rescale, not overflow."""
+    q, latent, latent_scale, k_pe, slots = make_inputs(
+        4, rows=2, heads=4, topk=32, cache="f32", q_dtype=jnp.float32, **TINY)
+    check((q * 30.0, latent, latent_scale, k_pe, slots), scale=1.0, block_k=16, out_tol=1e-4, lse_tol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_real_dimensions_gpu(cache):
+    """DeepSeek-V3.2 shapes: H=128, R=512, P=64, topk 2048 over a 32K-token cache, 64 rows."""
+    inputs = make_inputs(5, rows=64, heads=128, rank=512, rope=64, topk=2048, num_slots=32768,
+                         cache=cache, q_dtype=jnp.bfloat16, hole_frac=0.1)
+    scale = (128 + 64) ** -0.5 * (0.1 * np.log(40.0) + 1) ** 2
+    check(inputs, scale=scale, **BF16)
