@@ -182,3 +182,18 @@ def test_hidden_shape_and_cache_dtype_errors():
         forward(h.params, x[:-1], wrong, meta, plan=plan, config=TINY)
     with pytest.raises(ValueError, match="kernels must be one of"):
         forward(h.params, x[:-1], h.cache, meta, plan=plan, config=TINY, kernels="cuda")
+
+
+@pytest.mark.parametrize("kv_cache_dtype,indexer_dtype", [("bfloat16", "fp8"), ("fp8", "bfloat16")])
+def test_pallas_kernels_through_forward(kv_cache_dtype, indexer_dtype):
+    """kernels="pallas": interpret mode on CPU, compiled on a GPU; every route in two steps."""
+    cfg = dataclasses.replace(TINY, kv_cache_dtype=kv_cache_dtype, indexer_dtype=indexer_dtype)
+    h = Harness(cfg, seed=12, kernels="pallas")
+    for sid, n in [(0, 37), (1, 10), (2, 30)]:
+        h.add(sid, n)
+    out, plan, _ = h.step([(2, 25), (1, 10)])
+    assert not plan.use_dense_mha
+    h.check(out, TOL_F32)
+    out, plan, _ = h.step([(0, 12), (2, 1)])  # short prefill + decode: dense + scored decode row
+    assert plan.use_dense_mha and plan.num_scored_tokens == 1
+    h.check(out, TOL_F32)
