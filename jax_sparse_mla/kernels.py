@@ -1,8 +1,12 @@
 """The one dispatch point between the layer and the kernels of `pallas_kernels`.
 
-`kernels="xla"` runs each op's pure-jnp implementation, `"pallas"` the Pallas GPU kernels
-(compiled on a GPU, in Pallas interpret mode elsewhere: slow, for tests), and `"auto"` the
-Pallas kernels on a GPU and XLA elsewhere.
+`kernels="xla"` runs each op's pure-jnp implementation and `"pallas"` every Pallas kernel
+(compiled on a GPU, in Pallas interpret mode elsewhere: slow, for tests). `"auto"` picks per op
+what measured fastest on the H200 (docs/benchmarks.md) and XLA off the GPU:
+  indexer logits: Pallas (5.8-17x faster than XLA at T = 1K-8K);
+  top-k: XLA's lax.top_k (the Pallas radix select measured 0.6-0.9x of it);
+  sparse MLA attention: Pallas (4-6x faster than XLA's gather + einsum).
+The dense route's causal attention has no Pallas kernel yet and runs on XLA everywhere.
 """
 
 from __future__ import annotations
@@ -12,14 +16,17 @@ import jax
 from pallas_kernels import dense_attention, indexer, sparse_attention, topk
 
 CHOICES = ("auto", "xla", "pallas")
+OPS = ("indexer_logits", "topk", "sparse_mla")
+AUTO_ON_GPU = {"indexer_logits": "pallas", "topk": "xla", "sparse_mla": "pallas"}
 
 
-def resolve(kernels: str) -> str:
+def resolve(kernels: str) -> dict[str, str]:
+    """kernels choice -> {op: "xla" | "pallas"}."""
     if kernels not in CHOICES:
         raise ValueError(f"kernels must be one of {CHOICES}, got {kernels!r}")
     if kernels == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return kernels
+        return dict(AUTO_ON_GPU) if jax.default_backend() == "gpu" else dict.fromkeys(OPS, "xla")
+    return dict.fromkeys(OPS, kernels)
 
 
 def _interpret() -> bool:
@@ -52,7 +59,6 @@ def sparse_mla(q, latent, latent_scale, k_pe, slots, *, scale, impl):
 
 def causal_attention(q, k, v, q_positions, *, scale):
     """[S, Q, H, Dv] f32 causal attention of padded per-sequence blocks."""
-    # No Pallas kernel yet for the dense route: XLA on every backend.
     return dense_attention.causal_attention_reference(q, k, v, q_positions, scale=scale)
 
 

@@ -174,9 +174,9 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
             q_i, w_i = indexer_queries(params, pick(x), pick(qr), pick(positions), c_)
             logits = kernel_ops.indexer_logits(q_i, w_i, cache.flat("index_k"), cache.flat("index_k_scale"),
                                                meta.block_tables, pick(meta.row_seq), row_end,
-                                               page_size=c_.page_size, impl=impl)
+                                               page_size=c_.page_size, impl=impl["indexer_logits"])
         with jax.named_scope("indexer_topk"):
-            top_pos = kernel_ops.topk_indices(logits, c_.index_topk, impl=impl)
+            top_pos = kernel_ops.topk_indices(logits, c_.index_topk, impl=impl["topk"])
         top_slots = positions_to_slots(top_pos, meta.block_tables, pick(meta.row_seq), c_.page_size)
 
     if plan.use_dense_mha and plan.num_decode_tokens == 0:
@@ -188,7 +188,7 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
         q_lat = jnp.einsum("thn,hnr->thr", pick(q_nope), w_uk, precision=_precision(c_))
         q_abs = jnp.concatenate([q_lat, pick(q_pe)], -1).astype(c_.jnp_dtype)
         out_lat, _ = kernel_ops.sparse_mla(q_abs, cache.flat("latent"), cache.flat("latent_scale"),
-                                           cache.flat("k_pe"), slots, scale=c_.softmax_scale, impl=impl)
+                                           cache.flat("k_pe"), slots, scale=c_.softmax_scale, impl=impl["sparse_mla"])
         sparse_out = jnp.einsum("thr,hvr->thv", out_lat, w_uv, precision=_precision(c_))
         if sparse_rows is None:
             out_heads = sparse_out

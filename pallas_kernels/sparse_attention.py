@@ -135,12 +135,17 @@ def _sparse_mla_kernel(q_ref, latent_ref, *rest, heads, rank, rope, topk, chunk,
             tile = pltriton.load(latent_ref.at[safe[:, None], cols[None, :]],
                                  mask=jnp.broadcast_to(valid[:, None], (block_k, chunk)),
                                  other=zero(latent_ref))
-            if has_scale:  # fp8 e4m3 -> f32, times the row's scale of this 128-wide tile
-                tile_scale = pltriton.load(scale_ref.at[safe, c], mask=valid, other=0.0)
-                tile = tile.astype(jnp.float32) * tile_scale[:, None]
+            # e4m3 -> bf16 is exact; the fp8 tile's per-row scale is applied to the scores and to
+            # the probabilities instead of to the values, so dequantisation adds no rounding.
             tile = tile.astype(dot_dtype)
-            kv.append(tile)
-            s += dot(q_lat[c], tile, trans_b=True)  # [block_h, block_k]
+            part = dot(q_lat[c], tile, trans_b=True)  # [block_h, block_k]
+            if has_scale:
+                tile_scale = pltriton.load(scale_ref.at[safe, c], mask=valid, other=0.0)  # [block_k]
+                part = part * tile_scale[None, :]
+            else:
+                tile_scale = None
+            kv.append((tile, tile_scale))
+            s += part
         pe = pltriton.load(kpe_ref.at[safe[:, None], jnp.minimum(rope_cols, rope - 1)[None, :]],
                            mask=valid[:, None] & rope_ok[None, :], other=zero(kpe_ref))
         s += dot(q_pe, pe.astype(dot_dtype), trans_b=True)
@@ -153,8 +158,10 @@ def _sparse_mla_kernel(q_ref, latent_ref, *rest, heads, rank, rope, topk, chunk,
         alpha = jnp.exp2(m - shift)
         p = jnp.exp2(s - shift[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        p = p.astype(dot_dtype)
-        accs = tuple(acc * alpha[:, None] + dot(p, tile) for acc, tile in zip(accs, kv))
+        accs = tuple(
+            acc * alpha[:, None]
+            + dot((p if tile_scale is None else p * tile_scale[None, :]).astype(dot_dtype), tile)
+            for acc, (tile, tile_scale) in zip(accs, kv))
         return m_new, l, accs
 
     m0 = jnp.full((block_h,), -jnp.inf, jnp.float32)
@@ -225,8 +232,9 @@ def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale, interpr
       * heads are padded to a power of two >= 16 and masked on store (H=4 or 6 -> 16 rows);
       * the slot list is walked in blocks of `block_k` (>= 16); the tail block and -1 entries
         are masked, and a K smaller than the block just masks more.
-    The latent is processed in column chunks: 128 for fp8 (one chunk per scale tile, so each
-    chunk is dequantised with one scale per row before the bf16 product) and all R otherwise.
+    The latent is processed in column chunks: 128 for fp8 (one chunk per scale tile: the e4m3
+    values enter the product exactly as bf16, and each row's tile scale multiplies that chunk's
+    scores and probabilities) and all R otherwise.
     Softmax runs online in fp32 (exp2, scores pre-multiplied by scale * log2 e); the matrix
     products accumulate in fp32 and take their inputs in q's dtype (bf16 q -> tensor cores;
     f32 q -> exact IEEE products, slow, meant for tests).

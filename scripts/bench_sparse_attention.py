@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from jax_sparse_mla.config import FP8_TILE  # noqa: E402
+from jax_sparse_mla.ops import quantize_tiles  # noqa: E402
 from pallas_kernels.sparse_attention import sparse_mla_attention, sparse_mla_reference  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
@@ -59,13 +61,6 @@ SWEEP = [  # TILING_KEYS
 ]
 
 
-def quantize_fp8(x):
-    """[S, R] f32 -> e4m3 [S, R], f32 scales [S, R // 128] (amax / 448 per 128-value tile)."""
-    tiles = x.reshape(x.shape[0], -1, 128)
-    scale = jnp.maximum(jnp.max(jnp.abs(tiles), axis=-1), 1e-4) / 448.0
-    return (tiles / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(x.shape), scale
-
-
 _caches = {}
 
 
@@ -76,7 +71,7 @@ def get_cache(fmt, num_slots):
                                   jax.random.normal(jax.random.fold_in(k, 1), (num_slots, ROPE), jnp.bfloat16)))
         latent, k_pe = make(jax.random.key(1))
         if fmt == "fp8":
-            latent, scale = jax.jit(quantize_fp8)(latent)
+            latent, scale = jax.jit(quantize_tiles, static_argnums=1)(latent, FP8_TILE)
         else:
             latent, scale = latent.astype(jnp.bfloat16), None
         _caches[fmt] = jax.block_until_ready((latent, scale, k_pe))
