@@ -9,6 +9,9 @@ values, so that the fast path can be compared tightly for every dtype.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,9 +24,10 @@ from .model import indexer_keys, indexer_queries, mla_projections
 HI = jax.lax.Precision.HIGHEST
 
 
-def _f32_config(config: MLAConfig) -> MLAConfig:
-    import dataclasses
-    return dataclasses.replace(config, dtype="float32")
+def _f32(params, hidden, config: MLAConfig):
+    """Float32 params, hidden and config: the oracle computes in float32 whatever config.dtype."""
+    params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+    return params, jnp.asarray(hidden, jnp.float32), dataclasses.replace(config, dtype="float32")
 
 
 def _stored_latent(c, k_pe, config):
@@ -41,40 +45,52 @@ def _stored_index_keys(k, config):
     return k * rows["index_k_scale"][:, None] if "index_k_scale" in rows else k
 
 
-def indexer_logits(params, hidden, config: MLAConfig) -> np.ndarray:
-    """[L, L] float32 logits of a whole sequence, -inf above the diagonal (non-causal)."""
-    cfg = _f32_config(config)
-    params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
-    x = jnp.asarray(hidden, jnp.float32)
+@functools.partial(jax.jit, static_argnames="config")
+def _indexer_logits(params, hidden, config: MLAConfig):
+    params, x, cfg = _f32(params, hidden, config)
     pos = jnp.arange(x.shape[0])
     qr = mla_projections(params, x, pos, cfg)[0]
     q, w = indexer_queries(params, x, qr, pos, cfg)
     k = _stored_index_keys(indexer_keys(params, x, pos, cfg), cfg)
     scores = jnp.einsum("thd,sd->ths", q.astype(jnp.float32), k, precision=HI)
     logits = jnp.einsum("th,ths->ts", w, jax.nn.relu(scores), precision=HI)
-    causal = pos[None, :] <= pos[:, None]
-    return np.asarray(jnp.where(causal, logits, -jnp.inf))
+    return jnp.where(pos[None, :] <= pos[:, None], logits, -jnp.inf)
 
 
-def selection(params, hidden, config: MLAConfig) -> np.ndarray:
-    """[L, L] bool: position s is among token t's top-k (all causal positions when t < index_topk)."""
-    logits = indexer_logits(params, hidden, config)
-    L = logits.shape[0]
-    mask = np.zeros((L, L), bool)
-    for t in range(L):
-        order = np.argsort(-logits[t, : t + 1], kind="stable")
-        mask[t, order[: config.index_topk]] = True
-    return mask
+def indexer_logits(params, hidden, config: MLAConfig) -> np.ndarray:
+    """[L, L] float32 logits of a whole sequence, -inf above the diagonal (non-causal)."""
+    return np.asarray(_indexer_logits(params, hidden, config))
 
 
-def sequence_forward(params, hidden, config: MLAConfig, *, dense: bool = False) -> np.ndarray:
-    """Output [L, hidden_size] float32 of one whole sequence hidden [L, hidden_size].
+# Rows whose k-th and (k+1)-th largest logits lie closer than this (relative to the row's largest
+# |logit|) may select either: fp8 tensor-core accumulation and summation order move logits by
+# ~1e-4 relative, so such rows have no single correct top-k set at working precision.
+TIE_TOLERANCE = 1e-3
 
-    dense=True attends every causal position (what the dense route computes).
+
+def selection(params, hidden, config: MLAConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k sets of a whole sequence.
+
+    Returns (mask [L, L] bool: s is among t's top-k, all causal positions when t < index_topk;
+    ambiguous [L] bool: t's set is decided by a near-tie, see TIE_TOLERANCE).
     """
-    cfg = _f32_config(config)
-    params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
-    x = jnp.asarray(hidden, jnp.float32)
+    logits = indexer_logits(params, hidden, config)
+    L, k = logits.shape[0], config.index_topk
+    mask = np.zeros((L, L), bool)
+    ambiguous = np.zeros(L, bool)
+    for t in range(L):
+        row = logits[t, : t + 1]
+        order = np.argsort(-row, kind="stable")
+        mask[t, order[:k]] = True
+        if t + 1 > k:
+            ambiguous[t] = row[order[k - 1]] - row[order[k]] < TIE_TOLERANCE * np.abs(row).max()
+    return mask, ambiguous
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _masked_attention(params, hidden, mask, config: MLAConfig):
+    """MHA-form attention of every token over the key positions mask [L, L] allows, then o_proj."""
+    params, x, cfg = _f32(params, hidden, config)
     L, H = x.shape[0], cfg.num_attention_heads
     pos = jnp.arange(L)
     _, q_nope, q_pe, c, k_pe = mla_projections(params, x, pos, cfg)
@@ -84,10 +100,20 @@ def sequence_forward(params, hidden, config: MLAConfig, *, dense: bool = False) 
     k_nope, v = kv[..., : cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim:]
     scores = (jnp.einsum("thn,shn->hts", q_nope, k_nope, precision=HI)
               + jnp.einsum("thp,sp->hts", q_pe, k_pe, precision=HI)) * cfg.softmax_scale
-    if dense:
-        mask = np.tril(np.ones((L, L), bool))
-    else:
-        mask = selection(params, hidden, config)
     probs = jax.nn.softmax(jnp.where(mask[None], scores, -jnp.inf), axis=-1)
     heads = jnp.einsum("hts,shv->thv", probs, v, precision=HI).reshape(L, H * cfg.v_head_dim)
-    return np.asarray(jnp.einsum("ti,oi->to", heads, params["o_proj.weight"], precision=HI))
+    return jnp.einsum("ti,oi->to", heads, params["o_proj.weight"], precision=HI)
+
+
+def sequence_forward(params, hidden, config: MLAConfig, *, dense: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """One whole sequence hidden [L, hidden_size] -> (out [L, hidden_size] float32, ambiguous [L] bool).
+
+    dense=True attends every causal position (what the dense route computes; nothing is ambiguous).
+    ambiguous marks rows whose top-k set hinges on a near-tie (see `selection`).
+    """
+    L = len(hidden)
+    if dense:
+        mask, ambiguous = np.tril(np.ones((L, L), bool)), np.zeros(L, bool)
+    else:
+        mask, ambiguous = selection(params, hidden, config)
+    return np.asarray(_masked_attention(params, hidden, mask, config)), ambiguous

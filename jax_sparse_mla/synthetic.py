@@ -48,10 +48,11 @@ class Harness:
         self.tables[seq_id] = [self.free_pages.pop() for _ in range(pages)]
 
     def step(self, work, *, timed=False, **plan_options):
-        """Runs one step of work [(seq_id, n_new)]. Returns ({seq_id: out rows [n_new, hidden]}, plan, ms).
+        """Runs one step of work [(seq_id, n_new)].
 
-        ms is the median wall time of 5 re-runs of the compiled step (None unless timed); a re-run
-        writes the same values to the same slots, so it leaves the cache as it was.
+        Returns ({seq_id: out rows [n_new, hidden]}, plan, timing). timing (None unless timed) is
+        (first call ms, compilation included; median ms of 5 re-runs). A re-run writes the same
+        values to the same slots, so it leaves the cache as it was.
         """
         reqs, rows = [], []
         for sid, n in work:
@@ -67,8 +68,11 @@ class Harness:
         x = jnp.asarray(x, self.config.jnp_dtype)
         run = functools.partial(jit_forward, self.params, x, meta=meta, plan=plan, config=self.config,
                                 kernels=self.kernels)
+        t0 = time.perf_counter()
         out, self.cache = run(cache=self.cache)
-        ms = None
+        out.block_until_ready()
+        first_ms = 1e3 * (time.perf_counter() - t0)
+        timing = None
         if timed:
             times = []
             for _ in range(5):
@@ -76,7 +80,7 @@ class Harness:
                 out, self.cache = run(cache=self.cache)
                 out.block_until_ready()
                 times.append(1e3 * (time.perf_counter() - t0))
-            ms = float(np.median(times))
+            timing = (first_ms, float(np.median(times)))
         out = np.asarray(out.astype(jnp.float32))
         if np.any(out[len(rows):] != 0):
             raise AssertionError("padding rows must give 0")
@@ -85,19 +89,26 @@ class Harness:
             result[sid] = out[row:row + n]
             self.done[sid] += n
             row += n
-        return result, plan, ms
+        return result, plan, timing
 
     @functools.cache
     def reference(self, seq_id, length, dense=False):
-        """Reference output [length, hidden] of the first `length` tokens of a sequence."""
+        """(out [length, hidden], ambiguous [length]) of the first `length` tokens of a sequence."""
         return reference.sequence_forward(self.params, self.hidden[seq_id][:length], self.config, dense=dense)
 
     def errors(self, result) -> dict:
-        """{seq_id: relative error of this step's rows against the reference}."""
+        """{seq_id: relative error of this step's rows against the reference}.
+
+        Rows whose reference top-k set hinges on a near-tie (reference.TIE_TOLERANCE) are left
+        out: at working precision either set is correct.
+        """
         errs = {}
         for sid, out in result.items():
             end = self.done[sid]
-            errs[sid] = rel_err(out, self.reference(sid, end)[end - len(out):end])
+            ref, ambiguous = self.reference(sid, end)
+            rows = slice(end - len(out), end)
+            decided = ~ambiguous[rows]
+            errs[sid] = rel_err(out[decided], ref[rows][decided])
         return errs
 
     def check(self, result, tol):

@@ -1,0 +1,225 @@
+"""One layer on a `jax.sharding.Mesh`: heads over a tensor axis, sequences over a data axis.
+
+The mesh has (at least) two named axes, `"data"` (size dp) and `"tensor"` (size tp).
+`sharded_forward` wraps `model.forward` in `jax.shard_map`: every device runs the ordinary
+forward on its slice of heads and its own data shard's batch, with a per-shard config
+(`shard_config`: H / tp attention heads, Hi / tp index heads) and `tensor_axis="tensor"`, which
+makes forward sum two things over the tensor axis: the indexer logits (every index head
+contributes to each logit, and top-k needs the full sum) and o_proj's output (its columns are
+split by head, so each device holds a partial sum).
+
+Tensor parallelism (the heads, as in vLLM / SGLang's TP attention). Parameters (`param_specs`):
+  split by head over "tensor": q_b_proj rows, kv_b_proj rows, o_proj columns, indexer.wq_b rows,
+    indexer.weights_proj rows (all head-major, so a contiguous block is a block of heads);
+  replicated: q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm, indexer.wk,
+    indexer.k_norm (what produces the latent, the shared rope key and the indexer key).
+Every device of a tensor group computes the same latent rows and indexer keys and writes them to
+its own copy of the caches: MLA's latent is shared by all heads, so nothing in the caches is
+per-head. The indexer's top-k is computed redundantly on every device of the group (after the
+psum), so each device's sparse attention reads the same slots.
+
+Data parallelism (the sequences). Each data shard serves its own batch with its own pages; one
+program serves all shards, so `plan_data_parallel` gives them a common static plan (common
+padded sizes; a common route, see there) and concatenates their metadata.
+
+Placement (`shard_params`, `cache_shardings`, `init_sharded_cache`):
+  params: as above, replicated over "data".
+  caches: one `PagedCache` of dp * pages_per_shard pages (both the latent cache and the indexer
+    key cache, and their scales), split along the page axis over "data": data shard d holds
+    global pages [d * P, (d + 1) * P), and its block tables use local page ids 0..P-1. Replicated
+    over "tensor" (tp identical copies: the usual memory cost of tensor-parallel MLA).
+  hidden and out: [dp * T, hidden_size], rows [d * T, (d + 1) * T) belong to data shard d;
+    split over "data", replicated over "tensor".
+  meta: each BatchMeta field is the concatenation of the shards' fields along its first axis
+    (positions [dp * T], query_start_loc [dp * (S + 1)], block_tables [dp * S, W], ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .cache import PagedCache, init_cache
+from .config import MLAConfig
+from .model import forward
+from .params import param_shapes
+from .plan import BatchMeta, BatchPlan, BucketPolicy, Request, plan_batch
+
+DATA = "data"
+TENSOR = "tensor"
+HEAD_ROWS = ("q_b_proj.weight", "kv_b_proj.weight", "indexer.wq_b.weight", "indexer.weights_proj.weight")
+HEAD_COLUMNS = ("o_proj.weight",)
+
+
+def make_mesh(data: int, tensor: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, tensor) mesh over the first data * tensor devices (jax.devices() by default)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if data < 1 or tensor < 1 or data * tensor > len(devices):
+        raise ValueError(f"a ({data}, {tensor}) mesh needs {data * tensor} devices, {len(devices)} are available")
+    return Mesh(np.array(devices[: data * tensor]).reshape(data, tensor), (DATA, TENSOR))
+
+
+def _axis_sizes(mesh: Mesh) -> tuple[int, int]:
+    missing = [a for a in (DATA, TENSOR) if a not in mesh.shape]
+    if missing:
+        raise ValueError(f"the mesh needs axes {DATA!r} and {TENSOR!r}; it has {tuple(mesh.axis_names)}")
+    return mesh.shape[DATA], mesh.shape[TENSOR]
+
+
+def shard_config(config: MLAConfig, tensor: int) -> MLAConfig:
+    """The config one tensor shard sees: H / tensor attention heads and Hi / tensor index heads."""
+    for name in ("num_attention_heads", "index_n_heads"):
+        if getattr(config, name) % tensor:
+            raise ValueError(f"{name}={getattr(config, name)} does not split over a tensor axis of size {tensor}")
+    return dataclasses.replace(config, num_attention_heads=config.num_attention_heads // tensor,
+                               index_n_heads=config.index_n_heads // tensor)
+
+
+def param_specs(config: MLAConfig) -> dict[str, P]:
+    """PartitionSpec of each parameter (HF name): head-split rows / columns over "tensor", others replicated."""
+    specs = {}
+    for name in param_shapes(config):
+        specs[name] = P(TENSOR, None) if name in HEAD_ROWS else P(None, TENSOR) if name in HEAD_COLUMNS else P()
+    return specs
+
+
+def param_shardings(mesh: Mesh, config: MLAConfig) -> dict[str, NamedSharding]:
+    _, tp = _axis_sizes(mesh)
+    shard_config(config, tp)  # heads must divide
+    return {name: NamedSharding(mesh, spec) for name, spec in param_specs(config).items()}
+
+
+def shard_params(params: dict, mesh: Mesh, config: MLAConfig) -> dict[str, jax.Array]:
+    """Places full (unsharded) params on the mesh as `param_specs` says."""
+    return jax.device_put(params, param_shardings(mesh, config))
+
+
+def cache_shardings(mesh: Mesh, config: MLAConfig) -> PagedCache:
+    """A PagedCache of NamedShardings (None where the config has no such field): pages over "data"."""
+    abstract = jax.eval_shape(lambda: init_cache(config, 1))
+    return jax.tree.map(lambda _: NamedSharding(mesh, P(DATA)), abstract)
+
+
+def init_sharded_cache(config: MLAConfig, mesh: Mesh, pages_per_shard: int) -> PagedCache:
+    """An empty cache of data * pages_per_shard pages, created in place on the mesh."""
+    dp, _ = _axis_sizes(mesh)
+    return jax.jit(lambda: init_cache(config, dp * pages_per_shard), out_shardings=cache_shardings(mesh, config))()
+
+
+# ---- data-parallel plans -----------------------------------------------------------------------
+
+def _padding_meta(plan: BatchPlan) -> BatchMeta:
+    """Metadata of a data shard with no work: every row padding, every sequence empty."""
+    def full(shape, value):
+        return jnp.full(shape, value, jnp.int32)
+    return BatchMeta(positions=full(plan.num_tokens, -1), slot_mapping=full(plan.num_tokens, -1),
+                     row_seq=full(plan.num_tokens, 0), query_start_loc=full(plan.num_seqs + 1, 0),
+                     seq_lens=full(plan.num_seqs, 0), block_tables=full((plan.num_seqs, plan.pages_per_seq), -1),
+                     decode_rows=full(plan.num_decode_tokens, -1), dense_query_len=full(plan.num_seqs, 0))
+
+
+def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *, pages_per_shard: int,
+                       force_sparse: bool = False, skip_indexer: bool = True,
+                       buckets: BucketPolicy = BucketPolicy()) -> tuple[BatchPlan, BatchMeta]:
+    """One static plan for every data shard, and their metadata concatenated along axis 0.
+
+    shards[d]: data shard d's requests (may be empty), block tables in local page ids
+    [0, pages_per_shard). Sizes are padded to the largest shard's buckets. Route: dense when
+    every shard with prefills is routed dense by plan_batch (a decode-only shard then sends its
+    rows through the dense program's decode path); if the shards disagree, every shard runs
+    sparse (exact: with every position selected, sparse equals dense), losing the skip this step.
+    Options as in plan_batch. Raises ValueError naming the shard for invalid requests.
+    """
+    active = [d for d, reqs in enumerate(shards) if len(reqs)]
+    if not active:
+        raise ValueError("empty batch: plan_data_parallel needs at least one request in some shard")
+
+    def plan_all(force, policy):
+        out = {}
+        for d in active:
+            try:
+                out[d] = plan_batch(config, shards[d], num_pages=pages_per_shard, force_sparse=force,
+                                    skip_indexer=skip_indexer, buckets=policy)
+            except ValueError as e:
+                raise ValueError(f"data shard {d}: {e}") from None
+        return out
+
+    plans = plan_all(force_sparse, buckets)
+    decode_only = {d: all(r.is_decode for r in shards[d]) for d in active}
+    dense = (any(p.use_dense_mha for p, _ in plans.values())
+             and all(p.use_dense_mha or decode_only[d] for d, (p, _) in plans.items()))
+    force = force_sparse or not dense  # shards that plan_batch routes dense must run sparse too
+    common = dataclasses.replace(
+        buckets,
+        min_tokens=max(p.num_tokens for p, _ in plans.values()),
+        min_seqs=max(p.num_seqs for p, _ in plans.values()),
+        min_pages_per_seq=max(p.pages_per_seq for p, _ in plans.values()),
+        min_query_len=max([buckets.min_query_len] + [p.max_query_len for p, _ in plans.values()]))
+    plans = plan_all(force, common)
+
+    if dense:  # every row of a decode-only shard is a decode row of the dense program
+        decode_rows = {d: (np.asarray(m.decode_rows) if p.use_dense_mha else np.flatnonzero(np.asarray(m.positions) >= 0))
+                       for d, (p, m) in plans.items()}
+        decode_rows = {d: rows[rows >= 0] for d, rows in decode_rows.items()}
+        num_decode = max(BucketPolicy.round_up(len(r), 1) if len(r) else 0 for r in decode_rows.values())
+        base = next(p for p, _ in plans.values() if p.use_dense_mha)
+        plan = dataclasses.replace(base, num_decode_tokens=num_decode,
+                                   num_scored_tokens=base.num_tokens if not skip_indexer else num_decode)
+        for d, (p, m) in plans.items():
+            rows = np.full(num_decode, -1, np.int32)
+            rows[: len(decode_rows[d])] = decode_rows[d]
+            plans[d] = (p, dataclasses.replace(m, decode_rows=jnp.asarray(rows)))
+    else:
+        plan = plans[active[0]][0]
+    for d, (p, _) in plans.items():
+        if not p.use_dense_mha and plan.use_dense_mha:  # a decode-only shard in the dense program
+            p = dataclasses.replace(p, use_dense_mha=True, max_query_len=plan.max_query_len)
+        same = dataclasses.replace(p, num_decode_tokens=plan.num_decode_tokens, num_scored_tokens=plan.num_scored_tokens)
+        assert same == plan, (d, p, plan)  # the common buckets make every size agree
+    metas = [plans[d][1] if d in plans else _padding_meta(plan) for d in range(len(shards))]
+    return plan, jax.tree.map(lambda *fields: jnp.concatenate(fields), *metas)
+
+
+# ---- the sharded step ----------------------------------------------------------------------------
+
+def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh: Mesh, plan: BatchPlan,
+                    config: MLAConfig, kernels: str = "auto"):
+    """`model.forward` over a (data, tensor) mesh; see the module docstring for every layout.
+
+    params: full HF-named dict (sharded as param_specs, or placed there by jit);
+    hidden: [dp * plan.num_tokens, hidden_size]; cache: PagedCache of dp * pages_per_shard pages;
+    meta: from plan_data_parallel. Returns (out [dp * plan.num_tokens, hidden_size], new cache).
+    Jit with mesh, plan, config and kernels static (`jit_sharded_forward`).
+    """
+    dp, tp = _axis_sizes(mesh)
+    local = shard_config(config, tp)
+    if hidden.shape != (dp * plan.num_tokens, config.hidden_size):
+        raise ValueError(f"hidden has shape {hidden.shape}, expected [data * plan.num_tokens, hidden_size] = "
+                         f"{[dp * plan.num_tokens, config.hidden_size]}")
+    if cache.num_pages % dp:
+        raise ValueError(f"the cache's {cache.num_pages} pages do not split over a data axis of size {dp}")
+    if meta.positions.shape != (dp * plan.num_tokens,):
+        raise ValueError(f"meta.positions has shape {meta.positions.shape}, expected {(dp * plan.num_tokens,)}: "
+                         "make meta with plan_data_parallel for this mesh's data axis")
+
+    def per_shard(params, hidden, cache, meta):
+        # forward gains tensor_axis with the model.py patch of issue 7; without tensor
+        # parallelism it is not needed.
+        extra = {"tensor_axis": TENSOR} if tp > 1 else {}
+        return forward(params, hidden, cache, meta, plan=plan, config=local, kernels=kernels, **extra)
+
+    # check_vma=False: the Pallas kernels inside forward carry no varying-axes annotations. The
+    # outputs are replicated over "tensor" by construction (psum; identical cache writes).
+    step = jax.shard_map(per_shard, mesh=mesh, in_specs=(param_specs(config), P(DATA), P(DATA), P(DATA)),
+                         out_specs=(P(DATA), P(DATA)), check_vma=False)
+    return step(params, hidden, cache, meta)
+
+
+jit_sharded_forward = jax.jit(sharded_forward, static_argnames=("mesh", "plan", "config", "kernels"),
+                              donate_argnames=("cache",))
