@@ -7,7 +7,9 @@
 * decode logits: batch B of sequences, each with --decode-rows query rows at the end of a
   context of C keys; GB/s of key bytes read once per sequence (D + 4 per key for fp8 with its
   scale, 2 * D for bf16).
-* top-k (k=2048) of [rows, L] f32 logits against lax.top_k.
+* top-k (k=2048) of [rows, L] f32 logits: every method of pallas_kernels.topk (filter,
+  filter_unrolled, radix) side by side with lax.top_k on the same inputs. `--only topk` runs
+  just that (~1 minute).
 Every config is checked against the reference (on a sample of rows) before it is timed; a
 failing config is recorded with its error and the run goes on. The XLA reference is skipped
 where it would take too long or too much memory (said so in the table). --sweep adds a small
@@ -34,7 +36,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pallas_kernels.indexer import indexer_logits, indexer_logits_reference  # noqa: E402
-from pallas_kernels.topk import topk, topk_reference  # noqa: E402
+from pallas_kernels.topk import METHODS as TOPK_METHODS, topk, topk_reference  # noqa: E402
 
 HI, D, PAGE, TOPK = 64, 128, 64, 2048
 FP8 = jnp.float8_e4m3fn
@@ -235,18 +237,41 @@ def topk_inputs(rows, length, causal, seed):
     return (x,)
 
 
-def bench_topk(quick, tiling=None, shapes=None, tag=""):
+def bench_topk(quick, tiling=None, shapes=None, tag="", methods=TOPK_METHODS):
+    """Every top-k method side by side with lax.top_k on the same inputs (timed once a shape);
+    each method is checked on a sample of rows before it is timed."""
+    del quick
     shapes = shapes or ([(1024, 32768, False), (4096, 32768, False), (4096, 32768, True),
                          (128, 131072, False)])
-    kern = jax.jit(functools.partial(topk, k=TOPK, **(tiling or {})))
     xla = jax.jit(lambda x: jax.lax.top_k(x, TOPK)[1])
     for rows, length, causal in shapes:
         nbytes = float(rows) * length * 4
-        run_config(
-            "topk" + tag, dict(rows=rows, L=length, k=TOPK, causal=causal, tiling=tiling or "default"),
-            lambda: topk_inputs(rows, length, causal, rows + length),
-            kern, xla, lambda ms: nbytes / (ms * 1e-3) / 1e9, "GBps",
-            lambda out, args: check_topk_sample(out, args[0], TOPK))
+        params = dict(rows=rows, L=length, k=TOPK, causal=causal)
+        if time.time() > DEADLINE[0]:
+            record(kind="topk" + tag, **params, unit="GBps", error="skipped: run time budget spent")
+            continue
+        try:
+            args = topk_inputs(rows, length, causal, rows + length)
+            xla_ms = time_ms(xla, *args, budget_s=0.3)
+        except Exception as e:  # noqa: BLE001
+            record(kind="topk" + tag, **params, unit="GBps", error=f"inputs/xla: {type(e).__name__}: {e}"[:300])
+            continue
+        for method in methods:
+            rec = dict(kind="topk" + tag, **params, method=method, tiling=tiling or "default", unit="GBps",
+                       xla_ms=xla_ms, xla_GBps=nbytes / (xla_ms * 1e-3) / 1e9)
+            kern = jax.jit(functools.partial(topk, k=TOPK, method=method, **(tiling or {})))
+            try:
+                out = _block(kern(*args))
+                rec["check_err"] = check_topk_sample(out, args[0], TOPK)
+                del out
+                rec["kernel_ms"] = time_ms(kern, *args)
+                rec["kernel_GBps"] = nbytes / (rec["kernel_ms"] * 1e-3) / 1e9
+                rec["speedup"] = xla_ms / rec["kernel_ms"]
+            except Exception as e:  # noqa: BLE001
+                rec["error"] = f"kernel: {type(e).__name__}: {str(e)[:300]}"
+                rec["trace"] = traceback.format_exc()[-2000:]
+            record(**rec)
+        del args
 
 
 def sweep():
@@ -257,17 +282,18 @@ def sweep():
     for t in [dict(block_keys=128), dict(block_keys=128, num_warps=8), dict(chunk=4096),
               dict(block_keys=32)]:
         bench_decode(True, tiling=t, batches=[64], contexts=[65536], dtypes=(FP8,), tag="-sweep")
-    for t in [dict(num_warps=16), dict(block=512), dict(block=256, num_warps=4),
-              dict(block=2048, num_warps=16), dict(num_stages=2)]:
-        bench_topk(True, tiling=t, shapes=[(4096, 32768, False)], tag="-sweep")
+    for t in [dict(num_warps=4), dict(num_warps=16), dict(block=512), dict(block=2048),
+              dict(block=256, num_warps=4), dict(num_stages=2)]:
+        bench_topk(True, tiling=t, shapes=[(1024, 32768, False), (128, 131072, False)], tag="-sweep",
+                   methods=[m for m in TOPK_METHODS if m != "radix"])
 
 
 def print_table():
     print("\n" + "=" * 110)
-    print(f"{'kind':14} {'config':44} {'kernel':>18} {'XLA':>18} {'speedup':>8}  note")
+    print(f"{'kind':14} {'config':62} {'kernel':>18} {'XLA':>18} {'speedup':>8}  note")
     for r in RESULTS:
         unit = r["unit"]
-        cfg = {k: v for k, v in r.items() if k in ("dtype", "T", "B", "C", "rows", "L", "causal")}
+        cfg = {k: v for k, v in r.items() if k in ("dtype", "T", "B", "C", "rows", "L", "causal", "method")}
         if r.get("tiling") not in (None, "default"):
             cfg["tiling"] = r["tiling"]
         cfg = " ".join(f"{k}={v}" for k, v in cfg.items())
@@ -275,7 +301,7 @@ def print_table():
         xla = f"{r['xla_ms']:.3f}ms {r['xla_' + unit]:.0f}" if "xla_ms" in r else "-"
         sp = f"{r['speedup']:.1f}x" if "speedup" in r else ""
         note = r.get("error") or r.get("xla", "")
-        print(f"{r['kind']:14} {cfg[:44]:44} {kern:>18} {xla:>18} {sp:>8}  {unit} {note[:60]}")
+        print(f"{r['kind']:14} {cfg[:62]:62} {kern:>18} {xla:>18} {sp:>8}  {unit} {note[:60]}")
 
 
 def main():
@@ -283,7 +309,7 @@ def main():
     ap.add_argument("--out", default="bench_indexer.json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also sweep a few kernel tilings")
-    ap.add_argument("--only", default="prefill,decode,topk")
+    ap.add_argument("--only", default="prefill,decode,topk", help="comma list of prefill,decode,topk")
     ap.add_argument("--budget-s", type=float, default=270, help="skip configs starting later than this")
     ap.add_argument("--decode-rows", type=int, default=1, help="query rows per decode sequence (MTP: 2)")
     a = ap.parse_args()
