@@ -13,7 +13,8 @@ from .model import forward, jit_forward
 from .nnx_layer import SparseMLA
 from .params import init_params, params_from_hf
 from .plan import BatchMeta, BatchPlan, BucketPolicy, Request, plan_batch
-from .sharding import init_sharded_cache, jit_sharded_forward, make_mesh, plan_data_parallel, shard_params, sharded_forward
+from .sharding import (init_sharded_cache, jit_sharded_forward, make_mesh, plan_data_parallel, shard_params,
+                       sharded_forward)
 
 __all__ = [
     "BatchMeta", "BatchPlan", "BucketPolicy", "MLAConfig", "PagedCache", "Request", "RopeScaling",

@@ -66,6 +66,7 @@ def indexer_logits(params, hidden, config: MLAConfig) -> np.ndarray:
 # |logit|) may select either: fp8 tensor-core accumulation and summation order move logits by
 # ~1e-4 relative, so such rows have no single correct top-k set at working precision.
 TIE_TOLERANCE = 1e-3
+PAD_TO = 256  # sequence rows per compiled reference program
 
 
 def selection(params, hidden, config: MLAConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -112,8 +113,12 @@ def sequence_forward(params, hidden, config: MLAConfig, *, dense: bool = False) 
     ambiguous marks rows whose top-k set hinges on a near-tie (see `selection`).
     """
     L = len(hidden)
+    # Padded to a multiple of PAD_TO rows so that sequences of nearby lengths share one compiled
+    # program; causality makes the padding rows invisible to the first L rows.
+    padded = np.zeros((-(-L // PAD_TO) * PAD_TO, np.shape(hidden)[1]), np.float32)
+    padded[:L] = hidden
     if dense:
-        mask, ambiguous = np.tril(np.ones((L, L), bool)), np.zeros(L, bool)
+        mask, ambiguous = np.tril(np.ones((len(padded),) * 2, bool)), np.zeros(L, bool)
     else:
-        mask, ambiguous = selection(params, hidden, config)
-    return np.asarray(_masked_attention(params, hidden, mask, config)), ambiguous
+        mask, ambiguous = selection(params, padded, config)
+    return np.asarray(_masked_attention(params, padded, mask, config))[:L], ambiguous[:L]

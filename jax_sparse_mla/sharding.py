@@ -163,10 +163,12 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
         min_query_len=max([buckets.min_query_len] + [p.max_query_len for p, _ in plans.values()]))
     plans = plan_all(force, common)
 
-    if dense:  # every row of a decode-only shard is a decode row of the dense program
-        decode_rows = {d: (np.asarray(m.decode_rows) if p.use_dense_mha else np.flatnonzero(np.asarray(m.positions) >= 0))
-                       for d, (p, m) in plans.items()}
-        decode_rows = {d: rows[rows >= 0] for d, rows in decode_rows.items()}
+    if dense:
+        # The dense program's decode rows: plan_batch's for dense shards, every row of a decode-only shard.
+        decode_rows = {}
+        for d, (p, m) in plans.items():
+            rows = np.asarray(m.decode_rows) if p.use_dense_mha else np.flatnonzero(np.asarray(m.positions) >= 0)
+            decode_rows[d] = rows[rows >= 0]
         num_decode = max(BucketPolicy.round_up(len(r), 1) if len(r) else 0 for r in decode_rows.values())
         base = next(p for p, _ in plans.values() if p.use_dense_mha)
         plan = dataclasses.replace(base, num_decode_tokens=num_decode,
@@ -180,7 +182,8 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
     for d, (p, _) in plans.items():
         if not p.use_dense_mha and plan.use_dense_mha:  # a decode-only shard in the dense program
             p = dataclasses.replace(p, use_dense_mha=True, max_query_len=plan.max_query_len)
-        same = dataclasses.replace(p, num_decode_tokens=plan.num_decode_tokens, num_scored_tokens=plan.num_scored_tokens)
+        same = dataclasses.replace(p, num_decode_tokens=plan.num_decode_tokens,
+                                   num_scored_tokens=plan.num_scored_tokens)
         assert same == plan, (d, p, plan)  # the common buckets make every size agree
     metas = [plans[d][1] if d in plans else _padding_meta(plan) for d in range(len(shards))]
     return plan, jax.tree.map(lambda *fields: jnp.concatenate(fields), *metas)
