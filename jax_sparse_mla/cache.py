@@ -75,9 +75,9 @@ def encode_latent(c, k_pe, config: MLAConfig) -> dict[str, jax.Array]:
     """Latent rows in storage form. c: [T, R], k_pe: [T, rope] (float32) -> cache field -> [T, ...]."""
     if config.kv_cache_dtype == "fp8":
         values, scale = ops.quantize_tiles(c, FP8_TILE)
-        return {"latent": values, "latent_scale": scale, "k_pe": k_pe.astype(jnp.bfloat16)}
+        return {"latent": values, "latent_scale": scale, "k_pe": ops.cast_rounded(k_pe, jnp.bfloat16)}
     dt = jnp.dtype(config.kv_cache_dtype)
-    return {"latent": c.astype(dt), "k_pe": k_pe.astype(dt)}
+    return {"latent": ops.cast_rounded(c, dt), "k_pe": ops.cast_rounded(k_pe, dt)}
 
 
 def encode_index_keys(k, config: MLAConfig) -> dict[str, jax.Array]:
@@ -85,7 +85,7 @@ def encode_index_keys(k, config: MLAConfig) -> dict[str, jax.Array]:
     if config.indexer_dtype == "fp8":
         values, scale = ops.act_quant(k)
         return {"index_k": values, "index_k_scale": scale}
-    return {"index_k": k.astype(jnp.dtype(config.indexer_dtype))}
+    return {"index_k": ops.cast_rounded(k, jnp.dtype(config.indexer_dtype))}
 
 
 def write(cache: PagedCache, slot_mapping, rows: dict[str, jax.Array]) -> PagedCache:

@@ -65,7 +65,7 @@ def indexer_queries(params, x, qr, positions, config: MLAConfig):
     if c_.indexer_dtype == "fp8":
         q, q_scale = ops.act_quant(q)
         return q, weights * q_scale
-    return q.astype(jnp.dtype(c_.indexer_dtype)), weights
+    return ops.cast_rounded(q, jnp.dtype(c_.indexer_dtype)), weights
 
 
 def positions_to_slots(key_positions, block_tables, row_seq, page_size: int):

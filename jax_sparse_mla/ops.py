@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -15,6 +16,15 @@ from .config import MLAConfig
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0
+
+
+def cast_rounded(x, dtype):
+    """x cast to a narrower storage dtype, kept rounded when cast back up.
+
+    XLA on GPU folds a cast round trip (f32 -> fp8 -> f32) inside one program into nothing
+    (excess precision), which would silently skip quantisation; the barrier keeps it.
+    """
+    return jax.lax.optimization_barrier(x.astype(dtype))
 
 
 def rms_norm(x, weight, eps):
@@ -90,7 +100,9 @@ def hadamard_matrix(n: int) -> np.ndarray:
 
 def hadamard(x):
     """Orthonormal Hadamard transform of the last axis (a power of two)."""
-    return x.astype(jnp.float32) @ jnp.asarray(hadamard_matrix(x.shape[-1]))
+    # HIGHEST: a TF32 product on GPU would move values across fp8 rounding boundaries.
+    return jnp.matmul(x.astype(jnp.float32), jnp.asarray(hadamard_matrix(x.shape[-1])),
+                      precision=jax.lax.Precision.HIGHEST)
 
 
 def act_quant(x):
@@ -103,7 +115,7 @@ def act_quant(x):
     # Round amax / 448 up to a power of two exactly (exp2(ceil(log2())) is approximate on CPU).
     mantissa, exponent = jnp.frexp(amax / FP8_MAX)  # value = mantissa * 2^exponent, mantissa in [0.5, 1)
     scale = jnp.ldexp(jnp.ones_like(amax), jnp.where(mantissa == 0.5, exponent - 1, exponent))
-    values = jnp.clip(x / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    values = cast_rounded(jnp.clip(x / scale[..., None], -FP8_MAX, FP8_MAX), FP8_DTYPE)
     return values, scale
 
 
@@ -115,7 +127,7 @@ def quantize_tiles(x, tile: int):
     x = x.astype(jnp.float32)
     tiles = x.reshape(x.shape[:-1] + (x.shape[-1] // tile, tile))
     scale = jnp.maximum(jnp.max(jnp.abs(tiles), axis=-1), 1e-4) / FP8_MAX
-    values = jnp.clip(tiles / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    values = cast_rounded(jnp.clip(tiles / scale[..., None], -FP8_MAX, FP8_MAX), FP8_DTYPE)
     return values.reshape(x.shape), scale
 
 
