@@ -53,15 +53,18 @@ def indexer_keys(params, x, positions, config: MLAConfig):
     return ops.hadamard(ops.rope_neox_prefix(k, positions, config))
 
 
-def indexer_queries(params, x, qr, positions, config: MLAConfig):
+def indexer_queries(params, x, qr, positions, config: MLAConfig, *, total_index_heads: int | None = None):
     """Indexer queries and head weights: (q [N, Hi, D] in the indexer dtype, weights [N, Hi] f32).
 
     On the fp8 path q is e4m3 and each (row, head) scale is folded into the weights.
+    total_index_heads: the layer's index head count when params and config hold only a slice of
+    the heads (tensor parallelism); the weights' scale is total_index_heads^-0.5 (default: Hi).
     """
     c_ = config
+    n_heads = c_.index_n_heads if total_index_heads is None else total_index_heads
     q = linear(qr, params["indexer.wq_b.weight"], c_).reshape(qr.shape[0], c_.index_n_heads, c_.index_head_dim)
     q = ops.hadamard(ops.rope_neox_prefix(q, positions, c_))
-    weights = linear(x, params["indexer.weights_proj.weight"], c_) * (c_.index_n_heads ** -0.5 * c_.index_head_dim ** -0.5)
+    weights = linear(x, params["indexer.weights_proj.weight"], c_) * (n_heads ** -0.5 * c_.index_head_dim ** -0.5)
     if c_.indexer_dtype == "fp8":
         q, q_scale = ops.act_quant(q)
         return q, weights * q_scale
@@ -132,13 +135,16 @@ def _dense_prefill(q_nope, q_pe, cache, meta: BatchMeta, w_uk, w_uv, plan: Batch
 
 
 def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, plan: BatchPlan,
-            config: MLAConfig, kernels: str = "auto"):
+            config: MLAConfig, kernels: str = "auto", tensor_axis: str | None = None):
     """One attention layer step over a planned batch.
 
     params: HF-named dict (see params.py); hidden: [plan.num_tokens, hidden_size], rows in
     plan_batch's order, padding last; cache: PagedCache (donate it under jit); meta: BatchMeta.
     Returns (out [num_tokens, hidden_size] in config.dtype, new cache). Padding rows give 0.
     Jit with plan, config and kernels static.
+    tensor_axis: inside shard_map, the mesh axis that splits the heads (sharding.py): params and
+      config hold this shard's attention and index heads; the indexer logits (before top-k) and
+      the output are summed over the axis.
     """
     _check_inputs(params, hidden, cache, meta, plan, config)
     impl = kernel_ops.resolve(kernels)
@@ -171,10 +177,14 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
         if scored_rows is not None:
             row_end = jnp.where(scored_rows >= 0, row_end, 0)
         with jax.named_scope("indexer_logits"):
-            q_i, w_i = indexer_queries(params, pick(x), pick(qr), pick(positions), c_)
+            tp = 1 if tensor_axis is None else jax.lax.axis_size(tensor_axis)
+            q_i, w_i = indexer_queries(params, pick(x), pick(qr), pick(positions), c_,
+                                       total_index_heads=c_.index_n_heads * tp)
             logits = kernel_ops.indexer_logits(q_i, w_i, cache.flat("index_k"), cache.flat("index_k_scale"),
                                                meta.block_tables, pick(meta.row_seq), row_end,
                                                page_size=c_.page_size, impl=impl["indexer_logits"])
+            if tensor_axis is not None:  # every shard holds some index heads: top-k needs their sum
+                logits = jax.lax.psum(logits, tensor_axis)
         with jax.named_scope("indexer_topk"):
             top_pos = kernel_ops.topk_indices(logits, c_.index_topk, impl=impl["topk"])
         top_slots = positions_to_slots(top_pos, meta.block_tables, pick(meta.row_seq), c_.page_size)
@@ -198,6 +208,8 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
             out_heads = out_heads.at[jnp.where(sparse_rows >= 0, sparse_rows, T)].set(sparse_out, mode="drop")
 
     out = linear(out_heads.reshape(T, H * c_.v_head_dim), params["o_proj.weight"], c_)
+    if tensor_axis is not None:  # o_proj's columns are split by head: partial sums
+        out = jax.lax.psum(out, tensor_axis)
     return out.astype(c_.jnp_dtype), cache
 
 
