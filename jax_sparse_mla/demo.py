@@ -23,6 +23,7 @@ def workload(topk: int):
         ("decode", {}, [(0, 1), (2, 1), (3, 1)]),
         ("decode", {}, [(0, 1), (2, 1), (3, 1)]),
         ("mixed: short prefill + decodes", {4: short}, [(4, short), (2, 1), (3, 1)]),
+        ("mixed: short + long prefill", {6: short, 7: long_}, [(6, short), (7, long_)]),
         ("mixed, no skip (baseline)", {5: short}, [(5, short), (2, 1), (3, 1), (0, 1)]),
     ]
 

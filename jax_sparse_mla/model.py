@@ -9,6 +9,8 @@ sparse attention over the selected latent rows.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -99,12 +101,14 @@ def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, confi
     cache_lib.check_cache(cache, config)
     expected = {"positions": (plan.num_tokens,), "slot_mapping": (plan.num_tokens,), "row_seq": (plan.num_tokens,),
                 "query_start_loc": (plan.num_seqs + 1,), "seq_lens": (plan.num_seqs,),
-                "block_tables": (plan.num_seqs, plan.pages_per_seq), "decode_rows": (plan.num_decode_tokens,),
+                "block_tables": (plan.num_seqs, plan.pages_per_seq), "sparse_rows": (plan.num_sparse_tokens,),
                 "dense_query_len": (plan.num_seqs,)}
     for name, shape in expected.items():
         got = getattr(meta, name)
         if got.shape != shape:
             raise ValueError(f"meta.{name} has shape {got.shape}, expected {shape} for this plan (was it made by plan_batch?)")
+    if (meta.dense_flag is None) != (plan.use_dense_mha is not None):
+        raise ValueError("meta.dense_flag must be set exactly for dispatch='cond' plans (use_dense_mha None)")
     from .params import param_shapes
     for name, shape in param_shapes(config).items():
         if name not in params or params[name].shape != shape:
@@ -134,6 +138,85 @@ def _dense_prefill(q_nope, q_pe, cache, meta: BatchMeta, w_uk, w_uv, plan: Batch
     return rows, out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What the attention programs share: projected rows [T, ...], the written cache, the plan's
+    metadata, the up-projections W_UK [H, nope, R] and W_UV [H, v, R], and static settings."""
+
+    params: dict
+    x: jax.Array
+    qr: jax.Array
+    q_nope: jax.Array
+    q_pe: jax.Array
+    positions: jax.Array
+    cache: cache_lib.PagedCache
+    meta: BatchMeta
+    w_uk: jax.Array
+    w_uv: jax.Array
+    config: MLAConfig
+    impl: dict
+    tensor_axis: str | None
+
+
+def _pick(a, rows):
+    return a if rows is None else _take_rows(a, rows)
+
+
+def _topk_slots(step: _Step, rows):
+    """Indexer scoring and top-k of `rows` ([N] row ids, -1 padded; None: every row) -> slots [N, topk]."""
+    c_, meta = step.config, step.meta
+    row_pos = _pick(meta.positions, rows)
+    row_end = jnp.where(row_pos >= 0, row_pos + 1, 0)
+    if rows is not None:
+        row_end = jnp.where(rows >= 0, row_end, 0)
+    with jax.named_scope("indexer_logits"):
+        tp = 1 if step.tensor_axis is None else jax.lax.axis_size(step.tensor_axis)
+        q_i, w_i = indexer_queries(step.params, _pick(step.x, rows), _pick(step.qr, rows), _pick(step.positions, rows),
+                                   c_, total_index_heads=c_.index_n_heads * tp)
+        logits = kernel_ops.indexer_logits(q_i, w_i, step.cache.flat("index_k"), step.cache.flat("index_k_scale"),
+                                           meta.block_tables, _pick(meta.row_seq, rows), row_end,
+                                           page_size=c_.page_size, impl=step.impl["indexer_logits"])
+        if step.tensor_axis is not None:  # every shard holds some index heads: top-k needs their sum
+            logits = jax.lax.psum(logits, step.tensor_axis)
+    with jax.named_scope("indexer_topk"):
+        top_pos = kernel_ops.topk_indices(logits, c_.index_topk, impl=step.impl["topk"])
+    return positions_to_slots(top_pos, meta.block_tables, _pick(meta.row_seq, rows), c_.page_size)
+
+
+def _sparse_attention(step: _Step, rows, slots):
+    """Absorbed sparse attention of `rows` (None: every row) over cache slots [N, topk] -> [N, H, v] f32."""
+    c_, cache = step.config, step.cache
+    q_lat = jnp.einsum("thn,hnr->thr", _pick(step.q_nope, rows), step.w_uk, precision=_precision(c_))
+    q_abs = jnp.concatenate([q_lat, _pick(step.q_pe, rows)], -1).astype(c_.jnp_dtype)
+    out_lat, _ = kernel_ops.sparse_mla(q_abs, cache.flat("latent"), cache.flat("latent_scale"), cache.flat("k_pe"),
+                                       slots, scale=c_.softmax_scale, impl=step.impl["sparse_mla"])
+    return jnp.einsum("thr,hvr->thv", out_lat, step.w_uv, precision=_precision(c_))
+
+
+def _sparse_program(step: _Step):
+    """Every row scored, top-k'd and attended sparsely -> [T, H, v] f32."""
+    return _sparse_attention(step, None, _topk_slots(step, None))
+
+
+def _dense_program(step: _Step, plan: BatchPlan):
+    """Short prefills as dense MHA, meta.sparse_rows sparsely -> [T, H, v] f32.
+
+    Scores only the sparse rows, or every row when plan.skip_indexer is False (the baseline).
+    """
+    c_, meta, T = step.config, step.meta, plan.num_tokens
+    out_heads = jnp.zeros((T, c_.num_attention_heads, c_.v_head_dim), jnp.float32)
+    rows, dense_out = _dense_prefill(step.q_nope, step.q_pe, step.cache, meta, step.w_uk, step.w_uv, plan, c_)
+    out_heads = out_heads.at[jnp.where(rows >= 0, rows, T)].set(dense_out, mode="drop")
+    all_slots = None if plan.skip_indexer else _topk_slots(step, None)
+    if plan.num_sparse_tokens:
+        rows = meta.sparse_rows
+        slots = _topk_slots(step, rows) if all_slots is None else _take_rows(all_slots, rows)
+        out_heads = out_heads.at[jnp.where(rows >= 0, rows, T)].set(_sparse_attention(step, rows, slots), mode="drop")
+    if all_slots is not None:  # baseline: keep scoring that (mostly) no row reads
+        out_heads = _depend_on(out_heads, all_slots)
+    return out_heads
+
+
 def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, plan: BatchPlan,
             config: MLAConfig, kernels: str = "auto", tensor_axis: str | None = None):
     """One attention layer step over a planned batch.
@@ -161,51 +244,15 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
                             {**cache_lib.encode_latent(c, k_pe, c_), **cache_lib.encode_index_keys(k_index, c_)})
 
     kv_b = params["kv_b_proj.weight"].astype(jnp.float32).reshape(H, c_.qk_nope_head_dim + c_.v_head_dim, c_.kv_lora_rank)
-    w_uk, w_uv = kv_b[:, : c_.qk_nope_head_dim], kv_b[:, c_.qk_nope_head_dim:]  # [H, nope, R], [H, v, R]
-    out_heads = jnp.zeros((T, H, c_.v_head_dim), jnp.float32)
-
-    if plan.use_dense_mha:
-        rows, dense_out = _dense_prefill(q_nope, q_pe, cache, meta, w_uk, w_uv, plan, c_)
-        out_heads = out_heads.at[jnp.where(rows >= 0, rows, T)].set(dense_out, mode="drop")
-
-    sparse_rows = meta.decode_rows if plan.use_dense_mha else None  # None: every row
-    scored_rows = None if plan.num_scored_tokens == T else meta.decode_rows
-    top_slots = None
-    if plan.has_indexer_scoring:
-        pick = (lambda a: a) if scored_rows is None else (lambda a: _take_rows(a, scored_rows))
-        row_end = jnp.where(pick(meta.positions) >= 0, pick(meta.positions) + 1, 0)
-        if scored_rows is not None:
-            row_end = jnp.where(scored_rows >= 0, row_end, 0)
-        with jax.named_scope("indexer_logits"):
-            tp = 1 if tensor_axis is None else jax.lax.axis_size(tensor_axis)
-            q_i, w_i = indexer_queries(params, pick(x), pick(qr), pick(positions), c_,
-                                       total_index_heads=c_.index_n_heads * tp)
-            logits = kernel_ops.indexer_logits(q_i, w_i, cache.flat("index_k"), cache.flat("index_k_scale"),
-                                               meta.block_tables, pick(meta.row_seq), row_end,
-                                               page_size=c_.page_size, impl=impl["indexer_logits"])
-            if tensor_axis is not None:  # every shard holds some index heads: top-k needs their sum
-                logits = jax.lax.psum(logits, tensor_axis)
-        with jax.named_scope("indexer_topk"):
-            top_pos = kernel_ops.topk_indices(logits, c_.index_topk, impl=impl["topk"])
-        top_slots = positions_to_slots(top_pos, meta.block_tables, pick(meta.row_seq), c_.page_size)
-
-    if plan.use_dense_mha and plan.num_decode_tokens == 0:
-        if top_slots is not None:  # baseline without the skip: no row reads the scores
-            out_heads = _depend_on(out_heads, top_slots)
+    step = _Step(params, x, qr, q_nope, q_pe, positions, cache, meta,
+                 w_uk=kv_b[:, : c_.qk_nope_head_dim], w_uv=kv_b[:, c_.qk_nope_head_dim:],  # [H, nope, R], [H, v, R]
+                 config=c_, impl=impl, tensor_axis=tensor_axis)
+    if plan.use_dense_mha is None:  # dispatch="cond": both programs, one runs
+        out_heads = jax.lax.cond(meta.dense_flag > 0, lambda: _dense_program(step, plan), lambda: _sparse_program(step))
+    elif plan.use_dense_mha:
+        out_heads = _dense_program(step, plan)
     else:
-        slots = top_slots if scored_rows is sparse_rows else _take_rows(top_slots, sparse_rows)
-        pick = (lambda a: a) if sparse_rows is None else (lambda a: _take_rows(a, sparse_rows))
-        q_lat = jnp.einsum("thn,hnr->thr", pick(q_nope), w_uk, precision=_precision(c_))
-        q_abs = jnp.concatenate([q_lat, pick(q_pe)], -1).astype(c_.jnp_dtype)
-        out_lat, _ = kernel_ops.sparse_mla(q_abs, cache.flat("latent"), cache.flat("latent_scale"),
-                                           cache.flat("k_pe"), slots, scale=c_.softmax_scale, impl=impl["sparse_mla"])
-        sparse_out = jnp.einsum("thr,hvr->thv", out_lat, w_uv, precision=_precision(c_))
-        if sparse_rows is None:
-            out_heads = sparse_out
-        else:
-            if scored_rows is None:  # baseline: every row was scored, only decode rows read it
-                sparse_out = _depend_on(sparse_out, top_slots)
-            out_heads = out_heads.at[jnp.where(sparse_rows >= 0, sparse_rows, T)].set(sparse_out, mode="drop")
+        out_heads = _sparse_program(step)
 
     out = linear(out_heads.reshape(T, H * c_.v_head_dim), params["o_proj.weight"], c_)
     if tensor_axis is not None:  # o_proj's columns are split by head: partial sums

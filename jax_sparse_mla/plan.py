@@ -3,12 +3,19 @@
 A batch is a list of `Request`s, each adding `query_len` new tokens after `context_len` cached
 ones. Rows of `hidden` are the new tokens, request after request in the given order, then padding.
 
-Routing (DeepSeek-V3.2 / vLLM's short-prefill skip): a request is a *decode* when it adds one
-token to a non-empty context, otherwise a *prefill*. When every prefill's total length
-(context + new) is <= index_topk, top-k would select every causal position, so the prefills run
-as dense causal MHA (`use_dense_mha`). Indexer scoring and top-k are then left out of the
-program unless decode rows need them (only those rows are scored) or `skip_indexer=False`
-asks for the unoptimised baseline (every row scored, as vLLM does without the skip).
+Routing. A request is a *decode* when it adds one token to a non-empty context, otherwise a
+*prefill*. A prefill whose total length (context + new) is <= index_topk would have top-k select
+every causal position, so it runs as dense causal MHA: its rows are neither scored nor top-k'd
+(DeepSeek-V3.2 / vLLM's short-prefill skip). Each prefill is routed by its own length, and only
+the rows that attend sparsely (decodes and long prefills) are scored; vLLM and SGLang instead
+score every row as soon as one row needs it. A batch with no short prefill runs the all-sparse
+program. `skip_indexer=False` is the baseline that scores every row whatever the route. The
+indexer key cache is written for every row either way.
+
+Dispatch. `dispatch="static"`: the route is a static plan field, one executable per plan, chosen
+on the host. `dispatch="cond"`: one executable per shape bucket holds both programs and picks
+one at run time with lax.cond on a traced flag (meta.dense_flag), for engines that keep a
+single captured program per shape.
 """
 
 from __future__ import annotations
@@ -54,6 +61,9 @@ class BucketPolicy:
         return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
+DISPATCH_MODES = ("static", "cond")
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
     """Static description of one compiled program (hashable; a jit static argument).
@@ -61,29 +71,42 @@ class BatchPlan:
     num_tokens: padded rows of hidden.
     num_seqs: padded sequence count.
     pages_per_seq: block-table width W; each sequence sees W * page_size key positions.
-    num_decode_tokens: padded count of decode rows that a dense-route program sends through the
-      sparse path (0 when use_dense_mha is False: there every row is sparse).
-    max_query_len: padded query length of the dense layout (0 when use_dense_mha is False).
-    use_dense_mha: prefills run dense causal MHA instead of indexer + sparse attention.
-    num_scored_tokens: rows the indexer scores: num_tokens, num_decode_tokens, or 0 when the
-      program contains no indexer scoring and no top-k at all.
+    use_dense_mha: True: the dense program (short prefills run dense MHA, the rows in
+      meta.sparse_rows attend sparsely); False: the all-sparse program; None: both, picked at
+      run time by meta.dense_flag (dispatch="cond").
+    num_sparse_tokens: padded count of meta.sparse_rows, the dense program's sparsely attending
+      rows (decodes and long prefills); 0 when there are none or use_dense_mha is False.
+    max_query_len: padded query length of the dense program's per-sequence layout (0 when
+      use_dense_mha is False).
+    skip_indexer: the dense program scores only meta.sparse_rows (False: every row, the
+      baseline without the skip).
     """
 
     num_tokens: int
     num_seqs: int
     pages_per_seq: int
-    num_decode_tokens: int
+    use_dense_mha: bool | None
+    num_sparse_tokens: int
     max_query_len: int
-    use_dense_mha: bool
-    num_scored_tokens: int
+    skip_indexer: bool = True
+
+    @property
+    def num_scored_tokens(self) -> int | None:
+        """Rows the indexer scores (0: no scoring and no top-k in the program; None: decided at run time)."""
+        if self.use_dense_mha is None:
+            return None
+        if self.use_dense_mha and self.skip_indexer:
+            return self.num_sparse_tokens
+        return self.num_tokens
 
     @property
     def has_indexer_scoring(self) -> bool:
-        return self.num_scored_tokens > 0
+        """Whether the program contains indexer scoring (a cond program always holds the sparse branch)."""
+        return self.num_scored_tokens != 0
 
     @property
     def route(self) -> str:
-        return "dense" if self.use_dense_mha else "sparse"
+        return {True: "dense", False: "sparse", None: "cond"}[self.use_dense_mha]
 
 
 @jax.tree_util.register_dataclass
@@ -97,8 +120,10 @@ class BatchMeta:
     query_start_loc [S + 1]: first row of each sequence (padding sequences are empty).
     seq_lens [S]: context + query length (0 for padding sequences).
     block_tables [S, W]: page ids (-1 past each sequence's pages).
-    decode_rows [num_decode_tokens]: rows of the decode tokens (-1 padding), dense route only.
-    dense_query_len [S]: query length of sequences that run dense MHA (0 for the others).
+    sparse_rows [num_sparse_tokens]: rows that attend sparsely in the dense program (-1 padding).
+    dense_query_len [S]: query length of the sequences the dense program runs as dense MHA.
+    dense_flag: int32 scalar, 1 when the cond program should take its dense branch
+      (dispatch="cond" only; None otherwise).
     """
 
     positions: jax.Array
@@ -107,8 +132,9 @@ class BatchMeta:
     query_start_loc: jax.Array
     seq_lens: jax.Array
     block_tables: jax.Array
-    decode_rows: jax.Array
+    sparse_rows: jax.Array
     dense_query_len: jax.Array
+    dense_flag: jax.Array | None = None
 
 
 def _validate(config: MLAConfig, requests: Sequence[Request], num_pages: int | None) -> None:
@@ -141,19 +167,20 @@ def _validate(config: MLAConfig, requests: Sequence[Request], num_pages: int | N
 
 def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int | None = None,
                force_sparse: bool = False, skip_indexer: bool = True,
-               buckets: BucketPolicy = BucketPolicy()) -> tuple[BatchPlan, BatchMeta]:
+               buckets: BucketPolicy = BucketPolicy(), dispatch: str = "static") -> tuple[BatchPlan, BatchMeta]:
     """Validates a batch on the host and returns its static plan and traced metadata.
 
-    force_sparse: route short prefills through the indexer and sparse attention anyway.
-    skip_indexer: leave scoring out of a dense-route program (False: the baseline that scores
-      every row even though no prefill reads the result).
+    force_sparse: route short prefills through the indexer and sparse attention too.
+    skip_indexer: score only the rows that attend sparsely (False: every row, the baseline).
+    dispatch: "static" (the route is in the plan) or "cond" (in meta.dense_flag; the plan's
+      sizes then depend on the shape buckets only).
     Raises ValueError naming the request and the problem before anything touches a device.
     """
+    if dispatch not in DISPATCH_MODES:
+        raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
     _validate(config, requests, num_pages)
     page = config.page_size
-    prefills = [r for r in requests if not r.is_decode]
-    use_dense = (not force_sparse and bool(prefills)
-                 and all(r.total_len <= config.index_topk for r in prefills))
+    dense = [not force_sparse and not r.is_decode and r.total_len <= config.index_topk for r in requests]
 
     n_real = sum(r.query_len for r in requests)
     num_tokens = buckets.round_up(n_real, buckets.min_tokens)
@@ -167,7 +194,7 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
     seq_lens = np.zeros(num_seqs, np.int32)
     block_tables = np.full((num_seqs, width), -1, np.int32)
     dense_query_len = np.zeros(num_seqs, np.int32)
-    decode_rows = []
+    sparse_rows = []
     row = 0
     for i, r in enumerate(requests):
         pos = np.arange(r.context_len, r.total_len)
@@ -178,26 +205,26 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
         query_start_loc[i] = row
         seq_lens[i] = r.total_len
         block_tables[i, :len(table)] = table
-        if use_dense and r.is_decode:
-            decode_rows.append(row)
-        elif use_dense:
+        if dense[i]:
             dense_query_len[i] = r.query_len
+        else:
+            sparse_rows.extend(range(row, row + r.query_len))
         row += r.query_len
 
-    num_decode = buckets.round_up(len(decode_rows), 1) if decode_rows else 0
-    max_query_len = buckets.round_up(int(dense_query_len.max()), buckets.min_query_len) if use_dense else 0
-    if not use_dense:
-        scored = num_tokens
-    elif not skip_indexer:
-        scored = num_tokens
+    if dispatch == "cond":  # sizes from the buckets alone: one program per shape bucket
+        use_dense = None
+        num_sparse = num_tokens
+        max_query_len = min(num_tokens, buckets.round_up(config.index_topk, buckets.min_query_len))
     else:
-        scored = num_decode
-    plan = BatchPlan(num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=width,
-                     num_decode_tokens=num_decode, max_query_len=max_query_len,
-                     use_dense_mha=use_dense, num_scored_tokens=scored)
+        use_dense = any(dense)
+        num_sparse = buckets.round_up(len(sparse_rows), 1) if use_dense and sparse_rows else 0
+        max_query_len = buckets.round_up(int(dense_query_len.max()), buckets.min_query_len) if use_dense else 0
+    plan = BatchPlan(num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=width, use_dense_mha=use_dense,
+                     num_sparse_tokens=num_sparse, max_query_len=max_query_len, skip_indexer=skip_indexer)
     meta = BatchMeta(
         positions=positions, slot_mapping=slot_mapping, row_seq=row_seq,
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
-        decode_rows=np.asarray(decode_rows + [-1] * (num_decode - len(decode_rows)), np.int32),
-        dense_query_len=dense_query_len)
+        sparse_rows=np.asarray((sparse_rows + [-1] * num_sparse)[:num_sparse], np.int32),
+        dense_query_len=dense_query_len,
+        dense_flag=np.int32(any(dense)) if dispatch == "cond" else None)
     return plan, jax.tree.map(jax.numpy.asarray, meta)

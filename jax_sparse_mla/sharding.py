@@ -121,7 +121,7 @@ def _padding_meta(plan: BatchPlan) -> BatchMeta:
     return BatchMeta(positions=full(plan.num_tokens, -1), slot_mapping=full(plan.num_tokens, -1),
                      row_seq=full(plan.num_tokens, 0), query_start_loc=full(plan.num_seqs + 1, 0),
                      seq_lens=full(plan.num_seqs, 0), block_tables=full((plan.num_seqs, plan.pages_per_seq), -1),
-                     decode_rows=full(plan.num_decode_tokens, -1), dense_query_len=full(plan.num_seqs, 0))
+                     sparse_rows=full(plan.num_sparse_tokens, -1), dense_query_len=full(plan.num_seqs, 0))
 
 
 def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *, pages_per_shard: int,
@@ -130,61 +130,50 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
     """One static plan for every data shard, and their metadata concatenated along axis 0.
 
     shards[d]: data shard d's requests (may be empty), block tables in local page ids
-    [0, pages_per_shard). Sizes are padded to the largest shard's buckets. Route: dense when
-    every shard with prefills is routed dense by plan_batch (a decode-only shard then sends its
-    rows through the dense program's decode path); if the shards disagree, every shard runs
-    sparse (exact: with every position selected, sparse equals dense), losing the skip this step.
+    [0, pages_per_shard). Sizes are padded to the largest shard's buckets. Route: the dense
+    program when any shard has a short prefill (every other row of every shard, decodes and
+    long prefills alike, attends sparsely in it); otherwise the all-sparse program.
     Options as in plan_batch. Raises ValueError naming the shard for invalid requests.
     """
     active = [d for d, reqs in enumerate(shards) if len(reqs)]
     if not active:
         raise ValueError("empty batch: plan_data_parallel needs at least one request in some shard")
 
-    def plan_all(force, policy):
+    def plan_all(policy):
         out = {}
         for d in active:
             try:
-                out[d] = plan_batch(config, shards[d], num_pages=pages_per_shard, force_sparse=force,
+                out[d] = plan_batch(config, shards[d], num_pages=pages_per_shard, force_sparse=force_sparse,
                                     skip_indexer=skip_indexer, buckets=policy)
             except ValueError as e:
                 raise ValueError(f"data shard {d}: {e}") from None
         return out
 
-    plans = plan_all(force_sparse, buckets)
-    decode_only = {d: all(r.is_decode for r in shards[d]) for d in active}
-    dense = (any(p.use_dense_mha for p, _ in plans.values())
-             and all(p.use_dense_mha or decode_only[d] for d, (p, _) in plans.items()))
-    force = force_sparse or not dense  # shards that plan_batch routes dense must run sparse too
+    plans = plan_all(buckets)
     common = dataclasses.replace(
         buckets,
         min_tokens=max(p.num_tokens for p, _ in plans.values()),
         min_seqs=max(p.num_seqs for p, _ in plans.values()),
         min_pages_per_seq=max(p.pages_per_seq for p, _ in plans.values()),
         min_query_len=max([buckets.min_query_len] + [p.max_query_len for p, _ in plans.values()]))
-    plans = plan_all(force, common)
-
-    if dense:
-        # The dense program's decode rows: plan_batch's for dense shards, every row of a decode-only shard.
-        decode_rows = {}
+    plans = plan_all(common)
+    base = next(iter(plans.values()))[0]
+    if any(p.use_dense_mha for p, _ in plans.values()):
+        # Each shard's sparse rows: plan_batch's for dense-routed shards, every real row otherwise.
+        rows = {d: (np.asarray(m.sparse_rows) if p.use_dense_mha else np.flatnonzero(np.asarray(m.positions) >= 0))
+                for d, (p, m) in plans.items()}
+        rows = {d: r[r >= 0] for d, r in rows.items()}
+        num_sparse = max(BucketPolicy.round_up(len(r), 1) if len(r) else 0 for r in rows.values())
+        plan = dataclasses.replace(base, use_dense_mha=True, num_sparse_tokens=num_sparse,
+                                   max_query_len=common.min_query_len)
         for d, (p, m) in plans.items():
-            rows = np.asarray(m.decode_rows) if p.use_dense_mha else np.flatnonzero(np.asarray(m.positions) >= 0)
-            decode_rows[d] = rows[rows >= 0]
-        num_decode = max(BucketPolicy.round_up(len(r), 1) if len(r) else 0 for r in decode_rows.values())
-        base = next(p for p, _ in plans.values() if p.use_dense_mha)
-        plan = dataclasses.replace(base, num_decode_tokens=num_decode,
-                                   num_scored_tokens=base.num_tokens if not skip_indexer else num_decode)
-        for d, (p, m) in plans.items():
-            rows = np.full(num_decode, -1, np.int32)
-            rows[: len(decode_rows[d])] = decode_rows[d]
-            plans[d] = (p, dataclasses.replace(m, decode_rows=jnp.asarray(rows)))
+            padded = np.full(num_sparse, -1, np.int32)
+            padded[: len(rows[d])] = rows[d]
+            plans[d] = (plan, dataclasses.replace(m, sparse_rows=jnp.asarray(padded)))
     else:
-        plan = plans[active[0]][0]
-    for d, (p, _) in plans.items():
-        if not p.use_dense_mha and plan.use_dense_mha:  # a decode-only shard in the dense program
-            p = dataclasses.replace(p, use_dense_mha=True, max_query_len=plan.max_query_len)
-        same = dataclasses.replace(p, num_decode_tokens=plan.num_decode_tokens,
-                                   num_scored_tokens=plan.num_scored_tokens)
-        assert same == plan, (d, p, plan)  # the common buckets make every size agree
+        plan = base
+    assert all(p.num_tokens == plan.num_tokens and p.pages_per_seq == plan.pages_per_seq
+               for p, _ in plans.values())  # the common buckets make every size agree
     metas = [plans[d][1] if d in plans else _padding_meta(plan) for d in range(len(shards))]
     return plan, jax.tree.map(lambda *fields: jnp.concatenate(fields), *metas)
 

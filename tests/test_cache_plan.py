@@ -56,23 +56,37 @@ def test_write_then_read_back(kv_cache_dtype, indexer_dtype):
     assert not np.any(np.asarray(cache.latent[0]).astype(np.float32))  # page 0 untouched
 
 
-def test_plan_routes_by_prefill_length_and_decodes():
+def test_plan_routes_each_prefill_by_its_length():
     k = TINY.index_topk
     dense, _ = plan_batch(TINY, [Request(0, k, list(range(4))), Request(3, 4, [4, 5])])
-    assert dense.use_dense_mha and not dense.has_indexer_scoring
-    sparse, _ = plan_batch(TINY, [Request(0, k + 1, list(range(5))), Request(0, 3, [5])])
-    assert not sparse.use_dense_mha and sparse.num_scored_tokens == sparse.num_tokens
+    assert dense.use_dense_mha and not dense.has_indexer_scoring and dense.num_sparse_tokens == 0
+    both, meta = plan_batch(TINY, [Request(0, k + 1, list(range(5))), Request(0, 3, [5])])
+    assert both.use_dense_mha and both.num_sparse_tokens == 32 and both.num_scored_tokens == 32
+    assert list(np.asarray(meta.sparse_rows[:k + 2])) == list(range(k + 1)) + [-1]
+    assert list(np.asarray(meta.dense_query_len[:2])) == [0, 3]
+    long_only, _ = plan_batch(TINY, [Request(0, k + 1, list(range(5)))])
+    assert not long_only.use_dense_mha and long_only.num_scored_tokens == long_only.num_tokens
     chunk, _ = plan_batch(TINY, [Request(k - 2, 3, list(range(5)))])  # context counts toward the length
     assert not chunk.use_dense_mha
     decode_only, _ = plan_batch(TINY, [Request(5, 1, [0, 1])])
     assert not decode_only.use_dense_mha and decode_only.has_indexer_scoring
     mixed, meta = plan_batch(TINY, [Request(0, 4, [0]), Request(30, 1, list(range(1, 9)))])
-    assert mixed.use_dense_mha and mixed.num_scored_tokens == mixed.num_decode_tokens == 1
-    assert list(np.asarray(meta.decode_rows)) == [4] and list(np.asarray(meta.dense_query_len[:2])) == [4, 0]
+    assert mixed.use_dense_mha and mixed.num_scored_tokens == mixed.num_sparse_tokens == 1
+    assert list(np.asarray(meta.sparse_rows)) == [4] and list(np.asarray(meta.dense_query_len[:2])) == [4, 0]
     forced, _ = plan_batch(TINY, [Request(0, 4, [0])], force_sparse=True)
     assert not forced.use_dense_mha
     baseline, _ = plan_batch(TINY, [Request(0, 4, [0])], skip_indexer=False)
     assert baseline.use_dense_mha and baseline.num_scored_tokens == baseline.num_tokens
+
+
+def test_cond_dispatch_plan_depends_on_buckets_only():
+    k = TINY.index_topk
+    a, meta_a = plan_batch(TINY, [Request(0, 5, [0, 1])], dispatch="cond")
+    b, meta_b = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], dispatch="cond", buckets=BucketPolicy(min_pages_per_seq=8))
+    assert a.route == b.route == "cond" and a.num_scored_tokens is None and a.has_indexer_scoring
+    assert (a.num_sparse_tokens, a.max_query_len) == (16, 16) and meta_a.dense_flag == 1 and meta_b.dense_flag == 0
+    with pytest.raises(ValueError, match="dispatch must be one of"):
+        plan_batch(TINY, [Request(0, 5, [0, 1])], dispatch="dynamic")
 
 
 def test_plan_meta_slots_positions_and_padding():

@@ -72,8 +72,8 @@ def test_chunked_prefill_with_context():
     out, plan, _ = h.step([(0, 9), (1, 6)])  # all short: dense
     assert plan.use_dense_mha
     h.check(out, TOL_F32)
-    out, plan, _ = h.step([(0, 12), (1, 8)])  # seq 0 total 21 > topk: sparse, with context
-    assert not plan.use_dense_mha
+    out, plan, _ = h.step([(0, 12), (1, 8)])  # seq 0 total 21 > topk: sparse, with context; seq 1 dense
+    assert plan.use_dense_mha and plan.num_sparse_tokens == 16 and plan.num_scored_tokens == 16
     h.check(out, TOL_F32)
     out, plan, _ = h.step([(0, 9)])  # the rest
     h.check(out, TOL_F32)
@@ -97,7 +97,7 @@ def test_mixed_prefill_and_decode_batch():
         h.add(sid, n)
     h.step([(0, 25)])
     out, plan, _ = h.step([(1, 9), (0, 1), (2, 12)])
-    assert plan.use_dense_mha and plan.num_decode_tokens == 1 and plan.num_scored_tokens == 1
+    assert plan.use_dense_mha and plan.num_sparse_tokens == 1 and plan.num_scored_tokens == 1
     h.check(out, TOL_F32)
     out, plan, _ = h.step([(0, 1), (1, 3)], skip_indexer=False)  # baseline: every row scored
     assert plan.use_dense_mha and plan.num_scored_tokens == plan.num_tokens
@@ -190,9 +190,46 @@ def test_pallas_kernels_through_forward(kv_cache_dtype, indexer_dtype):
     h = Harness(cfg, seed=12, kernels="pallas")
     for sid, n in [(0, 37), (1, 10), (2, 30)]:
         h.add(sid, n)
-    out, plan, _ = h.step([(2, 25), (1, 10)])
+    out, plan, _ = h.step([(2, 25)])
     assert not plan.use_dense_mha
     h.check(out, TOL_F32)
-    out, plan, _ = h.step([(0, 12), (2, 1)])  # short prefill + decode: dense + scored decode row
-    assert plan.use_dense_mha and plan.num_scored_tokens == 1
+    out, plan, _ = h.step([(0, 37), (1, 10), (2, 1)])  # long + short prefill + decode
+    assert plan.use_dense_mha and plan.num_scored_tokens == 64
     h.check(out, TOL_F32)
+
+
+def test_short_and_long_prefills_in_one_batch():
+    """Each prefill is routed by its own length: the long one is scored, the short ones are not."""
+    h = Harness(TINY, seed=13)
+    for sid, n in [(0, 30), (1, 9), (2, 12), (3, 20)]:
+        h.add(sid, n)
+    h.step([(3, 15)])
+    out, plan, _ = h.step([(1, 9), (0, 30), (2, 12), (3, 1)])
+    assert plan.use_dense_mha and plan.num_sparse_tokens == 32 and plan.num_scored_tokens == 32
+    h.check(out, TOL_F32)
+
+
+@pytest.mark.parametrize("skip_indexer", [True, False])
+def test_cond_dispatch_matches_static_dispatch(skip_indexer):
+    """dispatch="cond": one program per shape bucket; same outputs and caches as the static plans."""
+    work = [[(0, 9), (1, 5)], [(0, 14), (1, 1)], [(0, 1), (2, 20)], [(1, 1), (0, 1)]]
+    results = {}
+    for dispatch in ("static", "cond"):
+        h = Harness(TINY, seed=14)
+        for sid, n in [(0, 30), (1, 7), (2, 20)]:
+            h.add(sid, n)
+        outs, plans = [], set()
+        for w in work:
+            out, plan, _ = h.step(w, dispatch=dispatch, skip_indexer=skip_indexer)
+            h.check(out, TOL_F32)
+            outs.append(out)
+            plans.add(plan)
+        results[dispatch] = (outs, h.cache, plans)
+    (s_outs, s_cache, s_plans), (c_outs, c_cache, c_plans) = results["static"], results["cond"]
+    assert {p.route for p in s_plans} == {"dense", "sparse"} and {p.route for p in c_plans} == {"cond"}
+    assert len(c_plans) == len({(p.num_tokens, p.num_seqs, p.pages_per_seq) for p in s_plans})
+    for a, b in zip(s_outs, c_outs):
+        for sid in a:
+            assert rel_err(b[sid], a[sid]) < 1e-6
+    for a, b in zip(jax.tree.leaves(s_cache), jax.tree.leaves(c_cache)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -45,9 +45,9 @@ def test_scoring_exists_only_where_the_plan_says(options, scored):
         assert ops == {"indexer_logits": 0, "topk_or_sort": 0}, ops
 
 
-def test_mixed_batch_scores_only_the_decode_rows():
+def test_mixed_batch_scores_only_the_sparse_rows():
     plan, meta = plan_batch(TINY, [Request(20, 1, list(range(6))), Request(0, 9, [6, 7, 8])])
-    assert plan.use_dense_mha and plan.num_scored_tokens == plan.num_decode_tokens == 1
+    assert plan.use_dense_mha and plan.num_scored_tokens == plan.num_sparse_tokens == 1
     hlo = compiled_hlo(plan, meta)
     assert scoring_ops(hlo)["indexer_logits"] > 0
     # every scoring instruction works on the one decode row, none on all num_tokens rows
@@ -93,11 +93,12 @@ def test_serving_loop_compiles_no_more_programs_than_the_buckets_allow():
     compiled = jit_forward._cache_size() - start
     assert compiled == len(plans)
     # Bucket grid for this workload: <= 160 tokens -> {16..256}: 5 values; 4 seqs -> {4}; <= 40
-    # tokens of 4 per page -> {4, 8, 16}; decode rows <= 4 -> {0,1,2,4}; dense query <= 40 -> {0,16,32,64}.
+    # tokens of 4 per page -> {4, 8, 16}; sparse rows <= 160 -> {0, 1, 2, ..., 256}; dense query
+    # <= 16 (longer prefills are sparse) -> {0, 16}.
     for p in plans:
         assert p.num_tokens in (16, 32, 64, 128, 256) and p.num_seqs == 4
-        assert p.pages_per_seq in (4, 8, 16) and p.num_decode_tokens in (0, 1, 2, 4)
-        assert p.max_query_len in (0, 16, 32, 64)
+        assert p.pages_per_seq in (4, 8, 16) and p.num_sparse_tokens in (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+        assert p.max_query_len in (0, 16)
     assert len(plans) < 40  # the bucketing is what makes programs repeat
 
 
@@ -129,3 +130,16 @@ def test_nnx_module_under_jit_matches_functional_forward():
     ref, _ = forward(layer.params(), x, init_cache(TINY, 8), meta, plan=plan, config=TINY)
     assert rel_err(out, ref) < 1e-6
     assert set(layer.params()) == set(init_params(TINY, jax.random.key(0)))
+
+
+def test_cond_program_holds_both_branches_and_is_shared_by_routes():
+    """One cond executable serves a short-prefill batch and a long one of the same buckets."""
+    reqs_dense = [Request(0, 10, [0, 1, 2]), Request(0, 12, [3, 4, 5])]
+    reqs_sparse = [Request(0, 20, [0, 1, 2, 3, 4]), Request(20, 1, list(range(5, 11)))]
+    policy = BucketPolicy(min_pages_per_seq=8)
+    plan_d, meta_d = plan_batch(TINY, reqs_dense, dispatch="cond", buckets=policy)
+    plan_s, meta_s = plan_batch(TINY, reqs_sparse, dispatch="cond", buckets=policy)
+    assert plan_d == plan_s and plan_d.route == "cond"
+    assert int(meta_d.dense_flag) == 1 and int(meta_s.dense_flag) == 0
+    hlo = compiled_hlo(plan_d, meta_d)
+    assert scoring_ops(hlo)["indexer_logits"] > 0 and re.search(r"\bconditional\(", hlo)

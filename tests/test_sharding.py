@@ -27,7 +27,7 @@ MESHES = [(1, 2), (2, 2), (1, 4)]  # (data, tensor)
 TOL = 1e-4
 
 # Steps of work per data shard: {shard: [(seq_id, length of the sequence, new tokens)]}.
-# 1: a long prefill (sparse) next to short ones (dense): the shards disagree, the step runs sparse.
+# 1: a long prefill (sparse rows) next to short ones (dense MHA): the dense program.
 # 2: decodes only. 3: a short prefill and a decode next to a decode-only shard: dense program.
 # 4: one shard idle. On a mesh with one data shard, that shard gets all the work.
 STEPS = [
@@ -36,7 +36,7 @@ STEPS = [
     {0: [("d", 10, 10), ("a", 0, 1)], 1: [("c", 0, 1)]},
     {0: [], 1: [("b", 0, 1)]},
 ]
-ROUTES = ["sparse", "sparse", "dense", "sparse"]
+ROUTES = ["dense", "sparse", "dense", "sparse"]
 
 
 def _mesh_errors(meshes):
@@ -143,14 +143,15 @@ def test_plan_data_parallel_common_plan_and_errors():
     short = [Request(0, 5, [0, 1])]
     decode = [Request(9, 1, [0, 1, 2]), Request(3, 1, [3])]
     plan, meta = plan_data_parallel(TINY, [short, decode, []], pages_per_shard=8)
-    assert plan.route == "dense" and plan.num_decode_tokens == 2 and plan.num_scored_tokens == 2
+    assert plan.route == "dense" and plan.num_sparse_tokens == 2 and plan.num_scored_tokens == 2
     T = plan.num_tokens
     assert meta.positions.shape == (3 * T,) and meta.block_tables.shape == (3 * plan.num_seqs, plan.pages_per_seq)
-    np.testing.assert_array_equal(np.asarray(meta.decode_rows), [-1, -1, 0, 1, -1, -1])
+    np.testing.assert_array_equal(np.asarray(meta.sparse_rows), [-1, -1, 0, 1, -1, -1])
     assert np.all(np.asarray(meta.positions[2 * T:]) == -1)  # the idle shard is all padding
     long_ = [Request(0, 20, list(range(5)))]
-    plan, _ = plan_data_parallel(TINY, [short, long_], pages_per_shard=8)
-    assert plan.route == "sparse"
+    plan, meta = plan_data_parallel(TINY, [short, long_], pages_per_shard=8)
+    assert plan.route == "dense" and plan.num_sparse_tokens == 32  # the long prefill's rows attend sparsely
+    assert plan_data_parallel(TINY, [long_, long_], pages_per_shard=8)[0].route == "sparse"
     with pytest.raises(ValueError, match="data shard 1: request 0: page id 9 is outside"):
         plan_data_parallel(TINY, [short, [Request(0, 3, [9])]], pages_per_shard=8)
     with pytest.raises(ValueError, match="at least one request"):
