@@ -24,18 +24,25 @@ def test_short_prefill_runs_dense_and_matches_reference():
     h.check(out, TOL_F32)
 
 
-def test_force_sparse_equals_dense_for_short_prefills():
-    """The identity behind the skip: with every position selected, sparse == dense."""
-    outs = []
+def test_forced_sparse_program_equals_dense_program():
+    """The identity behind the skip: with every position selected, the sparse program gives the
+    dense program's outputs, and both leave the same caches (indexer keys included)."""
+    runs = {}
     for force in (False, True):
         h = Harness(TINY, seed=3)
-        h.add(0, 13)
-        h.add(1, 7)
-        out, plan, _ = h.step([(0, 13), (1, 7)], force_sparse=force)
-        assert plan.use_dense_mha != force
-        outs.append(out)
-    for sid in (0, 1):
-        assert rel_err(outs[1][sid], outs[0][sid]) < 1e-5
+        h.add(0, 14)
+        h.add(1, 5)
+        out, plan, _ = h.step([(0, 14), (1, 5)], force_sparse=force)
+        assert plan.use_dense_mha != force and plan.has_indexer_scoring == force
+        runs[force] = (out, h.cache, h.tables)
+    (dense_out, dense, tables), (sparse_out, sparse, _) = runs[False], runs[True]
+    for sid, n in [(0, 14), (1, 5)]:
+        assert rel_err(sparse_out[sid], dense_out[sid]) < 1e-5
+        k_d, k_s = read_indexer_keys(dense, tables[sid], n, TINY), read_indexer_keys(sparse, tables[sid], n, TINY)
+        assert float(jnp.abs(k_d).max()) > 0
+        np.testing.assert_array_equal(k_d, k_s)
+        for a, b in zip(read_latent(dense, tables[sid], n, TINY), read_latent(sparse, tables[sid], n, TINY)):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_long_prefill_runs_sparse_and_matches_reference():
@@ -138,23 +145,6 @@ def test_bfloat16_activations():
     assert rel_err(out[0][:k], h.reference(0, 28)[0][:k]) < 1e-2
     # Past topk, bf16 logits also flip near-ties of the tiny indexer (4 heads of 16 dims).
     assert rel_err(out[0][k:], h.reference(0, 28)[0][k:]) < 1e-1
-
-
-def test_dense_program_writes_the_same_caches_as_the_sparse_one():
-    caches = []
-    for force in (False, True):
-        h = Harness(TINY, seed=10)
-        h.add(0, 14)
-        h.add(1, 5)
-        h.step([(0, 14), (1, 5)], force_sparse=force)
-        caches.append((h.cache, h.tables))
-    (dense, tables), (sparse, _) = caches
-    for sid, n in [(0, 14), (1, 5)]:
-        k_d, k_s = read_indexer_keys(dense, tables[sid], n, TINY), read_indexer_keys(sparse, tables[sid], n, TINY)
-        assert float(jnp.abs(k_d).min(axis=-1).max()) >= 0 and float(jnp.abs(k_d).max()) > 0
-        np.testing.assert_array_equal(k_d, k_s)
-        for a, b in zip(read_latent(dense, tables[sid], n, TINY), read_latent(sparse, tables[sid], n, TINY)):
-            np.testing.assert_array_equal(a, b)
 
 
 def test_padding_rows_write_nowhere():
