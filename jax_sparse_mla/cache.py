@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from . import ops
 from .config import FP8_TILE, MLAConfig
+from .kernels import dequantize_latent
 
 
 @jax.tree_util.register_dataclass
@@ -107,10 +108,8 @@ def _sequence_slots(block_table, length: int, page_size: int):
 def read_latent(cache: PagedCache, block_table, length: int, config: MLAConfig):
     """Dense, dequantized latent rows of one sequence: (c [length, R], k_pe [length, rope]) float32."""
     slots = _sequence_slots(block_table, length, config.page_size)
-    c = cache.flat("latent")[slots].astype(jnp.float32)
-    if cache.latent_scale is not None:
-        c = ops.dequantize_tiles(cache.flat("latent")[slots], cache.flat("latent_scale")[slots])
-    return c, cache.flat("k_pe")[slots].astype(jnp.float32)
+    scale = None if cache.latent_scale is None else cache.flat("latent_scale")[slots]
+    return dequantize_latent(cache.flat("latent")[slots], scale), cache.flat("k_pe")[slots].astype(jnp.float32)
 
 
 def read_indexer_keys(cache: PagedCache, block_table, length: int, config: MLAConfig):

@@ -1,10 +1,11 @@
 """The functional core: one sparse-MLA layer step over a planned batch.
 
-`forward` projects every row, writes both paged caches, then runs one of two programs chosen by
-the static plan: the dense program sends prefills through dense causal MHA (k_nope and v
-up-projected from the latent cache) and contains no indexer scoring unless decode rows need it;
-the sparse program scores every row with the lightning indexer, takes top-k and runs absorbed
-sparse attention over the selected latent rows.
+`forward` projects every row and writes both paged caches, then runs one of two programs: the
+dense program sends short prefills through dense causal MHA (k_nope and v up-projected from the
+latent cache) and scores and attends sparsely only the rows in meta.sparse_rows (decodes, long
+prefills); the sparse program scores every row with the lightning indexer, takes top-k and runs
+absorbed sparse attention over the selected latent rows. The plan picks one statically, or both
+are compiled and lax.cond picks at run time (dispatch="cond").
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from . import cache as cache_lib
 from . import kernels as kernel_ops
 from . import ops
 from .config import MLAConfig
+from .params import param_shapes
 from .plan import BatchMeta, BatchPlan
 
 
@@ -109,7 +111,6 @@ def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, confi
             raise ValueError(f"meta.{name} has shape {got.shape}, expected {shape} for this plan (was it made by plan_batch?)")
     if (meta.dense_flag is None) != (plan.use_dense_mha is not None):
         raise ValueError("meta.dense_flag must be set exactly for dispatch='cond' plans (use_dense_mha None)")
-    from .params import param_shapes
     for name, shape in param_shapes(config).items():
         if name not in params or params[name].shape != shape:
             raise ValueError(f"params[{name!r}] is {'missing' if name not in params else params[name].shape}, expected {shape}")

@@ -129,10 +129,3 @@ def quantize_tiles(x, tile: int):
     scale = jnp.maximum(jnp.max(jnp.abs(tiles), axis=-1), 1e-4) / FP8_MAX
     values = cast_rounded(jnp.clip(tiles / scale[..., None], -FP8_MAX, FP8_MAX), FP8_DTYPE)
     return values.reshape(x.shape), scale
-
-
-def dequantize_tiles(values, scale):
-    """Inverse of quantize_tiles: [..., D] e4m3 and [..., D // tile] fp32 -> [..., D] float32."""
-    tile = values.shape[-1] // scale.shape[-1]
-    v = values.astype(jnp.float32).reshape(values.shape[:-1] + (scale.shape[-1], tile))
-    return (v * scale[..., None]).reshape(values.shape)

@@ -19,6 +19,7 @@ import numpy as np
 from . import cache as cache_lib
 from . import ops
 from .config import MLAConfig
+from .kernels import dequantize_latent
 from .model import indexer_keys, indexer_queries, mla_projections
 
 HI = jax.lax.Precision.HIGHEST
@@ -32,11 +33,7 @@ def _f32(params, hidden, config: MLAConfig):
 
 def _stored_latent(c, k_pe, config):
     rows = cache_lib.encode_latent(c, k_pe, config)
-    if "latent_scale" in rows:
-        c = ops.dequantize_tiles(rows["latent"], rows["latent_scale"])
-    else:
-        c = rows["latent"].astype(jnp.float32)
-    return c, rows["k_pe"].astype(jnp.float32)
+    return dequantize_latent(rows["latent"], rows.get("latent_scale")), rows["k_pe"].astype(jnp.float32)
 
 
 def _stored_index_keys(k, config):
