@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import cache as cache_lib
-from . import ops
 from .config import MLAConfig
 from .kernels import dequantize_latent
 from .model import indexer_keys, indexer_queries, mla_projections

@@ -10,7 +10,6 @@ import pytest
 from jax_sparse_mla import (BucketPolicy, MLAConfig, Request, init_cache, plan_batch, read_indexer_keys,
                             read_latent)
 from jax_sparse_mla import cache as cache_lib
-from jax_sparse_mla import ops
 
 TINY = MLAConfig.tiny()
 
