@@ -1,4 +1,11 @@
-"""Top-k selection of indexer logits: the k highest finite entries of each row, -1 padded."""
+"""Top-k selection of indexer logits: the k highest finite entries of each row, -1 padded.
+
+One Pallas kernel (Triton backend), one program per row: sample a threshold, filter the row to
+the candidates above it in one sweep, exact count-based select among them (the whole row when
+the candidates cannot hold the answer), then compaction. A radix select with tensor-core
+(one-hot MMA) histograms and an unrolled variant of the counting passes were measured slower
+on the H200 and removed (see docs/benchmarks.md, 2026-11-29).
+"""
 
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ def topk_reference(logits, k: int):
 
 
 # ----------------------------------------------------------------------------------------------
-# Pallas kernel (Triton backend): radix select with tensor-core histograms, then compaction
+# Pallas kernel (Triton backend): sample threshold -> filter candidates -> count-based select
 # ----------------------------------------------------------------------------------------------
 
 _SIGN = -(1 << 31)  # 0x80000000 as int32
@@ -45,106 +52,6 @@ def _ordered_key(x):
     return b ^ ((b >> 31) & _LOW31)
 
 
-def _topk_kernel(x_ref, out_ref, *, k, num_keys, block):
-    n = pl.program_id(0)
-    lane = jnp.arange(block, dtype=jnp.int32)
-    nibble = jnp.arange(16, dtype=jnp.int32)
-    digit_grid = nibble[:, None] * 16 + nibble[None, :]  # [16, 16]: digit hi*16+lo
-    n_blocks = _cdiv(num_keys, block)
-
-    def load_block(i):
-        cols = i * block + lane
-        x = pltriton.load(x_ref.at[n, pl.ds(i * block, block)], mask=cols < num_keys, other=-jnp.inf)
-        valid = x > -jnp.inf  # False for -inf, padding and NaN
-        return cols, valid, _ordered_key(x)
-
-    def histogram_pass(level, prefix, n_blk):
-        """[16, 16] f32 counts of the valid keys whose top 8*level bits (unsigned order) equal
-        `prefix`, binned by the next 8 bits (hi nibble x lo nibble), via a one-hot MMA; plus
-        the last column holding a valid key (pass 0 only)."""
-        shift = 24 - 8 * level
-
-        def body(i, carry):
-            hist, last = carry
-            cols, valid, skey = load_block(i)
-            ukey = skey ^ _SIGN  # unsigned-order bit pattern
-            member = valid
-            if level > 0:
-                member = member & (jax.lax.shift_right_logical(ukey, 32 - 8 * level) == prefix)
-            digit = jax.lax.shift_right_logical(ukey, shift) & 255
-            hi = jnp.where(member, digit >> 4, -1)
-            lo = digit & 15
-            oh_hi = (hi[:, None] == nibble[None, :]).astype(jnp.float16)  # [B, 16]
-            oh_lo = (lo[:, None] == nibble[None, :]).astype(jnp.float16)  # [B, 16]
-            hist = hist + jax.lax.dot_general(oh_hi, oh_lo, (((0,), (0,)), ((), ())),
-                                              preferred_element_type=jnp.float32)
-            if level == 0:
-                last = jnp.maximum(last, jnp.max(jnp.where(valid, cols, -1)))
-            return hist, last
-
-        return jax.lax.fori_loop(0, n_blk, body, (jnp.zeros((16, 16), jnp.float32), jnp.int32(-1)))
-
-    def pick_digit(hist, k_rem):
-        """Digit holding the k_rem-th largest member, and how many members lie above it."""
-        hist = hist.astype(jnp.int32)
-        rows = jnp.sum(hist, axis=1)  # [16]
-        above_row = jnp.sum(rows) - jnp.cumsum(rows)  # members with a larger hi nibble
-        in_row_ge = rows[:, None] - jnp.cumsum(hist, axis=1) + hist  # same hi, lo' >= lo
-        count_ge = above_row[:, None] + in_row_ge  # members with digit >= d; non-increasing in d
-        d_star = jnp.sum(jnp.sum((count_ge >= k_rem).astype(jnp.int32), axis=1)) - 1
-        above = jnp.sum(jnp.sum(jnp.where(digit_grid == d_star, count_ge - hist, 0), axis=1))
-        return d_star, above
-
-    # Pass 0: counts of all valid entries by their top 8 bits, the valid count and the last valid column.
-    hist, last = histogram_pass(0, None, n_blocks)
-    total = jnp.sum(jnp.sum(hist, axis=1)).astype(jnp.int32)
-    take_all = total <= k
-    n_used = (last + block) // block  # blocks up to the last valid entry
-    n_radix = jnp.where(take_all, 0, n_used)
-    prefix = jnp.int32(0)
-    k_rem = jnp.int32(k)
-    for level in range(4):
-        if level > 0:
-            hist, _ = histogram_pass(level, prefix, n_radix)
-        d_star, above = pick_digit(hist, k_rem)
-        prefix = (prefix << 8) | d_star
-        k_rem = k_rem - above
-    # prefix is now the unsigned-order pattern of the k-th largest key; k_rem of its ties are taken.
-    threshold = jnp.where(take_all, jnp.int32(_SIGN), prefix ^ _SIGN)
-    take_eq = jnp.where(take_all, 0, k_rem)
-    n_sel = jnp.minimum(total, k)
-    n_gt = n_sel - take_eq
-    spare = k  # masked-out lanes aim at [k, k + block): distinct from every real slot
-
-    def compact(i, carry):
-        c_gt, c_eq = carry
-        cols, valid, skey = load_block(i)
-        gt = valid & (skey > threshold)
-        eq = valid & (skey == threshold)
-        gt_i, eq_i = gt.astype(jnp.int32), eq.astype(jnp.int32)
-        pos_gt = c_gt + jnp.cumsum(gt_i) - gt_i
-        rank_eq = c_eq + jnp.cumsum(eq_i) - eq_i
-        take = gt | (eq & (rank_eq < take_eq))
-        pos = jnp.where(gt, pos_gt, n_gt + rank_eq)
-        pos = jnp.where(take, pos, spare + lane)
-        pltriton.store(out_ref.at[n, pos], cols, mask=take)
-        return c_gt + jnp.sum(gt_i), c_eq + jnp.sum(eq_i)
-
-    jax.lax.fori_loop(0, n_used, compact, (jnp.int32(0), jnp.int32(0)))
-
-    def pad(j, carry):
-        cols = j * block + lane
-        pltriton.store(out_ref.at[n, pl.ds(j * block, block)], jnp.full((block,), -1, jnp.int32),
-                       mask=(cols >= n_sel) & (cols < k))
-        return carry
-
-    jax.lax.fori_loop(n_sel // block, _cdiv(k, block), pad, 0)
-
-
-# ----------------------------------------------------------------------------------------------
-# Pallas kernel (Triton backend): sample threshold -> filter candidates -> count-based select
-# ----------------------------------------------------------------------------------------------
-
 _INVALID = -(1 << 31)  # key given to -inf / NaN / out-of-range lanes: below every valid key
 _KEY_NEG_INF = -2139095041  # _ordered_key(-inf) (0x807FFFFF): no valid key equals it
 _KEY_LOW = _KEY_NEG_INF + 1  # _ordered_key(-FLT_MAX), the lowest valid key
@@ -162,7 +69,7 @@ def _from_u(u):
     return jax.lax.bitcast_convert_type(u, jnp.int32) ^ _SIGN
 
 
-def _count_select(load_keys, n_chunks, kk, lo, w, c_hi, *, block, unrolled):
+def _count_select(load_keys, n_chunks, kk, lo, w, c_hi):
     """Exact kk-th largest key by a 16-way count search over a key interval.
 
     load_keys(i) -> [B] int32 ordered keys of chunk i (_INVALID for lanes to ignore).
@@ -180,28 +87,15 @@ def _count_select(load_keys, n_chunks, kk, lo, w, c_hi, *, block, unrolled):
     def body(state):
         lo, w, c_hi = state
         step = (w >> 4) + ((w & 15) != 0).astype(jnp.uint32)  # ceil(w / 16) >= 1
-        if unrolled:
-            ths = [_from_u(lo + jnp.minimum(jnp.uint32(j) * step, w)) for j in range(1, _WAYS)]
+        th = _from_u(lo + jnp.minimum(jj_u * step, w))  # [16]; th[0] = lo
 
-            def chunk(i, accs):
-                key = load_keys(i)
-                return tuple(a + (key >= t).astype(jnp.int32) for a, t in zip(accs, ths))
+        def chunk(i, cnt):  # [block, 16] compare, one reduction per chunk
+            key = load_keys(i)
+            return cnt + jnp.sum((key[:, None] >= th[None, :]).astype(jnp.int32), axis=0)
 
-            accs = jax.lax.fori_loop(0, n_chunks, chunk,
-                                     tuple(jnp.zeros((block,), jnp.int32) for _ in ths))
-            cnts = [jnp.sum(a) for a in accs]  # cnts[j - 1] = #keys >= threshold j
-            d = sum((c >= kk).astype(jnp.int32) for c in cnts)
-            c_next = sum(jnp.where(d + 1 == j, c, 0) for j, c in enumerate(cnts, start=1))
-        else:
-            th = _from_u(lo + jnp.minimum(jj_u * step, w))  # [16]; th[0] = lo
-
-            def chunk(i, cnt):
-                key = load_keys(i)
-                return cnt + jnp.sum((key[:, None] >= th[None, :]).astype(jnp.int32), axis=0)
-
-            cnt = jax.lax.fori_loop(0, n_chunks, chunk, jnp.zeros((_WAYS,), jnp.int32))
-            d = jnp.sum(((cnt >= kk) & (jj > 0)).astype(jnp.int32))
-            c_next = jnp.sum(jnp.where(jj == d + 1, cnt, 0))
+        cnt = jax.lax.fori_loop(0, n_chunks, chunk, jnp.zeros((_WAYS,), jnp.int32))
+        d = jnp.sum(((cnt >= kk) & (jj > 0)).astype(jnp.int32))
+        c_next = jnp.sum(jnp.where(jj == d + 1, cnt, 0))
         c_next = jnp.where(d == _WAYS - 1, c_hi, c_next)
         d_u = d.astype(jnp.uint32)
         new_w = jnp.minimum((d_u + 1) * step, w) - d_u * step  # <= step < w: always shrinks
@@ -232,11 +126,10 @@ def _sample_params(num_keys, k, sample, cap):
 
 
 def _filter_kernel(x_ref, out_ref, ckey_ref, cidx_ref, *, k, num_keys, block, sample, rank, cap,
-                   unrolled, interpret):
+                   interpret):
     n = pl.program_id(0)
     lane = jnp.arange(block, dtype=jnp.int32)
     n_row_blocks = _cdiv(num_keys, block)
-    sel = functools.partial(_count_select, unrolled=unrolled)
 
     def row_keys(i, enabled=None):
         cols = i * block + lane
@@ -271,7 +164,7 @@ def _filter_kernel(x_ref, out_ref, ckey_ref, cidx_ref, *, k, num_keys, block, sa
     few = n_s < rank  # too few valid samples: every valid key is a candidate
     lo0 = _to_u(jnp.int32(_KEY_LOW))
     w0 = jnp.where(few, jnp.uint32(1), _to_u(jnp.int32(_KEY_POS_INF)) + 1 - lo0)
-    t_u, _ = sel(sample_keys, n_s_chunks, rank, lo0, w0, jnp.int32(0), block=s_block)
+    t_u, _ = _count_select(sample_keys, n_s_chunks, rank, lo0, w0, jnp.int32(0))
     t_key = jnp.where(few, _KEY_LOW, _from_u(t_u))
 
     # 2. Filter: one sweep of the row; keys >= t go (in column order) to the candidate
@@ -315,7 +208,7 @@ def _filter_kernel(x_ref, out_ref, ckey_ref, cidx_ref, *, k, num_keys, block, sa
 
     lo = jnp.where(ok, _to_u(t_key), _to_u(jnp.int32(_KEY_LOW)))
     w = jnp.where(take_all, jnp.uint32(1), _to_u(k_max) + 1 - lo)
-    kth_u, n_above = sel(lambda i: src(i)[1], n_src_chunks, k, lo, w, jnp.int32(0), block=block)
+    kth_u, n_above = _count_select(lambda i: src(i)[1], n_src_chunks, k, lo, w, jnp.int32(0))
     threshold = jnp.where(take_all, _KEY_NEG_INF, _from_u(kth_u))  # take_all: every valid key
     n_sel = jnp.minimum(n_valid, k)
     take_eq = jnp.where(take_all, 0, k - n_above)
@@ -348,19 +241,14 @@ def _filter_kernel(x_ref, out_ref, ckey_ref, cidx_ref, *, k, num_keys, block, sa
     jax.lax.fori_loop(n_sel // block, _cdiv(k, block), pad, 0)
 
 
-METHODS = ("filter", "filter_unrolled", "radix")
-
-
 def topk(logits, k: int, *, interpret=False, block=None, num_warps=None, num_stages=None,
-         method="filter", sample=None, capacity=None):
+         sample=None, capacity=None):
     """[N, L] f32 (-inf = invalid) -> [N, k] int32: indices of the k largest finite entries per
     row, -1 padded. Same contract as `topk_reference` (order within a row unspecified; among
     equal values at the threshold any choice is valid; NaN counts as invalid).
 
-    Keys: float32 bits mapped to an int32 whose order is the float order. All methods are
-    exact and run one Pallas program (Triton backend) per row.
-
-    method="filter" (default) / "filter_unrolled": sample, filter, count-select.
+    Keys: float32 bits mapped to an int32 whose order is the float order. Exact; one Pallas
+    program (Triton backend) per row: sample, filter, count-select, compaction.
       1. sample `sample` (default L/32, clamped to [1024, 4096]) keys spread over the row
          (jittered stride); their rank-th largest key t, with rank chosen so that the
          expected number of row keys >= t is k + ~5 sigma (~1.85 k at L=32K, k=2048), is
@@ -375,31 +263,25 @@ def topk(logits, k: int, *, interpret=False, block=None, num_warps=None, num_sta
          the whole row: correct either way, only slower;
       4. exact k-th largest key T by a 16-way count search on the key interval
          [t, max]: each pass counts the keys >= 16 thresholds spread over the interval in
-         one sweep and keeps the sub-interval holding the k-th; ~6 passes for the ~2^24
-         keys between t and the max of a Gaussian row (<= 8 always);
+         one sweep ([block, 16] compare, one reduction per chunk) and keeps the sub-interval
+         holding the k-th; ~6 passes for the ~2^24 keys between t and the max of a Gaussian
+         row (<= 8 always);
       5. compaction of the candidates: keys > T and the first k - #(> T) keys == T go to
          the output (block cumsums + running counters); -1 padding.
       Per element of the row: 1 load + ~20 integer ops (key, compare, position, valid count,
-      max, predicated scatter) + its share of one block cumsum and sum (filter), vs 5
-      one-hot-MMA passes (~100 ops + shared-memory layout traffic each) of "radix". The
+      max, predicated scatter) + its share of one block cumsum and sum (filter). The
       candidate work (~6 count passes x 16 compares + compaction over ~4K keys, ~1.2 M ops a
       row of 32K) and the sample (~8 x 16 x 1024 compares) are each about as much as the
       filter sweep itself; nothing per element goes through shared memory or tensor cores.
-      "filter" counts with a [block, 16] compare and one reduction per chunk;
-      "filter_unrolled" with 15 scalar thresholds and [block] accumulators (reduced once per
-      pass: no 2-D layouts, more registers).
-    method="radix": 4 passes of 8-bit radix select over the whole row, histograms by
-      one-hot MMA (onehot(hi nibble)^T x onehot(lo nibble), exact in f32), then compaction;
-      Pass 0 also counts valid keys and finds the last valid column (rows with <= k valid
-      skip the radix passes; later passes stop at the last valid block).
+    A radix select (4 passes of 8-bit histograms by one-hot tensor-core MMA) and a variant
+    counting with 15 unrolled scalar thresholds were both measured slower on the H200 (radix
+    0.6-0.9x of lax.top_k) and removed; see docs/benchmarks.md, 2026-11-29.
     """
     n, num_keys = logits.shape
     if n == 0 or k == 0:
         return jnp.zeros((n, k), jnp.int32)
     if num_keys == 0:
         return jnp.full((n, k), -1, jnp.int32)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if block is None:
         block = 1024
     block = max(16, min(_next_pow2(block), _next_pow2(num_keys)))
@@ -408,20 +290,12 @@ def topk(logits, k: int, *, interpret=False, block=None, num_warps=None, num_sta
     out_cols = k + block if interpret else k
     params = pltriton.CompilerParams(num_warps=num_warps or 8, num_stages=num_stages or 3)
     x = logits.astype(jnp.float32)
-    if method == "radix":
-        kernel = functools.partial(_topk_kernel, k=k, num_keys=num_keys, block=block)
-        out = pl.pallas_call(
-            kernel, out_shape=jax.ShapeDtypeStruct((n, out_cols), jnp.int32), grid=(n,),
-            compiler_params=params, interpret=interpret, name="indexer_topk",
-        )(x)
-    else:
-        sample, rank, cap = _sample_params(num_keys, k, sample, capacity)
-        kernel = functools.partial(_filter_kernel, k=k, num_keys=num_keys, block=block,
-                                   sample=sample, rank=rank, cap=cap,
-                                   unrolled=method == "filter_unrolled", interpret=interpret)
-        scratch = jax.ShapeDtypeStruct((n, cap + block), jnp.int32)
-        out, _, _ = pl.pallas_call(
-            kernel, out_shape=(jax.ShapeDtypeStruct((n, out_cols), jnp.int32), scratch, scratch),
-            grid=(n,), compiler_params=params, interpret=interpret, name="indexer_topk_filter",
-        )(x)
+    sample, rank, cap = _sample_params(num_keys, k, sample, capacity)
+    kernel = functools.partial(_filter_kernel, k=k, num_keys=num_keys, block=block,
+                               sample=sample, rank=rank, cap=cap, interpret=interpret)
+    scratch = jax.ShapeDtypeStruct((n, cap + block), jnp.int32)
+    out, _, _ = pl.pallas_call(
+        kernel, out_shape=(jax.ShapeDtypeStruct((n, out_cols), jnp.int32), scratch, scratch),
+        grid=(n,), compiler_params=params, interpret=interpret, name="indexer_topk_filter",
+    )(x)
     return out if out_cols == k else out[:, :k]

@@ -7,9 +7,8 @@
 * decode logits: batch B of sequences, each with --decode-rows query rows at the end of a
   context of C keys; GB/s of key bytes read once per sequence (D + 4 per key for fp8 with its
   scale, 2 * D for bf16).
-* top-k (k=2048) of [rows, L] f32 logits: every method of pallas_kernels.topk (filter,
-  filter_unrolled, radix) side by side with lax.top_k on the same inputs. `--only topk` runs
-  just that (~1 minute).
+* top-k (k=2048) of [rows, L] f32 logits: pallas_kernels.topk (sample-filter-select) vs
+  lax.top_k on the same inputs. `--only topk` runs just that (~1 minute).
 Every config is checked against the reference (on a sample of rows) before it is timed; a
 failing config is recorded with its error and the run goes on. The XLA reference is skipped
 where it would take too long or too much memory (said so in the table). --sweep adds a small
@@ -21,7 +20,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import platform
 import statistics
@@ -36,7 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pallas_kernels.indexer import indexer_logits, indexer_logits_reference  # noqa: E402
-from pallas_kernels.topk import METHODS as TOPK_METHODS, topk, topk_reference  # noqa: E402
+from pallas_kernels.topk import topk, topk_reference  # noqa: E402
 
 HI, D, PAGE, TOPK = 64, 128, 64, 2048
 FP8 = jnp.float8_e4m3fn
@@ -237,13 +235,14 @@ def topk_inputs(rows, length, causal, seed):
     return (x,)
 
 
-def bench_topk(quick, tiling=None, shapes=None, tag="", methods=TOPK_METHODS):
-    """Every top-k method side by side with lax.top_k on the same inputs (timed once a shape);
-    each method is checked on a sample of rows before it is timed."""
+def bench_topk(quick, tiling=None, shapes=None, tag=""):
+    """The top-k kernel vs lax.top_k on the same inputs, per shape; the kernel is checked on a
+    sample of rows before it is timed."""
     del quick
     shapes = shapes or ([(1024, 32768, False), (4096, 32768, False), (4096, 32768, True),
                          (128, 131072, False)])
     xla = jax.jit(lambda x: jax.lax.top_k(x, TOPK)[1])
+    kern = jax.jit(functools.partial(topk, k=TOPK, **(tiling or {})))
     for rows, length, causal in shapes:
         nbytes = float(rows) * length * 4
         params = dict(rows=rows, L=length, k=TOPK, causal=causal)
@@ -256,21 +255,19 @@ def bench_topk(quick, tiling=None, shapes=None, tag="", methods=TOPK_METHODS):
         except Exception as e:  # noqa: BLE001
             record(kind="topk" + tag, **params, unit="GBps", error=f"inputs/xla: {type(e).__name__}: {e}"[:300])
             continue
-        for method in methods:
-            rec = dict(kind="topk" + tag, **params, method=method, tiling=tiling or "default", unit="GBps",
-                       xla_ms=xla_ms, xla_GBps=nbytes / (xla_ms * 1e-3) / 1e9)
-            kern = jax.jit(functools.partial(topk, k=TOPK, method=method, **(tiling or {})))
-            try:
-                out = _block(kern(*args))
-                rec["check_err"] = check_topk_sample(out, args[0], TOPK)
-                del out
-                rec["kernel_ms"] = time_ms(kern, *args)
-                rec["kernel_GBps"] = nbytes / (rec["kernel_ms"] * 1e-3) / 1e9
-                rec["speedup"] = xla_ms / rec["kernel_ms"]
-            except Exception as e:  # noqa: BLE001
-                rec["error"] = f"kernel: {type(e).__name__}: {str(e)[:300]}"
-                rec["trace"] = traceback.format_exc()[-2000:]
-            record(**rec)
+        rec = dict(kind="topk" + tag, **params, tiling=tiling or "default", unit="GBps",
+                   xla_ms=xla_ms, xla_GBps=nbytes / (xla_ms * 1e-3) / 1e9)
+        try:
+            out = _block(kern(*args))
+            rec["check_err"] = check_topk_sample(out, args[0], TOPK)
+            del out
+            rec["kernel_ms"] = time_ms(kern, *args)
+            rec["kernel_GBps"] = nbytes / (rec["kernel_ms"] * 1e-3) / 1e9
+            rec["speedup"] = xla_ms / rec["kernel_ms"]
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = f"kernel: {type(e).__name__}: {str(e)[:300]}"
+            rec["trace"] = traceback.format_exc()[-2000:]
+        record(**rec)
         del args
 
 
@@ -284,8 +281,7 @@ def sweep():
         bench_decode(True, tiling=t, batches=[64], contexts=[65536], dtypes=(FP8,), tag="-sweep")
     for t in [dict(num_warps=4), dict(num_warps=16), dict(block=512), dict(block=2048),
               dict(block=256, num_warps=4), dict(num_stages=2)]:
-        bench_topk(True, tiling=t, shapes=[(1024, 32768, False), (128, 131072, False)], tag="-sweep",
-                   methods=[m for m in TOPK_METHODS if m != "radix"])
+        bench_topk(True, tiling=t, shapes=[(1024, 32768, False), (128, 131072, False)], tag="-sweep")
 
 
 def print_table():
@@ -293,7 +289,7 @@ def print_table():
     print(f"{'kind':14} {'config':62} {'kernel':>18} {'XLA':>18} {'speedup':>8}  note")
     for r in RESULTS:
         unit = r["unit"]
-        cfg = {k: v for k, v in r.items() if k in ("dtype", "T", "B", "C", "rows", "L", "causal", "method")}
+        cfg = {k: v for k, v in r.items() if k in ("dtype", "T", "B", "C", "rows", "L", "causal")}
         if r.get("tiling") not in (None, "default"):
             cfg["tiling"] = r["tiling"]
         cfg = " ".join(f"{k}={v}" for k, v in cfg.items())

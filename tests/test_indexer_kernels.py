@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.indexer import indexer_logits, indexer_logits_reference
-from pallas_kernels.topk import METHODS, topk, topk_reference
+from pallas_kernels.topk import topk, topk_reference
 from tests.conftest import INTERPRET
 
 FP8 = jnp.float8_e4m3fn
@@ -152,22 +152,17 @@ def _topk_rows(seed, num_keys, k):
     return np.stack(rows)
 
 
-@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("num_keys,k,block", [
     (300, 37, 64),     # L not a multiple of the block
     (150, 200, 64),    # k > L
     (1000, 128, None), # default block (capped at the row length)
 ])
-def test_topk(num_keys, k, block, method):
+def test_topk(num_keys, k, block):
     x = _topk_rows(num_keys, num_keys, k)
-    out = topk(jnp.asarray(x), k, interpret=INTERPRET, block=block, method=method)
+    out = topk(jnp.asarray(x), k, interpret=INTERPRET, block=block)
     check_topk(out, x, k)
 
 
-FILTERS = [m for m in METHODS if m != "radix"]
-
-
-@pytest.mark.parametrize("method", FILTERS)
 @pytest.mark.parametrize("num_keys,k,block,sample,capacity", [
     (1000, 40, 64, 64, None),    # strided (jittered) sample of 64, default capacity: fast path
     (1000, 40, 64, 64, 48),      # capacity barely above k: ties and unlucky samples overflow
@@ -176,7 +171,7 @@ FILTERS = [m for m in METHODS if m != "radix"]
     (333, 100, 32, 16, 128),     # L not a multiple of the block or of the sample
     (70, 90, 16, 16, 32),        # k > L, sample of 16 (stride 4)
 ])
-def test_topk_filter_fallbacks(num_keys, k, block, sample, capacity, method):
+def test_topk_filter_fallbacks(num_keys, k, block, sample, capacity):
     """Small samples and candidate buffers: overflow and unlucky-threshold fallbacks (whole-row
     selection) must stay exact, next to rows that take the candidate path."""
     x = _topk_rows(num_keys + 1, num_keys, k)
@@ -193,27 +188,25 @@ def test_topk_filter_fallbacks(num_keys, k, block, sample, capacity, method):
     r = rng.standard_normal(num_keys).astype(np.float32); r[rng.random(num_keys) < 0.2] = np.nan  # NaN = invalid
     extra.append(r)
     x = np.concatenate([x, np.stack(extra)])
-    out = topk(jnp.asarray(x), k, interpret=INTERPRET, block=block, method=method, sample=sample,
+    out = topk(jnp.asarray(x), k, interpret=INTERPRET, block=block, sample=sample,
                capacity=capacity)
     nan_free = np.where(np.isnan(x), -np.inf, x)  # the reference treats NaN as the largest
     check_topk(out, nan_free, k)
 
 
-@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("num_keys,k", [(1, 1), (1, 4), (2, 1)])
-def test_topk_tiny_rows(num_keys, k, method):
+def test_topk_tiny_rows(num_keys, k):
     x = np.array([[0.5, -1.0][:num_keys], [-np.inf, 2.0][:num_keys], [-np.inf] * num_keys], np.float32)
-    out = topk(jnp.asarray(x), k, interpret=INTERPRET, method=method)
+    out = topk(jnp.asarray(x), k, interpret=INTERPRET)
     check_topk(out, x, k)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_topk_on_indexer_logits(method):
+def test_topk_on_indexer_logits():
     """The pipeline: logits of a ragged batch (with -inf tails) -> top-k."""
     args, page = make_indexer_case(2, dtype=jnp.bfloat16, scaled=False, hi=4, d=16, page=4,
                                    lengths=[70, 9], rows_per_seq=[6, 2])
     logits = indexer_logits_reference(*args, page_size=page)
-    out = topk(logits, 16, interpret=INTERPRET, block=32, method=method)
+    out = topk(logits, 16, interpret=INTERPRET, block=32)
     check_topk(out, logits, 16)
 
 
@@ -237,8 +230,7 @@ def test_indexer_logits_gpu(dtype, scaled, layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", METHODS)
-def test_topk_gpu(method):
+def test_topk_gpu():
     rng = np.random.default_rng(4)
     num_keys, k = 32768, 2048
     x = rng.standard_normal((32, num_keys)).astype(np.float32)
@@ -252,16 +244,15 @@ def test_topk_gpu(method):
     x[26] = np.round(x[26] * 0.5)  # ~40% of the row tied at the threshold
     x[27] *= 1e30
     x[27, :5] = np.inf
-    out = jax.jit(functools.partial(topk, k=k, method=method))(jnp.asarray(x))
+    out = jax.jit(functools.partial(topk, k=k))(jnp.asarray(x))
     check_topk(out, np.where(np.isnan(x), -np.inf, x), k)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", METHODS)
-def test_topk_gpu_long_rows(method):
+def test_topk_gpu_long_rows():
     rng = np.random.default_rng(5)
     x = rng.standard_normal((8, 131072)).astype(np.float32)
     x[1, 70000:] = -np.inf
     x[2] = np.round(x[2] * 8)
-    out = jax.jit(functools.partial(topk, k=2048, method=method))(jnp.asarray(x))
+    out = jax.jit(functools.partial(topk, k=2048))(jnp.asarray(x))
     check_topk(out, x, 2048)
