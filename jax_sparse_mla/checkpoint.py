@@ -31,7 +31,7 @@ from safetensors import safe_open
 
 from .cache import PagedCache, check_cache, init_cache
 from .config import MLAConfig, RopeScaling
-from .params import FP8_WEIGHT_BLOCK, param_shapes, params_from_hf
+from .params import FP8_WEIGHT_BLOCK, check_params, param_shapes, params_from_hf
 
 FORMAT = "jax_sparse_mla.checkpoint/1"
 INDEX_FILE = "model.safetensors.index.json"
@@ -51,18 +51,6 @@ def _config_from_json(d: Mapping[str, Any]) -> MLAConfig:
     return MLAConfig(**d)
 
 
-def _check_params(params: Mapping[str, Any], config: MLAConfig) -> None:
-    shapes = param_shapes(config)
-    for name, shape in shapes.items():
-        if name not in params:
-            raise ValueError(f"params has no {name!r}")
-        if tuple(params[name].shape) != shape:
-            raise ValueError(f"params[{name!r}] has shape {tuple(params[name].shape)}, expected {shape}")
-    unexpected = sorted(set(params) - set(shapes))
-    if unexpected:
-        raise ValueError(f"unexpected params: {unexpected}")
-
-
 def _cache_fields(cache: PagedCache) -> dict[str, jax.Array]:
     return {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache) if getattr(cache, f.name) is not None}
 
@@ -76,7 +64,7 @@ def save_checkpoint(directory, params: Mapping[str, jax.Array], cache: PagedCach
     directory exists and overwrite is False.
     """
     path = pathlib.Path(directory).absolute()
-    _check_params(params, config)
+    check_params(params, config)
     if cache is not None:
         check_cache(cache, config)
     if path.exists() and not overwrite:

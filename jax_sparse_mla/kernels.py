@@ -3,9 +3,9 @@
 `kernels="xla"` runs each op's pure-jnp implementation and `"pallas"` every Pallas kernel
 (compiled on a GPU, in Pallas interpret mode elsewhere: slow, for tests). `"auto"` picks per op
 what measured fastest on the H200 (docs/benchmarks.md) and XLA off the GPU:
-  indexer logits: Pallas (5.8-17x faster than XLA at T = 1K-8K);
+  indexer logits: Pallas (5.8-17x faster than XLA for prefill at T = 1K-8K, 1-3.3x for decode);
   top-k: Pallas (sample-filter-select: 4.2-5.6x faster than lax.top_k at 32K, 2.7x at 128K);
-  sparse MLA attention: Pallas (4-6x faster than XLA's gather + einsum).
+  sparse MLA attention: Pallas (1.0-5.6x faster than XLA's gather + einsum; bf16 prefill 5.6x).
 The dense route's causal attention has no Pallas kernel yet and runs on XLA everywhere.
 """
 

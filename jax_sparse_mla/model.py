@@ -19,7 +19,7 @@ from . import cache as cache_lib
 from . import kernels as kernel_ops
 from . import ops
 from .config import MLAConfig
-from .params import param_shapes
+from .params import check_params
 from .plan import BatchMeta, BatchPlan
 
 
@@ -32,6 +32,12 @@ def linear(x, weight, config: MLAConfig):
     """x: [..., in] @ weight[out, in]^T -> [..., out] float32 (operands in config.dtype)."""
     return jnp.einsum("...i,oi->...o", x.astype(config.jnp_dtype), weight.astype(config.jnp_dtype),
                       precision=_precision(config), preferred_element_type=jnp.float32)
+
+
+def per_head(spec: str, a, w, config: MLAConfig):
+    """A per-head einsum with W_UK / W_UV in float32 (TF32 on GPU for bf16 configs): XLA's CPU
+    backend has no batched bf16 x bf16 -> f32 dot."""
+    return jnp.einsum(spec, a.astype(jnp.float32), w.astype(jnp.float32), precision=_precision(config))
 
 
 def mla_projections(params, x, positions, config: MLAConfig):
@@ -101,6 +107,8 @@ def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, confi
     if not jnp.issubdtype(hidden.dtype, jnp.floating):
         raise ValueError(f"hidden must be floating point, got {hidden.dtype}")
     cache_lib.check_cache(cache, config)
+    if plan.num_pages is not None and plan.num_pages != cache.num_pages:
+        raise ValueError(f"the plan was validated for {plan.num_pages} pages, the cache has {cache.num_pages}")
     expected = {"positions": (plan.num_tokens,), "slot_mapping": (plan.num_tokens,), "row_seq": (plan.num_tokens,),
                 "query_start_loc": (plan.num_seqs + 1,), "seq_lens": (plan.num_seqs,),
                 "block_tables": (plan.num_seqs, plan.pages_per_seq), "sparse_rows": (plan.num_sparse_tokens,),
@@ -111,9 +119,7 @@ def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, confi
             raise ValueError(f"meta.{name} has shape {got.shape}, expected {shape} for this plan (was it made by plan_batch?)")
     if (meta.dense_flag is None) != (plan.use_dense_mha is not None):
         raise ValueError("meta.dense_flag must be set exactly for dispatch='cond' plans (use_dense_mha None)")
-    for name, shape in param_shapes(config).items():
-        if name not in params or params[name].shape != shape:
-            raise ValueError(f"params[{name!r}] is {'missing' if name not in params else params[name].shape}, expected {shape}")
+    check_params(params, config)
 
 
 def _dense_prefill(q_nope, q_pe, cache, meta: BatchMeta, w_uk, w_uv, plan: BatchPlan, config: MLAConfig):
@@ -122,14 +128,15 @@ def _dense_prefill(q_nope, q_pe, cache, meta: BatchMeta, w_uk, w_uv, plan: Batch
     valid = jnp.arange(plan.max_query_len) < meta.dense_query_len[:, None]
     rows = jnp.where(valid, rows, -1)
     q_positions = jnp.where(valid, _take_rows(meta.positions, rows), -1)
-    latent = kernel_ops.gather_paged_rows(cache.flat("latent"), meta.block_tables, config.page_size)
+    # A dense sequence has at most index_topk tokens: read no further into any block table.
+    tables = meta.block_tables[:, : min(plan.pages_per_seq, -(-config.index_topk // config.page_size))]
+    latent = kernel_ops.gather_paged_rows(cache.flat("latent"), tables, config.page_size)
     scale = (None if cache.latent_scale is None
-             else kernel_ops.gather_paged_rows(cache.flat("latent_scale"), meta.block_tables, config.page_size))
+             else kernel_ops.gather_paged_rows(cache.flat("latent_scale"), tables, config.page_size))
     c = kernel_ops.dequantize_latent(latent, scale)  # [S, L, R]
-    k_pe = kernel_ops.gather_paged_rows(cache.flat("k_pe"), meta.block_tables, config.page_size).astype(jnp.float32)
-    prec = _precision(config)
-    k_nope = jnp.einsum("slr,hnr->slhn", c, w_uk, precision=prec)
-    v = jnp.einsum("slr,hvr->slhv", c, w_uv, precision=prec)
+    k_pe = kernel_ops.gather_paged_rows(cache.flat("k_pe"), tables, config.page_size)
+    k_nope = per_head("slr,hnr->slhn", c, w_uk, config)
+    v = per_head("slr,hvr->slhv", c, w_uv, config)
     heads = config.num_attention_heads
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], k_pe.shape[:2] + (heads, k_pe.shape[-1]))], -1)
     q = jnp.concatenate([_take_rows(q_nope, rows), _take_rows(q_pe, rows)], -1)  # [S, Q, H, qk]
@@ -187,11 +194,11 @@ def _topk_slots(step: _Step, rows):
 def _sparse_attention(step: _Step, rows, slots):
     """Absorbed sparse attention of `rows` (None: every row) over cache slots [N, topk] -> [N, H, v] f32."""
     c_, cache = step.config, step.cache
-    q_lat = jnp.einsum("thn,hnr->thr", _pick(step.q_nope, rows), step.w_uk, precision=_precision(c_))
+    q_lat = per_head("thn,hnr->thr", _pick(step.q_nope, rows), step.w_uk, c_)
     q_abs = jnp.concatenate([q_lat, _pick(step.q_pe, rows)], -1).astype(c_.jnp_dtype)
     out_lat, _ = kernel_ops.sparse_mla(q_abs, cache.flat("latent"), cache.flat("latent_scale"), cache.flat("k_pe"),
                                        slots, scale=c_.softmax_scale, impl=step.impl["sparse_mla"])
-    return jnp.einsum("thr,hvr->thv", out_lat, step.w_uv, precision=_precision(c_))
+    return per_head("thr,hvr->thv", out_lat, step.w_uv, c_)
 
 
 def _sparse_program(step: _Step):
@@ -244,7 +251,7 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
     cache = cache_lib.write(cache, meta.slot_mapping,
                             {**cache_lib.encode_latent(c, k_pe, c_), **cache_lib.encode_index_keys(k_index, c_)})
 
-    kv_b = params["kv_b_proj.weight"].astype(jnp.float32).reshape(H, c_.qk_nope_head_dim + c_.v_head_dim, c_.kv_lora_rank)
+    kv_b = params["kv_b_proj.weight"].reshape(H, c_.qk_nope_head_dim + c_.v_head_dim, c_.kv_lora_rank)
     step = _Step(params, x, qr, q_nope, q_pe, positions, cache, meta,
                  w_uk=kv_b[:, : c_.qk_nope_head_dim], w_uv=kv_b[:, c_.qk_nope_head_dim:],  # [H, nope, R], [H, v, R]
                  config=c_, impl=impl, tensor_axis=tensor_axis)

@@ -33,6 +33,19 @@ def param_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
+def check_params(params: Mapping[str, Any], config: MLAConfig) -> None:
+    """Raises ValueError naming the first missing, misshapen or unexpected parameter."""
+    shapes = param_shapes(config)
+    for name, shape in shapes.items():
+        if name not in params:
+            raise ValueError(f"params has no {name!r}")
+        if tuple(params[name].shape) != shape:
+            raise ValueError(f"params[{name!r}] has shape {tuple(params[name].shape)}, expected {shape}")
+    unexpected = sorted(set(params) - set(shapes))
+    if unexpected:
+        raise ValueError(f"unexpected params: {unexpected}")
+
+
 def init_params(config: MLAConfig, key: jax.Array) -> dict[str, jax.Array]:
     """Random parameters: projections ~ N(0, 1/fan_in), norm weights near 1, bias near 0."""
     shapes = param_shapes(config)

@@ -79,7 +79,11 @@ class BatchPlan:
     max_query_len: padded query length of the dense program's per-sequence layout (0 when
       use_dense_mha is False).
     skip_indexer: the dense program scores only meta.sparse_rows (False: every row, the
-      baseline without the skip).
+      baseline without the skip). Always True where it changes nothing (the sparse program).
+    num_pages: the cache size the page ids were validated against (None: not validated);
+      forward refuses a cache of another size.
+    In a cond plan, num_sparse_tokens is num_tokens and max_query_len the padded index_topk
+    (capped at num_tokens): sizes that fit any batch of the bucket.
     """
 
     num_tokens: int
@@ -89,6 +93,7 @@ class BatchPlan:
     num_sparse_tokens: int
     max_query_len: int
     skip_indexer: bool = True
+    num_pages: int | None = None
 
     @property
     def num_scored_tokens(self) -> int | None:
@@ -172,6 +177,9 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
 
     force_sparse: route short prefills through the indexer and sparse attention too.
     skip_indexer: score only the rows that attend sparsely (False: every row, the baseline).
+    num_pages: the cache's page count; page ids outside [0, num_pages) are rejected. Without
+      it page ids are only checked to be >= 0 (an id past the cache would read clamped slots and
+      write nowhere), so engines should pass it.
     dispatch: "static" (the route is in the plan) or "cond" (in meta.dense_flag; the plan's
       sizes then depend on the shape buckets only).
     Raises ValueError naming the request and the problem before anything touches a device.
@@ -220,7 +228,8 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
         num_sparse = buckets.round_up(len(sparse_rows), 1) if use_dense and sparse_rows else 0
         max_query_len = buckets.round_up(int(dense_query_len.max()), buckets.min_query_len) if use_dense else 0
     plan = BatchPlan(num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=width, use_dense_mha=use_dense,
-                     num_sparse_tokens=num_sparse, max_query_len=max_query_len, skip_indexer=skip_indexer)
+                     num_sparse_tokens=num_sparse, max_query_len=max_query_len,
+                     skip_indexer=skip_indexer or use_dense is False, num_pages=num_pages)
     meta = BatchMeta(
         positions=positions, slot_mapping=slot_mapping, row_seq=row_seq,
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,

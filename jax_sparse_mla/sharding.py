@@ -133,7 +133,8 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
     [0, pages_per_shard). Sizes are padded to the largest shard's buckets. Route: the dense
     program when any shard has a short prefill (every other row of every shard, decodes and
     long prefills alike, attends sparsely in it); otherwise the all-sparse program.
-    Options as in plan_batch. Raises ValueError naming the shard for invalid requests.
+    Options as in plan_batch (dispatch is always "static" here). Raises ValueError naming the
+    shard for invalid requests.
     """
     active = [d for d, reqs in enumerate(shards) if len(reqs)]
     if not active:
@@ -201,10 +202,8 @@ def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh:
                          "make meta with plan_data_parallel for this mesh's data axis")
 
     def per_shard(params, hidden, cache, meta):
-        # forward gains tensor_axis with the model.py patch of issue 7; without tensor
-        # parallelism it is not needed.
-        extra = {"tensor_axis": TENSOR} if tp > 1 else {}
-        return forward(params, hidden, cache, meta, plan=plan, config=local, kernels=kernels, **extra)
+        return forward(params, hidden, cache, meta, plan=plan, config=local, kernels=kernels,
+                       tensor_axis=TENSOR if tp > 1 else None)
 
     # check_vma=False: the Pallas kernels inside forward carry no varying-axes annotations. The
     # outputs are replicated over "tensor" by construction (psum; identical cache writes).

@@ -126,3 +126,18 @@ def test_shared_read_only_prefix_pages_are_allowed():
     """Two requests may read one cached prefix page (prefix caching) as long as neither writes it."""
     plan, _ = plan_batch(TINY, [Request(4, 2, [0, 1]), Request(4, 3, [0, 2])], num_pages=4)
     assert plan.num_seqs == 4
+
+
+def test_forward_refuses_a_cache_of_another_size_than_the_plan_was_validated_for():
+    from jax_sparse_mla import init_params
+    from jax_sparse_mla.model import forward
+    plan, meta = plan_batch(TINY, [Request(0, 5, [0, 1])], num_pages=8)
+    x = jnp.ones((plan.num_tokens, TINY.hidden_size))
+    with pytest.raises(ValueError, match="validated for 8 pages, the cache has 16"):
+        forward(init_params(TINY, jax.random.key(0)), x, init_cache(TINY, 16), meta, plan=plan, config=TINY)
+
+
+def test_sparse_plans_ignore_skip_indexer():
+    """skip_indexer only matters where a dense program exists: no duplicate sparse programs."""
+    long_ = [Request(0, 20, list(range(5)))]
+    assert plan_batch(TINY, long_, skip_indexer=False)[0] == plan_batch(TINY, long_)[0]
