@@ -12,13 +12,14 @@ Indexer key cache per token: `index_k` [P, page, D] in the indexer dtype, plus
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from . import ops
 from .config import FP8_TILE, MLAConfig
-from .kernels import dequantize_latent
+from .kernels import dequantize_latent, gather_paged_rows
 
 
 @jax.tree_util.register_dataclass
@@ -100,22 +101,20 @@ def write(cache: PagedCache, slot_mapping, rows: dict[str, jax.Array]) -> PagedC
     return dataclasses.replace(cache, **updates)
 
 
-def _sequence_slots(block_table, length: int, page_size: int):
-    pos = jnp.arange(length)
-    return jnp.asarray(block_table)[pos // page_size] * page_size + pos % page_size
+def _sequence_rows(cache: PagedCache, name: str, block_table, length: int, page_size: int):
+    """Rows [length, ...] of one cache field for the first `length` positions of a sequence."""
+    a = cache.flat(name)
+    return None if a is None else gather_paged_rows(a, jnp.asarray(block_table)[None], page_size)[0, :length]
 
 
 def read_latent(cache: PagedCache, block_table, length: int, config: MLAConfig):
     """Dense, dequantized latent rows of one sequence: (c [length, R], k_pe [length, rope]) float32."""
-    slots = _sequence_slots(block_table, length, config.page_size)
-    scale = None if cache.latent_scale is None else cache.flat("latent_scale")[slots]
-    return dequantize_latent(cache.flat("latent")[slots], scale), cache.flat("k_pe")[slots].astype(jnp.float32)
+    rows = functools.partial(_sequence_rows, cache, block_table=block_table, length=length, page_size=config.page_size)
+    return dequantize_latent(rows("latent"), rows("latent_scale")), rows("k_pe").astype(jnp.float32)
 
 
 def read_indexer_keys(cache: PagedCache, block_table, length: int, config: MLAConfig):
     """Dense, dequantized indexer keys of one sequence: [length, D] float32."""
-    slots = _sequence_slots(block_table, length, config.page_size)
-    k = cache.flat("index_k")[slots].astype(jnp.float32)
-    if cache.index_k_scale is not None:
-        k = k * cache.flat("index_k_scale")[slots][:, None]
-    return k
+    rows = functools.partial(_sequence_rows, cache, block_table=block_table, length=length, page_size=config.page_size)
+    k, scale = rows("index_k").astype(jnp.float32), rows("index_k_scale")
+    return k if scale is None else k * scale[:, None]

@@ -16,6 +16,7 @@ from jax_sparse_mla.model import jit_forward
 from jax_sparse_mla.params import param_shapes
 from jax_sparse_mla.sharding import cache_shardings, make_mesh, param_shardings
 from jax_sparse_mla.synthetic import Harness
+from tests.conftest import quantize_fp8_blocks
 
 TINY = MLAConfig.tiny()
 
@@ -103,20 +104,6 @@ OVERRIDES = dict(page_size=4, dtype="float32")
 FP8_WEIGHTS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "indexer.wq_b", "indexer.wk")
 
 
-def _quantize_blocks(w):
-    """float32 [out, in] -> (e4m3 [out, in], fp32 scales [ceil(out/128), ceil(in/128)]), DeepSeek's layout."""
-    rows, cols = w.shape
-    nb = (-(-rows // 128), -(-cols // 128))
-    scale = np.zeros(nb, np.float32)
-    q = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
-    for i in range(nb[0]):
-        for j in range(nb[1]):
-            blk = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
-            scale[i, j] = np.abs(blk).max() / 448.0
-            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (blk / scale[i, j]).astype(ml_dtypes.float8_e4m3fn)
-    return q, scale
-
-
 def _write_fake_checkpoint(directory, *, shapes_override=None, bad_scale=None, drop=(), index=True):
     """Layers 0 and 1 (+ unrelated tensors) over two shard files plus the index, like the real release.
 
@@ -142,7 +129,7 @@ def _write_fake_checkpoint(directory, *, shapes_override=None, bad_scale=None, d
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                 w = w + 1.0
             if name.removesuffix(".weight") in FP8_WEIGHTS:
-                q, scale = _quantize_blocks(w)
+                q, scale = quantize_fp8_blocks(w)
                 target[full], target[full + "_scale_inv"] = q, scale
                 if full == bad_scale:
                     target[full + "_scale_inv"] = np.ones((scale.shape[0], scale.shape[1] + 1), np.float32)

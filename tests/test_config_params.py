@@ -9,6 +9,7 @@ import pytest
 
 from jax_sparse_mla import MLAConfig, RopeScaling, init_params, params_from_hf
 from jax_sparse_mla.params import dequantize_fp8_weight, param_shapes
+from tests.conftest import quantize_fp8_blocks
 
 TINY = MLAConfig.tiny()
 
@@ -53,27 +54,13 @@ def test_unsupported_rope_scaling_raises():
         MLAConfig.from_hf_config({"rope_scaling": {"type": "linear", "factor": 2}})
 
 
-def fp8_block_quantize(w: np.ndarray):
-    """Torch-layout weight -> (e4m3 weight, weight_scale_inv per 128x128 block), as DeepSeek ships."""
-    rows, cols = w.shape
-    br, bc = -(-rows // 128), -(-cols // 128)
-    scale = np.zeros((br, bc), np.float32)
-    q = np.zeros(w.shape, np.float32)
-    for i in range(br):
-        for j in range(bc):
-            block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
-            scale[i, j] = np.abs(block).max() / 448.0
-            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = block / scale[i, j]
-    return jnp.asarray(q).astype(jnp.float8_e4m3fn), scale
-
-
 def test_params_from_hf_round_trip_with_prefix_and_fp8_blocks():
     cfg = dataclasses.replace(TINY, hidden_size=200)  # 200 columns: a partial 128-block
     params = init_params(cfg, jax.random.key(0))
     state = {f"model.layers.3.self_attn.{k}": np.asarray(v) for k, v in params.items()}
     fp8_names = ["q_a_proj.weight", "kv_b_proj.weight", "indexer.wk.weight"]
     for name in fp8_names:
-        w, s = fp8_block_quantize(np.asarray(params[name], np.float32))
+        w, s = quantize_fp8_blocks(np.asarray(params[name], np.float32))
         state[f"model.layers.3.self_attn.{name}"] = w
         state[f"model.layers.3.self_attn.{name}_scale_inv"] = s
     loaded = params_from_hf(state, cfg)
