@@ -178,13 +178,16 @@ def test_pallas_kernels_through_forward(kv_cache_dtype, indexer_dtype):
     """kernels="pallas": interpret mode on CPU, compiled on a GPU; every route in two steps."""
     cfg = dataclasses.replace(TINY, kv_cache_dtype=kv_cache_dtype, indexer_dtype=indexer_dtype)
     h = Harness(cfg, seed=12, kernels="pallas")
-    for sid, n in [(0, 37), (1, 10), (2, 30)]:
+    for sid, n in [(0, 37), (1, 11), (2, 30)]:
         h.add(sid, n)
     out, plan, _ = h.step([(2, 25)])
     assert not plan.use_dense_mha
     h.check(out, TOL_F32)
     out, plan, _ = h.step([(0, 37), (1, 10), (2, 1)])  # long + short prefill + decode
     assert plan.use_dense_mha and plan.num_scored_tokens == 64
+    h.check(out, TOL_F32)
+    out, plan, _ = h.step([(1, 1), (2, 1)], dispatch="cond")  # both programs under lax.cond
+    assert plan.route == "cond"
     h.check(out, TOL_F32)
 
 
