@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from ._shapes import next_pow2
+
 FP8_E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 ROW_CHUNK = 64  # rows per step of the reference, bounding its [rows, heads, keys] intermediate
 
@@ -93,14 +95,6 @@ except Exception:  # noqa: BLE001  (private API moved: fall back to the portable
 _TARGET_PROGRAMS = 1024  # enough programs to fill an H200 (132 SMs) several times over
 
 
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclasses.dataclass(frozen=True)
 class IndexerTiling:
     """Static tiling of `indexer_logits`.
@@ -126,13 +120,13 @@ def choose_tiling(num_rows, num_seqs, num_keys, *, block_rows=None, block_keys=N
         block_rows = 1 if rows_per_seq < 1.5 else (2 if rows_per_seq < 3 else 4)
     if block_keys is None:
         block_keys = 64
-    block_keys = max(16, min(block_keys, _next_pow2(num_keys)))
+    block_keys = max(16, min(block_keys, next_pow2(num_keys)))
     num_tiles = _max_tiles(num_rows, num_seqs, block_rows)
-    key_blocks = _cdiv(num_keys, block_keys)
+    key_blocks = pl.cdiv(num_keys, block_keys)
     if chunk is None:
-        splits = max(1, min(key_blocks, _cdiv(_TARGET_PROGRAMS, num_tiles)))
-        chunk = _cdiv(key_blocks, splits) * block_keys
-    chunk = max(block_keys, _cdiv(chunk, block_keys) * block_keys)
+        splits = max(1, min(key_blocks, pl.cdiv(_TARGET_PROGRAMS, num_tiles)))
+        chunk = pl.cdiv(key_blocks, splits) * block_keys
+    chunk = max(block_keys, pl.cdiv(chunk, block_keys) * block_keys)
     return IndexerTiling(block_rows, block_keys, chunk, num_warps or 4, num_stages or 3)
 
 
@@ -286,8 +280,8 @@ def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
 
     # The MMA needs power-of-two blocks of at least 16 in each dim (K >= 32 for fp8): pad heads
     # (weight 0) and D (zeros); a no-op for the real Hi=64, D=128.
-    hi_p = max(16, _next_pow2(hi))
-    d_p = max(32 if jnp.dtype(dot_dtype).itemsize == 1 else 16, _next_pow2(d))  # fp8 MMA: K >= 32
+    hi_p = max(16, next_pow2(hi))
+    d_p = max(32 if jnp.dtype(dot_dtype).itemsize == 1 else 16, next_pow2(d))  # fp8 MMA: K >= 32
     weights = weights.astype(jnp.float32)
     if hi_p != hi:
         q = jnp.pad(q, ((0, 0), (0, hi_p - hi), (0, 0)))
@@ -298,7 +292,7 @@ def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
 
     tiling = choose_tiling(n, num_seqs, num_keys, **tiling_overrides)
     tile_rows, tile_meta = _tile_schedule(row_seq, row_end, num_seqs, num_keys, tiling.block_rows)
-    grid = (tile_rows.shape[0], _cdiv(num_keys, tiling.chunk))
+    grid = (tile_rows.shape[0], pl.cdiv(num_keys, tiling.chunk))
 
     has_scale = k_scale is not None
     args = [tile_rows, tile_meta, row_end.astype(jnp.int32), q, weights,

@@ -19,6 +19,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from ._shapes import next_pow2
+
 ROW_CHUNK = 32  # rows per step of the reference, bounding its [rows, topk, R] gather
 
 
@@ -69,10 +71,6 @@ def sparse_mla_reference(q, latent, latent_scale, k_pe, slots, *, scale):
 _LOG2E = 1.4426950408889634  # scores are kept in log2 units so the kernel can use exp2
 _LN2 = 0.6931471805599453
 _MIN_DOT = 16  # Triton's tl.dot needs every matrix dimension >= 16
-
-
-def _pow2_at_least(x: int, floor: int = _MIN_DOT) -> int:
-    return max(floor, 1 << max(0, int(x) - 1).bit_length())
 
 
 def _sparse_mla_kernel(q_ref, latent_ref, *rest, heads, rank, rope, topk, chunk, has_scale,
@@ -265,9 +263,9 @@ def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale, interpr
     if n_rows == 0 or topk == 0:  # nothing to attend: every row is empty
         return (jnp.zeros((n_rows, heads, rank), jnp.float32), jnp.full((n_rows, heads), jnp.inf, jnp.float32))
 
-    block_h = min(_pow2_at_least(block_h), _pow2_at_least(heads))
-    block_k = min(_pow2_at_least(block_k), _pow2_at_least(topk))
-    rope_pad = _pow2_at_least(rope)
+    block_h = min(next_pow2(block_h, _MIN_DOT), next_pow2(heads, _MIN_DOT))
+    block_k = min(next_pow2(block_k, _MIN_DOT), next_pow2(topk, _MIN_DOT))
+    rope_pad = next_pow2(rope, _MIN_DOT)
     head_blocks = pl.cdiv(heads, block_h)
     num_blocks = pl.cdiv(topk, block_k)
     if num_splits is None:

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from ._shapes import next_pow2
+
 
 def topk_reference(logits, k: int):
     """logits: [N, L] float32 with -inf for invalid keys -> [N, k] int32 key indices.
@@ -36,14 +38,6 @@ def topk_reference(logits, k: int):
 
 _SIGN = -(1 << 31)  # 0x80000000 as int32
 _LOW31 = (1 << 31) - 1
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _ordered_key(x):
@@ -108,11 +102,11 @@ def _count_select(load_keys, n_chunks, kk, lo, w, c_hi):
 def _sample_params(num_keys, k, sample, cap):
     """Static sample size, target rank in the sample and candidate capacity."""
     if sample is None:
-        sample = min(4096, max(1024, _next_pow2(num_keys // 32)))
-    sample = _next_pow2(sample)
+        sample = min(4096, max(1024, next_pow2(num_keys // 32)))
+    sample = next_pow2(sample)
     if sample >= num_keys:  # the sample is the whole row: its k-th largest is the answer
-        sample = _next_pow2(num_keys)
-        rank, default_cap = k, _next_pow2(num_keys)
+        sample = next_pow2(num_keys)
+        rank, default_cap = k, next_pow2(num_keys)
     else:
         # The r-th largest of `sample` evenly spread keys has ~ r * stride keys above it, std
         # ~ sqrt(r) * stride: pick r with r - z sqrt(r) = k / stride (>= k keys at z sigma) and
@@ -121,7 +115,7 @@ def _sample_params(num_keys, k, sample, cap):
         m = k / stride
         sr = (_Z + math.sqrt(_Z * _Z + 4 * m)) / 2
         rank = int(math.ceil(sr * sr))
-        default_cap = _next_pow2(max(k, int((rank + _Z * math.sqrt(rank)) * stride * 1.1)))
+        default_cap = next_pow2(max(k, int((rank + _Z * math.sqrt(rank)) * stride * 1.1)))
     return sample, rank, (cap or default_cap)
 
 
@@ -129,7 +123,7 @@ def _filter_kernel(x_ref, out_ref, ckey_ref, cidx_ref, *, k, num_keys, block, sa
                    interpret):
     n = pl.program_id(0)
     lane = jnp.arange(block, dtype=jnp.int32)
-    n_row_blocks = _cdiv(num_keys, block)
+    n_row_blocks = pl.cdiv(num_keys, block)
 
     def row_keys(i, enabled=None):
         cols = i * block + lane
@@ -238,7 +232,7 @@ def _filter_kernel(x_ref, out_ref, ckey_ref, cidx_ref, *, k, num_keys, block, sa
                        mask=(cols >= n_sel) & (cols < k))
         return carry
 
-    jax.lax.fori_loop(n_sel // block, _cdiv(k, block), pad, 0)
+    jax.lax.fori_loop(n_sel // block, pl.cdiv(k, block), pad, 0)
 
 
 def topk(logits, k: int, *, interpret=False, block=None, num_warps=None, num_stages=None,
@@ -284,7 +278,7 @@ def topk(logits, k: int, *, interpret=False, block=None, num_warps=None, num_sta
         return jnp.full((n, k), -1, jnp.int32)
     if block is None:
         block = 1024
-    block = max(16, min(_next_pow2(block), _next_pow2(num_keys)))
+    block = max(16, min(next_pow2(block), next_pow2(num_keys)))
     # Interpret mode carries out a masked-out scatter lane as a write of the old value: give
     # those lanes `block` spare columns of their own. On the GPU masked lanes store nothing.
     out_cols = k + block if interpret else k
