@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from . import ops
 from .config import FP8_TILE, MLAConfig
-from .kernels import dequantize_latent, gather_paged_rows
+from .kernels import dequantize_index_keys, dequantize_latent, gather_paged_rows
 
 
 @jax.tree_util.register_dataclass
@@ -116,5 +116,4 @@ def read_latent(cache: PagedCache, block_table, length: int, config: MLAConfig):
 def read_indexer_keys(cache: PagedCache, block_table, length: int, config: MLAConfig):
     """Dense, dequantized indexer keys of one sequence: [length, D] float32."""
     rows = functools.partial(_sequence_rows, cache, block_table=block_table, length=length, page_size=config.page_size)
-    k, scale = rows("index_k").astype(jnp.float32), rows("index_k_scale")
-    return k if scale is None else k * scale[:, None]
+    return dequantize_index_keys(rows("index_k"), rows("index_k_scale"))

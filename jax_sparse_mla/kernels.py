@@ -63,4 +63,5 @@ def causal_attention(q, k, v, q_positions, *, scale):
 
 
 gather_paged_rows = indexer.gather_paged_rows
+dequantize_index_keys = indexer.dequantize_index_keys
 dequantize_latent = sparse_attention.dequantize_latent

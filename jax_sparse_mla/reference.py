@@ -18,7 +18,7 @@ import numpy as np
 
 from . import cache as cache_lib
 from .config import MLAConfig
-from .kernels import dequantize_latent
+from .kernels import dequantize_index_keys, dequantize_latent
 from .model import indexer_keys, indexer_queries, mla_projections
 
 HI = jax.lax.Precision.HIGHEST
@@ -37,8 +37,7 @@ def _stored_latent(c, k_pe, config):
 
 def _stored_index_keys(k, config):
     rows = cache_lib.encode_index_keys(k, config)
-    k = rows["index_k"].astype(jnp.float32)
-    return k * rows["index_k_scale"][:, None] if "index_k_scale" in rows else k
+    return dequantize_index_keys(rows["index_k"], rows.get("index_k_scale"))
 
 
 @functools.partial(jax.jit, static_argnames="config")

@@ -29,6 +29,12 @@ def gather_paged_rows(cache, block_tables, page_size):
     return cache[slots]
 
 
+def dequantize_index_keys(keys, scale):
+    """keys: [..., D] (e4m3 | bf16 | f32); scale: [...] f32 (fp8 keys) or None -> [..., D] f32."""
+    keys = keys.astype(jnp.float32)
+    return keys if scale is None else keys * scale[..., None]
+
+
 def indexer_logits_reference(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size):
     """Indexer logits in jnp, float32.
 
@@ -37,9 +43,8 @@ def indexer_logits_reference(q, weights, k_cache, k_scale, block_tables, row_seq
     row_seq: [N] int32; row_end: [N] int32 (keys [0, row_end) are valid).
     Returns [N, W * page_size] float32.
     """
-    keys = gather_paged_rows(k_cache, block_tables, page_size).astype(jnp.float32)  # [S, L, D]
-    if k_scale is not None:
-        keys = keys * gather_paged_rows(k_scale, block_tables, page_size)[..., None]
+    keys = dequantize_index_keys(gather_paged_rows(k_cache, block_tables, page_size),  # [S, L, D]
+                                 None if k_scale is None else gather_paged_rows(k_scale, block_tables, page_size))
     num_keys = keys.shape[1]
 
     def one_row(args):
