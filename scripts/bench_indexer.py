@@ -22,7 +22,6 @@ import functools
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -35,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from pallas_kernels.indexer import indexer_logits, indexer_logits_reference  # noqa: E402
 from pallas_kernels.topk import topk, topk_reference  # noqa: E402
+from timing import median_ms  # noqa: E402
 
 HI, D, PAGE, TOPK = 64, 128, 64, 2048
 FP8 = jnp.float8_e4m3fn
@@ -43,41 +43,6 @@ FP8 = jnp.float8_e4m3fn
 # ------------------------------------------------------------------------------------------------
 # timing
 # ------------------------------------------------------------------------------------------------
-
-def _block(x):
-    return jax.tree_util.tree_map(lambda a: a.block_until_ready(), x)
-
-
-try:  # triton's do_bench (CUDA events, L2 flush) when the image has triton
-    from triton.testing import do_bench as _do_bench  # type: ignore
-except Exception:  # noqa: BLE001
-    _do_bench = None
-
-
-def time_ms(fn, *args, budget_s=0.6):
-    """Median milliseconds of fn(*args) after warm-up."""
-    _block(fn(*args))  # compile + warm-up
-    _block(fn(*args))
-    if _do_bench is not None:
-        try:
-            return float(_do_bench(lambda: _block(fn(*args)), return_mode="median"))
-        except Exception:  # noqa: BLE001
-            pass
-    t0 = time.perf_counter()
-    _block(fn(*args))
-    one = max(time.perf_counter() - t0, 1e-6)
-    reps = int(min(200, max(1, 0.05 / one)))  # batches of ~50 ms: dispatch overhead amortised
-    batches = int(min(15, max(3, budget_s / (one * reps))))
-    samples = []
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(reps):
-            out = fn(*args)
-        _block(out)
-        samples.append((time.perf_counter() - t0) / reps * 1e3)
-    return statistics.median(samples)
-
 
 # ------------------------------------------------------------------------------------------------
 # inputs
@@ -166,10 +131,10 @@ def run_config(kind, params, make, kernel_fn, xla_fn, metric, unit, check, xla_s
         return record(**rec)
     try:
         args = make()
-        out = _block(kernel_fn(*args))
+        out = jax.block_until_ready(kernel_fn(*args))
         rec["check_err"] = check(out, args)
         del out
-        rec["kernel_ms"] = time_ms(kernel_fn, *args)
+        rec["kernel_ms"] = median_ms(kernel_fn, *args)
         rec["kernel_" + unit] = metric(rec["kernel_ms"])
     except Exception as e:  # noqa: BLE001
         rec["error"] = f"kernel: {type(e).__name__}: {str(e)[:300]}"
@@ -179,7 +144,7 @@ def run_config(kind, params, make, kernel_fn, xla_fn, metric, unit, check, xla_s
         rec["xla"] = "skipped: " + xla_skip_reason
     else:
         try:
-            rec["xla_ms"] = time_ms(xla_fn, *args, budget_s=0.3)
+            rec["xla_ms"] = median_ms(xla_fn, *args)
             rec["xla_" + unit] = metric(rec["xla_ms"])
             rec["speedup"] = rec["xla_ms"] / rec["kernel_ms"]
         except Exception as e:  # noqa: BLE001
@@ -251,17 +216,17 @@ def bench_topk(quick, tiling=None, shapes=None, tag=""):
             continue
         try:
             args = topk_inputs(rows, length, causal, rows + length)
-            xla_ms = time_ms(xla, *args, budget_s=0.3)
+            xla_ms = median_ms(xla, *args)
         except Exception as e:  # noqa: BLE001
             record(kind="topk" + tag, **params, unit="GBps", error=f"inputs/xla: {type(e).__name__}: {e}"[:300])
             continue
         rec = dict(kind="topk" + tag, **params, tiling=tiling or "default", unit="GBps",
                    xla_ms=xla_ms, xla_GBps=nbytes / (xla_ms * 1e-3) / 1e9)
         try:
-            out = _block(kern(*args))
+            out = jax.block_until_ready(kern(*args))
             rec["check_err"] = check_topk_sample(out, args[0], TOPK)
             del out
-            rec["kernel_ms"] = time_ms(kern, *args)
+            rec["kernel_ms"] = median_ms(kern, *args)
             rec["kernel_GBps"] = nbytes / (rec["kernel_ms"] * 1e-3) / 1e9
             rec["speedup"] = xla_ms / rec["kernel_ms"]
         except Exception as e:  # noqa: BLE001
@@ -322,7 +287,7 @@ def main():
         sweep()
     print_table()
     info = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, python=platform.python_version(),
-                timer="triton.testing.do_bench" if _do_bench else "block_until_ready loop",
+                timer="scripts/timing.py median_ms",
                 total_s=time.time() - t0, quick=a.quick)
     with open(a.out, "w") as f:
         json.dump(dict(info=info, results=RESULTS), f, indent=1)

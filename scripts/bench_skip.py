@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from jax_sparse_mla import BucketPolicy, MLAConfig, Request  # noqa: E402
 from jax_sparse_mla import kernels as kernel_ops  # noqa: E402
 from jax_sparse_mla.serving import Engine, Workload  # noqa: E402
+from timing import median_ms  # noqa: E402
 
 SETTINGS = {"skip": True, "no_skip": False}  # name -> skip_indexer
 
@@ -97,17 +98,6 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------------------------------------
-
-def _median_ms(fn, reps: int) -> float:
-    fn().block_until_ready()
-    fn().block_until_ready()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn().block_until_ready()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return float(statistics.median(times))
-
 
 def run_pair(engine: Engine, workload: Workload, args, label: str) -> dict:
     """Warm up both settings, then `repeats` timed runs of each, alternating. -> {setting: summary}."""
@@ -211,7 +201,6 @@ def _scoring_fn(engine: Engine, requests, args):
 def phase_breakdown(engine, args) -> list[dict]:
     rows = []
     page = engine.config.page_size
-    reps = 5 if args.smoke else 20
     for n in args.breakdown_prefills:
         length = args.prefill_input_len
         if n * length > args.max_num_batched_tokens:
@@ -222,8 +211,8 @@ def phase_breakdown(engine, args) -> list[dict]:
         times, plans = {}, {}
         for name, skip in SETTINGS.items():
             _, plans[name] = engine.forward_batch(requests, skip_indexer=skip)
-            times[name] = _median_ms(lambda: engine.forward_batch(requests, skip_indexer=skip)[0], reps)
-        scoring = _median_ms(_scoring_fn(engine, requests, args), reps)
+            times[name] = median_ms(lambda: engine.forward_batch(requests, skip_indexer=skip)[0])
+        scoring = median_ms(_scoring_fn(engine, requests, args))
         row = {"batch": f"{n} x {length}", "tokens": n * length, "padded_tokens": plans["skip"].num_tokens,
                "step_ms_skip": times["skip"], "step_ms_no_skip": times["no_skip"],
                "saved_ms": times["no_skip"] - times["skip"],

@@ -7,7 +7,7 @@ Shapes are DeepSeek-V3.2's: 128 heads, latent rank 512, rope 64, topk 2048, bf16
   decode:  batch 1..128 x s_q 1..2 rows, each sequence selecting from its own 32K-token cache.
 Cache formats: bf16 (latent + rope, 1152 B/token) and fp8 (FlashMLA's layout: e4m3 latent with
 one f32 scale per 128 values, bf16 rope: 656 B/token).
-Every config is first checked against the reference (relative error of out, lse), then timed\n(median of 7 batches of back-to-back calls, after warm-up).
+Every config is first checked against the reference (relative error of out, lse), then timed (median of 7 batches of back-to-back calls, after warm-up).
 TFLOP/s follow FlashMLA's convention: 2 * rows * topk * heads * (d_qk + d_v), d_qk 576, d_v 512.
 GB/s counts the gathered cache bytes (rows * topk * bytes per token) plus q and out.
 A config whose kernel fails to compile or mismatches is recorded with its error; the run goes on.
@@ -20,7 +20,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -33,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from jax_sparse_mla.config import FP8_TILE  # noqa: E402
+from timing import median_ms  # noqa: E402
 from jax_sparse_mla.ops import quantize_tiles  # noqa: E402
 from pallas_kernels.sparse_attention import sparse_mla_attention, sparse_mla_reference  # noqa: E402
 
@@ -104,29 +104,6 @@ def make_problem(kind, a, b):
     return q, slots, s_kv, batch, s_q
 
 
-def median_time_s(fn, *args):
-    """Median seconds per call over 7 batches of back-to-back async calls (>= ~20 ms a batch).
-
-    Batching amortises JAX's per-call dispatch for the small decode kernels. (triton's
-    do_bench is not used: it times with torch CUDA events on torch's stream, not JAX's.)
-    """
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    once = time.perf_counter() - t0
-    reps = int(min(200, max(2, 0.02 / max(once, 1e-6))))
-    samples = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / reps)
-    return statistics.median(samples)
-
-
 def rel_err(out, ref_out, lse, ref_lse, slots):
     live = np.asarray((slots >= 0).any(axis=1))
     out, ref_out = np.asarray(out)[live], np.asarray(ref_out)[live]
@@ -159,7 +136,7 @@ def run_config(kind, fmt, a, b, num_slots, reference_fn, tilings=(None,), time_r
     try:
         ref_out, ref_lse = jax.block_until_ready(reference_fn(*args))
         if time_reference:
-            record("xla", seconds=median_time_s(reference_fn, *args))
+            record("xla", seconds=median_ms(reference_fn, *args) / 1e3)
     except Exception as e:  # noqa: BLE001 - record and go on
         record("xla", error=f"{type(e).__name__}: {e}"[:2000])
         return records
@@ -172,7 +149,7 @@ def run_config(kind, fmt, a, b, num_slots, reference_fn, tilings=(None,), time_r
             err, lse_err = rel_err(out, ref_out, lse, ref_lse, slots)
             if not (err < OUT_TOL and lse_err < LSE_TOL):
                 raise AssertionError(f"mismatch vs reference: rel err {err:.3e}, lse err {lse_err:.3e}")
-            record("pallas", tiling, seconds=median_time_s(fn, *args), rel_err=err, lse_err=lse_err)
+            record("pallas", tiling, seconds=median_ms(fn, *args) / 1e3, rel_err=err, lse_err=lse_err)
         except Exception as e:  # noqa: BLE001 - a config that fails to compile must not end the run
             record("pallas", tiling, error=f"{type(e).__name__}: {e}"[:2000],
                    traceback=traceback.format_exc()[-3000:])
