@@ -482,7 +482,7 @@ class Engine:
                 steps.append(StepRecord(
                     index=len(steps), start_s=clock - (t1 - t0), duration_s=t1 - t0, forward_s=t1 - t_fwd,
                     route=plan.route, branch=_branch(plan, meta), has_indexer_scoring=bool(plan.has_indexer_scoring),
-                    num_scored_tokens=getattr(plan, "num_scored_tokens", None), num_tokens=n_real,
+                    num_scored_tokens=plan.num_scored_tokens, num_tokens=n_real,
                     padded_tokens=plan.num_tokens, num_decodes=n_dec, num_prefills=len(work) - n_dec,
                     prefill_tokens=sum(n for r, n in work if r.prefilling),
                     new_programs=0 if dry else jit_forward._cache_size() - before, plan=plan))
