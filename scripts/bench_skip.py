@@ -267,39 +267,37 @@ def plot(results, out_dir: str) -> list[str]:
 
     paths = []
     style = {"skip": dict(marker="o", label="skip on"), "no_skip": dict(marker="s", ls="--", label="skip off")}
+
+    def concurrency_axis(ax, cs, title):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+
+    def save(fig, name):
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, name))
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
     if results["prefill"]:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
         cs = [r["concurrency"] for r in results["prefill"]]
         for name in SETTINGS:
             ax1.plot(cs, [r[name]["request_throughput"] for r in results["prefill"]], **style[name])
             ax2.plot(cs, [r[name]["median_ttft_ms"] for r in results["prefill"]], **style[name])
-        for ax, title in ((ax1, "request throughput (req/s)"), (ax2, "median TTFT (ms)")):
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(cs, [str(c) for c in cs])
-            ax.set_xlabel("concurrency")
-            ax.set_title(title)
-            ax.grid(alpha=0.3)
-            ax.legend()
+        concurrency_axis(ax1, cs, "request throughput (req/s)")
+        concurrency_axis(ax2, cs, "median TTFT (ms)")
         fig.suptitle(f"(a) short prefills, input {results['meta']['prefill_input_len']}, output 1")
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, "prefill.png"))
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        save(fig, "prefill.png")
     if results["decode"]:
         fig, ax = plt.subplots(figsize=(5, 4))
         cs = [r["concurrency"] for r in results["decode"]]
         for name in SETTINGS:
             ax.plot(cs, [r[name]["median_tpot_ms"] for r in results["decode"]], **style[name])
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(cs, [str(c) for c in cs])
-        ax.set_xlabel("concurrency")
-        ax.set_title(f"(b) decode: median TPOT (ms), output {results['meta']['decode_output_len']}")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, "decode.png"))
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        concurrency_axis(ax, cs, f"(b) decode: median TPOT (ms), output {results['meta']['decode_output_len']}")
+        save(fig, "decode.png")
     if results["breakdown"]:
         fig, ax = plt.subplots(figsize=(6, 4))
         rows = results["breakdown"]
@@ -311,10 +309,7 @@ def plot(results, out_dir: str) -> list[str]:
         ax.set_ylabel("ms")
         ax.set_title(f"(c) one step, {results['meta']['layers']} layers")
         ax.legend()
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, "breakdown.png"))
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        save(fig, "breakdown.png")
     return paths
 
 
