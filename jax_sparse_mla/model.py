@@ -93,6 +93,11 @@ def _take_rows(a, rows):
     return a[jnp.maximum(rows, 0)]
 
 
+def _put_rows(a, rows, values):
+    """a with a[rows] = values, rows -1 padded (padding rows write nowhere)."""
+    return a.at[jnp.where(rows >= 0, rows, a.shape[0])].set(values, mode="drop")
+
+
 def _depend_on(x, unused):
     """x, made to depend on `unused` (top-k slots, always >= -1) so that XLA keeps computing it:
     the skip_indexer=False baseline must pay for scoring that no row reads. (An optimization
@@ -211,15 +216,15 @@ def _dense_program(step: _Step, plan: BatchPlan):
 
     Scores only the sparse rows, or every row when plan.skip_indexer is False (the baseline).
     """
-    c_, meta, T = step.config, step.meta, plan.num_tokens
-    out_heads = jnp.zeros((T, c_.num_attention_heads, c_.v_head_dim), jnp.float32)
+    c_, meta = step.config, step.meta
+    out_heads = jnp.zeros((plan.num_tokens, c_.num_attention_heads, c_.v_head_dim), jnp.float32)
     rows, dense_out = _dense_prefill(step.q_nope, step.q_pe, step.cache, meta, step.w_uk, step.w_uv, plan, c_)
-    out_heads = out_heads.at[jnp.where(rows >= 0, rows, T)].set(dense_out, mode="drop")
+    out_heads = _put_rows(out_heads, rows, dense_out)
     all_slots = None if plan.skip_indexer else _topk_slots(step, None)
     if plan.num_sparse_tokens:
         rows = meta.sparse_rows
         slots = _topk_slots(step, rows) if all_slots is None else _take_rows(all_slots, rows)
-        out_heads = out_heads.at[jnp.where(rows >= 0, rows, T)].set(_sparse_attention(step, rows, slots), mode="drop")
+        out_heads = _put_rows(out_heads, rows, _sparse_attention(step, rows, slots))
     if all_slots is not None:  # baseline: keep scoring that (mostly) no row reads
         out_heads = _depend_on(out_heads, all_slots)
     return out_heads
