@@ -1,0 +1,131 @@
+"""The Mosaic GPU varlen causal attention kernel against its float32 reference.
+
+`causal_varlen_attention_reference` is itself checked against a naive per-sequence numpy
+computation. Kernel errors are relative, ||out - ref|| / ||ref|| over the rows sequences own;
+tolerance 1e-2 for bf16/f16 inputs: the kernel rounds the softmax probabilities to the input
+dtype before the P.V product (as flash attention does) and rounds its output to it; observed
+errors are ~2e-3. Rows no sequence owns must be exactly 0, and rows outside every sequence are
+poisoned with large values in q, k and v so that reading them would show.
+On CPU the kernel runs in Mosaic GPU interpret mode; the `gpu` twin compiles it at real sizes.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.dense_attention import causal_varlen_attention, causal_varlen_attention_reference
+from tests.conftest import INTERPRET
+
+TOL = 1e-2
+POISON = 300.0
+
+
+def make_batch(seed, q_lens, ctx_lens, *, heads, d_qk=192, d_v=128, pad_q=0, pad_k=0,
+               dtype=jnp.bfloat16):
+    """Packed q [T, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] (fresh normals, unowned rows poisoned)
+    and start locations [S+1]; T = sum(q_lens) + pad_q, Tk = sum(q_lens + ctx_lens) + pad_k."""
+    kv_lens = [a + b for a, b in zip(q_lens, ctx_lens)]
+    q_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    k_start = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((q_start[-1] + pad_q, heads, d_qk), np.float32)
+    k = rng.standard_normal((k_start[-1] + pad_k, heads, d_qk), np.float32)
+    v = rng.standard_normal((k_start[-1] + pad_k, heads, d_v), np.float32)
+    q[q_start[-1]:] = POISON
+    k[k_start[-1]:] = POISON
+    v[k_start[-1]:] = POISON
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+            jnp.asarray(q_start), jnp.asarray(k_start))
+
+
+def naive(q, k, v, q_start, k_start, scale):
+    """Per-sequence float64 softmax attention with an explicit causal loop: [T, H, Dv]."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    q_start, k_start = np.asarray(q_start), np.asarray(k_start)
+    out = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
+    for s in range(len(q_start) - 1):
+        q_len = q_start[s + 1] - q_start[s]
+        ctx = (k_start[s + 1] - k_start[s]) - q_len
+        for i in range(q_len):
+            keys = slice(k_start[s], k_start[s] + ctx + i + 1)
+            logits = np.einsum("hd,khd->hk", q[q_start[s] + i], k[keys]) * scale
+            w = np.exp(logits - logits.max(axis=1, keepdims=True))
+            out[q_start[s] + i] = np.einsum("hk,khd->hd", w / w.sum(axis=1, keepdims=True), v[keys])
+    return out
+
+
+def rel_err(out, ref, rows):
+    out, ref = np.asarray(out, np.float32)[:rows], np.asarray(ref, np.float32)[:rows]
+    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+# lengths not multiples of any block (64-row warpgroup tiles, 128-row blocks, 64-key tiles),
+# a single query, an empty sequence, contexts 0 and > 0 (several unmasked key tiles)
+RAGGED = dict(q_lens=[70, 1, 0, 130, 129], ctx_lens=[0, 5, 3, 200, 64])
+
+
+def test_reference_matches_naive():
+    q, k, v, q_start, k_start = make_batch(0, [5, 0, 1, 9], [0, 4, 3, 6], heads=2, d_qk=16,
+                                           d_v=8, pad_q=3, pad_k=2, dtype=jnp.float32)
+    ref = causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=0.3)
+    assert ref.shape == (q.shape[0], 2, 8) and ref.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(ref), naive(q, k, v, q_start, k_start, 0.3), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_ragged_batch(dtype):
+    q, k, v, q_start, k_start = make_batch(1, **RAGGED, heads=2, pad_q=9, pad_k=5, dtype=dtype)
+    out = causal_varlen_attention(q, k, v, q_start, k_start, scale=0.1, interpret=INTERPRET)
+    ref = causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=0.1)
+    assert out.shape == (q.shape[0], 2, 128) and out.dtype == dtype
+    owned = int(q_start[-1])
+    assert rel_err(out, ref, owned) < TOL
+    np.testing.assert_array_equal(np.asarray(out[owned:], np.float32), 0.0)
+
+
+def test_long_context_and_key_tiles():
+    """128-key tiles in two slots, a context of several tiles, one query row per sequence end."""
+    q, k, v, q_start, k_start = make_batch(2, [65, 3], [300, 130], heads=1, d_qk=64, d_v=64, pad_q=1)
+    out = causal_varlen_attention(q, k, v, q_start, k_start, scale=0.2, interpret=INTERPRET,
+                                  block_kv=128, num_stages=2)
+    ref = causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=0.2)
+    assert rel_err(out, ref, int(q_start[-1])) < TOL
+    np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)
+
+
+def test_all_padding():
+    q, k, v, q_start, k_start = make_batch(3, [0, 0], [0, 4], heads=1, d_qk=64, d_v=64, pad_q=5)
+    out = causal_varlen_attention(q, k, v, q_start, k_start, scale=0.2, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+
+
+def test_bad_inputs():
+    q, k, v, q_start, k_start = make_batch(4, [3], [0], heads=2, d_qk=64, d_v=64)
+    call = lambda *a, **kw: causal_varlen_attention(*a, scale=1.0, interpret=INTERPRET, **kw)
+    with pytest.raises(ValueError, match="heads"):
+        call(q[:, :1], k, v, q_start, k_start)
+    with pytest.raises(ValueError, match="head dim"):
+        call(q[..., :32], k, v, q_start, k_start)
+    with pytest.raises(ValueError, match="dtype"):
+        call(q.astype(jnp.float32), k, v, q_start, k_start)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        call(q[..., :32], k[..., :32], v, q_start, k_start)
+    with pytest.raises(ValueError, match="int32"):
+        call(q, k, v, q_start.astype(jnp.float32), k_start)
+    with pytest.raises(ValueError, match="shared memory"):
+        call(*make_batch(4, [3], [0], heads=1)[:3], q_start, k_start, block_kv=128, num_stages=2)
+
+
+@pytest.mark.gpu
+def test_real_dims_compiled():
+    """H=128, Dqk 192, Dv 128 at prefill sizes, compiled; the reference on 8 heads."""
+    q, k, v, q_start, k_start = make_batch(5, [1000, 1, 0, 300, 2048, 77], [0, 5, 3, 700, 0, 64],
+                                           heads=128, pad_q=37, pad_k=11)
+    out = jax.jit(lambda *a: causal_varlen_attention(*a, scale=192 ** -0.5))(q, k, v, q_start, k_start)
+    heads = slice(0, 8)
+    ref = causal_varlen_attention_reference(q[:, heads], k[:, heads], v[:, heads], q_start, k_start,
+                                            scale=192 ** -0.5)
+    owned = int(q_start[-1])
+    assert rel_err(out[:, heads], ref, owned) < TOL
+    np.testing.assert_array_equal(np.asarray(out[owned:], np.float32), 0.0)
