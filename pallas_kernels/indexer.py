@@ -239,8 +239,37 @@ def _indexer_kernel(tile_rows_ref, tile_meta_ref, row_end_ref, q_ref, w_ref, bt_
     jax.lax.fori_loop(n_compute, n_blocks, fill, 0)
 
 
+MGPU_MIN_ROWS_PER_SEQ = 16  # prefill-shaped: at least one full Mosaic row tile per sequence
+
+
 def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size,
                    interpret=False, fp8_imprecise_acc=FP8_IMPRECISE_ACC, **tiling_overrides):
+    """Indexer logits, Pallas kernels. Same contract as `indexer_logits_reference`.
+
+    Route: prefill-shaped batches (>= MGPU_MIN_ROWS_PER_SEQ rows per sequence on average) of
+    e4m3 or bf16 q and keys on a Hopper GPU go to the Mosaic GPU kernel
+    (`indexer_mgpu.indexer_logits_mgpu`: wgmma + TMA, warp-specialised); everything else
+    (decode, interpret mode, f32, other GPUs, any tiling override) to the Triton-backend kernel
+    `indexer_logits_triton`, whose arguments these are.
+    """
+    if (not interpret and not tiling_overrides and fp8_imprecise_acc == FP8_IMPRECISE_ACC
+            and _is_hopper() and q.dtype == k_cache.dtype and q.dtype in (FP8_E4M3, jnp.bfloat16)
+            and q.shape[0] >= MGPU_MIN_ROWS_PER_SEQ * min(block_tables.shape[0], q.shape[0])):
+        from .indexer_mgpu import indexer_logits_mgpu  # imports this module's helpers
+        return indexer_logits_mgpu(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
+                                   page_size=page_size)
+    return indexer_logits_triton(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
+                                 page_size=page_size, interpret=interpret,
+                                 fp8_imprecise_acc=fp8_imprecise_acc, **tiling_overrides)
+
+
+def _is_hopper():
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", "").startswith("9.")
+
+
+def indexer_logits_triton(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size,
+                          interpret=False, fp8_imprecise_acc=FP8_IMPRECISE_ACC, **tiling_overrides):
     """Indexer logits, Pallas (Triton backend) kernel. Same contract as `indexer_logits_reference`.
 
     q: [N, Hi, D] (e4m3 | bf16 | f32); weights [N, Hi] f32; k_cache [num_slots, D] (same dtype as q
@@ -266,11 +295,10 @@ def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
     block feeds 4 x 64 MMA rows); decode (1-2 rows per sequence, up to 128K keys) uses 1-2 rows
     and splits the key axis over programs so a small batch still fills the GPU.
 
-    Why Triton and not Mosaic GPU: the Triton backend has vector gathers (`ref[idx_vector]`) and
-    masked loads/stores, which a paged, ragged gather needs, and it runs in interpret mode on CPU
-    for the tests. On the H200 matrix-bound Pallas-Triton kernels ran ~3.4x below their Mosaic GPU
-    (wgmma + TMA) counterparts; a Mosaic GPU version (TMA page loads into SMEM, wgmma with the
-    64 heads as M) is the next step for the prefill shape, where this kernel is MMA-bound.
+    Why Triton here: the Triton backend has vector gathers (`ref[idx_vector]`) and masked
+    loads/stores, which a paged, ragged gather with 1-2 rows per sequence (decode) needs without
+    a gathered copy of the keys. For prefill, where this kernel is MMA-bound, the Mosaic GPU
+    kernel is several times faster (see `indexer_logits`).
     """
     n, hi, d = q.shape
     num_seqs, pages_per_seq = block_tables.shape

@@ -1,7 +1,8 @@
 """Pallas indexer kernels (logits over a paged key cache, top-k) against their jnp references.
 
-On CPU the kernels run in Pallas interpret mode on the tiny config (Hi=4, D=16, page 4); the
-`gpu` tests compile them for real dimensions (Hi=64, D=128, page 64, k=2048).
+On CPU the kernels run in Pallas interpret mode on the tiny config (Hi=4, D=16, page 4; the
+Mosaic GPU kernel in its interpreter, which poisons fresh buffers with NaN); the `gpu` tests
+compile them for real dimensions (Hi=64, D=128, page 64, k=2048).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.indexer import indexer_logits, indexer_logits_reference
+from pallas_kernels.indexer import indexer_logits, indexer_logits_reference, indexer_logits_triton
+from pallas_kernels.indexer_mgpu import indexer_logits_mgpu
 from pallas_kernels.topk import topk, topk_reference
 from tests.conftest import INTERPRET
 
@@ -129,6 +131,22 @@ def test_indexer_logits_prefill_causal_fp8_unscaled():
     check_logits(out, ref, 1e-5)
 
 
+@pytest.mark.parametrize("dtype,scaled,lengths,rows,tiling", [
+    # ragged batch, a 1-key sequence, 5 key blocks through a 2-slot ring, tiles of 4 rows
+    (FP8, True, [37, 1, 300, 12], [5, 1, 9, 3], dict(block_rows=4, group=2, stages=2)),
+    (jnp.bfloat16, False, [37, 1, 90, 12], [5, 1, 7, 3], dict(block_rows=4, group=4)),
+    # causal prefill of 150 rows (not a multiple of any block), no k_scale, default tiling
+    (FP8, False, [150], [150], dict()),
+])
+def test_indexer_logits_mgpu(dtype, scaled, lengths, rows, tiling):
+    """The Mosaic GPU kernel (CPU: its interpreter; heads 4 -> 8 and D 16 -> 32 padded)."""
+    args, page = make_indexer_case(5, dtype=dtype, scaled=scaled, hi=4, d=16, page=4,
+                                   lengths=lengths, rows_per_seq=rows)
+    out = indexer_logits_mgpu(*args, page_size=page, interpret=INTERPRET, **tiling)
+    ref = indexer_logits_reference(*args, page_size=page)
+    check_logits(out, ref, 1e-5)
+
+
 # ------------------------------------------------------------------------------------------------
 # top-k (CPU: interpret mode)
 # ------------------------------------------------------------------------------------------------
@@ -225,6 +243,19 @@ def test_indexer_logits_gpu(dtype, scaled, layout):
     args, page = make_indexer_case(3, dtype=dtype, scaled=scaled, hi=64, d=128, page=64,
                                    lengths=lengths, rows_per_seq=rows)
     out = jax.jit(functools.partial(indexer_logits, page_size=page))(*args)
+    ref = jax.jit(functools.partial(indexer_logits_reference, page_size=page))(*args)
+    check_logits(out, ref, 2e-3 if dtype == FP8 else 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,scaled", [(FP8, True), (jnp.bfloat16, False)])
+@pytest.mark.parametrize("kernel", [indexer_logits_mgpu, indexer_logits_triton])
+def test_indexer_logits_prefill_kernels_gpu(kernel, dtype, scaled):
+    """Both prefill kernels at real dimensions: two causal sequences (one with context, neither a
+    multiple of 64 long), rows of both interleaved, plus a short third sequence."""
+    args, page = make_indexer_case(6, dtype=dtype, scaled=scaled, hi=64, d=128, page=64,
+                                   lengths=[3001, 1100, 70], rows_per_seq=[1203, 1100, 33])
+    out = jax.jit(functools.partial(kernel, page_size=page))(*args)
     ref = jax.jit(functools.partial(indexer_logits_reference, page_size=page))(*args)
     check_logits(out, ref, 2e-3 if dtype == FP8 else 1e-4)
 
