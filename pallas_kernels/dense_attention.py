@@ -73,44 +73,61 @@ def _row_segments(start_loc, rows):
     return seq, idx - start_loc[jnp.clip(seq, 0, start_loc.shape[0] - 1)]
 
 
-def causal_varlen_attention_reference(q, k, v, q_start_loc, k_start_loc, *, scale):
+def causal_varlen_attention_reference(q, k, v, q_start_loc, k_start_loc, *, scale,
+                                      max_scores=1 << 27):
     """Causal attention of a packed ragged batch, float32 (the XLA path and the kernel's oracle).
 
     q: [T, H, Dqk], sequence s owns rows q_start_loc[s]..q_start_loc[s+1]; k: [Tk, H, Dqk] and
     v: [Tk, H, Dv], sequence s owns rows k_start_loc[s]..k_start_loc[s+1]; q_start_loc,
     k_start_loc: [S+1] int32. Query i of sequence s sits at position kv_len_s - q_len_s + i and
     attends that sequence's keys 0..position. Returns [T, H, Dv] float32; rows no sequence owns
-    are 0. Materialises [H, T, Tk] scores: meant for tests and modest sizes.
+    are 0. Memory stays bounded: query blocks of at most max_scores scores ([Bq, H, Tk]) each.
     """
     _check_inputs(q, k, v, q_start_loc, k_start_loc, (jnp.bfloat16, jnp.float16, jnp.float32))
-    q_seq, q_off = _row_segments(q_start_loc, q.shape[0])
-    k_seq, k_pos = _row_segments(k_start_loc, k.shape[0])
-    q_len = jnp.diff(q_start_loc)
-    kv_len = jnp.diff(k_start_loc)
-    q_pos = q_off + (kv_len - q_len)[jnp.maximum(q_seq, 0)]
-    visible = ((q_seq[:, None] == k_seq[None, :]) & (q_seq[:, None] >= 0)
-               & (k_pos[None, :] <= q_pos[:, None]))  # [T, Tk]
+    num_rows, heads, d_qk = q.shape
+    num_keys, d_v = k.shape[0], v.shape[2]
+    if num_rows == 0 or num_keys == 0:
+        return jnp.zeros((num_rows, heads, d_v), jnp.float32)
+    q_seq, q_off = _row_segments(q_start_loc, num_rows)
+    k_seq, k_pos = _row_segments(k_start_loc, num_keys)
+    ctx = jnp.diff(k_start_loc) - jnp.diff(q_start_loc)
+    q_pos = q_off + ctx[jnp.maximum(q_seq, 0)]
+    block = max(1, min(num_rows, max_scores // (heads * num_keys)))
+    num_blocks = -(-num_rows // block)
+    pad = num_blocks * block - num_rows
+    q_blocks = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(num_blocks, block, heads, d_qk)
+    seq_blocks = jnp.pad(q_seq, (0, pad), constant_values=-1).reshape(num_blocks, block)
+    pos_blocks = jnp.pad(q_pos, (0, pad)).reshape(num_blocks, block)
+    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
     hi = lax.Precision.HIGHEST
-    s = jnp.einsum("thd,uhd->htu", q.astype(jnp.float32), k.astype(jnp.float32), precision=hi) * scale
-    s = jnp.where(visible[None], s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
-    return jnp.einsum("htu,uhd->thd", p, v.astype(jnp.float32), precision=hi)
+
+    def attend(blk):
+        qb, seq, pos = blk  # [Bq, H, Dqk], [Bq], [Bq]
+        visible = ((seq[:, None] == k_seq[None, :]) & (seq[:, None] >= 0)
+                   & (k_pos[None, :] <= pos[:, None]))  # [Bq, Tk]
+        s = jnp.einsum("qhd,khd->qhk", qb.astype(jnp.float32), k32, precision=hi) * scale
+        s = jnp.where(visible[:, None], s, -jnp.inf)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+        denom = jnp.sum(p, axis=-1, keepdims=True)
+        p = p / jnp.where(denom > 0, denom, 1.0)
+        return jnp.einsum("qhk,khd->qhd", p, v32, precision=hi)
+
+    out = lax.map(attend, (q_blocks, seq_blocks, pos_blocks))
+    return out.reshape(num_blocks * block, heads, d_v)[:num_rows]
 
 
 def _block_table(q_start_loc, k_start_loc, num_rows, num_blocks):
     """The kernel's work list: one row per block of up to _BLOCK_Q queries of one sequence.
 
-    Returns [num_blocks, _TABLE_COLS] int32 with columns
+    Returns ([num_blocks, _TABLE_COLS] int32, [1] int32 count of blocks in use). Columns:
       _ROW0   packed q row of the block's first query
-      _ROWS   queries in the block (0: idle block)
+      _ROWS   queries in the block (0: unused row)
       _POS0   position of the first query in its sequence (context included)
       _KROW0  packed k row of the sequence's key 0
       _KV_END keys the block reads (position of its last query + 1); 0 for a block that only
               writes zeros (the padding rows q_start_loc[S]..num_rows)
-    sorted by descending _KV_END so the longest blocks start first.
+    Blocks in use come first, by descending _KV_END: the longest start first.
     """
     num_seqs = q_start_loc.shape[0] - 1
     q_len = jnp.diff(q_start_loc)
@@ -130,12 +147,12 @@ def _block_table(q_start_loc, k_start_loc, num_rows, num_blocks):
     pos0 = seq_ctx[seq] + first
     kv_end = jnp.where(in_use & (seq < num_seqs), pos0 + rows, 0)
     table = jnp.stack([seq_row0[seq] + first, rows, pos0, seq_krow0[seq], kv_end], axis=1)
-    order = jnp.argsort(-kv_end, stable=True)
-    return table[order].astype(jnp.int32)
+    order = jnp.lexsort((-kv_end, ~in_use))  # in use first, then by descending key count
+    return table[order].astype(jnp.int32), blocks_end[-1:].astype(jnp.int32)
 
 
 def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpret=False,
-                            block_kv=64, num_stages=3):
+                            block_kv=64, num_stages=3, num_programs=None):
     """Causal flash attention of a packed ragged batch of prefills (Pallas Mosaic GPU, Hopper).
 
     q: [T, H, Dqk] packed queries, sequence s owns rows q_start_loc[s]..q_start_loc[s+1]
@@ -146,13 +163,15 @@ def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpr
     Returns [T, H, Dv] in q.dtype; rows q_start_loc[S].. (padding) are 0.
     dtypes: bf16 or f16 (wgmma operands), f32 softmax. Dqk and Dv: multiples of 64, <= 256.
 
-    Each kernel block is up to 128 queries of one sequence and one head: two consumer
-    warpgroups of 64 query rows and one producer warpgroup streaming block_kv-key tiles of K and
-    V through num_stages shared-memory slots with TMA. A block reads only the key tiles its
-    causal range reaches and masks only the diagonal ones. Blocks come from a table built here
-    from the start locations (traced), longest first; the output of a block's last, partial
-    tile is stored with a ladder of power-of-two-row TMA stores so no other sequence's rows are
-    touched. interpret=True runs the same kernel in Mosaic GPU interpret mode (CPU).
+    Work items are (block of up to 128 queries of one sequence, head), from a table built here
+    from the start locations (traced), longest blocks first. num_programs persistent blocks
+    (default: one per SM) walk the items; each has two consumer warpgroups of 64 query rows
+    and one producer warpgroup that streams block_kv-key tiles of K and V through num_stages
+    shared-memory slots with TMA, continuously across items. An item reads only the key tiles
+    its causal range reaches and masks only the diagonal ones; the consumers take turns on the
+    tensor cores (one's softmax overlaps the other's matmuls). A tile's output is stored with a
+    ladder of power-of-two-row TMA stores so no other sequence's rows are touched.
+    interpret=True runs the same kernel in Mosaic GPU interpret mode (CPU).
     """
     _check_inputs(q, k, v, q_start_loc, k_start_loc, (jnp.bfloat16, jnp.float16))
     num_rows, heads, d_qk = q.shape
@@ -174,58 +193,69 @@ def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpr
     num_seqs = q_start_loc.shape[0] - 1
     # sum over sequences (and the padding) of ceil(rows / _BLOCK_Q) is at most this
     num_blocks = (num_rows + (num_seqs + 1) * (_BLOCK_Q - 1)) // _BLOCK_Q
-    table = _block_table(q_start_loc, k_start_loc, num_rows, num_blocks)
-    call = functools.partial(_attention_call, num_blocks=num_blocks, scale=float(scale),
-                             block_kv=block_kv, num_stages=num_stages, interpret=interpret)
+    if num_programs is None:
+        num_programs = getattr(jax.devices()[0], "core_count", None) or 132
+    table, blocks_used = _block_table(q_start_loc, k_start_loc, num_rows, num_blocks)
+    call = functools.partial(_attention_call, num_programs=min(num_programs, num_blocks * heads),
+                             scale=float(scale), block_kv=block_kv, num_stages=num_stages,
+                             interpret=interpret)
     if interpret:
         with plgpu.force_gpu_interpret_mode():
-            return call(table, q, k, v)
-    return call(table, q, k, v)
+            return call(table, blocks_used, q, k, v)
+    return call(table, blocks_used, q, k, v)
 
 
-def _attention_call(table, q, k, v, *, num_blocks, scale, block_kv, num_stages, interpret):
+def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_kv, num_stages,
+                    interpret):
     num_rows, heads, d_qk = q.shape
     d_v = v.shape[2]
     dtype = q.dtype
     # exp2 of scores pre-multiplied by scale * log2(e): one FMA per score
     qk_scale = scale * math.log2(math.e)
 
-    def kernel(table_ref, q_ref, k_ref, v_ref, out_ref, q_smem, o_smem, k_smem, v_smem,
-               q_ready, k_ready, v_ready, k_free, v_free, p_smem=None):
-        blk = lax.axis_index("blk")
-        head = lax.axis_index("head")
+    def kernel(table_ref, used_ref, q_ref, k_ref, v_ref, out_ref, q_smem, o_smem, k_smem, v_smem,
+               q_ready, k_ready, v_ready, k_free, v_free, turn, p_smem=None):
         wg = lax.axis_index("wg")
-        row0 = table_ref[blk, _ROW0]
-        rows = table_ref[blk, _ROWS]
-        pos0 = table_ref[blk, _POS0]
-        krow0 = table_ref[blk, _KROW0]
-        kv_end = table_ref[blk, _KV_END]
-        block_steps = (kv_end + block_kv - 1) // block_kv
+        num_used = used_ref[0]
+        program = lax.axis_index("program")
+        # items program, program + num_programs, ...; item -> (head, table row), row fastest
+        num_items = jnp.maximum(num_used * heads - program + num_programs - 1, 0) // num_programs
+
+        def item_info(i):
+            item = program + i * num_programs
+            head = item // num_used
+            blk = item - head * num_used
+            return head, tuple(table_ref[blk, c] for c in range(_TABLE_COLS))
+
+        def block_steps(info):
+            return (info[_KV_END] + block_kv - 1) // block_kv
+
+        def take_turn():
+            # Rendezvous of the two consumers: with one of them a half step ahead, this makes
+            # one's softmax run while the other's matmuls do.
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
 
         @pl.when(wg < _CONSUMER_WGS)
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
-            wg_row0 = row0 + wg * _WG_ROWS
-            wg_rows = jnp.clip(rows - wg * _WG_ROWS, 0, _WG_ROWS)
-            wg_pos0 = pos0 + wg * _WG_ROWS
-            reads_keys = (wg_rows > 0) & (kv_end > 0)
-            steps = jnp.where(reads_keys, (wg_pos0 + wg_rows + block_kv - 1) // block_kv, 0)
-            # key tiles entirely at or before the first query's position need no mask
-            full_steps = jnp.minimum((wg_pos0 + 1) // block_kv, steps)
             q_tile = q_smem.at[wg]
+            o_tile = o_smem.at[wg]
+            row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-            @pl.when(reads_keys)
-            def _load_q():
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(wg_row0, _WG_ROWS), head], q_tile, q_ready.at[wg])
-                plgpu.barrier_wait(q_ready.at[wg])
+            def load_q(i):
+                head, info = item_info(i)
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(info[_ROW0] + wg * _WG_ROWS, _WG_ROWS), head],
+                                        q_tile, q_ready.at[wg])
 
-            def kv_step(step, carry, masked):
+            def kv_step(step, carry, *, tile0, wg_pos0, masked):
                 acc, m_i, l_i = carry
-                slot = lax.rem(step, num_stages)
+                slot = lax.rem(tile0 + step, num_stages)
                 plgpu.barrier_wait(k_ready.at[slot])
 
                 def qk_product(acc_ref):
                     plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
+                    take_turn()
                     return acc_ref[...]
 
                 s = pl.run_scoped(qk_product, plgpu.ACC((_WG_ROWS, block_kv), jnp.float32))
@@ -242,8 +272,9 @@ def _attention_call(table, q, k, v, *, num_blocks, scale, block_kv, num_stages, 
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l_i = l_i * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(v_ready.at[slot])
-
+                plgpu.barrier_wait(turn)
                 if interpret:
                     # The interpreter has no register operands or pre-initialised accumulators
                     # for wgmma: P goes through shared memory and the product is added.
@@ -263,67 +294,103 @@ def _attention_call(table, q, k, v, *, num_blocks, scale, block_kv, num_stages, 
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
 
-            def skip_step(step, _):
-                # Tiles the other warpgroup still needs: release them once they have landed,
-                # so the producer's slot reuse stays in step with both consumers.
-                slot = lax.rem(step, num_stages)
+            def skip_step(step, _, *, tile0):
+                # A tile only the other consumer needs: release it once it has landed and keep
+                # the turn-taking in step.
+                slot = lax.rem(tile0 + step, num_stages)
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
+                take_turn()
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
+                take_turn()
 
-            row_layout = plgpu.Layout.WGMMA.reduce(1)
-            carry = (
-                plgpu.layout_cast(jnp.zeros((_WG_ROWS, d_v), jnp.float32), plgpu.Layout.WGMMA),
-                plgpu.layout_cast(jnp.full((_WG_ROWS,), -jnp.inf, jnp.float32), row_layout),
-                plgpu.layout_cast(jnp.zeros((_WG_ROWS,), jnp.float32), row_layout),
-            )
-            carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False), carry)
-            carry = lax.fori_loop(full_steps, steps, functools.partial(kv_step, masked=True), carry)
-            lax.fori_loop(steps, block_steps, skip_step, None)
-            acc, _, l_i = carry
-            # l_i >= 1 in any row that saw a key; rows that saw none (zero blocks) stay 0
-            inv_l = 1.0 / jnp.where(l_i > 0, l_i, 1.0)
-            o_tile = o_smem.at[wg]
-            o_tile[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
-            plgpu.commit_smem()
-            # Store exactly wg_rows rows: one TMA per set bit of wg_rows, largest first.
-            stored = jnp.int32(0)
-            size = _WG_ROWS
-            while size >= 1:
-                @pl.when((wg_rows & size) != 0)
-                def _store(size=size, stored=stored):
-                    plgpu.copy_smem_to_gmem(o_tile.at[pl.ds(stored, size)],
-                                            out_ref.at[pl.ds(wg_row0 + stored, size), head])
-                stored = stored + (wg_rows & size)
-                size //= 2
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            @pl.when(num_items > 0)
+            def _():
+                load_q(0)
+
+            pl.when(wg == 1)(take_turn)
+
+            def item_body(i, tile0):
+                head, info = item_info(i)
+                wg_row0 = info[_ROW0] + wg * _WG_ROWS
+                wg_rows = jnp.clip(info[_ROWS] - wg * _WG_ROWS, 0, _WG_ROWS)
+                wg_pos0 = info[_POS0] + wg * _WG_ROWS
+                tiles = block_steps(info)
+                steps = jnp.where((wg_rows > 0) & (info[_KV_END] > 0),
+                                  (wg_pos0 + wg_rows + block_kv - 1) // block_kv, 0)
+                # key tiles entirely at or before the first query's position need no mask
+                full_steps = jnp.minimum((wg_pos0 + 1) // block_kv, steps)
+                plgpu.barrier_wait(q_ready.at[wg])
+                carry = (
+                    plgpu.layout_cast(jnp.zeros((_WG_ROWS, d_v), jnp.float32), plgpu.Layout.WGMMA),
+                    plgpu.layout_cast(jnp.full((_WG_ROWS,), -jnp.inf, jnp.float32), row_layout),
+                    plgpu.layout_cast(jnp.zeros((_WG_ROWS,), jnp.float32), row_layout),
+                )
+                step_fn = functools.partial(kv_step, tile0=tile0, wg_pos0=wg_pos0)
+                carry = lax.fori_loop(0, full_steps, functools.partial(step_fn, masked=False), carry)
+                carry = lax.fori_loop(full_steps, steps, functools.partial(step_fn, masked=True), carry)
+
+                @pl.when(i + 1 < num_items)
+                def _():
+                    load_q(i + 1)  # the q tile is free: fetch the next item's under this one's tail
+
+                lax.fori_loop(steps, tiles, functools.partial(skip_step, tile0=tile0), None)
+                acc, _, l_i = carry
+                # l_i >= 1 in any row that saw a key; rows that saw none (zero blocks) stay 0
+                inv_l = 1.0 / jnp.where(l_i > 0, l_i, 1.0)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores
+                o_tile[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
+                plgpu.commit_smem()
+                # Store exactly wg_rows rows: one TMA per set bit of wg_rows, largest first.
+                stored = jnp.int32(0)
+                size = _WG_ROWS
+                while size >= 1:
+                    @pl.when((wg_rows & size) != 0)
+                    def _store(size=size, stored=stored):
+                        plgpu.copy_smem_to_gmem(o_tile.at[pl.ds(stored, size)],
+                                                out_ref.at[pl.ds(wg_row0 + stored, size), head])
+                    stored = stored + (wg_rows & size)
+                    size //= 2
+                return tile0 + tiles
+
+            lax.fori_loop(0, num_items, item_body, jnp.int32(0))
+            pl.when(wg == 0)(take_turn)
+            plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == _CONSUMER_WGS)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
 
-            @pl.loop(0, block_steps)
-            def _fetch(step):
-                slot = lax.rem(step, num_stages)
-                keys = pl.ds(krow0 + step * block_kv, block_kv)
+            def item_body(i, tile0):
+                head, info = item_info(i)
 
-                @pl.when(step >= num_stages)
-                def _():
-                    plgpu.barrier_wait(k_free.at[slot])
+                @pl.loop(0, block_steps(info))
+                def _fetch(step):
+                    tile = tile0 + step
+                    slot = lax.rem(tile, num_stages)
+                    keys = pl.ds(info[_KROW0] + step * block_kv, block_kv)
 
-                plgpu.copy_gmem_to_smem(k_ref.at[keys, head], k_smem.at[slot], k_ready.at[slot])
+                    @pl.when(tile >= num_stages)
+                    def _():
+                        plgpu.barrier_wait(k_free.at[slot])
 
-                @pl.when(step >= num_stages)
-                def _():
-                    plgpu.barrier_wait(v_free.at[slot])
+                    plgpu.copy_gmem_to_smem(k_ref.at[keys, head], k_smem.at[slot], k_ready.at[slot])
 
-                plgpu.copy_gmem_to_smem(v_ref.at[keys, head], v_smem.at[slot], v_ready.at[slot])
+                    @pl.when(tile >= num_stages)
+                    def _():
+                        plgpu.barrier_wait(v_free.at[slot])
+
+                    plgpu.copy_gmem_to_smem(v_ref.at[keys, head], v_smem.at[slot], v_ready.at[slot])
+
+                return tile0 + block_steps(info)
+
+            tiles = lax.fori_loop(0, num_items, item_body, jnp.int32(0))
 
             # Observe the last releases too: every barrier phase is waited on before exit.
-            @pl.loop(jnp.maximum(block_steps - num_stages, 0), block_steps)
-            def _drain(step):
-                slot = lax.rem(step, num_stages)
+            @pl.loop(jnp.maximum(tiles - num_stages, 0), tiles)
+            def _drain(tile):
+                slot = lax.rem(tile, num_stages)
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
 
@@ -339,6 +406,7 @@ def _attention_call(table, q, k, v, *, num_blocks, scale, block_kv, num_stages, 
         plgpu.Barrier(num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=_CONSUMER_WGS, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=_CONSUMER_WGS, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=_CONSUMER_WGS),
     ]
     if interpret:
         scratch.append(plgpu.SMEM((_CONSUMER_WGS, _WG_ROWS, block_kv), dtype, transforms=swizzled))
@@ -346,9 +414,9 @@ def _attention_call(table, q, k, v, *, num_blocks, scale, block_kv, num_stages, 
         kernel,
         out_type=jax.ShapeDtypeStruct((num_rows, heads, d_v), dtype),
         scratch_types=scratch,
-        grid=(num_blocks, heads),
-        grid_names=("blk", "head"),
+        grid=(num_programs,),
+        grid_names=("program",),
         num_threads=_CONSUMER_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(table, q, k, v)
+    )(table, blocks_used, q, k, v)

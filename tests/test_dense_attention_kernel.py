@@ -7,6 +7,7 @@ dtype before the P.V product (as flash attention does) and rounds its output to 
 errors are ~2e-3. Rows no sequence owns must be exactly 0, and rows outside every sequence are
 poisoned with large values in q, k and v so that reading them would show.
 On CPU the kernel runs in Mosaic GPU interpret mode; the `gpu` twin compiles it at real sizes.
+Small num_programs make each persistent program walk several (block, head) items.
 """
 
 import jax
@@ -68,15 +69,19 @@ RAGGED = dict(q_lens=[70, 1, 0, 130, 129], ctx_lens=[0, 5, 3, 200, 64])
 def test_reference_matches_naive():
     q, k, v, q_start, k_start = make_batch(0, [5, 0, 1, 9], [0, 4, 3, 6], heads=2, d_qk=16,
                                            d_v=8, pad_q=3, pad_k=2, dtype=jnp.float32)
-    ref = causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=0.3)
-    assert ref.shape == (q.shape[0], 2, 8) and ref.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(ref), naive(q, k, v, q_start, k_start, 0.3), rtol=1e-5, atol=1e-5)
+    expected = naive(q, k, v, q_start, k_start, 0.3)
+    # one query block; blocks of 4 queries (18 rows: a ragged last block)
+    for max_scores in (1 << 27, 4 * 2 * k.shape[0]):
+        ref = causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=0.3, max_scores=max_scores)
+        assert ref.shape == (q.shape[0], 2, 8) and ref.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(ref), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_ragged_batch(dtype):
     q, k, v, q_start, k_start = make_batch(1, **RAGGED, heads=2, pad_q=9, pad_k=5, dtype=dtype)
-    out = causal_varlen_attention(q, k, v, q_start, k_start, scale=0.1, interpret=INTERPRET)
+    out = causal_varlen_attention(q, k, v, q_start, k_start, scale=0.1, interpret=INTERPRET,
+                                  num_programs=3)
     ref = causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=0.1)
     assert out.shape == (q.shape[0], 2, 128) and out.dtype == dtype
     owned = int(q_start[-1])
@@ -88,7 +93,7 @@ def test_long_context_and_key_tiles():
     """128-key tiles in two slots, a context of several tiles, one query row per sequence end."""
     q, k, v, q_start, k_start = make_batch(2, [65, 3], [300, 130], heads=1, d_qk=64, d_v=64, pad_q=1)
     out = causal_varlen_attention(q, k, v, q_start, k_start, scale=0.2, interpret=INTERPRET,
-                                  block_kv=128, num_stages=2)
+                                  block_kv=128, num_stages=2, num_programs=2)
     ref = causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=0.2)
     assert rel_err(out, ref, int(q_start[-1])) < TOL
     np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)
