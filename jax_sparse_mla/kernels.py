@@ -16,8 +16,8 @@ import jax
 from pallas_kernels import dense_attention, indexer, sparse_attention, topk
 
 CHOICES = ("auto", "xla", "pallas")
-OPS = ("indexer_logits", "topk", "sparse_mla")
-AUTO_ON_GPU = {"indexer_logits": "pallas", "topk": "pallas", "sparse_mla": "pallas"}
+OPS = ("indexer_logits", "topk", "sparse_mla", "dense_mha")
+AUTO_ON_GPU = {"indexer_logits": "pallas", "topk": "pallas", "sparse_mla": "pallas", "dense_mha": "xla"}
 
 
 def resolve(kernels: str) -> dict[str, str]:
@@ -57,9 +57,12 @@ def sparse_mla(q, latent, latent_scale, k_pe, slots, *, scale, impl):
     return sparse_attention.sparse_mla_reference(q, latent, latent_scale, k_pe, slots, scale=scale)
 
 
-def causal_attention(q, k, v, q_positions, *, scale):
-    """[S, Q, H, Dv] f32 causal attention of padded per-sequence blocks."""
-    return dense_attention.causal_attention_reference(q, k, v, q_positions, scale=scale)
+def causal_attention(q, k, v, q_start_loc, k_start_loc, *, scale, impl):
+    """[T, H, Dv] causal attention of packed ragged sequences (see pallas_kernels.dense_attention)."""
+    if impl == "pallas":
+        return dense_attention.causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, scale=scale,
+                                                       interpret=_interpret())
+    return dense_attention.causal_varlen_attention_reference(q, k, v, q_start_loc, k_start_loc, scale=scale)
 
 
 gather_paged_rows = indexer.gather_paged_rows

@@ -117,7 +117,8 @@ def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, confi
     expected = {"positions": (plan.num_tokens,), "slot_mapping": (plan.num_tokens,), "row_seq": (plan.num_tokens,),
                 "query_start_loc": (plan.num_seqs + 1,), "seq_lens": (plan.num_seqs,),
                 "block_tables": (plan.num_seqs, plan.pages_per_seq), "sparse_rows": (plan.num_sparse_tokens,),
-                "dense_query_len": (plan.num_seqs,)}
+                "dense_rows": (plan.num_tokens,), "dense_query_start": (plan.num_seqs + 1,),
+                "dense_key_slots": (plan.num_dense_keys,), "dense_key_start": (plan.num_seqs + 1,)}
     for name, shape in expected.items():
         got = getattr(meta, name)
         if got.shape != shape:
@@ -125,30 +126,6 @@ def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, confi
     if (meta.dense_flag is None) != (plan.use_dense_mha is not None):
         raise ValueError("meta.dense_flag must be set exactly for dispatch='cond' plans (use_dense_mha None)")
     check_params(params, config)
-
-
-def _dense_prefill(q_nope, q_pe, cache, meta: BatchMeta, w_uk, w_uv, plan: BatchPlan, config: MLAConfig):
-    """Dense causal MHA for the sequences routed dense. Returns (rows [S, Q], out [S, Q, H, v])."""
-    rows = meta.query_start_loc[:-1, None] + jnp.arange(plan.max_query_len)  # [S, Q]
-    valid = jnp.arange(plan.max_query_len) < meta.dense_query_len[:, None]
-    rows = jnp.where(valid, rows, -1)
-    q_positions = jnp.where(valid, _take_rows(meta.positions, rows), -1)
-    # A dense sequence has at most index_topk tokens: read no further into any block table.
-    tables = meta.block_tables[:, : min(plan.pages_per_seq, -(-config.index_topk // config.page_size))]
-    latent = kernel_ops.gather_paged_rows(cache.flat("latent"), tables, config.page_size)
-    scale = (None if cache.latent_scale is None
-             else kernel_ops.gather_paged_rows(cache.flat("latent_scale"), tables, config.page_size))
-    c = kernel_ops.dequantize_latent(latent, scale)  # [S, L, R]
-    k_pe = kernel_ops.gather_paged_rows(cache.flat("k_pe"), tables, config.page_size)
-    k_nope = per_head("slr,hnr->slhn", c, w_uk, config)
-    v = per_head("slr,hvr->slhv", c, w_uv, config)
-    heads = config.num_attention_heads
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], k_pe.shape[:2] + (heads, k_pe.shape[-1]))], -1)
-    q = jnp.concatenate([_take_rows(q_nope, rows), _take_rows(q_pe, rows)], -1)  # [S, Q, H, qk]
-    dt = config.jnp_dtype
-    out = kernel_ops.causal_attention(q.astype(dt), k.astype(dt), v.astype(dt), q_positions,
-                                      scale=config.softmax_scale)
-    return rows, out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +150,28 @@ class _Step:
 
 def _pick(a, rows):
     return a if rows is None else _take_rows(a, rows)
+
+
+def _dense_prefill(step: _Step):
+    """Dense causal MHA of the sequences routed dense, packed (no padding to the longest).
+
+    Returns (rows [T] = meta.dense_rows, out [T, H, v] f32 of those rows; padding rows 0).
+    """
+    c_, cache, meta = step.config, step.cache, step.meta
+    slots = meta.dense_key_slots  # [K]: each dense sequence's context + new keys, packed
+    scale = None if cache.latent_scale is None else _take_rows(cache.flat("latent_scale"), slots)
+    c = kernel_ops.dequantize_latent(_take_rows(cache.flat("latent"), slots), scale)  # [K, R]
+    k_pe = _take_rows(cache.flat("k_pe"), slots).astype(jnp.float32)  # [K, rope]
+    k_nope = per_head("kr,hnr->khn", c, step.w_uk, c_)
+    v = per_head("kr,hvr->khv", c, step.w_uv, c_)
+    k_pe = jnp.broadcast_to(k_pe[:, None], (k_pe.shape[0], c_.num_attention_heads, k_pe.shape[-1]))
+    k = jnp.concatenate([k_nope, k_pe], -1)  # [K, H, qk]
+    rows = meta.dense_rows
+    q = jnp.concatenate([_take_rows(step.q_nope, rows), _take_rows(step.q_pe, rows)], -1)  # [T, H, qk]
+    dt = c_.jnp_dtype
+    out = kernel_ops.causal_attention(q.astype(dt), k.astype(dt), v.astype(dt), meta.dense_query_start,
+                                      meta.dense_key_start, scale=c_.softmax_scale, impl=step.impl["dense_mha"])
+    return rows, out.astype(jnp.float32)
 
 
 def _topk_slots(step: _Step, rows):
@@ -218,7 +217,7 @@ def _dense_program(step: _Step, plan: BatchPlan):
     """
     c_, meta = step.config, step.meta
     out_heads = jnp.zeros((plan.num_tokens, c_.num_attention_heads, c_.v_head_dim), jnp.float32)
-    rows, dense_out = _dense_prefill(step.q_nope, step.q_pe, step.cache, meta, step.w_uk, step.w_uv, plan, c_)
+    rows, dense_out = _dense_prefill(step)
     out_heads = _put_rows(out_heads, rows, dense_out)
     all_slots = None if plan.skip_indexer else _topk_slots(step, None)
     if plan.num_sparse_tokens:

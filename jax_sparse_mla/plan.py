@@ -54,7 +54,7 @@ class BucketPolicy:
     min_tokens: int = 16
     min_seqs: int = 4
     min_pages_per_seq: int = 4
-    min_query_len: int = 16
+    min_dense_keys: int = 16
 
     @staticmethod
     def round_up(n: int, minimum: int) -> int:
@@ -76,14 +76,14 @@ class BatchPlan:
       run time by meta.dense_flag (dispatch="cond").
     num_sparse_tokens: padded count of meta.sparse_rows, the dense program's sparsely attending
       rows (decodes and long prefills); 0 when there are none or use_dense_mha is False.
-    max_query_len: padded query length of the dense program's per-sequence layout (0 when
-      use_dense_mha is False).
+    num_dense_keys: padded count of the key rows of the sequences run as dense MHA (their context
+      and new tokens, packed sequence after sequence); 0 when use_dense_mha is False.
     skip_indexer: the dense program scores only meta.sparse_rows (False: every row, the
       baseline without the skip). Always True where it changes nothing (the sparse program).
     num_pages: the cache size the page ids were validated against (None: not validated);
       forward refuses a cache of another size.
-    In a cond plan, num_sparse_tokens is num_tokens and max_query_len the padded index_topk
-    (capped at num_tokens): sizes that fit any batch of the bucket.
+    In a cond plan, num_sparse_tokens is num_tokens and num_dense_keys num_seqs * index_topk
+    (padded): sizes that fit any batch of the bucket.
     """
 
     num_tokens: int
@@ -91,7 +91,7 @@ class BatchPlan:
     pages_per_seq: int
     use_dense_mha: bool | None
     num_sparse_tokens: int
-    max_query_len: int
+    num_dense_keys: int
     skip_indexer: bool = True
     num_pages: int | None = None
 
@@ -126,7 +126,12 @@ class BatchMeta:
     seq_lens [S]: context + query length (0 for padding sequences).
     block_tables [S, W]: page ids (-1 past each sequence's pages).
     sparse_rows [num_sparse_tokens]: rows that attend sparsely in the dense program (-1 padding).
-    dense_query_len [S]: query length of the sequences the dense program runs as dense MHA.
+    dense_rows [T]: rows of the sequences run as dense MHA, sequence after sequence (-1 padding).
+    dense_query_start [S + 1]: where each sequence's rows start in dense_rows (a sequence that is
+      not run dense owns none).
+    dense_key_slots [num_dense_keys]: cache slots of those sequences' keys (positions 0 ..
+      seq_len - 1), sequence after sequence (-1 padding).
+    dense_key_start [S + 1]: where each sequence's keys start in dense_key_slots.
     dense_flag: int32 scalar, 1 when the cond program should take its dense branch
       (dispatch="cond" only; None otherwise).
     """
@@ -138,7 +143,10 @@ class BatchMeta:
     seq_lens: jax.Array
     block_tables: jax.Array
     sparse_rows: jax.Array
-    dense_query_len: jax.Array
+    dense_rows: jax.Array
+    dense_query_start: jax.Array
+    dense_key_slots: jax.Array
+    dense_key_start: jax.Array
     dense_flag: jax.Array | None = None
 
 
@@ -168,6 +176,13 @@ def _validate(config: MLAConfig, requests: Sequence[Request], num_pages: int | N
                 raise ValueError(f"request {i}: page {page} is written by this step more than once "
                                  f"(also by request {written[page]})")
             written[page] = i
+
+
+def pad_ids(values, size: int):
+    """values as int32 [size], -1 padded."""
+    out = np.full(size, -1, np.int32)
+    out[: len(values)] = values
+    return out
 
 
 def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int | None = None,
@@ -202,7 +217,8 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
     seq_lens = np.zeros(num_seqs, np.int32)
     block_tables = np.full((num_seqs, width), -1, np.int32)
     dense_query_len = np.zeros(num_seqs, np.int32)
-    sparse_rows = []
+    dense_key_len = np.zeros(num_seqs, np.int32)
+    sparse_rows, dense_rows, dense_key_slots = [], [], []
     row = 0
     for i, r in enumerate(requests):
         pos = np.arange(r.context_len, r.total_len)
@@ -214,7 +230,10 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
         seq_lens[i] = r.total_len
         block_tables[i, :len(table)] = table
         if dense[i]:
-            dense_query_len[i] = r.query_len
+            dense_query_len[i], dense_key_len[i] = r.query_len, r.total_len
+            dense_rows.extend(range(row, row + r.query_len))
+            all_pos = np.arange(r.total_len)
+            dense_key_slots.extend(table[all_pos // page] * page + all_pos % page)
         else:
             sparse_rows.extend(range(row, row + r.query_len))
         row += r.query_len
@@ -222,18 +241,21 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
     if dispatch == "cond":  # sizes from the buckets alone: one program per shape bucket
         use_dense = None
         num_sparse = num_tokens
-        max_query_len = min(num_tokens, buckets.round_up(config.index_topk, buckets.min_query_len))
+        num_dense_keys = buckets.round_up(num_seqs * config.index_topk, buckets.min_dense_keys)
     else:
         use_dense = any(dense)
         num_sparse = buckets.round_up(len(sparse_rows), 1) if use_dense and sparse_rows else 0
-        max_query_len = buckets.round_up(int(dense_query_len.max()), buckets.min_query_len) if use_dense else 0
+        num_dense_keys = buckets.round_up(len(dense_key_slots), buckets.min_dense_keys) if use_dense else 0
     plan = BatchPlan(num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=width, use_dense_mha=use_dense,
-                     num_sparse_tokens=num_sparse, max_query_len=max_query_len,
+                     num_sparse_tokens=num_sparse, num_dense_keys=num_dense_keys,
                      skip_indexer=skip_indexer or use_dense is False, num_pages=num_pages)
     meta = BatchMeta(
         positions=positions, slot_mapping=slot_mapping, row_seq=row_seq,
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
-        sparse_rows=np.asarray((sparse_rows + [-1] * num_sparse)[:num_sparse], np.int32),
-        dense_query_len=dense_query_len,
+        sparse_rows=pad_ids(sparse_rows if num_sparse else [], num_sparse),  # unused by the sparse program
+        dense_rows=pad_ids(dense_rows, num_tokens),
+        dense_query_start=np.concatenate([[0], np.cumsum(dense_query_len)]).astype(np.int32),
+        dense_key_slots=pad_ids(dense_key_slots, num_dense_keys),
+        dense_key_start=np.concatenate([[0], np.cumsum(dense_key_len)]).astype(np.int32),
         dense_flag=np.int32(any(dense)) if dispatch == "cond" else None)
     return plan, jax.tree.map(jax.numpy.asarray, meta)

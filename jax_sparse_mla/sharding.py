@@ -49,7 +49,7 @@ from .cache import PagedCache, init_cache
 from .config import MLAConfig
 from .model import forward
 from .params import param_shapes
-from .plan import BatchMeta, BatchPlan, BucketPolicy, Request, plan_batch
+from .plan import BatchMeta, BatchPlan, BucketPolicy, Request, pad_ids, plan_batch
 
 DATA = "data"
 TENSOR = "tensor"
@@ -121,7 +121,9 @@ def _padding_meta(plan: BatchPlan) -> BatchMeta:
     return BatchMeta(positions=full(plan.num_tokens, -1), slot_mapping=full(plan.num_tokens, -1),
                      row_seq=full(plan.num_tokens, 0), query_start_loc=full(plan.num_seqs + 1, 0),
                      seq_lens=full(plan.num_seqs, 0), block_tables=full((plan.num_seqs, plan.pages_per_seq), -1),
-                     sparse_rows=full(plan.num_sparse_tokens, -1), dense_query_len=full(plan.num_seqs, 0))
+                     sparse_rows=full(plan.num_sparse_tokens, -1), dense_rows=full(plan.num_tokens, -1),
+                     dense_query_start=full(plan.num_seqs + 1, 0), dense_key_slots=full(plan.num_dense_keys, -1),
+                     dense_key_start=full(plan.num_seqs + 1, 0))
 
 
 def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *, pages_per_shard: int,
@@ -156,7 +158,7 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
         min_tokens=max(p.num_tokens for p, _ in plans.values()),
         min_seqs=max(p.num_seqs for p, _ in plans.values()),
         min_pages_per_seq=max(p.pages_per_seq for p, _ in plans.values()),
-        min_query_len=max([buckets.min_query_len] + [p.max_query_len for p, _ in plans.values()]))
+        min_dense_keys=max([buckets.min_dense_keys] + [p.num_dense_keys for p, _ in plans.values()]))
     plans = plan_all(common)
     base = next(iter(plans.values()))[0]
     if any(p.use_dense_mha for p, _ in plans.values()):
@@ -166,11 +168,11 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
         rows = {d: r[r >= 0] for d, r in rows.items()}
         num_sparse = max(BucketPolicy.round_up(len(r), 1) if len(r) else 0 for r in rows.values())
         plan = dataclasses.replace(base, use_dense_mha=True, num_sparse_tokens=num_sparse,
-                                   max_query_len=common.min_query_len)
+                                   num_dense_keys=common.min_dense_keys)
         for d, (p, m) in plans.items():
-            padded = np.full(num_sparse, -1, np.int32)
-            padded[: len(rows[d])] = rows[d]
-            plans[d] = (plan, dataclasses.replace(m, sparse_rows=jnp.asarray(padded)))
+            key_slots = np.asarray(m.dense_key_slots)  # empty for a shard planned all-sparse
+            plans[d] = (plan, dataclasses.replace(m, sparse_rows=jnp.asarray(pad_ids(rows[d], num_sparse)),
+                                                  dense_key_slots=jnp.asarray(pad_ids(key_slots, plan.num_dense_keys))))
     else:
         plan = base
     assert all(p.num_tokens == plan.num_tokens and p.pages_per_seq == plan.pages_per_seq

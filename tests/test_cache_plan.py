@@ -62,7 +62,11 @@ def test_plan_routes_each_prefill_by_its_length():
     both, meta = plan_batch(TINY, [Request(0, k + 1, list(range(5))), Request(0, 3, [5])])
     assert both.use_dense_mha and both.num_sparse_tokens == 32 and both.num_scored_tokens == 32
     assert list(np.asarray(meta.sparse_rows[:k + 2])) == list(range(k + 1)) + [-1]
-    assert list(np.asarray(meta.dense_query_len[:2])) == [0, 3]
+    # the dense sequence (request 1) owns rows k+1 .. k+3 and its 3 keys on page 5
+    assert list(np.asarray(meta.dense_query_start[:3])) == [0, 0, 3]
+    assert list(np.asarray(meta.dense_rows[:4])) == [k + 1, k + 2, k + 3, -1]
+    assert list(np.asarray(meta.dense_key_start[:3])) == [0, 0, 3] and both.num_dense_keys == 16
+    assert list(np.asarray(meta.dense_key_slots[:4])) == [5 * TINY.page_size + i for i in range(3)] + [-1]
     long_only, _ = plan_batch(TINY, [Request(0, k + 1, list(range(5)))])
     assert not long_only.use_dense_mha and long_only.num_scored_tokens == long_only.num_tokens
     chunk, _ = plan_batch(TINY, [Request(k - 2, 3, list(range(5)))])  # context counts toward the length
@@ -71,7 +75,7 @@ def test_plan_routes_each_prefill_by_its_length():
     assert not decode_only.use_dense_mha and decode_only.has_indexer_scoring
     mixed, meta = plan_batch(TINY, [Request(0, 4, [0]), Request(30, 1, list(range(1, 9)))])
     assert mixed.use_dense_mha and mixed.num_scored_tokens == mixed.num_sparse_tokens == 1
-    assert list(np.asarray(meta.sparse_rows)) == [4] and list(np.asarray(meta.dense_query_len[:2])) == [4, 0]
+    assert list(np.asarray(meta.sparse_rows)) == [4] and list(np.asarray(meta.dense_query_start[:3])) == [0, 4, 4]
     forced, _ = plan_batch(TINY, [Request(0, 4, [0])], force_sparse=True)
     assert not forced.use_dense_mha
     baseline, _ = plan_batch(TINY, [Request(0, 4, [0])], skip_indexer=False)
@@ -83,7 +87,7 @@ def test_cond_dispatch_plan_depends_on_buckets_only():
     a, meta_a = plan_batch(TINY, [Request(0, 5, [0, 1])], dispatch="cond")
     b, meta_b = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], dispatch="cond", buckets=BucketPolicy(min_pages_per_seq=8))
     assert a.route == b.route == "cond" and a.num_scored_tokens is None and a.has_indexer_scoring
-    assert (a.num_sparse_tokens, a.max_query_len) == (16, 16) and meta_a.dense_flag == 1 and meta_b.dense_flag == 0
+    assert (a.num_sparse_tokens, a.num_dense_keys) == (16, 4 * k) and meta_a.dense_flag == 1 and meta_b.dense_flag == 0
     with pytest.raises(ValueError, match="dispatch must be one of"):
         plan_batch(TINY, [Request(0, 5, [0, 1])], dispatch="dynamic")
 
@@ -101,9 +105,11 @@ def test_plan_meta_slots_positions_and_padding():
 
 
 def test_bucket_policy_pads_to_powers_of_two():
-    policy = BucketPolicy(min_tokens=8, min_seqs=2, min_pages_per_seq=1, min_query_len=8)
+    policy = BucketPolicy(min_tokens=8, min_seqs=2, min_pages_per_seq=1, min_dense_keys=8)
     plan, _ = plan_batch(TINY, [Request(0, 33, list(range(9)))], buckets=policy, force_sparse=True)
     assert (plan.num_tokens, plan.num_seqs, plan.pages_per_seq) == (64, 2, 16)
+    dense, _ = plan_batch(TINY, [Request(2, 3, [0, 1]), Request(0, 4, [2])], buckets=policy)
+    assert dense.num_dense_keys == 16  # 5 + 4 keys
     assert [BucketPolicy.round_up(n, 1) for n in (1, 2, 3, 4, 5, 1000)] == [1, 2, 4, 4, 8, 1024]
 
 

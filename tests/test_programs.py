@@ -93,12 +93,12 @@ def test_serving_loop_compiles_no_more_programs_than_the_buckets_allow():
     compiled = jit_forward._cache_size() - start
     assert compiled == len(plans)
     # Bucket grid for this workload: <= 160 tokens -> {16..256}: 5 values; 4 seqs -> {4}; <= 40
-    # tokens of 4 per page -> {4, 8, 16}; sparse rows <= 160 -> {0, 1, 2, ..., 256}; dense query
-    # <= 16 (longer prefills are sparse) -> {0, 16}.
+    # tokens of 4 per page -> {4, 8, 16}; sparse rows <= 160 -> {0, 1, 2, ..., 256}; dense keys:
+    # <= 4 sequences of <= 16 (longer prefills are sparse) -> {0, 16, 32, 64}.
     for p in plans:
         assert p.num_tokens in (16, 32, 64, 128, 256) and p.num_seqs == 4
         assert p.pages_per_seq in (4, 8, 16) and p.num_sparse_tokens in (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
-        assert p.max_query_len in (0, 16)
+        assert p.num_dense_keys in (0, 16, 32, 64)
     assert len(plans) < 40  # the bucketing is what makes programs repeat
 
 

@@ -109,12 +109,12 @@ def test_a_small_pool_is_shared_over_time():
 
 # --- nothing compiles after warm-up -------------------------------------------------------------
 # Limits that keep every step inside a small, known grid: <= BUDGET tokens -> num_tokens 8;
-# <= SEQS requests -> num_seqs {2, 4}; <= 32 cached tokens -> 8 pages (the minimum width); a
-# dense query <= 8 -> max_query_len {0, 8}; what varies beyond that is the route and how many rows
-# attend sparsely, both functions of the batch's composition, which the warm-up enumerates.
+# <= SEQS requests -> num_seqs {2, 4}; <= 32 cached tokens -> 8 pages (the minimum width); dense
+# keys <= SEQS * index_topk -> num_dense_keys {0, 64}; what varies beyond that is the route and how
+# many rows attend sparsely, both functions of the batch's composition, which the warm-up enumerates.
 BUDGET, SEQS, MAX_LEN = 8, 4, 32
 POLICY = BucketPolicy(min_tokens=BUDGET, min_seqs=2, min_pages_per_seq=MAX_LEN // TINY.page_size,
-                      min_query_len=BUDGET)
+                      min_dense_keys=SEQS * TINY.index_topk)
 RANDOM = dict(input_len=12, input_range_ratio=0.8, output_len=5, output_range_ratio=0.8)  # <= 22 + 9 - 1
 
 
