@@ -179,8 +179,8 @@ def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpr
     for name, d in (("Dqk", d_qk), ("Dv", d_v)):
         if d % 64 or d > 256:
             raise ValueError(f"{name}={d} must be a multiple of 64 and <= 256")
-    if block_kv % 64 or block_kv > 256:
-        raise ValueError(f"block_kv={block_kv} must be a multiple of 64 and <= 256")
+    if block_kv % 32 or not 64 <= block_kv <= 256:
+        raise ValueError(f"block_kv={block_kv} must be a multiple of 32 in [64, 256]")
     if num_stages < 2:
         raise ValueError(f"num_stages={num_stages} must be >= 2")
     itemsize = jnp.dtype(q.dtype).itemsize
@@ -394,13 +394,18 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
 
-    swizzled = (plgpu.TilingTransform((8, _SWIZZLE // jnp.dtype(dtype).itemsize)),
-                plgpu.SwizzleTransform(_SWIZZLE))
+    def swizzled(swizzle=_SWIZZLE):
+        return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+                plgpu.SwizzleTransform(swizzle))
+
+    # V is the B operand of P.V, contracted over block_kv keys: its swizzle must span a divisor
+    # of block_kv (64 keys at 128 bytes, 32 at 64).
+    v_swizzle = _SWIZZLE if block_kv % 64 == 0 else _SWIZZLE // 2
     scratch = [
-        plgpu.SMEM((_CONSUMER_WGS, _WG_ROWS, d_qk), dtype, transforms=swizzled),
+        plgpu.SMEM((_CONSUMER_WGS, _WG_ROWS, d_qk), dtype, transforms=swizzled()),
         plgpu.SMEM((_CONSUMER_WGS, _WG_ROWS, d_v), dtype),  # plain rows: any row slice is a TMA box
-        plgpu.SMEM((num_stages, block_kv, d_qk), dtype, transforms=swizzled),
-        plgpu.SMEM((num_stages, block_kv, d_v), dtype, transforms=swizzled),
+        plgpu.SMEM((num_stages, block_kv, d_qk), dtype, transforms=swizzled()),
+        plgpu.SMEM((num_stages, block_kv, d_v), dtype, transforms=swizzled(v_swizzle)),
         plgpu.Barrier(num_barriers=_CONSUMER_WGS),
         plgpu.Barrier(num_barriers=num_stages),
         plgpu.Barrier(num_barriers=num_stages),
@@ -409,7 +414,8 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
         plgpu.Barrier(num_arrivals=_CONSUMER_WGS),
     ]
     if interpret:
-        scratch.append(plgpu.SMEM((_CONSUMER_WGS, _WG_ROWS, block_kv), dtype, transforms=swizzled))
+        scratch.append(plgpu.SMEM((_CONSUMER_WGS, _WG_ROWS, block_kv), dtype,
+                                  transforms=swizzled(v_swizzle)))
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((num_rows, heads, d_v), dtype),

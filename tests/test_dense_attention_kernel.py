@@ -89,11 +89,12 @@ def test_ragged_batch(dtype):
     np.testing.assert_array_equal(np.asarray(out[owned:], np.float32), 0.0)
 
 
-def test_long_context_and_key_tiles():
-    """128-key tiles in two slots, a context of several tiles, one query row per sequence end."""
+@pytest.mark.parametrize("block_kv", [128, 96])  # 96: V swizzled at 64 bytes
+def test_long_context_and_key_tiles(block_kv):
+    """Key tiles in two slots, a context of several tiles, one query row per sequence end."""
     q, k, v, q_start, k_start = make_batch(2, [65, 3], [300, 130], heads=1, d_qk=64, d_v=64, pad_q=1)
     out = causal_varlen_attention(q, k, v, q_start, k_start, scale=0.2, interpret=INTERPRET,
-                                  block_kv=128, num_stages=2, num_programs=2)
+                                  block_kv=block_kv, num_stages=2, num_programs=2)
     ref = causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=0.2)
     assert rel_err(out, ref, int(q_start[-1])) < TOL
     np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)

@@ -1,0 +1,179 @@
+"""Benchmark dense causal prefill attention (the dense route): the Mosaic GPU varlen kernel
+against cuDNN, tokamax's Mosaic GPU flash attention and XLA.
+
+    python scripts/bench_dense_attention.py [--quick] [--out results.json]
+
+Shapes are DeepSeek-V3.2's MHA form: 128 heads, q/k head dim 192 (128 nope + 64 rope), v head
+dim 128, bf16. Batches of B prefills of L new tokens after C cached ones (C = 0: plain prefill).
+Options:
+  mosaic_varlen  causal_varlen_attention on the packed [T, H, D] layout (this project's kernel)
+  cudnn          jax.nn.dot_product_attention(implementation="cudnn") on [B, L, H, D], V padded to
+                 192 (cuDNN wants one head dim); with context, a left window (bottom-right causal)
+  tokamax        tokamax.dot_product_attention(implementation="mosaic") on [B, L, H, D] (skipped,
+                 with the reason printed, when tokamax does not import)
+  xla            jax.nn.dot_product_attention(implementation="xla") on [B, L, H, D], V padded
+  reference      causal_varlen_attention_reference (float32; the model's XLA path), on --quick
+                 only for the smallest case
+Every option is first checked against the float32 reference on 8 heads (relative error < 2e-2);
+an option that fails or mismatches is reported and left out of the ranking.
+TFLOP/s count causal work: sum over sequences of 2 * visible (query, key) pairs * heads * (192 + 128).
+Times: scripts/timing.py's median_ms (median of batches of back-to-back calls after warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from timing import median_ms  # noqa: E402
+from pallas_kernels.dense_attention import (  # noqa: E402
+    causal_varlen_attention, causal_varlen_attention_reference)
+
+HEADS, D_QK, D_V = 128, 192, 128
+SCALE = D_QK ** -0.5
+CHECK_HEADS = 8
+TOL = 2e-2  # bf16 inputs and outputs; the kernels round probabilities to bf16 (see the kernel tests)
+
+# (batch, new tokens per sequence, cached context per sequence)
+FULL = [(4, 2048, 0), (8, 1024, 0), (16, 512, 0), (32, 256, 0), (64, 128, 0),
+        (4, 1024, 1024), (8, 512, 512), (16, 256, 768)]
+QUICK = [(4, 2048, 0), (16, 512, 0), (64, 128, 0), (4, 1024, 1024)]
+
+try:
+    import tokamax
+    TOKAMAX_ERROR = None
+except Exception as e:  # noqa: BLE001 - any import failure only disables that option
+    tokamax = None
+    TOKAMAX_ERROR = f"{type(e).__name__}: {e}"
+
+
+def causal_flops(batch, new, ctx):
+    visible = new * ctx + new * (new + 1) // 2
+    return batch * 2 * visible * HEADS * (D_QK + D_V)
+
+
+def make_case(batch, new, ctx, seed=0):
+    """Packed q [B*L, H, 192], k [B*(C+L), H, 192], v [B*(C+L), H, 128] bf16 and start locations."""
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (batch * new, HEADS, D_QK), jnp.float32).astype(jnp.bfloat16)
+    k = jax.random.normal(kk, (batch * (ctx + new), HEADS, D_QK), jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(kv, (batch * (ctx + new), HEADS, D_V), jnp.float32).astype(jnp.bfloat16)
+    q_start = jnp.arange(batch + 1, dtype=jnp.int32) * new
+    k_start = jnp.arange(batch + 1, dtype=jnp.int32) * (ctx + new)
+    return q, k, v, q_start, k_start
+
+
+def options(batch, new, ctx):
+    """name -> (fn(q, k, v, q_start, k_start) -> packed [T, H, Dv], skip reason or None)."""
+    def padded(q, k, v):  # uniform lengths: the padded layout is a reshape
+        return (q.reshape(batch, new, HEADS, D_QK), k.reshape(batch, ctx + new, HEADS, D_QK),
+                v.reshape(batch, ctx + new, HEADS, D_V))
+
+    # query i attends keys 0..ctx+i: causal when ctx == 0, else a window reaching ctx keys right
+    window = dict(is_causal=True) if ctx == 0 else dict(local_window_size=(ctx + new, ctx))
+
+    def jax_nn(implementation):
+        def fn(q, k, v, q_start, k_start):
+            qb, kb, vb = padded(q, k, v)
+            vb = jnp.pad(vb, ((0, 0), (0, 0), (0, 0), (0, D_QK - D_V)))
+            out = jax.nn.dot_product_attention(qb, kb, vb, scale=SCALE, implementation=implementation,
+                                               **window)
+            return out[..., :D_V].reshape(batch * new, HEADS, D_V)
+        return fn
+
+    def tokamax_fn(q, k, v, q_start, k_start):
+        out = tokamax.dot_product_attention(*padded(q, k, v), scale=SCALE, implementation="mosaic",
+                                            **window)
+        return out.reshape(batch * new, HEADS, D_V)
+
+    def mosaic(q, k, v, q_start, k_start):
+        return causal_varlen_attention(q, k, v, q_start, k_start, scale=SCALE)
+
+    def reference(q, k, v, q_start, k_start):
+        return causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=SCALE)
+
+    return {
+        "mosaic_varlen": (mosaic, None),
+        "cudnn": (jax_nn("cudnn"), None),
+        "tokamax": (tokamax_fn, None if tokamax else f"tokamax unavailable ({TOKAMAX_ERROR})"),
+        "xla": (jax_nn("xla"), None),
+        "reference": (reference, None),
+    }
+
+
+def run_case(batch, new, ctx, with_reference):
+    name = f"{batch}x{new}" + (f"+ctx{ctx}" if ctx else "")
+    q, k, v, q_start, k_start = make_case(batch, new, ctx)
+    heads = slice(0, CHECK_HEADS)
+    expected = np.asarray(causal_varlen_attention_reference(q[:, heads], k[:, heads], v[:, heads],
+                                                            q_start, k_start, scale=SCALE))
+    flops = causal_flops(batch, new, ctx)
+    results = []
+    for option, (fn, skip) in options(batch, new, ctx).items():
+        row = dict(case=name, batch=batch, new=new, ctx=ctx, option=option)
+        if option == "reference" and not with_reference:
+            skip = "skipped (--quick times the reference on the smallest case only)"
+        if skip:
+            row["status"] = skip
+            results.append(row)
+            continue
+        try:
+            jitted = jax.jit(fn)
+            out = np.asarray(jitted(q, k, v, q_start, k_start)[:, heads], np.float32)
+            err = float(np.linalg.norm(out - expected) / np.linalg.norm(expected))
+            row["rel_err"] = err
+            if not err < TOL:
+                row["status"] = f"WRONG (rel err {err:.2e})"
+            else:
+                ms = median_ms(jitted, q, k, v, q_start, k_start)
+                row.update(status="ok", ms=ms, tflops=flops / ms / 1e9)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other options
+            traceback.print_exc()
+            row["status"] = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        results.append(row)
+        print(f"  {name:>16} {option:>14}: " + (f"{row['ms']:8.3f} ms {row['tflops']:6.0f} TFLOP/s "
+              f"(rel err {row['rel_err']:.1e})" if row["status"] == "ok" else row["status"]), flush=True)
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer cases (see QUICK)")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    cases = QUICK if args.quick else FULL
+    print(f"devices: {jax.devices()}")
+    if TOKAMAX_ERROR:
+        print(f"tokamax not benchmarked: {TOKAMAX_ERROR}")
+    smallest = min(cases, key=lambda c: causal_flops(*c))
+    results = []
+    for case in cases:
+        results += run_case(*case, with_reference=not args.quick or case == smallest)
+
+    names = list(dict.fromkeys(r["option"] for r in results))
+    print("\ncausal TFLOP/s (ms); '-' = skipped, failed or wrong (see above)")
+    print("| case | " + " | ".join(names) + " | best |")
+    print("|---" * (len(names) + 2) + "|")
+    for case in dict.fromkeys(r["case"] for r in results):
+        rows = {r["option"]: r for r in results if r["case"] == case}
+        cells = [f"{rows[n]['tflops']:.0f} ({rows[n]['ms']:.3f})" if rows[n]["status"] == "ok" else "-"
+                 for n in names]
+        ok = [n for n in names if rows[n]["status"] == "ok"]
+        best = max(ok, key=lambda n: rows[n]["tflops"]) if ok else "-"
+        print(f"| {case} | " + " | ".join(cells) + f" | {best} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=str(jax.devices()[0]), results=results), f, indent=1)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
