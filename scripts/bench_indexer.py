@@ -2,8 +2,9 @@
 
     python scripts/bench_indexer.py --out results.json [--quick] [--sweep]
 
-* prefill logits: one causal sequence, T = S rows/keys, Hi=64, D=128, page 64, fp8 (+ k_scale)
-  and bf16; TFLOP/s counted as 2 * valid_causal_pairs * Hi * D.
+* prefill logits: one causal sequence, T = S rows/keys (1K..32K), Hi=64, D=128, page 64, fp8
+  (+ k_scale) and bf16: the Mosaic GPU kernel (`mgpu`, what `indexer_logits` routes prefill to)
+  beside the Triton kernel (`triton`) and XLA; TFLOP/s counted as 2 * valid_causal_pairs * Hi * D.
 * decode logits: batch B of sequences, each with --decode-rows query rows at the end of a
   context of C keys; GB/s of key bytes read once per sequence (D + 4 per key for fp8 with its
   scale, 2 * D for bf16).
@@ -12,7 +13,7 @@
 Every config is checked against the reference (on a sample of rows) before it is timed; a
 failing config is recorded with its error and the run goes on. The XLA reference is skipped
 where it would take too long or too much memory (said so in the table). --sweep adds a small
-tiling sweep of the kernels. Meant to finish in < 5 minutes on an H200.
+tiling sweep of the kernels. Meant to finish in < 5 minutes on an H200 (`--only prefill`: ~3).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pallas_kernels.indexer import indexer_logits, indexer_logits_reference  # noqa: E402
+from pallas_kernels.indexer import indexer_logits, indexer_logits_reference, indexer_logits_triton  # noqa: E402
+from pallas_kernels.indexer_mgpu import indexer_logits_mgpu  # noqa: E402
 from pallas_kernels.topk import topk, topk_reference  # noqa: E402
 from timing import median_ms  # noqa: E402
 
@@ -123,8 +125,10 @@ def record(**kw):
     return status
 
 
-def run_config(kind, params, make, kernel_fn, xla_fn, metric, unit, check, xla_skip_reason=None):
-    """make() -> args; kernel_fn/xla_fn(*args); metric(ms) -> value in `unit`."""
+def run_config(kind, params, make, kernel_fn, xla_fn, metric, unit, check, xla_skip_reason=None,
+               others=None):
+    """make() -> args; kernel_fn/xla_fn(*args); metric(ms) -> value in `unit`. others: {name: fn}
+    of further kernels, each checked and timed beside the kernel (`<name>_ms`, `<name>_<unit>`)."""
     rec = dict(kind=kind, **params, unit=unit)
     if time.time() > DEADLINE[0]:
         rec["error"] = "skipped: run time budget spent"
@@ -140,6 +144,15 @@ def run_config(kind, params, make, kernel_fn, xla_fn, metric, unit, check, xla_s
         rec["error"] = f"kernel: {type(e).__name__}: {str(e)[:300]}"
         rec["trace"] = traceback.format_exc()[-2000:]
         return record(**rec)
+    for name, fn in (others or {}).items():
+        try:
+            out = jax.block_until_ready(fn(*args))
+            rec[name + "_check_err"] = check(out, args)
+            del out
+            rec[name + "_ms"] = median_ms(fn, *args)
+            rec[name + "_" + unit] = metric(rec[name + "_ms"])
+        except Exception as e:  # noqa: BLE001
+            rec[name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
     if xla_skip_reason:
         rec["xla"] = "skipped: " + xla_skip_reason
     else:
@@ -153,19 +166,24 @@ def run_config(kind, params, make, kernel_fn, xla_fn, metric, unit, check, xla_s
     return record(**rec)
 
 
-def bench_prefill(quick, tiling=None, sizes=None, dtypes=(FP8, jnp.bfloat16), tag=""):
+def bench_prefill(quick, tiling=None, sizes=None, dtypes=(FP8, jnp.bfloat16), tag="", compare=True):
+    """The Mosaic GPU kernel (`kernel`, with `tiling`); with `compare`, beside the Triton kernel
+    (`triton`, default tiling) and XLA on the same inputs."""
     sizes = sizes or ([1024, 2048, 4096, 8192] + ([] if quick else [16384, 32768]))
-    kern = jax.jit(functools.partial(indexer_logits, page_size=PAGE, **(tiling or {})))
+    kern = jax.jit(functools.partial(indexer_logits_mgpu, page_size=PAGE, **(tiling or {})))
+    others = {"triton": jax.jit(functools.partial(indexer_logits_triton, page_size=PAGE))} if compare else {}
     xla = jax.jit(functools.partial(indexer_logits_reference, page_size=PAGE))
     for dtype in dtypes:
         for t in sizes:
             flops = 2.0 * (t * (t + 1) / 2) * HI * D
+            skip = None if t <= 16384 else "T > 16K: the reference would take ~1 s a call"
+            if not compare:
+                skip = "tiling sweep"
             run_config(
                 "prefill" + tag, dict(dtype=jnp.dtype(dtype).name, T=t, tiling=tiling or "default"),
                 lambda: paged_inputs(jax.random.key(t), dtype=dtype, lengths=[t], rows_per_seq=[t]),
                 kern, xla, lambda ms: flops / (ms * 1e-3) / 1e12, "TFLOPs",
-                lambda out, args: check_logits_sample(out, args),
-                xla_skip_reason=None if t <= 16384 else "T > 16K: the reference would take ~1 s a call")
+                lambda out, args: check_logits_sample(out, args), xla_skip_reason=skip, others=others)
 
 
 def bench_decode(quick, tiling=None, batches=None, contexts=None, dtypes=(FP8, jnp.bfloat16), rows=1,
@@ -237,10 +255,8 @@ def bench_topk(quick, tiling=None, shapes=None, tag=""):
 
 
 def sweep():
-    for t in [dict(block_rows=2), dict(block_rows=4, block_keys=128), dict(block_rows=4, num_warps=8),
-              dict(block_rows=8, num_warps=8), dict(block_rows=4, num_stages=2),
-              dict(fp8_imprecise_acc=0)]:  # fp8: exact f32 accumulation (mma.sync instead of wgmma)
-        bench_prefill(True, tiling=t, sizes=[8192], dtypes=(FP8, jnp.bfloat16), tag="-sweep")
+    for t in [dict(block_rows=8), dict(group=2), dict(group=8), dict(stages=2), dict(stages=6)]:
+        bench_prefill(True, tiling=t, sizes=[8192], dtypes=(FP8, jnp.bfloat16), tag="-sweep", compare=False)
     for t in [dict(block_keys=128), dict(block_keys=128, num_warps=8), dict(chunk=4096),
               dict(block_keys=32)]:
         bench_decode(True, tiling=t, batches=[64], contexts=[65536], dtypes=(FP8,), tag="-sweep")
@@ -262,7 +278,9 @@ def print_table():
         xla = f"{r['xla_ms']:.3f}ms {r['xla_' + unit]:.0f}" if "xla_ms" in r else "-"
         sp = f"{r['speedup']:.1f}x" if "speedup" in r else ""
         note = r.get("error") or r.get("xla", "")
-        print(f"{r['kind']:14} {cfg[:62]:62} {kern:>18} {xla:>18} {sp:>8}  {unit} {note[:60]}")
+        if "triton_ms" in r:
+            note = f"triton {r['triton_ms']:.3f}ms {r['triton_' + unit]:.0f} ({r['triton_ms'] / r['kernel_ms']:.1f}x) " + note
+        print(f"{r['kind']:14} {cfg[:62]:62} {kern:>18} {xla:>18} {sp:>8}  {unit} {note[:90]}")
 
 
 def main():

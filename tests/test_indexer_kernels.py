@@ -131,16 +131,19 @@ def test_indexer_logits_prefill_causal_fp8_unscaled():
     check_logits(out, ref, 1e-5)
 
 
-@pytest.mark.parametrize("dtype,scaled,lengths,rows,tiling", [
-    # ragged batch, a 1-key sequence, 5 key blocks through a 2-slot ring, tiles of 4 rows
-    (FP8, True, [37, 1, 300, 12], [5, 1, 9, 3], dict(block_rows=4, group=2, stages=2)),
-    (jnp.bfloat16, False, [37, 1, 90, 12], [5, 1, 7, 3], dict(block_rows=4, group=4)),
-    # causal prefill of 150 rows (not a multiple of any block), no k_scale, default tiling
-    (FP8, False, [150], [150], dict()),
+@pytest.mark.parametrize("dtype,scaled,page,lengths,rows,tiling", [
+    # ragged batch with a 1-key sequence; page 4: keys gathered first; 5 key blocks, 2-slot ring
+    (FP8, True, 4, [37, 1, 300, 12], [5, 1, 9, 3], dict(block_rows=4, group=2, stages=2)),
+    # the same batch read straight from 64-token pages, bf16
+    (jnp.bfloat16, False, 64, [37, 1, 300, 12], [5, 1, 9, 3], dict(block_rows=4, group=4)),
+    # decode-like: 1-2 rows per sequence, the key axis split over CTAs (default tiling)
+    (FP8, True, 64, [400, 130, 1], [1, 2, 1], dict()),
+    # causal prefill of 150 rows (not a multiple of any block), no k_scale, 3 key chunks a tile
+    (FP8, False, 64, [150], [150], dict(block_rows=8, splits=3)),
 ])
-def test_indexer_logits_mgpu(dtype, scaled, lengths, rows, tiling):
+def test_indexer_logits_mgpu(dtype, scaled, page, lengths, rows, tiling):
     """The Mosaic GPU kernel (CPU: its interpreter; heads 4 -> 8 and D 16 -> 32 padded)."""
-    args, page = make_indexer_case(5, dtype=dtype, scaled=scaled, hi=4, d=16, page=4,
+    args, page = make_indexer_case(5, dtype=dtype, scaled=scaled, hi=4, d=16, page=page,
                                    lengths=lengths, rows_per_seq=rows)
     out = indexer_logits_mgpu(*args, page_size=page, interpret=INTERPRET, **tiling)
     ref = indexer_logits_reference(*args, page_size=page)
