@@ -22,9 +22,10 @@ _WG_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile)
 _CONSUMER_WGS = 2
 _BLOCK_Q = _WG_ROWS * _CONSUMER_WGS  # query rows per kernel block
 _SWIZZLE = 128  # bytes: 64 bf16 columns per swizzled tile row
-# Block table columns (one row per kernel block, int32):
-_ROW0, _ROWS, _POS0, _KROW0, _KV_END = range(5)
-_TABLE_COLS = 5
+_ALIGN = 8  # rows: TMA into (8, 64)-tiled shared memory starts at a multiple of 8 rows
+# Block table columns (one row per kernel block, int32), see _block_table:
+_ROW0, _LO, _HI, _POS0, _KROW0, _KSHIFT, _KV_END = range(7)
+_TABLE_COLS = 7
 
 
 def causal_attention_reference(q, k, v, q_positions, *, scale):
@@ -118,35 +119,41 @@ def causal_varlen_attention_reference(q, k, v, q_start_loc, k_start_loc, *, scal
 
 
 def _block_table(q_start_loc, k_start_loc, num_rows, num_blocks):
-    """The kernel's work list: one row per block of up to _BLOCK_Q queries of one sequence.
+    """The kernel's work list: one row per block of _BLOCK_Q packed q rows, 8-row aligned,
+    whose rows [lo, hi) are queries of one sequence (the others are computed, not stored).
 
     Returns ([num_blocks, _TABLE_COLS] int32, [1] int32 count of blocks in use). Columns:
-      _ROW0   packed q row of the block's first query
-      _ROWS   queries in the block (0: unused row)
-      _POS0   position of the first query in its sequence (context included)
-      _KROW0  packed k row of the sequence's key 0
-      _KV_END keys the block reads (position of its last query + 1); 0 for a block that only
-              writes zeros (the padding rows q_start_loc[S]..num_rows)
+      _ROW0   packed q row of the block's row 0, divided by 8
+      _LO     first block row to store (> 0 only where the sequence starts unaligned)
+      _HI     end of the block rows to store (lo < hi for blocks in use)
+      _POS0   position (context included) of block row 0 in the sequence: may be negative
+      _KROW0  packed k row of the sequence's key 0 rounded down to 8, divided by 8
+      _KSHIFT packed k row of key 0 minus 8 * _KROW0: key tiles start _KSHIFT keys early
+      _KV_END keys the block reads (position of its last stored query + 1); 0 for the blocks
+              that only write zeros (the padding rows q_start_loc[S]..num_rows)
     Blocks in use come first, by descending _KV_END: the longest start first.
     """
     num_seqs = q_start_loc.shape[0] - 1
     q_len = jnp.diff(q_start_loc)
     kv_len = jnp.diff(k_start_loc)
     # The padding rows form one more "sequence" that reads no keys.
-    seq_row0 = jnp.append(q_start_loc[:-1], q_start_loc[-1])
-    seq_rows = jnp.append(q_len, num_rows - q_start_loc[-1])
+    seq_start = q_start_loc
+    seq_end = jnp.append(q_start_loc[1:], num_rows)
     seq_ctx = jnp.append(kv_len - q_len, 0)
-    seq_krow0 = jnp.append(k_start_loc[:-1], 0)
-    seq_blocks = (seq_rows + _BLOCK_Q - 1) // _BLOCK_Q
+    seq_krow = jnp.append(k_start_loc[:-1], 0)
+    seq_base = seq_start // _ALIGN * _ALIGN
+    seq_blocks = jnp.where(seq_end > seq_start, (seq_end - seq_base + _BLOCK_Q - 1) // _BLOCK_Q, 0)
     blocks_end = jnp.cumsum(seq_blocks)
     blk = jnp.arange(num_blocks, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(blocks_end, blk, side="right"), num_seqs).astype(jnp.int32)
     in_use = blk < blocks_end[-1]
-    first = (blk - (blocks_end[seq] - seq_blocks[seq])) * _BLOCK_Q  # first query index in the sequence
-    rows = jnp.where(in_use, jnp.clip(seq_rows[seq] - first, 0, _BLOCK_Q), 0)
-    pos0 = seq_ctx[seq] + first
-    kv_end = jnp.where(in_use & (seq < num_seqs), pos0 + rows, 0)
-    table = jnp.stack([seq_row0[seq] + first, rows, pos0, seq_krow0[seq], kv_end], axis=1)
+    row0 = seq_base[seq] + (blk - (blocks_end[seq] - seq_blocks[seq])) * _BLOCK_Q
+    lo = jnp.where(in_use, jnp.maximum(seq_start[seq] - row0, 0), 0)
+    hi = jnp.where(in_use, jnp.minimum(seq_end[seq] - row0, _BLOCK_Q), 0)
+    pos0 = seq_ctx[seq] + row0 - seq_start[seq]
+    kv_end = jnp.where(in_use & (seq < num_seqs), pos0 + hi, 0)
+    krow = seq_krow[seq]
+    table = jnp.stack([row0 // _ALIGN, lo, hi, pos0, krow // _ALIGN, krow % _ALIGN, kv_end], axis=1)
     order = jnp.lexsort((-kv_end, ~in_use))  # in use first, then by descending key count
     return table[order].astype(jnp.int32), blocks_end[-1:].astype(jnp.int32)
 
@@ -163,14 +170,17 @@ def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpr
     Returns [T, H, Dv] in q.dtype; rows q_start_loc[S].. (padding) are 0.
     dtypes: bf16 or f16 (wgmma operands), f32 softmax. Dqk and Dv: multiples of 64, <= 256.
 
-    Work items are (block of up to 128 queries of one sequence, head), from a table built here
-    from the start locations (traced), longest blocks first. num_programs persistent blocks
+    Work items are (block of 128 packed q rows, 8-row aligned, holding queries of one sequence,
+    head), from a table built here from the start locations (traced), longest blocks first. num_programs persistent blocks
     (default: one per SM) walk the items; each has two consumer warpgroups of 64 query rows
     and one producer warpgroup that streams block_kv-key tiles of K and V through num_stages
     shared-memory slots with TMA, continuously across items. An item reads only the key tiles
     its causal range reaches and masks only the diagonal ones; the consumers take turns on the
     tensor cores (one's softmax overlaps the other's matmuls). A tile's output is stored with a
     ladder of power-of-two-row TMA stores so no other sequence's rows are touched.
+    TMA into swizzled shared memory needs 8-row aligned starts: query tiles start at the
+    sequence's first row rounded down to 8 and key tiles likewise (the causal mask drops the
+    other sequence's keys). T or Tk not a multiple of 8 costs a padded copy of q or of k and v.
     interpret=True runs the same kernel in Mosaic GPU interpret mode (CPU).
     """
     _check_inputs(q, k, v, q_start_loc, k_start_loc, (jnp.bfloat16, jnp.float16))
@@ -191,18 +201,23 @@ def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpr
     if num_rows == 0:
         return jnp.zeros((0, heads, d_v), q.dtype)
     num_seqs = q_start_loc.shape[0] - 1
-    # sum over sequences (and the padding) of ceil(rows / _BLOCK_Q) is at most this
-    num_blocks = (num_rows + (num_seqs + 1) * (_BLOCK_Q - 1)) // _BLOCK_Q
+    # sum over sequences (and the padding) of ceil((rows + 7) / _BLOCK_Q) is at most this
+    num_blocks = (num_rows + (num_seqs + 1) * (_ALIGN - 1 + _BLOCK_Q - 1)) // _BLOCK_Q
     if num_programs is None:
         num_programs = getattr(jax.devices()[0], "core_count", None) or 132
     table, blocks_used = _block_table(q_start_loc, k_start_loc, num_rows, num_blocks)
+    pad_rows = (lambda x: jnp.pad(x, ((0, -x.shape[0] % _ALIGN), (0, 0), (0, 0))))
+    if num_rows % _ALIGN:
+        q = pad_rows(q)
+    if k.shape[0] % _ALIGN:
+        k, v = pad_rows(k), pad_rows(v)
     call = functools.partial(_attention_call, num_programs=min(num_programs, num_blocks * heads),
                              scale=float(scale), block_kv=block_kv, num_stages=num_stages,
                              interpret=interpret)
     if interpret:
         with plgpu.force_gpu_interpret_mode():
-            return call(table, blocks_used, q, k, v)
-    return call(table, blocks_used, q, k, v)
+            return call(table, blocks_used, q, k, v)[:num_rows]
+    return call(table, blocks_used, q, k, v)[:num_rows]
 
 
 def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_kv, num_stages,
@@ -228,7 +243,11 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
             return head, tuple(table_ref[blk, c] for c in range(_TABLE_COLS))
 
         def block_steps(info):
-            return (info[_KV_END] + block_kv - 1) // block_kv
+            return (info[_KV_END] + info[_KSHIFT] + block_kv - 1) // block_kv
+
+        def aligned_rows(row_div8, offset):
+            # row_div8 * 8 + offset, written so Mosaic sees a multiple of 8 (offset: one too)
+            return row_div8 * _ALIGN + offset
 
         def take_turn():
             # Rendezvous of the two consumers: with one of them a half step ahead, this makes
@@ -245,10 +264,10 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
 
             def load_q(i):
                 head, info = item_info(i)
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(info[_ROW0] + wg * _WG_ROWS, _WG_ROWS), head],
-                                        q_tile, q_ready.at[wg])
+                rows = pl.ds(aligned_rows(info[_ROW0], wg * _WG_ROWS), _WG_ROWS)
+                plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_tile, q_ready.at[wg])
 
-            def kv_step(step, carry, *, tile0, wg_pos0, masked):
+            def kv_step(step, carry, *, tile0, wg_pos0, k_shift, masked):
                 acc, m_i, l_i = carry
                 slot = lax.rem(tile0 + step, num_stages)
                 plgpu.barrier_wait(k_ready.at[slot])
@@ -262,11 +281,12 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
                 plgpu.barrier_arrive(k_free.at[slot])
                 s = s * qk_scale
                 if masked:
+                    # key 0 of the sequence sits k_shift columns into tile 0
                     q_pos = wg_pos0 + plgpu.broadcasted_iota(
                         jnp.int32, (_WG_ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
-                    k_pos = step * block_kv + plgpu.broadcasted_iota(
+                    k_pos = (step * block_kv - k_shift) + plgpu.broadcasted_iota(
                         jnp.int32, (_WG_ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
-                    s = jnp.where(k_pos <= q_pos, s, -jnp.inf)
+                    s = jnp.where((k_pos <= q_pos) & (k_pos >= 0), s, -jnp.inf)
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -313,23 +333,29 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
 
             def item_body(i, tile0):
                 head, info = item_info(i)
-                wg_row0 = info[_ROW0] + wg * _WG_ROWS
-                wg_rows = jnp.clip(info[_ROWS] - wg * _WG_ROWS, 0, _WG_ROWS)
+                k_shift = info[_KSHIFT]
+                # rows [lo, hi) of this warpgroup's 64 are queries of the item's sequence
+                lo = jnp.clip(info[_LO] - wg * _WG_ROWS, 0, _WG_ROWS)
+                hi = jnp.clip(info[_HI] - wg * _WG_ROWS, lo, _WG_ROWS)
                 wg_pos0 = info[_POS0] + wg * _WG_ROWS
                 tiles = block_steps(info)
-                steps = jnp.where((wg_rows > 0) & (info[_KV_END] > 0),
-                                  (wg_pos0 + wg_rows + block_kv - 1) // block_kv, 0)
-                # key tiles entirely at or before the first query's position need no mask
-                full_steps = jnp.minimum((wg_pos0 + 1) // block_kv, steps)
+                steps = jnp.where((hi > lo) & (info[_KV_END] > 0),
+                                  (wg_pos0 + hi + k_shift + block_kv - 1) // block_kv, 0)
+                # Unmasked: key tiles after the first when that one starts k_shift keys early,
+                # and entirely at or before the position of query row lo.
+                first_full = jnp.minimum(jnp.where(k_shift > 0, 1, 0), steps)
+                end_full = jnp.clip((wg_pos0 + lo + 1 + k_shift) // block_kv, first_full, steps)
                 plgpu.barrier_wait(q_ready.at[wg])
                 carry = (
                     plgpu.layout_cast(jnp.zeros((_WG_ROWS, d_v), jnp.float32), plgpu.Layout.WGMMA),
                     plgpu.layout_cast(jnp.full((_WG_ROWS,), -jnp.inf, jnp.float32), row_layout),
                     plgpu.layout_cast(jnp.zeros((_WG_ROWS,), jnp.float32), row_layout),
                 )
-                step_fn = functools.partial(kv_step, tile0=tile0, wg_pos0=wg_pos0)
-                carry = lax.fori_loop(0, full_steps, functools.partial(step_fn, masked=False), carry)
-                carry = lax.fori_loop(full_steps, steps, functools.partial(step_fn, masked=True), carry)
+                step_fn = functools.partial(kv_step, tile0=tile0, wg_pos0=wg_pos0, k_shift=k_shift)
+                carry = lax.fori_loop(0, first_full, functools.partial(step_fn, masked=True), carry)
+                carry = lax.fori_loop(first_full, end_full, functools.partial(step_fn, masked=False),
+                                      carry)
+                carry = lax.fori_loop(end_full, steps, functools.partial(step_fn, masked=True), carry)
 
                 @pl.when(i + 1 < num_items)
                 def _():
@@ -342,15 +368,17 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores
                 o_tile[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
                 plgpu.commit_smem()
-                # Store exactly wg_rows rows: one TMA per set bit of wg_rows, largest first.
-                stored = jnp.int32(0)
+                # Store rows [lo, hi): one TMA per set bit of hi - lo, largest first.
+                wg_row0 = aligned_rows(info[_ROW0], wg * _WG_ROWS)
+                count = hi - lo
+                stored = lo
                 size = _WG_ROWS
                 while size >= 1:
-                    @pl.when((wg_rows & size) != 0)
+                    @pl.when((count & size) != 0)
                     def _store(size=size, stored=stored):
                         plgpu.copy_smem_to_gmem(o_tile.at[pl.ds(stored, size)],
                                                 out_ref.at[pl.ds(wg_row0 + stored, size), head])
-                    stored = stored + (wg_rows & size)
+                    stored = stored + (count & size)
                     size //= 2
                 return tile0 + tiles
 
@@ -369,7 +397,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
                 def _fetch(step):
                     tile = tile0 + step
                     slot = lax.rem(tile, num_stages)
-                    keys = pl.ds(info[_KROW0] + step * block_kv, block_kv)
+                    keys = pl.ds(aligned_rows(info[_KROW0], step * block_kv), block_kv)
 
                     @pl.when(tile >= num_stages)
                     def _():
