@@ -8,10 +8,13 @@ dim 128, bf16. Batches of B prefills of L new tokens after C cached ones (C = 0:
 Options:
   mosaic_varlen  causal_varlen_attention on the packed [T, H, D] layout (this project's kernel)
   cudnn          jax.nn.dot_product_attention(implementation="cudnn") on [B, L, H, D], V padded to
-                 192 (cuDNN wants one head dim); with context, a left window (bottom-right causal)
+                 192 (cuDNN wants one head dim); with context, q front-padded with C zero rows
+                 (cuDNN's causal mask is top-left and it has no right window)
   tokamax        tokamax.dot_product_attention(implementation="mosaic") on [B, L, H, D] (skipped,
-                 with the reason printed, when tokamax does not import)
-  xla            jax.nn.dot_product_attention(implementation="xla") on [B, L, H, D], V padded
+                 with the reason printed, when tokamax does not import); with context, a window
+                 reaching C keys to the right (bottom-right causal)
+  xla            jax.nn.dot_product_attention(implementation="xla") on [B, L, H, D], V padded;
+                 with context, the same right window
   reference      causal_varlen_attention_reference (float32; the model's XLA path), on --quick
                  only for the smallest case
 Every option is first checked against the float32 reference on 8 heads (relative error < 2e-2);
@@ -84,8 +87,15 @@ def options(batch, new, ctx):
         def fn(q, k, v, q_start, k_start):
             qb, kb, vb = padded(q, k, v)
             vb = jnp.pad(vb, ((0, 0), (0, 0), (0, 0), (0, D_QK - D_V)))
-            out = jax.nn.dot_product_attention(qb, kb, vb, scale=SCALE, implementation=implementation,
-                                               **window)
+            if implementation == "cudnn" and ctx:
+                # cuDNN has no right window: ctx zero query rows in front make its top-left
+                # causal mask the bottom-right one (their work is wasted, and counted against it)
+                qb = jnp.pad(qb, ((0, 0), (ctx, 0), (0, 0), (0, 0)))
+                out = jax.nn.dot_product_attention(qb, kb, vb, scale=SCALE, is_causal=True,
+                                                   implementation=implementation)[:, ctx:]
+            else:
+                out = jax.nn.dot_product_attention(qb, kb, vb, scale=SCALE,
+                                                   implementation=implementation, **window)
             return out[..., :D_V].reshape(batch * new, HEADS, D_V)
         return fn
 
