@@ -237,6 +237,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
         num_items = jnp.maximum(num_used * heads - program + num_programs - 1, 0) // num_programs
 
         def item_info(i):
+            # (head, table row) of item i; in range even past the last item (row < num_used)
             item = program + i * num_programs
             head = item // num_used
             blk = item - head * num_used
@@ -262,8 +263,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
             o_tile = o_smem.at[wg]
             row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-            def load_q(i):
-                head, info = item_info(i)
+            def load_q(head, info):
                 rows = pl.ds(aligned_rows(info[_ROW0], wg * _WG_ROWS), _WG_ROWS)
                 plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_tile, q_ready.at[wg])
 
@@ -327,12 +327,14 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
 
             @pl.when(num_items > 0)
             def _():
-                load_q(0)
+                load_q(*item_info(0))
 
             pl.when(wg == 1)(take_turn)
 
-            def item_body(i, tile0):
-                head, info = item_info(i)
+            def item_body(i, carry):
+                tile0, head, info = carry
+                # the next item's table row, loaded now so its latency hides under this item
+                next_head, next_info = item_info(i + 1)
                 k_shift = info[_KSHIFT]
                 # rows [lo, hi) of this warpgroup's 64 are queries of the item's sequence
                 lo = jnp.clip(info[_LO] - wg * _WG_ROWS, 0, _WG_ROWS)
@@ -359,7 +361,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
 
                 @pl.when(i + 1 < num_items)
                 def _():
-                    load_q(i + 1)  # the q tile is free: fetch the next item's under this one's tail
+                    load_q(next_head, next_info)  # the q tile is free: fetch the next item's
 
                 lax.fori_loop(steps, tiles, functools.partial(skip_step, tile0=tile0), None)
                 acc, _, l_i = carry
@@ -380,9 +382,9 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
                                                 out_ref.at[pl.ds(wg_row0 + stored, size), head])
                     stored = stored + (count & size)
                     size //= 2
-                return tile0 + tiles
+                return tile0 + tiles, next_head, next_info
 
-            lax.fori_loop(0, num_items, item_body, jnp.int32(0))
+            lax.fori_loop(0, num_items, item_body, (jnp.int32(0), *item_info(0)))
             pl.when(wg == 0)(take_turn)
             plgpu.wait_smem_to_gmem(0)
 
@@ -390,8 +392,9 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
 
-            def item_body(i, tile0):
-                head, info = item_info(i)
+            def item_body(i, carry):
+                tile0, head, info = carry
+                next_head, next_info = item_info(i + 1)  # loaded early, used next iteration
 
                 @pl.loop(0, block_steps(info))
                 def _fetch(step):
@@ -411,9 +414,9 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
 
                     plgpu.copy_gmem_to_smem(v_ref.at[keys, head], v_smem.at[slot], v_ready.at[slot])
 
-                return tile0 + block_steps(info)
+                return tile0 + block_steps(info), next_head, next_info
 
-            tiles = lax.fori_loop(0, num_items, item_body, jnp.int32(0))
+            tiles, _, _ = lax.fori_loop(0, num_items, item_body, (jnp.int32(0), *item_info(0)))
 
             # Observe the last releases too: every barrier phase is waited on before exit.
             @pl.loop(jnp.maximum(tiles - num_stages, 0), tiles)
