@@ -51,8 +51,8 @@ _TARGET_CTAS = 264  # two waves of the H200's 132 SMs
 
 @dataclasses.dataclass(frozen=True)
 class MgpuTiling:
-    """block_rows: rows of one sequence per CTA (their q stays in SMEM); group: rows whose wgmmas
-    are issued together before one wait (accumulators: group * Hi / 4 registers per thread);
+    """block_rows: rows of one sequence per CTA (their q stays in SMEM); group: rows whose q
+    share one wgmma (N = group * Hi <= 256; accumulator: group * Hi / 4 registers per thread);
     stages: key blocks in flight; splits: key chunks per tile (CTAs per tile)."""
     block_rows: int
     group: int
@@ -69,9 +69,11 @@ def choose_mgpu_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_ro
     q_row_bytes = hi * d * jnp.dtype(dtype).itemsize
     if block_rows is None:
         block_rows = min(next_pow2(int(rows_per_seq + 0.5)), 16, max(1, _SMEM_Q_BYTES // q_row_bytes))
-    group = group or min(4, block_rows)
-    if block_rows % group:
-        raise ValueError(f"block_rows={block_rows} must be a multiple of group={group}")
+    if group is None:
+        group = max([g for g in range(1, block_rows + 1) if block_rows % g == 0 and g * hi <= 256], default=1)
+    if block_rows % group or group * hi > 256:
+        raise ValueError(f"block_rows={block_rows} must be a multiple of group={group} and "
+                         f"group * heads={group * hi} <= 256 (wgmma N)")
     if splits is None:
         from .indexer import _max_tiles
         splits = max(1, min(key_blocks, pl.cdiv(_TARGET_CTAS, _max_tiles(num_rows, num_seqs, block_rows))))
@@ -131,10 +133,17 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: MgpuTiling, pa
             def _load_rows():
                 plgpu.copy_gmem_to_smem(w_ref.at[tile], w_smem, q_bar)
                 for j in range(br):  # empty row slots load row 0 (never stored): one arrival each
-                    plgpu.copy_gmem_to_smem(q_ref.at[jnp.maximum(meta_smem[2 + j], 0)], q_smem.at[j], q_bar)
+                    plgpu.copy_gmem_to_smem(q_ref.at[jnp.maximum(meta_smem[2 + j], 0)], q_smem.at[pl.ds(j * hi, hi)], q_bar)
 
-            @pl.loop(0, n_steps)
-            def _load_keys(step):
+            def block_slot(step):
+                """Cache slot of the chunk's key block `step` (a block table read from GMEM)."""
+                key = (first + jnp.minimum(step, chunk - 1)) * bk
+                page = jnp.maximum(bt_ref[seq, jnp.minimum(key // page_size, bt_ref.shape[1] - 1)], 0)
+                return page * page_size + lax.rem(key, page_size)
+
+            @pl.loop(0, n_steps, init_carry=block_slot(0))
+            def _load_keys(step, slot0):
+                next_slot0 = block_slot(step + 1)  # in flight while this step waits for its slot
                 slot = lax.rem(step, stages)
 
                 @pl.when(step >= stages)
@@ -142,12 +151,11 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: MgpuTiling, pa
                     plgpu.barrier_wait(consumed_bar.at[slot])
                     plgpu.commit_smem()  # order the consumer's reads (generic proxy) before TMA's writes
 
-                key = (first + step) * bk
-                page = jnp.maximum(bt_ref[seq, key // page_size], 0)
-                keys = pl.ds(page * page_size + lax.rem(key, page_size), bk)
+                keys = pl.ds(pl.multiple_of(slot0, bk), bk)
                 plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
                 if ks_ref is not None:
                     plgpu.copy_gmem_to_smem(ks_ref.at[keys], ks_smem.at[slot], k_bar.at[slot])
+                return next_slot0
 
             fill_start = jnp.maximum(stop, first)
             fill_stop = jnp.minimum(first + chunk, out_blocks)
@@ -185,14 +193,14 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: MgpuTiling, pa
                 for g in range(br // group):
                     rows = range(g * group, (g + 1) * group)
 
-                    def mma(*accs, rows=rows):
-                        for acc, j in zip(accs, rows):
-                            plgpu.wgmma(acc, k_smem.at[slot], q_smem.at[j].T)
+                    def mma(acc, rows=rows):  # the group's q rows side by side: N = group * Hi
+                        plgpu.wgmma(acc, k_smem.at[slot], q_smem.at[pl.ds(rows[0] * hi, group * hi)].T)
                         plgpu.wgmma_wait(0)
-                        return [acc[...] for acc in accs]
+                        return acc[...]
 
-                    scores = pl.run_scoped(mma, *[plgpu.ACC((bk, hi), jnp.float32)] * group)
-                    for s, j in zip(scores, rows):
+                    scores = pl.run_scoped(mma, plgpu.ACC((bk, group * hi), jnp.float32))
+                    for r, j in enumerate(rows):
+                        s = scores[:, r * hi:(r + 1) * hi]
                         w = plgpu.load(w_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
                         logit = jnp.sum(jnp.maximum(s, 0.0) * lax.broadcast_in_dim(w, (bk, hi), [1]), axis=1)
                         if ks_ref is not None:
@@ -218,7 +226,7 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: MgpuTiling, pa
     pl.run_scoped(
         body,
         plgpu.SMEM((meta_ref.shape[1],), jnp.int32),
-        plgpu.SMEM((br, hi, d), q_ref.dtype, transforms=transforms),
+        plgpu.SMEM((br * hi, d), q_ref.dtype, transforms=transforms),
         plgpu.SMEM((br, hi), jnp.float32),
         plgpu.SMEM((stages, bk, d), q_ref.dtype, transforms=transforms),
         plgpu.SMEM((stages, bk), jnp.float32),
