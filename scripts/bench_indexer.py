@@ -1,6 +1,6 @@
 """Benchmark the Pallas indexer kernels against the XLA path (jit of the jnp references).
 
-    python scripts/bench_indexer.py --out results.json [--quick] [--sweep]
+    python scripts/bench_indexer.py --out results.json [--quick] [--sweep] [--only prefill] [--dtypes fp8]
 
 * prefill logits: one causal sequence, T = S rows/keys (1K..32K), Hi=64, D=128, page 64, fp8
   (+ k_scale) and bf16: the Mosaic GPU kernel (`mgpu`, what `indexer_logits` routes prefill to)
@@ -13,7 +13,8 @@
 Every config is checked against the reference (on a sample of rows) before it is timed; a
 failing config is recorded with its error and the run goes on. The XLA reference is skipped
 where it would take too long or too much memory (said so in the table). --sweep adds a small
-tiling sweep of the kernels. Meant to finish in < 5 minutes on an H200 (`--only prefill`: ~3).
+tiling sweep of the kernels. Meant to finish in < 5 minutes on an H200 (`--only prefill --dtypes fp8`:
+the Mosaic, Triton and XLA prefill table at T = 1K..32K, ~2 minutes).
 """
 
 from __future__ import annotations
@@ -291,16 +292,18 @@ def main():
     ap.add_argument("--only", default="prefill,decode,topk", help="comma list of prefill,decode,topk")
     ap.add_argument("--budget-s", type=float, default=270, help="skip configs starting later than this")
     ap.add_argument("--decode-rows", type=int, default=1, help="query rows per decode sequence (MTP: 2)")
+    ap.add_argument("--dtypes", default="fp8,bf16", help="comma list of fp8,bf16 (prefill and decode)")
     a = ap.parse_args()
     t0 = time.time()
     DEADLINE[0] = t0 + a.budget_s
     only = a.only.split(",")
+    dtypes = tuple({"fp8": FP8, "bf16": jnp.bfloat16}[d] for d in a.dtypes.split(","))
     if "topk" in only:
         bench_topk(a.quick)
     if "prefill" in only:
-        bench_prefill(a.quick)
+        bench_prefill(a.quick, dtypes=dtypes)
     if "decode" in only:
-        bench_decode(a.quick, rows=a.decode_rows)
+        bench_decode(a.quick, rows=a.decode_rows, dtypes=dtypes)
     if a.sweep:
         sweep()
     print_table()
