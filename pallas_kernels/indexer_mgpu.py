@@ -12,21 +12,22 @@ warpgroups:
     cache into a ring of SMEM slots by TMA (one page lookup per block: page_size % 64 == 0; other
     page sizes are first gathered into contiguous keys by XLA), and writes -inf over the chunk's
     blocks at or past the tile's last causal key;
-  * two compute warpgroups take alternate key blocks. For each row of the tile one wgmma
-    [64 keys, D] x [D, Hi] (keys as A, the row's q as a K-major B, both in SMEM; accumulator rows
-    are keys), then ReLU, the head-weighted sum as a row reduction of the WGMMA layout, key
-    scales and the causal mask give 64 logits, staged in SMEM and written by one TMA per row.
+  * two compute warpgroups take alternate key blocks. For each group of rows (4 at the real
+    dims) one wgmma [64 keys, D] x [D, group * Hi] (keys as A, the rows' q side by side as a
+    K-major B, both in SMEM; accumulator rows are keys); per row, ReLU, the head-weighted sum as
+    a row reduction of the WGMMA layout, key scales and the causal mask give 64 logits, staged
+    in SMEM and written by one TMA per row.
     While one warpgroup runs its epilogue the other's wgmmas run.
 The tile's q [block_rows, Hi, D] and weights stay in SMEM for the whole chunk; nothing of size
 [rows, Hi, keys] exists outside registers. Key blocks at or past the tile's largest row_end are
 skipped (a causal prefill does about half of the rectangle); tiles run heaviest first.
 
-Why Mosaic GPU (measured on the H200, fp8, Hi=64, D=128): causal prefill at T = S = 4K / 8K /
-16K runs at 406 / 498 / 522 TFLOP/s (2 * valid pairs * Hi * D), 1.8-2x the Triton-backend
-kernel (`indexer.indexer_logits_triton`, whose fp8 dots reach wgmma only through a private
-lowering hook). Keys in registers as the wgmma A operand measured the same (500 at 8K) and were
-dropped. For decode (1-2 rows per sequence) the Triton kernel is faster (715 vs 555 GB/s at
-B=32, C=32K), so `indexer.indexer_logits` sends only prefill-shaped batches here.
+Why Mosaic GPU (measured on the H200, fp8, Hi=64, D=128, 2 * valid pairs * Hi * D): causal
+prefill at T = S = 8K runs at 582 TFLOP/s, 2.4x the Triton-backend kernel (247; its fp8 dots
+reach wgmma only through a private lowering hook). One wgmma per row (N = Hi) measured 503;
+keys in registers as the A operand changed nothing (500) and were dropped. For decode (1-2 rows
+per sequence) the Triton kernel is faster (715 vs 555 GB/s at B=32, C=32K), so
+`indexer.indexer_logits` sends only prefill-shaped batches here.
 """
 
 from __future__ import annotations
