@@ -6,7 +6,12 @@ For each query row n and head h, over the cache slots idx = slots[n, :] that are
 Rows with no valid slot give out = 0 and lse = +inf (FlashMLA's convention).
 
 `sparse_mla_reference` is the jnp oracle (and the XLA path); `sparse_mla_attention` is the
-Pallas GPU kernel (Triton backend; `interpret=True` runs it on CPU). Same signature and results.
+Pallas GPU kernel, same signature and results, with two backends:
+  * "mosaic" (the default on a Hopper GPU): `sparse_attention_mgpu`, Pallas Mosaic GPU with
+    wgmma and a warp-specialised producer that gathers the selected rows with cp.async;
+  * "triton": the Pallas Triton kernel below, for everything else (`interpret=True` runs it on
+    CPU, which is how the CPU tests cover the semantics; other GPUs; shapes the Mosaic kernel
+    does not take).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from . import sparse_attention_mgpu
 from ._shapes import next_pow2
 
 ROW_CHUNK = 32  # rows per step of the reference, bounding its [rows, topk, R] gather
@@ -73,32 +79,33 @@ _LN2 = 0.6931471805599453
 _MIN_DOT = 16  # Triton's tl.dot needs every matrix dimension >= 16
 
 
-def _sparse_mla_kernel(q_ref, latent_ref, *rest, heads, rank, rope, topk, chunk, has_scale,
-                       block_h, block_k, rope_pad, blocks_per_split, qk_scale):
+def _sparse_mla_kernel(q_ref, latent_ref, *rest, heads, rank, rope, topk, tile, block_h, block_k,
+                       rope_pad, blocks_per_split, qk_scale):
     """One program: one query row, `block_h` heads, one split of the row's slot blocks.
 
     Refs are whole arrays (raw pointers on Triton): q [N, H, R+P], latent [S, R],
-    latent_scale [S, R // chunk] (fp8 only), k_pe [S, P], slots [N, K];
+    latent_scale [S, R // tile] (fp8 only), k_pe [S, P], slots [N, K];
     outputs out [splits, N, H, R] f32 and lse [splits, N, H] f32 (natural log, -inf if empty).
     """
+    has_scale = tile is not None
     if has_scale:
         scale_ref, kpe_ref, slots_ref, out_ref, lse_ref = rest
     else:
         scale_ref = None
         kpe_ref, slots_ref, out_ref, lse_ref = rest
     head_block, row, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    num_chunks = rank // chunk
     dot_dtype = q_ref.dtype  # matrix products run in q's dtype (bf16 -> tensor cores, f32 -> exact)
     # HIGHEST keeps f32 products in IEEE f32 (Triton's default for f32 is TF32); no effect on bf16.
     dot = functools.partial(pltriton.dot, precision=lax.Precision.HIGHEST)
 
-    # Query tile, loaded once: [block_h, chunk] per latent chunk and [block_h, rope_pad] of rope.
+    # Query tile, loaded once: [block_h, R] latent part and [block_h, rope_pad] rope part.
     # Padded heads (>= H) and padded rope columns (>= P) read as 0, so they add nothing.
     h0 = head_block * block_h
     head_ids = h0 + jnp.arange(block_h)
     head_ok = head_ids < heads  # [block_h]
     rope_cols = jnp.arange(rope_pad)
     rope_ok = rope_cols < rope  # [rope_pad]
+    latent_cols = jnp.arange(rank)
 
     def zero(ref):  # `other=` for masked loads, in the ref's dtype (an int 0 won't cast to fp8)
         return jnp.zeros((), ref.dtype)
@@ -110,11 +117,11 @@ def _sparse_mla_kernel(q_ref, latent_ref, *rest, heads, rank, rope, topk, chunk,
         mask = jnp.broadcast_to(mask, (block_h, cols.shape[0]))
         return pltriton.load(q_ref.at[row, rows_, cols[None, :]], mask=mask, other=zero(q_ref))
 
-    q_lat = [load_q(c * chunk + jnp.arange(chunk)) for c in range(num_chunks)]
+    q_lat = load_q(latent_cols)
     q_pe = load_q(rank + jnp.minimum(rope_cols, rope - 1), rope_ok)
 
     def body(block, carry):
-        m, l, accs = carry  # m, l: [block_h] f32 (log2 units); accs: num_chunks x [block_h, chunk] f32
+        m, l, acc = carry  # m, l: [block_h] f32 (log2 units); acc: [block_h, R] f32
         # Slot ids of this block: [block_k]; entries past K read as -1.
         k0 = block * block_k
         in_range = (k0 + jnp.arange(block_k)) < topk
@@ -122,32 +129,25 @@ def _sparse_mla_kernel(q_ref, latent_ref, *rest, heads, rank, rope, topk, chunk,
         valid = idx >= 0
         safe = jnp.where(valid, idx, 0)  # never form an address from -1, even under a mask
 
-        # Gather the selected cache rows chunk by chunk: [block_k, chunk] each. The gather uses
-        # two broadcast index vectors (rows x columns) rather than `ref[idx, pl.ds(..)]`: the
-        # Triton lowering takes both, but interpret mode only handles all-array indexers.
-        # Invalid slots are masked off, so they cost no memory traffic.
-        s = jnp.zeros((block_h, block_k), jnp.float32)
-        kv = []
-        for c in range(num_chunks):
-            cols = c * chunk + jnp.arange(chunk)
-            tile = pltriton.load(latent_ref.at[safe[:, None], cols[None, :]],
-                                 mask=jnp.broadcast_to(valid[:, None], (block_k, chunk)),
-                                 other=zero(latent_ref))
-            # e4m3 -> bf16 is exact; the fp8 tile's per-row scale is applied to the scores and to
-            # the probabilities instead of to the values, so dequantisation adds no rounding.
-            tile = tile.astype(dot_dtype)
-            part = dot(q_lat[c], tile, trans_b=True)  # [block_h, block_k]
-            if has_scale:
-                tile_scale = pltriton.load(scale_ref.at[safe, c], mask=valid, other=0.0)  # [block_k]
-                part = part * tile_scale[None, :]
-            else:
-                tile_scale = None
-            kv.append((tile, tile_scale))
-            s += part
+        # Gather the selected cache rows: [block_k, R]. The gather uses two broadcast index
+        # vectors (rows x columns) rather than `ref[idx, pl.ds(..)]`: the Triton lowering takes
+        # both, but interpret mode only handles all-array indexers. Invalid slots are masked
+        # off, so they cost no memory traffic.
+        c = pltriton.load(latent_ref.at[safe[:, None], latent_cols[None, :]],
+                          mask=jnp.broadcast_to(valid[:, None], (block_k, rank)), other=zero(latent_ref))
+        if has_scale:
+            # fp8: dequantise the gathered tile once (one f32 scale per `tile` values of a row), so
+            # both products see one [block_k, R] operand and run as single dots.
+            n_tiles = rank // tile
+            tile_scale = pltriton.load(scale_ref.at[safe[:, None], jnp.arange(n_tiles)[None, :]],
+                                       mask=jnp.broadcast_to(valid[:, None], (block_k, n_tiles)), other=0.0)
+            c = (c.astype(jnp.float32).reshape(block_k, n_tiles, tile) * tile_scale[:, :, None]
+                 ).reshape(block_k, rank)
+        c = c.astype(dot_dtype)
         pe = pltriton.load(kpe_ref.at[safe[:, None], jnp.minimum(rope_cols, rope - 1)[None, :]],
                            mask=valid[:, None] & rope_ok[None, :], other=zero(kpe_ref))
-        s += dot(q_pe, pe.astype(dot_dtype), trans_b=True)
-        s = jnp.where(valid[None, :], s * qk_scale, -jnp.inf)
+        s = dot(q_lat, c, trans_b=True) + dot(q_pe, pe.astype(dot_dtype), trans_b=True)
+        s = jnp.where(valid[None, :], s * qk_scale, -jnp.inf)  # [block_h, block_k]
 
         # Online softmax. Until a row has seen a valid slot its max is -inf: shift by 0 then,
         # so exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = nan.
@@ -156,26 +156,21 @@ def _sparse_mla_kernel(q_ref, latent_ref, *rest, heads, rank, rope, topk, chunk,
         alpha = jnp.exp2(m - shift)
         p = jnp.exp2(s - shift[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        accs = tuple(
-            acc * alpha[:, None]
-            + dot((p if tile_scale is None else p * tile_scale[None, :]).astype(dot_dtype), tile)
-            for acc, (tile, tile_scale) in zip(accs, kv))
-        return m_new, l, accs
+        acc = acc * alpha[:, None] + dot(p.astype(dot_dtype), c)
+        return m_new, l, acc
 
     m0 = jnp.full((block_h,), -jnp.inf, jnp.float32)
     l0 = jnp.zeros((block_h,), jnp.float32)
-    acc0 = tuple(jnp.zeros((block_h, chunk), jnp.float32) for _ in range(num_chunks))
+    acc0 = jnp.zeros((block_h, rank), jnp.float32)
     num_blocks = pl.cdiv(topk, block_k)
     first = split * blocks_per_split
     last = jnp.minimum(first + blocks_per_split, num_blocks)
-    m, l, accs = lax.fori_loop(first, last, body, (m0, l0, acc0))
+    m, l, acc = lax.fori_loop(first, last, body, (m0, l0, acc0))
 
     empty = l == 0.0
     inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-    store_mask = jnp.broadcast_to(head_ok[:, None], (block_h, chunk))
-    for c in range(num_chunks):
-        pltriton.store(out_ref.at[split, row, pl.ds(h0, block_h), pl.ds(c * chunk, chunk)],
-                       accs[c] * inv_l[:, None], mask=store_mask)
+    pltriton.store(out_ref.at[split, row, pl.ds(h0, block_h), :], acc * inv_l[:, None],
+                   mask=jnp.broadcast_to(head_ok[:, None], (block_h, rank)))
     lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
     pltriton.store(lse_ref.at[split, row, pl.ds(h0, block_h)], lse, mask=head_ok)
 
@@ -190,6 +185,11 @@ def _combine_splits(out, lse):
     return merged, jnp.where(total == -jnp.inf, jnp.inf, total)
 
 
+def _on_hopper():
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
 def _auto_num_splits(rows, head_blocks, num_blocks, target_programs=264, min_blocks_per_split=4):
     """Split a row's slot list across programs only when rows x head blocks can't fill the GPU.
 
@@ -201,7 +201,7 @@ def _auto_num_splits(rows, head_blocks, num_blocks, target_programs=264, min_blo
     return max(1, min(pl.cdiv(target_programs, programs), num_blocks // min_blocks_per_split))
 
 
-def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale, interpret=False,
+def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale, interpret=False, backend=None,
                          block_h=64, block_k=32, num_splits=None, num_warps=None, num_stages=2):
     """Sparse MLA attention as a Pallas GPU kernel; same semantics as `sparse_mla_reference`.
 
@@ -211,18 +211,27 @@ def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale, interpr
     Returns (out [N, H, R] f32, lse [N, H] f32); rows with no valid slot give out 0, lse +inf.
     `scale` is a static Python number (folded into the kernel).
 
-    Keyword-only tuning knobs (defaults are meant for H200 and the real model's shapes):
+    backend: "mosaic" (`sparse_attention_mgpu`, Hopper only, bf16 q; see there), "triton", or
+    None = "mosaic" on a Hopper GPU when it takes the operands (`unsupported_reason`), else
+    "triton". `num_splits` applies to both; the other knobs tune the Triton kernel only.
+
+    Keyword-only Triton tuning knobs (defaults are meant for H200 and the real model's shapes):
       block_h    heads per program (the M side of both matrix products), capped at next_pow2(H);
       block_k    selected slots per loop step (the N side of Q.K^T, the K side of P.V);
       num_splits programs per (row, head block) over disjoint parts of the slot list, merged
                  by their lse afterwards (flash-decoding); None picks it from the grid size;
       num_warps / num_stages  Triton's; num_warps None = 4 if block_h <= 16 else 8.
 
-    Why Pallas on the Triton backend: the selected rows are scattered over the cache, so each
-    step gathers `block_k` rows by a vector of slot ids (`ref[idx_vector]`), which Triton lowers
-    to pointer-tensor loads that Hopper serves fine; Mosaic GPU (wgmma/TMA) would need the rows
-    staged through TMA gathers, a much larger kernel. (jax 0.11 marks the Pallas Triton backend
-    deprecated and warns on each lowering; it is still the simplest route to vector gathers.)
+    Why two backends (H200, FlashMLA's FLOP count, bf16 prefill of 1024-4096 rows over 8K
+    slots): this Triton kernel runs at ~155-160 TFLOP/s, the Mosaic GPU kernel at
+    MOSAIC_PREFILL. Triton lowers the gathers (`ref[idx_vector]`, pointer-tensor loads) and its
+    dots well enough, but keeps each program's 64 x 512 f32 accumulator and gathered tile
+    in one flat pipeline; the Mosaic kernel specialises warpgroups (a cp.async gather producer,
+    two wgmma consumers). One program over all 128 heads does not fit: the accumulator alone
+    (128 x 512 f32 = 256 KiB) is the whole register file. The Triton kernel stays as the
+    portable path: it interprets on CPU (the Mosaic kernel's inline-PTX gathers cannot), and
+    takes any power-of-two rank, f32 q and f32 caches. (jax 0.11 marks the Pallas Triton
+    backend deprecated and warns on each lowering.)
     Triton's rules shape the tiling: every
     loaded/computed block is a power of two and each `tl.dot` dimension is >= 16, so
       * the 576-wide q.k product is split into R (512 | 128) latent columns + P (64 | 8) rope
@@ -230,9 +239,9 @@ def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale, interpr
       * heads are padded to a power of two >= 16 and masked on store (H=4 or 6 -> 16 rows);
       * the slot list is walked in blocks of `block_k` (>= 16); the tail block and -1 entries
         are masked, and a K smaller than the block just masks more.
-    The latent is processed in column chunks: 128 for fp8 (one chunk per scale tile: the e4m3
-    values enter the product exactly as bf16, and each row's tile scale multiplies that chunk's
-    scores and probabilities) and all R otherwise.
+    An fp8 latent is dequantised once per gathered tile (e4m3 x its row's per-`tile` f32 scale,
+    rounded to q's dtype), so each block runs as the same two dots as a bf16 cache (measured
+    118 vs 93 TFLOP/s for scaling scores and probabilities per 128-column chunk instead).
     Softmax runs online in fp32 (exp2, scores pre-multiplied by scale * log2 e); the matrix
     products accumulate in fp32 and take their inputs in q's dtype (bf16 q -> tensor cores;
     f32 q -> exact IEEE products, slow, meant for tests).
@@ -241,6 +250,16 @@ def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale, interpr
     Register budget at the defaults (H=128, R=512): acc 64 x 512 f32 = 128 KiB, i.e. 128
     registers per thread at 8 warps, plus the q tile, hence block_h 64 and block_k 32.
     """
+    if backend is None:
+        backend = "mosaic" if not interpret and _on_hopper() and sparse_attention_mgpu.unsupported_reason(
+            q, latent, latent_scale, k_pe) is None else "triton"
+    if backend == "mosaic":
+        if interpret:
+            raise ValueError("the Mosaic GPU kernel has no interpret mode (its gathers are inline PTX)")
+        return sparse_attention_mgpu.sparse_mla_attention_mgpu(q, latent, latent_scale, k_pe, slots, scale=scale,
+                                                               num_splits=num_splits)
+    if backend != "triton":
+        raise ValueError(f"backend must be 'mosaic', 'triton' or None, got {backend!r}")
     n_rows, heads, width = q.shape
     num_slots, rank = latent.shape
     rope = k_pe.shape[-1]
@@ -249,15 +268,14 @@ def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale, interpr
         raise ValueError(f"q width {width} != latent rank {rank} + rope {rope}")
     if rank & (rank - 1) or rank < _MIN_DOT:
         raise ValueError(f"latent rank must be a power of two >= {_MIN_DOT}, got {rank}")
-    has_scale = latent_scale is not None
-    if has_scale:
-        chunk = rank // latent_scale.shape[-1]
-        if chunk * latent_scale.shape[-1] != rank or chunk & (chunk - 1) or chunk < _MIN_DOT:
+    if latent_scale is not None:
+        tile = rank // latent_scale.shape[-1]
+        if tile * latent_scale.shape[-1] != rank or tile & (tile - 1):
             raise ValueError(f"latent_scale {latent_scale.shape} does not tile rank {rank}")
     elif latent.dtype == jnp.float8_e4m3fn:
         raise ValueError("an fp8 latent needs latent_scale")
     else:
-        chunk = rank
+        tile = None
     if q.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"q must be bf16 or f32, got {q.dtype}")
     if n_rows == 0 or topk == 0:  # nothing to attend: every row is empty
@@ -277,10 +295,10 @@ def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale, interpr
         num_warps = 4 if block_h <= 16 else 8
 
     kernel = functools.partial(
-        _sparse_mla_kernel, heads=heads, rank=rank, rope=rope, topk=topk, chunk=chunk,
-        has_scale=has_scale, block_h=block_h, block_k=block_k, rope_pad=rope_pad,
+        _sparse_mla_kernel, heads=heads, rank=rank, rope=rope, topk=topk, tile=tile,
+        block_h=block_h, block_k=block_k, rope_pad=rope_pad,
         blocks_per_split=blocks_per_split, qk_scale=float(scale) * _LOG2E)
-    operands = (q, latent) + ((latent_scale.astype(jnp.float32),) if has_scale else ()) + (
+    operands = (q, latent) + (() if tile is None else (latent_scale.astype(jnp.float32),)) + (
         k_pe, slots.astype(jnp.int32))
     out, lse = pl.pallas_call(
         kernel,

@@ -1,0 +1,415 @@
+"""Sparse MLA attention on Hopper through Pallas Mosaic GPU (wgmma, warp-specialised gathers).
+
+Same semantics as `sparse_attention.sparse_mla_reference`: for each query row n and head h,
+over the cache slots idx = slots[n, :] that are >= 0,
+    score[j] = scale * (q[n, h, :R] . c[idx_j] + q[n, h, R:] . k_pe[idx_j])
+    out[n, h] = softmax(score) @ c[idx],   lse[n, h] = logsumexp(score)
+with out = 0, lse = +inf for rows with no valid slot. Caches: bf16, or FlashMLA's fp8 layout
+(e4m3 latent + one f32 scale per 128 values + bf16 k_pe, as three arrays).
+
+One CTA = one query row x 64 heads x one split of the slot list, three warpgroups:
+  * a producer warpgroup gathers the selected cache rows, 64 per block, straight into
+    swizzled shared memory with per-thread 16-byte `cp.async` copies (Hopper's TMA cannot
+    gather rows, and one bulk copy per row would need 10 copies per row), zero-filling the rows
+    of -1 slots, into a ring of [64, R + P] bf16 tiles (2 at DeepSeek's shapes: q's [64, 576]
+    tile and the ring fill the 227 KiB). An fp8 latent is loaded to registers instead,
+    dequantised (e4m3 -> f16 exactly, x the f32 scale, -> bf16, as FlashMLA does) and stored.
+    The block's slot ids arrive by TMA one block ahead;
+  * two consumer warpgroups share each tile: warpgroup w scores its 32 slots of the block
+    against all 64 heads (S_w = Q . K_w^T, [64, 32], the 576-wide contraction in one wgmma
+    chain), they swap row maxima through shared memory, each writes its probabilities P_w
+    (bf16) there, and warpgroup w accumulates out[:, w-th half of R] += P . V over all 64
+    slots (V = the first R columns of the same tile). The accumulator, 64 x R/2 f32, is what
+    fits in one warpgroup's registers; the tile is read from shared memory by both.
+The 64-byte swizzle (32 bf16 columns per tile) is what lets a warpgroup's 32-slot halves be
+wgmma operands: Mosaic's wgmma contracts in multiples of the swizzle width.
+128 heads take two CTAs per row (launched side by side, so the second gather hits L2): a CTA
+over all 128 heads would need a 128 x 512 f32 accumulator, the whole register file.
+
+Measured on H200 (bf16 prefill, 1024 rows over 8K slots): MEASURED. With the producer alone
+(no math) the gathers run at ~4 TB/s from L2, with the math alone (no gathers) the consumers
+at 391 TFLOP/s; the two overlap only partly through a 2-deep ring.
+
+Tests: on a GPU, tests/test_sparse_attention_kernel.py (`gpu` marker) checks it against the
+reference; on CPU the kernel can only be lowered (inline PTX has no interpreter), which the
+CPU twin checks, and `sparse_attention.sparse_mla_attention` runs the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+HEADS_PER_CTA = 64  # wgmma's M
+BLOCK_K = 64  # slots per pipeline stage; each consumer warpgroup scores half of them
+_HALF_K = BLOCK_K // 2
+_SWIZZLE = 64  # bytes: 32 bf16 columns per smem tile
+_COLS = _SWIZZLE // 2  # bf16 columns per swizzle tile
+_CHUNK = 8  # bf16 values per 16-byte cp.async
+_PRODUCER_THREADS = 128
+_SMEM_BYTES = 227 * 1024  # per block on Hopper
+_MAX_STAGES = 4
+# setmaxnreg budgets, indexed by "fp8 cache". The kernel launches 384 threads at 168 registers
+# (65536 / 384, rounded down to 8): 2 consumers + 1 producer must sum to 3 x 168 = 504, or an
+# increase waits forever for registers. The fp8 producer converts e4m3 in registers.
+_CONSUMER_REGS = (224, 216)
+_PRODUCER_REGS = (56, 72)
+
+
+def _swizzled(dtype, swizzle=_SWIZZLE):
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+_FP8_TO_BF16 = """{
+.reg .b16 lo, hi, a0, a1, a2, a3;
+.reg .b32 h0, h1;
+.reg .f32 f0, f1, f2, f3;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 h0, lo;
+cvt.rn.f16x2.e4m3x2 h1, hi;
+mov.b32 {a0, a1}, h0;
+mov.b32 {a2, a3}, h1;
+cvt.f32.f16 f0, a0;
+cvt.f32.f16 f1, a1;
+cvt.f32.f16 f2, a2;
+cvt.f32.f16 f3, a3;
+mul.f32 f0, f0, $3;
+mul.f32 f1, f1, $3;
+mul.f32 f2, f2, $3;
+mul.f32 f3, f3, $3;
+cvt.rn.bf16x2.f32 $0, f1, f0;
+cvt.rn.bf16x2.f32 $1, f3, f2;
+}"""  # 4 e4m3 (one u32, element 0 in the low byte) x f32 scale -> 2 u32 of bf16 pairs (exact e4m3 -> f16)
+
+
+def _gather_block(ctx, kv_smem, latent, *rest, rank, rope, width, tile):
+    """Producer warpgroup: fill `kv_smem[stage]` with one block's gathered cache rows.
+
+    kv_smem: [stages, BLOCK_K, width] bf16, tiled (8, 32) with a 64-byte swizzle (physical
+    [stages, BLOCK_K / 8, width / 32, 8, 32]); ids: [BLOCK_K] i32 (shared), the block's slot ids.
+    Row j of the block is cache row s = ids[j]: columns [0, rank) the latent (bf16 copied with cp.async;
+    e4m3 loaded, multiplied by its f32 tile scale latent_scale[s, col / tile] and stored as bf16),
+    [rank, rank + rope) k_pe (bf16, cp.async), the rest zero. A -1 slot gives a zero row.
+    The cp.async copies are committed as one group; the caller waits for it and fences.
+    """
+    del ctx
+    if tile is None:
+        latent_scale = None
+        k_pe, ids, stage = rest
+    else:
+        latent_scale, k_pe, ids, stage = rest
+    i32, i64, i8 = (ir.IntegerType.get_signless(b) for b in (32, 64, 8))
+    f32 = ir.F32Type.get()
+    idx_ty = ir.IndexType.get()
+    c32 = lambda v: arith.constant(i32, v)
+    unwrap = lambda v: v.registers.flat[0] if hasattr(v, "registers") else v
+    stage = unwrap(stage)
+    tid = arith.remui(mgpu_utils.thread_idx(), c32(_PRODUCER_THREADS))
+    gep = lambda base, offset, ty: llvm.getelementptr(base.type, base, [offset], [mgpu_utils.DYNAMIC32], ty,
+                                                      llvm.GEPNoWrapFlags.none)
+    smem_base = gep(mgpu_utils.memref_ptr(kv_smem), arith.muli(stage, c32(BLOCK_K * width * 2)), i8)
+    gptr = lambda ref: llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref))
+
+    def slot_of(j):
+        """-> (valid i1, slot clamped to >= 0 as i64) of block row j."""
+        idx = memref.load(ids, [arith.index_cast(idx_ty, j)])
+        valid = arith.cmpi(arith.CmpIPredicate.sge, idx, c32(0))
+        return valid, arith.extui(i64, arith.select(valid, idx, c32(0)))
+
+    def dst(j, chunk):
+        """Shared address of block row j, bf16 columns [8 chunk, 8 chunk + 8): tile (j / 8, chunk / 4),
+        row j % 8, 16-byte unit (chunk % 4) XOR ((j % 8) / 2) (the 64-byte swizzle XORs address
+        bits 4-5 with bits 7-8)."""
+        r8 = arith.remui(j, c32(8))
+        units = _COLS // _CHUNK
+        unit = arith.xori(arith.remui(chunk, c32(units)), arith.divui(r8, c32(2)))
+        tile_idx = arith.addi(arith.muli(arith.divui(j, c32(8)), c32(width // _COLS)), arith.divui(chunk, c32(units)))
+        offset = arith.addi(arith.addi(arith.muli(tile_idx, c32(8 * _SWIZZLE)), arith.muli(r8, c32(_SWIZZLE))),
+                            arith.muli(unit, c32(16)))
+        return gep(smem_base, offset, i8)
+
+    def cp_async(j, chunk, src_base, row_elems, col, col_ok=None):
+        valid, safe = slot_of(j)
+        if col_ok is not None:
+            valid = arith.andi(valid, col_ok)
+        elem = arith.addi(arith.muli(safe, arith.constant(i64, row_elems)),
+                          arith.extui(i64, arith.select(valid, col, c32(0))))
+        nvvm.cp_async_shared_global(dst(j, chunk), gep(src_base, elem, ir.BF16Type.get()), 16,
+                                    nvvm.LoadCacheModifierKind.CG, cp_size=arith.select(valid, c32(16), c32(0)))
+
+    def units(per_row):  # (row j, unit) pairs of this thread, BLOCK_K * per_row in all
+        for g0 in range(0, BLOCK_K * per_row, _PRODUCER_THREADS):
+            g = arith.addi(tid, c32(g0))
+            yield arith.divui(g, c32(per_row)), arith.remui(g, c32(per_row))
+
+    latent_ptr = gptr(latent)
+    if latent_scale is None:
+        for j, chunk in units(rank // _CHUNK):
+            cp_async(j, chunk, latent_ptr, rank, arith.muli(chunk, c32(_CHUNK)))
+    else:
+        scale_ptr = gptr(latent_scale)
+        vec4 = ir.VectorType.get((4,), i32)
+        for j, unit in units(rank // 16):  # 16 e4m3 per unit -> two 8-column bf16 chunks
+            valid, safe = slot_of(j)
+            col = arith.muli(unit, c32(16))
+            src = gep(latent_ptr, arith.addi(arith.muli(safe, arith.constant(i64, rank)), arith.extui(i64, col)), i8)
+            data = llvm.load(vec4, src, alignment=16)
+            scale_idx = arith.addi(arith.muli(safe, arith.constant(i64, rank // tile)),
+                                   arith.extui(i64, arith.divui(col, c32(tile))))
+            scale = llvm.load(f32, gep(scale_ptr, scale_idx, f32), alignment=4)
+            words = []
+            for k in range(4):
+                word = llvm.extractelement(data, arith.constant(i32, k))
+                words += mgpu_utils.inline_ptx(_FP8_TO_BF16, word, scale, result_types=[i32, i32])
+            words = [arith.select(valid, w, c32(0)) for w in words]  # also drops NaNs of slot 0
+            for half in range(2):
+                vec = llvm.mlir_undef(vec4)
+                for k in range(4):
+                    vec = llvm.insertelement(vec, words[4 * half + k], arith.constant(i32, k))
+                llvm.store(vec, dst(j, arith.addi(arith.muli(unit, c32(2)), c32(half))), alignment=16)
+    rope_chunks = (width - rank) // _CHUNK
+    for j, chunk in units(rope_chunks):
+        col = arith.muli(chunk, c32(_CHUNK))
+        in_rope = arith.cmpi(arith.CmpIPredicate.ult, col, c32(rope))
+        cp_async(j, arith.addi(chunk, c32(rank // _CHUNK)), gptr(k_pe), rope, col, in_rope)
+    nvvm.cp_async_commit_group()
+
+
+def _wait_copies(ctx):
+    """Producer warpgroup: wait for this thread's cp.async copies."""
+    del ctx
+    nvvm.cp_async_wait_group(0)
+
+
+def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split, num_stages, qk_scale):
+    """refs: q [N, Hp, width] bf16, latent [S, R], (latent_scale [S, R / tile] f32 if fp8,)
+    k_pe [S, P] bf16, slots [N, K_pad] i32; out [splits, N, Hp, R] f32, lse [splits, N, Hp] f32."""
+    q_gmem, latent_gmem, *cache_gmem, slots_gmem, out_gmem, lse_gmem = refs
+    (q_smem, stage_mem, p_smem, x_smem, ids_smem), (q_bar, kv_ready, kv_free, x_bar, p_bar, ids_bar) = scoped
+    kv_smem, (o_smem, lse_smem) = stage_mem
+    head_block, row, split = lax.axis_index("heads"), lax.axis_index("rows"), lax.axis_index("splits")
+    wg = lax.axis_index("wg")
+    h0 = head_block * HEADS_PER_CTA
+    first = split * blocks_per_split
+    count = jnp.minimum(blocks_per_split, num_blocks - first)  # >= 1 (the wrapper drops empty splits)
+    half_r = rank // 2
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
+
+    def consumer(w):
+        plgpu.set_max_registers(_CONSUMER_REGS[tile is not None], action="increase")
+        if w == 0:
+            plgpu.copy_gmem_to_smem(q_gmem.at[row, pl.ds(h0, HEADS_PER_CTA)], q_smem, q_bar)
+        plgpu.barrier_wait(q_bar)
+
+        def step(i, carry):
+            acc, m, l = carry  # acc [64, R/2] f32 (WGMMA); m, l [64] f32 (log2 units)
+            stage = lax.rem(i, num_stages)
+            # the slot ids (for the -1 mask) load while the block is still landing
+            idx = plgpu.load(slots_gmem.at[row, pl.ds((first + i) * BLOCK_K + w * _HALF_K, _HALF_K)],
+                             layout=col_layout, optimized=False)
+            plgpu.barrier_wait(kv_ready.at[stage])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, kv_smem.at[stage, pl.ds(w * _HALF_K, _HALF_K)].T)
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, _HALF_K), jnp.float32))
+            valid = lax.broadcast_in_dim(idx >= 0, s.shape, [1])
+            s = jnp.where(valid, s * qk_scale, -jnp.inf)
+
+            # Swap row maxima so both warpgroups use the same running max m.
+            x_smem[w] = jnp.max(s, axis=1)
+            plgpu.commit_smem()  # all of this warpgroup's stores land before its single-thread arrive
+            plgpu.barrier_arrive(x_bar)
+            plgpu.barrier_wait(x_bar)
+            m_new = jnp.maximum(m, jnp.maximum(plgpu.load(x_smem.at[0], layout=row_layout),
+                                               plgpu.load(x_smem.at[1], layout=row_layout)))
+            # Until a row has seen a valid slot its max is -inf: shift by 0 then (exp2(-inf) = 0).
+            shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m - shift)
+            p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
+            l = l * alpha + jnp.sum(p, axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p_smem[w] = p.astype(jnp.bfloat16)
+            plgpu.commit_smem()  # generic-proxy stores -> visible to wgmma (async proxy)
+            plgpu.barrier_arrive(p_bar)
+            plgpu.barrier_wait(p_bar)
+
+            def pv(acc_ref):
+                for half in range(2):
+                    plgpu.wgmma(acc_ref, p_smem.at[half],
+                                kv_smem.at[stage, pl.ds(half * _HALF_K, _HALF_K), pl.ds(w * half_r, half_r)])
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(kv_free.at[stage])
+            return acc, m_new, l
+
+        acc = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, half_r), jnp.float32), plgpu.Layout.WGMMA)
+        m = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), -jnp.inf, jnp.float32), row_layout)
+        l = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), jnp.float32), row_layout)
+        acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
+
+        # Each warpgroup summed p over its own slots: add the two halves of l.
+        x_smem[w] = l
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(x_bar)
+        plgpu.barrier_wait(x_bar)
+        l = plgpu.load(x_smem.at[0], layout=row_layout) + plgpu.load(x_smem.at[1], layout=row_layout)
+        empty = l == 0.0
+        inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+        # o_smem aliases the stage ring: safe once both warpgroups passed the barrier above.
+        o_smem[w] = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+        if w == 0:
+            lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[w], out_gmem.at[split, row, pl.ds(h0, HEADS_PER_CTA),
+                                                          pl.ds(w * half_r, half_r)])
+        if w == 0:
+            plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[split, row, pl.ds(h0, HEADS_PER_CTA)])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.when(wg == 0)(lambda: consumer(0))
+    pl.when(wg == 1)(lambda: consumer(1))
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(_PRODUCER_REGS[tile is not None], action="decrease")
+        scalar = plgpu.Layout.WG_SPLAT(())
+        gather = plgpu.inline_mgpu(
+            arg_types=(plgpu.RefType(_swizzled(jnp.bfloat16)), plgpu.RefType(),
+                       *(plgpu.RefType() for _ in cache_gmem), plgpu.RefType(), scalar))(
+            functools.partial(_gather_block, rank=rank, rope=rope, width=width, tile=tile))
+        wait_copies = plgpu.inline_mgpu()(_wait_copies)
+
+        def fetch_ids(i):  # block i's slot ids -> ids_smem[stage], one block ahead of its gather
+            stage = lax.rem(i, num_stages)
+            plgpu.copy_gmem_to_smem(slots_gmem.at[row, pl.ds((first + i) * BLOCK_K, BLOCK_K)],
+                                    ids_smem.at[stage], ids_bar.at[stage])
+
+        fetch_ids(0)
+
+        @pl.loop(0, count)
+        def _(i):
+            stage = lax.rem(i, num_stages)
+
+            @pl.when(i + 1 < count)
+            def _():
+                fetch_ids(i + 1)  # its buffer's last reader, block i + 1 - stages, is gathered
+
+            @pl.when(i >= num_stages)
+            def _():
+                plgpu.barrier_wait(kv_free.at[stage])
+
+            plgpu.barrier_wait(ids_bar.at[stage])
+            gather(kv_smem, latent_gmem, *cache_gmem, ids_smem.at[stage], stage)
+            # Signal each block as soon as it has landed: this thread's copies done, then fence
+            # them to the async proxy (wgmma) and sync the warpgroup before the single arrive.
+            wait_copies()
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(kv_ready.at[stage])
+
+
+def unsupported_reason(q, latent, latent_scale, k_pe):
+    """None if `sparse_mla_attention_mgpu` takes these operands (shapes as there), else why not."""
+    rank, rope = latent.shape[-1], k_pe.shape[-1]
+    if q.shape[-1] != rank + rope:
+        return f"q width {q.shape[-1]} != latent rank {rank} + rope {rope}"
+    if q.dtype != jnp.bfloat16 or k_pe.dtype != jnp.bfloat16:
+        return f"q and k_pe must be bf16, got {q.dtype}, {k_pe.dtype}"
+    if rank % (2 * _COLS) or rank // 2 > 256:
+        return f"latent rank must be a multiple of {2 * _COLS} and <= 512, got {rank}"
+    if rope % _CHUNK:
+        return f"rope width must be a multiple of {_CHUNK}, got {rope}"
+    if latent_scale is None:
+        if latent.dtype != jnp.bfloat16:
+            return f"latent must be bf16 (or e4m3 with latent_scale), got {latent.dtype}"
+    else:
+        tile = rank // latent_scale.shape[-1]
+        if latent.dtype != jnp.float8_e4m3fn or tile * latent_scale.shape[-1] != rank or tile % 16:
+            return f"fp8 cache: e4m3 latent {latent.shape} with scales tiling it, got {latent.dtype} {latent_scale.shape}"
+    return None
+
+
+def sparse_mla_attention_mgpu(q, latent, latent_scale, k_pe, slots, *, scale, num_splits=None):
+    """Sparse MLA attention as a Mosaic GPU kernel (Hopper). Same contract as
+    `sparse_attention.sparse_mla_attention`: q [N, H, R + P] bf16; latent [S, R] bf16, or
+    float8_e4m3fn with latent_scale [S, R / tile] f32; k_pe [S, P] bf16; slots [N, K] i32 (-1 skip).
+    Returns (out [N, H, R] f32, lse [N, H] f32; empty rows give 0, +inf).
+    """
+    from .sparse_attention import _auto_num_splits, _combine_splits  # noqa: PLC0415
+
+    if reason := unsupported_reason(q, latent, latent_scale, k_pe):
+        raise ValueError(reason)
+    n_rows, heads, _ = q.shape
+    rank, rope, topk = latent.shape[-1], k_pe.shape[-1], slots.shape[-1]
+    tile = None if latent_scale is None else rank // latent_scale.shape[-1]
+    cache = (latent,) if latent_scale is None else (latent, latent_scale.astype(jnp.float32))
+    if n_rows == 0 or topk == 0:  # nothing to attend: every row is empty
+        return jnp.zeros((n_rows, heads, rank), jnp.float32), jnp.full((n_rows, heads), jnp.inf, jnp.float32)
+    width = rank + pl.cdiv(rope, _COLS) * _COLS
+    padded_heads = pl.cdiv(heads, HEADS_PER_CTA) * HEADS_PER_CTA
+    num_blocks = pl.cdiv(topk, BLOCK_K)
+    q = jnp.pad(q, ((0, 0), (0, padded_heads - heads), (0, width - rank - rope)))
+    slots = jnp.pad(slots.astype(jnp.int32), ((0, 0), (0, num_blocks * BLOCK_K - topk)), constant_values=-1)
+    head_blocks = padded_heads // HEADS_PER_CTA
+    if num_splits is None:
+        num_splits = _auto_num_splits(n_rows, head_blocks, num_blocks, target_programs=132,
+                                      min_blocks_per_split=2)
+    num_splits = max(1, min(num_splits, num_blocks))
+    blocks_per_split = pl.cdiv(num_blocks, num_splits)
+    num_splits = pl.cdiv(num_blocks, blocks_per_split)
+
+    # As many [64, width] stages as shared memory holds next to q, P and the small buffers (2 at
+    # DeepSeek's shapes); the ring must also hold the f32 output tile that aliases it at the end.
+    stage_bytes = BLOCK_K * width * 2
+    fixed_bytes = HEADS_PER_CTA * width * 2 + 2 * HEADS_PER_CTA * _HALF_K * 2 + 3 * 1024
+    num_stages = min(_MAX_STAGES, (_SMEM_BYTES - fixed_bytes) // stage_bytes)
+    num_stages = max(num_stages, pl.cdiv(HEADS_PER_CTA * rank * 4, stage_bytes))
+    kernel = functools.partial(_kernel, rank=rank, rope=rope, width=width, tile=tile, num_blocks=num_blocks,
+                               blocks_per_split=blocks_per_split, num_stages=num_stages,
+                               qk_scale=float(scale) * _LOG2E)
+
+    def entry(*refs):
+        pl.run_scoped(
+            lambda *scoped: kernel(*refs, scoped=(scoped[:5], scoped[5:])),
+            plgpu.SMEM((HEADS_PER_CTA, width), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),
+            plgpu.RefUnion(
+                plgpu.SMEM((num_stages, BLOCK_K, width), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),
+                (plgpu.SMEM((2, HEADS_PER_CTA, rank // 2), jnp.float32, transforms=_swizzled(jnp.float32, 128)),
+                 plgpu.SMEM((HEADS_PER_CTA,), jnp.float32)),
+            ),
+            plgpu.SMEM((2, HEADS_PER_CTA, _HALF_K), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),
+            plgpu.SMEM((2, HEADS_PER_CTA), jnp.float32),
+            plgpu.SMEM((num_stages, BLOCK_K), jnp.int32),
+            plgpu.Barrier(),
+            plgpu.Barrier(num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=2),
+            plgpu.Barrier(num_arrivals=2),
+            plgpu.Barrier(num_barriers=num_stages),
+            collective_axes="wg",
+        )
+
+    out, lse = plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((num_splits, n_rows, padded_heads, rank), jnp.float32),
+                  jax.ShapeDtypeStruct((num_splits, n_rows, padded_heads), jnp.float32)),
+        grid=(head_blocks, n_rows, num_splits),
+        grid_names=("heads", "rows", "splits"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+    )(q, *cache, k_pe, slots)
+    out, lse = _combine_splits(out, lse)
+    return out[:, :heads], lse[:, :heads]
