@@ -222,12 +222,12 @@ def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale, interpr
                  by their lse afterwards (flash-decoding); None picks it from the grid size;
       num_warps / num_stages  Triton's; num_warps None = 4 if block_h <= 16 else 8.
 
-    Why two backends (H200, FlashMLA's FLOP count, bf16 prefill of 1024-4096 rows over 8K
-    slots): this Triton kernel runs at ~155-160 TFLOP/s, the Mosaic GPU kernel at
-    MOSAIC_PREFILL. Triton lowers the gathers (`ref[idx_vector]`, pointer-tensor loads) and its
-    dots well enough, but keeps each program's 64 x 512 f32 accumulator and gathered tile
-    in one flat pipeline; the Mosaic kernel specialises warpgroups (a cp.async gather producer,
-    two wgmma consumers). One program over all 128 heads does not fit: the accumulator alone
+    Why two backends (H200, FlashMLA's FLOP count, bf16 prefill of 1024 rows over 8K slots):
+    this Triton kernel runs at ~155 TFLOP/s, the Mosaic GPU kernel at 338 (decode 128 x 2:
+    131 vs ~260; fp8 prefill 118 vs 168). Triton lowers the gathers (`ref[idx_vector]`,
+    pointer-tensor loads) and the dots, but in one program-wide pipeline; the Mosaic kernel
+    specialises warpgroups (a cp.async gather producer, two wgmma consumers). One program over
+    all 128 heads, to gather each row once, does not fit either way: its accumulator alone
     (128 x 512 f32 = 256 KiB) is the whole register file. The Triton kernel stays as the
     portable path: it interprets on CPU (the Mosaic kernel's inline-PTX gathers cannot), and
     takes any power-of-two rank, f32 q and f32 caches. (jax 0.11 marks the Pallas Triton

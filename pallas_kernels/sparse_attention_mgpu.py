@@ -18,7 +18,8 @@ One CTA = one query row x 64 heads x one split of the slot list, three warpgroup
   * two consumer warpgroups share each tile: warpgroup w scores its 32 slots of the block
     against all 64 heads (S_w = Q . K_w^T, [64, 32], the 576-wide contraction in one wgmma
     chain), they swap row maxima through shared memory, each writes its probabilities P_w
-    (bf16) there, and warpgroup w accumulates out[:, w-th half of R] += P . V over all 64
+    (bf16) there (each exchange one `bar.sync` over the two warpgroups, cheaper than an
+    mbarrier round trip: 338 vs 307 TFLOP/s), and warpgroup w accumulates out[:, w-th half of R] += P . V over all 64
     slots (V = the first R columns of the same tile). The accumulator, 64 x R/2 f32, is what
     fits in one warpgroup's registers; the tile is read from shared memory by both.
 The 64-byte swizzle (32 bf16 columns per tile) is what lets a warpgroup's 32-slot halves be
@@ -26,9 +27,12 @@ wgmma operands: Mosaic's wgmma contracts in multiples of the swizzle width.
 128 heads take two CTAs per row (launched side by side, so the second gather hits L2): a CTA
 over all 128 heads would need a 128 x 512 f32 accumulator, the whole register file.
 
-Measured on H200 (bf16 prefill, 1024 rows over 8K slots): MEASURED. With the producer alone
-(no math) the gathers run at ~4 TB/s from L2, with the math alone (no gathers) the consumers
-at 391 TFLOP/s; the two overlap only partly through a 2-deep ring.
+Measured on H200 (FlashMLA's FLOP count; 1024 rows over an 8K-slot cache; decode 128 x 2 rows
+over 32K-slot caches): bf16 prefill 338 TFLOP/s (the Triton kernel: 154), bf16 decode ~260
+(Triton: 131), fp8 prefill 168 (Triton: 118). What bounds it (earlier variant, 249 TFLOP/s):
+the producer alone (no math) gathers at ~4 TB/s from L2, the consumers alone (no gathers)
+reach 391 TFLOP/s, and the 2-deep ring overlaps the two only in part; fetching each block's
+slot ids one block ahead (no global-load latency before the copies) took it to 307.
 
 Tests: on a GPU, tests/test_sparse_attention_kernel.py (`gpu` marker) checks it against the
 reference; on CPU the kernel can only be lowered (inline PTX has no interpreter), which the
@@ -185,6 +189,24 @@ def _gather_block(ctx, kv_smem, latent, *rest, rank, rope, width, tile):
     nvvm.cp_async_commit_group()
 
 
+_CONSUMER_BARRIER = 15  # named barrier id (Mosaic uses 0 and 1 + warpgroup index)
+
+
+@plgpu.inline_mgpu()
+def _consumer_sync(ctx):
+    """`bar.sync` over the two consumer warpgroups (256 threads): a cheap rendezvous that also
+    orders their shared-memory stores (the exchanges of row maxima, P and l)."""
+    del ctx
+    mgpu_utils.inline_ptx(f"bar.sync {_CONSUMER_BARRIER}, 256;", has_side_effects=True, convergent=True)
+
+
+@plgpu.inline_mgpu()
+def _fence_async(ctx):
+    """Makes this thread's generic-proxy shared-memory stores visible to the async proxy (wgmma)."""
+    del ctx
+    nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+
 def _wait_copies(ctx):
     """Producer warpgroup: wait for this thread's cp.async copies."""
     del ctx
@@ -195,7 +217,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
     """refs: q [N, Hp, width] bf16, latent [S, R], (latent_scale [S, R / tile] f32 if fp8,)
     k_pe [S, P] bf16, slots [N, K_pad] i32; out [splits, N, Hp, R] f32, lse [splits, N, Hp] f32."""
     q_gmem, latent_gmem, *cache_gmem, slots_gmem, out_gmem, lse_gmem = refs
-    (q_smem, stage_mem, p_smem, x_smem, ids_smem), (q_bar, kv_ready, kv_free, x_bar, p_bar, ids_bar) = scoped
+    (q_smem, stage_mem, p_smem, x_smem, ids_smem), (q_bar, kv_ready, kv_free, ids_bar) = scoped
     kv_smem, (o_smem, lse_smem) = stage_mem
     head_block, row, split = lax.axis_index("heads"), lax.axis_index("rows"), lax.axis_index("splits")
     wg = lax.axis_index("wg")
@@ -230,9 +252,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
 
             # Swap row maxima so both warpgroups use the same running max m.
             x_smem[w] = jnp.max(s, axis=1)
-            plgpu.commit_smem()  # all of this warpgroup's stores land before its single-thread arrive
-            plgpu.barrier_arrive(x_bar)
-            plgpu.barrier_wait(x_bar)
+            _consumer_sync()
             m_new = jnp.maximum(m, jnp.maximum(plgpu.load(x_smem.at[0], layout=row_layout),
                                                plgpu.load(x_smem.at[1], layout=row_layout)))
             # Until a row has seen a valid slot its max is -inf: shift by 0 then (exp2(-inf) = 0).
@@ -242,9 +262,8 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
             l = l * alpha + jnp.sum(p, axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p_smem[w] = p.astype(jnp.bfloat16)
-            plgpu.commit_smem()  # generic-proxy stores -> visible to wgmma (async proxy)
-            plgpu.barrier_arrive(p_bar)
-            plgpu.barrier_wait(p_bar)
+            _fence_async()  # this thread's stores -> visible to wgmma (the async proxy)
+            _consumer_sync()
 
             def pv(acc_ref):
                 for half in range(2):
@@ -262,9 +281,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
 
         # Each warpgroup summed p over its own slots: add the two halves of l.
         x_smem[w] = l
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(x_bar)
-        plgpu.barrier_wait(x_bar)
+        _consumer_sync()
         l = plgpu.load(x_smem.at[0], layout=row_layout) + plgpu.load(x_smem.at[1], layout=row_layout)
         empty = l == 0.0
         inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
@@ -395,8 +412,6 @@ def sparse_mla_attention_mgpu(q, latent, latent_scale, k_pe, slots, *, scale, nu
             plgpu.Barrier(),
             plgpu.Barrier(num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
-            plgpu.Barrier(num_arrivals=2),
-            plgpu.Barrier(num_arrivals=2),
             plgpu.Barrier(num_barriers=num_stages),
             collective_axes="wg",
         )
