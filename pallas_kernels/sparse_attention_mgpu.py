@@ -354,7 +354,8 @@ def unsupported_reason(q, latent, latent_scale, k_pe):
     else:
         tile = rank // latent_scale.shape[-1]
         if latent.dtype != jnp.float8_e4m3fn or tile * latent_scale.shape[-1] != rank or tile % 16:
-            return f"fp8 cache: e4m3 latent {latent.shape} with scales tiling it, got {latent.dtype} {latent_scale.shape}"
+            return (f"fp8 cache: an e4m3 latent with scales tiling it by a multiple of 16, got "
+                    f"{latent.dtype} {latent.shape}, scales {latent_scale.shape}")
     return None
 
 
