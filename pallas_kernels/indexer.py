@@ -248,11 +248,11 @@ def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
 
     Route (by measurement on the H200): prefill-shaped batches (>= MGPU_MIN_ROWS_PER_SEQ rows
     per sequence on average) of e4m3 or bf16 q and keys on a Hopper GPU go to the Mosaic GPU
-    kernel (`indexer_mgpu.indexer_logits_mgpu`: wgmma + TMA, warp-specialised; fp8 causal
-    prefill 406 / 498 / 522 TFLOP/s at T = S = 4K / 8K / 16K, the Triton kernel 220 / 247 at
-    4K / 8K). Everything else (decode: Triton 715 GB/s vs Mosaic 555 at B=32, C=32K; interpret
-    mode, f32, other GPUs, any tiling override) goes to the Triton-backend kernel
-    `indexer_logits_triton`, whose arguments these are.
+    kernel (`indexer_mgpu.indexer_logits_mgpu`: wgmma + TMA, warp-specialised; causal prefill
+    at T = S = 8K fp8 578 TFLOP/s vs the Triton kernel's 247, at 4K bf16 406 vs 186).
+    Everything else (decode: Triton 715 GB/s vs Mosaic 555 at B=32, C=32K; interpret mode, f32,
+    other GPUs, any tiling override) goes to the Triton-backend kernel `indexer_logits_triton`,
+    whose arguments these are.
     """
     if (not interpret and not tiling_overrides and fp8_imprecise_acc == FP8_IMPRECISE_ACC
             and _is_hopper() and q.dtype == k_cache.dtype and q.dtype in (FP8_E4M3, jnp.bfloat16)

@@ -54,7 +54,7 @@ _TARGET_CTAS = 264  # two waves of the H200's 132 SMs
 class MgpuTiling:
     """block_rows: rows of one sequence per CTA (their q stays in SMEM); group: rows whose q
     share one wgmma (N = group * Hi <= 256; accumulator: group * Hi / 4 registers per thread);
-    stages: key blocks in flight; splits: key chunks per tile (CTAs per tile)."""
+    stages: key blocks in flight (even); splits: key chunks per tile (CTAs per tile)."""
     block_rows: int
     group: int
     stages: int
@@ -75,10 +75,15 @@ def choose_mgpu_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_ro
     if block_rows % group or group * hi > 256:
         raise ValueError(f"block_rows={block_rows} must be a multiple of group={group} and "
                          f"group * heads={group * hi} <= 256 (wgmma N)")
+    stages = stages or 4
+    if stages % _COMPUTE_WGS:
+        # Block i uses slot i % stages and compute warpgroup i % 2: an even ring gives each slot
+        # one warpgroup, which then waits on every phase of its barrier (a hang otherwise).
+        raise ValueError(f"stages={stages} must be a multiple of {_COMPUTE_WGS}")
     if splits is None:
         from .indexer import _max_tiles
         splits = max(1, min(key_blocks, pl.cdiv(_TARGET_CTAS, _max_tiles(num_rows, num_seqs, block_rows))))
-    return MgpuTiling(block_rows, group, stages or 4, splits)
+    return MgpuTiling(block_rows, group, stages, splits)
 
 
 def _padded_dims(hi, d, dtype):
