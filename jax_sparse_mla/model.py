@@ -242,7 +242,7 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
       the output are summed over the axis.
     """
     _check_inputs(params, hidden, cache, meta, plan, config)
-    impl = kernel_ops.resolve(kernels)
+    impl = kernel_ops.resolve(kernels, config)
     c_ = config
     T, H = plan.num_tokens, c_.num_attention_heads
     x = hidden.astype(c_.jnp_dtype)

@@ -31,22 +31,17 @@ _ROW0, _LO, _HI, _POS0, _KROW0, _KSHIFT, _KV_END = range(7)
 _TABLE_COLS = 7
 
 
-def causal_attention_reference(q, k, v, q_positions, *, scale):
-    """Causal attention of padded per-sequence blocks, float32.
+KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma operands; the softmax is float32
 
-    q: [S, Q, H, Dqk]; k: [S, L, H, Dqk]; v: [S, L, H, Dv]; q_positions: [S, Q] int32, the
-    position of each query in its sequence (-1: padding). Query at position p attends keys 0..p.
-    Returns [S, Q, H, Dv] float32 (0 for padding queries).
-    """
-    hi = jax.lax.Precision.HIGHEST
-    s = jnp.einsum("sqhd,slhd->shql", q.astype(jnp.float32), k.astype(jnp.float32), precision=hi) * scale
-    visible = jnp.arange(k.shape[1])[None, None, :] <= q_positions[:, :, None]  # [S, Q, L]
-    s = jnp.where(visible[:, None], s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
-    return jnp.einsum("shql,slhd->sqhd", p, v.astype(jnp.float32), precision=hi)
+
+def unsupported_reason(dtype, d_qk: int, d_v: int) -> str | None:
+    """Why the Mosaic kernel cannot take inputs of this dtype and head dims (None: it can)."""
+    if jnp.dtype(dtype) not in KERNEL_DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} is not one of (bfloat16, float16)"
+    for name, d in (("Dqk", d_qk), ("Dv", d_v)):
+        if d % 64 or d > 256:
+            return f"{name}={d} must be a multiple of 64 and <= 256"
+    return None
 
 
 def _check_inputs(q, k, v, q_start_loc, k_start_loc, dtypes):
@@ -186,12 +181,12 @@ def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpr
     other sequence's keys). T or Tk not a multiple of 8 costs a padded copy of q or of k and v.
     interpret=True runs the same kernel in Mosaic GPU interpret mode (CPU).
     """
-    _check_inputs(q, k, v, q_start_loc, k_start_loc, (jnp.bfloat16, jnp.float16))
+    _check_inputs(q, k, v, q_start_loc, k_start_loc, KERNEL_DTYPES)
     num_rows, heads, d_qk = q.shape
     d_v = v.shape[2]
-    for name, d in (("Dqk", d_qk), ("Dv", d_v)):
-        if d % 64 or d > 256:
-            raise ValueError(f"{name}={d} must be a multiple of 64 and <= 256")
+    reason = unsupported_reason(q.dtype, d_qk, d_v)
+    if reason:
+        raise ValueError(reason)
     if block_kv % 32 or not 64 <= block_kv <= 256:
         raise ValueError(f"block_kv={block_kv} must be a multiple of 32 in [64, 256]")
     if num_stages < 2:

@@ -180,7 +180,7 @@ def _scoring_fn(engine: Engine, requests, args):
     cfg = engine.config
     plan, meta = plan_batch(cfg, requests, num_pages=engine.num_pages, force_sparse=True,
                             buckets=engine.options.buckets)
-    impl = kernel_ops.resolve(args.kernels)
+    impl = kernel_ops.resolve(args.kernels, cfg)
     T, key = plan.num_tokens, jax.random.key(1)
     q = jax.random.normal(key, (T, cfg.index_n_heads, cfg.index_head_dim), jnp.float32)
     q = q.astype(jnp.float8_e4m3fn if cfg.indexer_dtype == "fp8" else jnp.dtype(cfg.indexer_dtype))

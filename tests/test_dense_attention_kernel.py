@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import dense_attention
 from pallas_kernels.dense_attention import causal_varlen_attention, causal_varlen_attention_reference
 from tests.conftest import INTERPRET
 
@@ -137,3 +138,10 @@ def test_real_dims_compiled():
     owned = int(q_start[-1])
     assert rel_err(out[:, heads], ref, owned) < TOL
     np.testing.assert_array_equal(np.asarray(out[owned:], np.float32), 0.0)
+
+
+def test_unsupported_reason_names_the_problem():
+    assert dense_attention.unsupported_reason(jnp.bfloat16, 192, 128) is None
+    assert "float32" in dense_attention.unsupported_reason(jnp.float32, 192, 128)
+    assert "Dqk=24" in dense_attention.unsupported_reason(jnp.bfloat16, 24, 16)
+    assert "Dv=320" in dense_attention.unsupported_reason(jnp.float16, 192, 320)

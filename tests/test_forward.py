@@ -191,6 +191,25 @@ def test_pallas_kernels_through_forward(kv_cache_dtype, indexer_dtype):
     h.check(out, TOL_F32)
 
 
+@pytest.mark.gpu
+def test_dense_kernel_through_forward_matches_xla():
+    """The dense route's Mosaic kernel (bf16 config; float32 configs run dense MHA on XLA) gives
+    the XLA route's output: ragged prefills with and without context, beside a decode. GPU only:
+    on CPU kernels="pallas" runs dense MHA on XLA (kernels.resolve says why)."""
+    cfg = dataclasses.replace(TINY, dtype="bfloat16", qk_nope_head_dim=56, v_head_dim=64)  # head dims the kernel takes
+    outs = {}
+    for kernels in ("pallas", "xla"):
+        h = Harness(cfg, seed=21, kernels=kernels)
+        for sid, n in [(0, 9), (1, 13), (2, 20)]:
+            h.add(sid, n)
+        h.step([(0, 4), (2, 20)])
+        out, plan, _ = h.step([(0, 5), (1, 13), (2, 1)])  # chunk after context, fresh prefill, decode
+        assert plan.use_dense_mha and plan.num_sparse_tokens == 1
+        outs[kernels] = out
+    for sid in (0, 1, 2):
+        assert rel_err(outs["pallas"][sid], outs["xla"][sid]) < 2e-2, sid
+
+
 def test_short_and_long_prefills_in_one_batch():
     """Each prefill is routed by its own length: the long one is scored, the short ones are not."""
     h = Harness(TINY, seed=13)
