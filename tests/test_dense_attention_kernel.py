@@ -145,3 +145,13 @@ def test_unsupported_reason_names_the_problem():
     assert "float32" in dense_attention.unsupported_reason(jnp.float32, 192, 128)
     assert "Dqk=24" in dense_attention.unsupported_reason(jnp.bfloat16, 24, 16)
     assert "Dv=320" in dense_attention.unsupported_reason(jnp.float16, 192, 320)
+
+
+def test_kernel_lowers_for_the_gpu_at_real_dims():
+    """CPU twin of the hardware run: the kernel lowers to a Mosaic GPU module at H=128, 192/128
+    (the interpreter does not check layouts or swizzles; lowering does)."""
+    sd = jax.ShapeDtypeStruct
+    args = (sd((4096, 128, 192), jnp.bfloat16), sd((6144, 128, 192), jnp.bfloat16),
+            sd((6144, 128, 128), jnp.bfloat16), sd((5,), jnp.int32), sd((5,), jnp.int32))
+    fn = jax.jit(lambda *a: causal_varlen_attention(*a, scale=0.07))
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -290,3 +290,15 @@ def test_topk_gpu_long_rows():
     x[2] = np.round(x[2] * 8)
     out = jax.jit(functools.partial(topk, k=2048))(jnp.asarray(x))
     check_topk(out, x, 2048)
+
+
+@pytest.mark.parametrize("dtype,scaled", [(FP8, True), (jnp.bfloat16, False)])
+def test_indexer_logits_mgpu_lowers_for_the_gpu(dtype, scaled):
+    """CPU twin of the hardware run: the Mosaic kernel lowers to a Mosaic GPU module at real
+    dimensions (64 heads x 128, pages of 64; the interpreter does not check layouts)."""
+    sd = jax.ShapeDtypeStruct
+    args = (sd((4096, 64, 128), dtype), sd((4096, 64), jnp.float32), sd((64 * 256, 128), dtype),
+            sd((64 * 256,), jnp.float32) if scaled else None, sd((2, 128), jnp.int32),
+            sd((4096,), jnp.int32), sd((4096,), jnp.int32))
+    fn = jax.jit(functools.partial(indexer_logits_mgpu, page_size=64))
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
