@@ -3,14 +3,15 @@
 `kernels="xla"` runs each op's pure-jnp implementation and `"pallas"` every Pallas kernel
 (compiled on a GPU, in Pallas interpret mode elsewhere: slow, for tests). `"auto"` picks per op
 what measured fastest on the H200 (docs/benchmarks.md) and XLA off the GPU:
-  indexer logits: Pallas (Mosaic GPU for prefill, 578 TFLOP/s fp8 at T = S = 8K against XLA's
-    ~12; the Triton kernel for decode);
+  indexer logits: Pallas (Mosaic GPU for prefill, 556 TFLOP/s fp8 at T = S = 8K against the
+    Triton kernel's 246 and XLA's 12; the Triton kernel for decode);
   top-k: Pallas (sample-filter-select: 4.2-5.6x faster than lax.top_k at 32K, 2.7x at 128K);
-  sparse MLA attention: Pallas (Mosaic GPU on Hopper, 338 TFLOP/s bf16 prefill, the Triton
-    kernel 154, XLA's gather + einsum 28);
-  dense MHA (short prefills): Pallas (Mosaic GPU over packed ragged sequences, 453 TFLOP/s at
-    4 x 2048 against cuDNN's 426 on padded batches and XLA's ~45).
+  sparse MLA attention: Pallas (Mosaic GPU on Hopper: 346 TFLOP/s bf16 prefill, the Triton
+    kernel 164, XLA's gather + einsum 28);
+  dense MHA (short prefills): Pallas (Mosaic GPU over packed ragged sequences: 430 TFLOP/s at
+    4 x 2048, 475 with 1024 cached; the only option that takes the packed layout; XLA 53).
 """
+
 from __future__ import annotations
 
 import jax

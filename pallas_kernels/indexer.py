@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from ._device import on_hopper
 from ._shapes import next_pow2
 
 FP8_E4M3 = jnp.dtype(jnp.float8_e4m3fn)
@@ -255,7 +256,7 @@ def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
     whose arguments these are.
     """
     if (not interpret and not tiling_overrides and fp8_imprecise_acc == FP8_IMPRECISE_ACC
-            and _is_hopper() and q.dtype == k_cache.dtype and q.dtype in (FP8_E4M3, jnp.bfloat16)
+            and on_hopper() and q.dtype == k_cache.dtype and q.dtype in (FP8_E4M3, jnp.bfloat16)
             and q.shape[0] >= MGPU_MIN_ROWS_PER_SEQ * min(block_tables.shape[0], q.shape[0])):
         from .indexer_mgpu import indexer_logits_mgpu  # imports this module's helpers
         return indexer_logits_mgpu(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
@@ -263,11 +264,6 @@ def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
     return indexer_logits_triton(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
                                  page_size=page_size, interpret=interpret,
                                  fp8_imprecise_acc=fp8_imprecise_acc, **tiling_overrides)
-
-
-def _is_hopper():
-    device = jax.devices()[0]
-    return device.platform == "gpu" and getattr(device, "compute_capability", "").startswith("9.")
 
 
 def indexer_logits_triton(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size,

@@ -42,8 +42,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ._shapes import next_pow2
+from .indexer import FP8_E4M3, _max_tiles, _tile_schedule, gather_paged_rows
 
-FP8_E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 BLOCK_KEYS = 64  # wgmma M: one warpgroup's accumulator rows
 _COMPUTE_WGS = 2
 _SMEM_Q_BYTES = 128 * 1024  # SMEM budget for the tile's q (the H200 has 227 KiB per CTA)
@@ -81,7 +81,6 @@ def choose_mgpu_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_ro
         # one warpgroup, which then waits on every phase of its barrier (a hang otherwise).
         raise ValueError(f"stages={stages} must be a multiple of {_COMPUTE_WGS}")
     if splits is None:
-        from .indexer import _max_tiles
         splits = max(1, min(key_blocks, pl.cdiv(_TARGET_CTAS, _max_tiles(num_rows, num_seqs, block_rows))))
     return MgpuTiling(block_rows, group, stages, splits)
 
@@ -251,7 +250,6 @@ def _tiles(row_seq, row_end, num_seqs, num_keys, block_rows):
 
     Returns meta [T, M] int32: (sequence, tile end, row ids (-1 = empty), row ends), and the row
     ids [T, BR] (to gather the weights)."""
-    from .indexer import _tile_schedule  # the Triton kernel's grouping of rows by sequence
     tile_rows, tile_meta = _tile_schedule(row_seq, row_end, num_seqs, num_keys, block_rows)
     order = jnp.argsort(-tile_meta[:, 1], stable=True)
     tile_rows, tile_meta = tile_rows[order], tile_meta[order]
@@ -289,7 +287,6 @@ def indexer_logits_mgpu(q, weights, k_cache, k_scale, block_tables, row_seq, row
     if page_size % BLOCK_KEYS:
         # A key block would straddle pages: gather each sequence's keys into one contiguous
         # "page" of whole blocks first (XLA; the real cache has 64-token pages).
-        from .indexer import gather_paged_rows
         pad = ((0, 0), (0, key_blocks * BLOCK_KEYS - num_keys))
         k_cache = jnp.pad(gather_paged_rows(k_cache, block_tables, page_size), pad + ((0, 0),))
         k_cache = k_cache.reshape(num_seqs * key_blocks * BLOCK_KEYS, d_p)

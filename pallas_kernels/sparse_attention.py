@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from . import sparse_attention_mgpu
+from ._device import on_hopper
 from ._shapes import next_pow2
 
 ROW_CHUNK = 32  # rows per step of the reference, bounding its [rows, topk, R] gather
@@ -185,11 +186,6 @@ def _combine_splits(out, lse):
     return merged, jnp.where(total == -jnp.inf, jnp.inf, total)
 
 
-def _on_hopper():
-    device = jax.devices()[0]
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
-
-
 def _auto_num_splits(rows, head_blocks, num_blocks, target_programs=264, min_blocks_per_split=4):
     """Split a row's slot list across programs only when rows x head blocks can't fill the GPU.
 
@@ -251,7 +247,7 @@ def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale, interpr
     registers per thread at 8 warps, plus the q tile, hence block_h 64 and block_k 32.
     """
     if backend is None:
-        backend = "mosaic" if not interpret and _on_hopper() and sparse_attention_mgpu.unsupported_reason(
+        backend = "mosaic" if not interpret and on_hopper() and sparse_attention_mgpu.unsupported_reason(
             q, latent, latent_scale, k_pe) is None else "triton"
     if backend == "mosaic":
         if interpret:
