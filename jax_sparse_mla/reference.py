@@ -22,6 +22,10 @@ from .kernels import dequantize_index_keys, dequantize_latent
 from .model import indexer_keys, indexer_queries, mla_projections
 
 HI = jax.lax.Precision.HIGHEST
+# The oracle compiles one program per padded sequence length, each run a few times: XLA's GEMM
+# autotuning made a compile take 25-31 s at real dimensions on the H200, 2.4-3.4 s without it
+# (docs/benchmarks.md); the GEMM kernel chosen moves a float32 HIGHEST result by rounding only.
+_ORACLE_JIT = dict(static_argnames="config", compiler_options={"xla_gpu_autotune_level": 0})
 
 
 def _f32(params, hidden, config: MLAConfig):
@@ -40,7 +44,7 @@ def _stored_index_keys(k, config):
     return dequantize_index_keys(rows["index_k"], rows.get("index_k_scale"))
 
 
-@functools.partial(jax.jit, static_argnames="config")
+@functools.partial(jax.jit, **_ORACLE_JIT)
 def _indexer_logits(params, hidden, config: MLAConfig):
     params, x, cfg = _f32(params, hidden, config)
     pos = jnp.arange(x.shape[0])
@@ -83,7 +87,7 @@ def selection(params, hidden, config: MLAConfig) -> tuple[np.ndarray, np.ndarray
     return mask, ambiguous
 
 
-@functools.partial(jax.jit, static_argnames="config")
+@functools.partial(jax.jit, **_ORACLE_JIT)
 def _masked_attention(params, hidden, mask, config: MLAConfig):
     """MHA-form attention of every token over the key positions mask [L, L] allows, then o_proj."""
     params, x, cfg = _f32(params, hidden, config)
