@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
+from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, scf
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -61,8 +61,10 @@ _SWIZZLE = 64  # bytes: 32 bf16 columns per smem tile
 _COLS = _SWIZZLE // 2  # bf16 columns per swizzle tile
 _CHUNK = 8  # bf16 values per 16-byte cp.async
 _PRODUCER_THREADS = 128
+_LANE_ROWS = 8  # rows per 8 lanes of a producer warp (see _gather_block's units)
 _SMEM_BYTES = 227 * 1024  # per block on Hopper
 _MAX_STAGES = 4
+_QK_AHEAD = False  # probe knob
 # setmaxnreg budgets, indexed by "fp8 cache". The kernel launches 384 threads at 168 registers
 # (65536 / 384, rounded down to 8): 2 consumers + 1 producer must sum to 3 x 168 = 504, or an
 # increase waits forever for registers. The fp8 producer converts e4m3 in registers.
@@ -70,7 +72,8 @@ _CONSUMER_REGS = (224, 216)
 _PRODUCER_REGS = (56, 72)
 
 
-def _swizzled(dtype, swizzle=_SWIZZLE):
+def _swizzled(dtype, swizzle=None):
+    swizzle = swizzle or _SWIZZLE
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
@@ -99,12 +102,12 @@ cvt.rn.bf16x2.f32 $1, f3, f2;
 def _gather_block(ctx, kv_smem, latent, *rest, rank, rope, width, tile):
     """Producer warpgroup: fill `kv_smem[stage]` with one block's gathered cache rows.
 
-    kv_smem: [stages, BLOCK_K, width] bf16, tiled (8, 32) with a 64-byte swizzle (physical
-    [stages, BLOCK_K / 8, width / 32, 8, 32]); ids: [BLOCK_K] i32 (shared), the block's slot ids.
-    Row j of the block is cache row s = ids[j]: columns [0, rank) the latent (bf16 copied with cp.async;
-    e4m3 loaded, multiplied by its f32 tile scale latent_scale[s, col / tile] and stored as bf16),
-    [rank, rank + rope) k_pe (bf16, cp.async), the rest zero. A -1 slot gives a zero row.
-    The cp.async copies are committed as one group; the caller waits for it and fences.
+    kv_smem: [stages, BLOCK_K, width] bf16, tiled (8, _COLS) with a _SWIZZLE-byte swizzle (physical
+    [stages, BLOCK_K / 8, width / _COLS, 8, _COLS]); ids: [BLOCK_K] i32 (shared), the block's slot ids.
+    Row j of the block is cache row s = ids[j]: columns [0, rank) the latent (bf16: cp.async; e4m3:
+    see `_fp8_in_place`), [rank, rank + rope) k_pe (bf16, cp.async), the rest zero. A -1 slot gives
+    a zero row. bf16: the copies are committed as one group, the caller waits for it and fences;
+    fp8: every copy has landed and been converted on return.
     """
     del ctx
     if tile is None:
@@ -113,8 +116,6 @@ def _gather_block(ctx, kv_smem, latent, *rest, rank, rope, width, tile):
     else:
         latent_scale, k_pe, ids, stage = rest
     i32, i64, i8 = (ir.IntegerType.get_signless(b) for b in (32, 64, 8))
-    f32 = ir.F32Type.get()
-    idx_ty = ir.IndexType.get()
     c32 = lambda v: arith.constant(i32, v)
     unwrap = lambda v: v.registers.flat[0] if hasattr(v, "registers") else v
     stage = unwrap(stage)
@@ -126,85 +127,176 @@ def _gather_block(ctx, kv_smem, latent, *rest, rank, rope, width, tile):
 
     def slot_of(j):
         """-> (valid i1, slot clamped to >= 0 as i64) of block row j."""
-        idx = memref.load(ids, [arith.index_cast(idx_ty, j)])
+        idx = memref.load(ids, [arith.index_cast(ir.IndexType.get(), j)])
         valid = arith.cmpi(arith.CmpIPredicate.sge, idx, c32(0))
         return valid, arith.extui(i64, arith.select(valid, idx, c32(0)))
 
     def dst(j, chunk):
-        """Shared address of block row j, bf16 columns [8 chunk, 8 chunk + 8): tile (j / 8, chunk / 4),
-        row j % 8, 16-byte unit (chunk % 4) XOR ((j % 8) / 2) (the 64-byte swizzle XORs address
-        bits 4-5 with bits 7-8)."""
+        """Shared address of block row j, bf16 columns [8 chunk, 8 chunk + 8): tile (j / 8, chunk / per),
+        row j % 8, 16-byte unit (chunk % per) XOR the row's swizzle bits (per = _SWIZZLE / 16 units
+        a tile row; the swizzle XORs address bits 4.. with the bits of the row offset above 7)."""
         r8 = arith.remui(j, c32(8))
-        units = _COLS // _CHUNK
-        unit = arith.xori(arith.remui(chunk, c32(units)), arith.divui(r8, c32(2)))
-        tile_idx = arith.addi(arith.muli(arith.divui(j, c32(8)), c32(width // _COLS)), arith.divui(chunk, c32(units)))
+        per = _SWIZZLE // 16
+        unit = arith.xori(arith.remui(chunk, c32(per)), arith.divui(r8, c32(128 // _SWIZZLE)))
+        tile_idx = arith.addi(arith.muli(arith.divui(j, c32(8)), c32(width // _COLS)), arith.divui(chunk, c32(per)))
         offset = arith.addi(arith.addi(arith.muli(tile_idx, c32(8 * _SWIZZLE)), arith.muli(r8, c32(_SWIZZLE))),
                             arith.muli(unit, c32(16)))
         return gep(smem_base, offset, i8)
 
-    def cp_async(j, chunk, src_base, row_elems, col, col_ok=None):
+    def units(per_row):
+        """(row j, unit) pairs of this thread, BLOCK_K * per_row in all. Consecutive lanes take
+        _LANE_ROWS consecutive rows, then the next unit: the swizzle then spreads a warp's 16-byte
+        shared accesses over all banks (lanes along one row would hit 2 of 8 bank groups)."""
+        for g0 in range(0, BLOCK_K * per_row, _PRODUCER_THREADS):
+            g = arith.addi(tid, c32(g0))
+            rest = arith.divui(g, c32(_LANE_ROWS))
+            j = arith.addi(arith.muli(arith.divui(rest, c32(per_row)), c32(_LANE_ROWS)),
+                           arith.remui(g, c32(_LANE_ROWS)))
+            yield j, arith.remui(rest, c32(per_row))
+
+    def cp_async(j, chunk, src, row_elems, col, col_ok=None):
+        """16 bytes of bf16 row slot(j) of src from column col -> dst(j, chunk); zeros if invalid."""
         valid, safe = slot_of(j)
         if col_ok is not None:
             valid = arith.andi(valid, col_ok)
         elem = arith.addi(arith.muli(safe, arith.constant(i64, row_elems)),
                           arith.extui(i64, arith.select(valid, col, c32(0))))
-        nvvm.cp_async_shared_global(dst(j, chunk), gep(src_base, elem, ir.BF16Type.get()), 16,
+        nvvm.cp_async_shared_global(dst(j, chunk), gep(src, elem, ir.BF16Type.get()), 16,
                                     nvvm.LoadCacheModifierKind.CG, cp_size=arith.select(valid, c32(16), c32(0)))
 
-    def units(per_row):  # (row j, unit) pairs of this thread, BLOCK_K * per_row in all
-        for g0 in range(0, BLOCK_K * per_row, _PRODUCER_THREADS):
-            g = arith.addi(tid, c32(g0))
-            yield arith.divui(g, c32(per_row)), arith.remui(g, c32(per_row))
-
-    latent_ptr = gptr(latent)
+    for j, chunk in units((width - rank) // _CHUNK):  # k_pe (first: fp8 waits for all copies below)
+        col = arith.muli(chunk, c32(_CHUNK))
+        in_rope = arith.cmpi(arith.CmpIPredicate.ult, col, c32(rope))
+        cp_async(j, arith.addi(chunk, c32(rank // _CHUNK)), gptr(k_pe), rope, col, in_rope)
     if latent_scale is None:
         for j, chunk in units(rank // _CHUNK):
-            cp_async(j, chunk, latent_ptr, rank, arith.muli(chunk, c32(_CHUNK)))
+            cp_async(j, chunk, gptr(latent), rank, arith.muli(chunk, c32(_CHUNK)))
+        nvvm.cp_async_commit_group()
     else:
-        scale_ptr = gptr(latent_scale)
-        vec4 = ir.VectorType.get((4,), i32)
-        for j, unit in units(rank // 16):  # 16 e4m3 per unit -> two 8-column bf16 chunks
+        _fp8_in_place(gptr(latent), gptr(latent_scale), slot_of, units, dst, gep, smem_base, tid, rank=rank,
+                      width=width, tile=tile)
+
+
+_PRODUCER_BARRIER = 12  # named barrier over the producer warpgroup's 128 threads
+
+
+def _when(cond, body):
+    """Emit body() under `if cond` (cond: i1, or None for always)."""
+    if cond is None:
+        body()
+        return
+    op = scf.IfOp(cond)
+    with ir.InsertionPoint(op.then_block):
+        body()
+        scf.yield_([])
+
+
+def _fp8_in_place(latent_ptr, scale_ptr, slot_of, units, dst, gep, smem_base, tid, *, rank, width, tile):
+    """fp8 latent: cp.async the raw e4m3 rows and their f32 scales into the stage itself, then
+    dequantise there, 8 rows at a time (register-free gathers: every copy is in flight at once).
+
+    Within the stage's 8-row group g, raw 16-byte chunk c of row r sits in the second half of
+    the group's latent tiles at [c][r][16 B] (conflict-free reads), the scales [r][rank / tile]
+    at the start; converting group g rewrites exactly its own latent tiles, so each group is
+    read into registers (and the producer synchronised) before it is written.
+    """
+    i32, i64, i8 = (ir.IntegerType.get_signless(b) for b in (32, 64, 8))
+    f32 = ir.F32Type.get()
+    c32 = lambda v: arith.constant(i32, v)
+    vec4 = ir.VectorType.get((4,), i32)
+    n_chunks, n_scales = rank // 16, rank // tile
+    group_bytes = 8 * width * 2
+
+    def raw_addr(j, c):  # -> shared pointer of raw chunk c of block row j
+        off = arith.addi(arith.muli(arith.divui(j, c32(8)), c32(group_bytes)),
+                         arith.addi(arith.muli(c, c32(128)), arith.muli(arith.remui(j, c32(8)), c32(16))))
+        return gep(smem_base, arith.addi(off, c32(8 * rank)), i8)
+
+    def scale_addr(j, t):  # -> shared pointer of scale t of block row j
+        off = arith.addi(arith.muli(arith.divui(j, c32(8)), c32(group_bytes)),
+                         arith.muli(arith.addi(arith.muli(arith.remui(j, c32(8)), c32(n_scales)), t), c32(4)))
+        return gep(smem_base, off, i8)
+
+    for j, c in units(n_chunks):
+        valid, safe = slot_of(j)
+        src = gep(latent_ptr, arith.addi(arith.muli(safe, arith.constant(i64, rank)),
+                                         arith.extui(i64, arith.muli(c, c32(16)))), i8)
+        nvvm.cp_async_shared_global(raw_addr(j, c), src, 16, nvvm.LoadCacheModifierKind.CG,
+                                    cp_size=arith.select(valid, c32(16), c32(0)))
+    total = BLOCK_K * n_scales
+    for g0 in range(0, total, _PRODUCER_THREADS):
+        g = arith.addi(tid, c32(g0))
+        in_range = None if total % _PRODUCER_THREADS == 0 else arith.cmpi(arith.CmpIPredicate.ult, g, c32(total))
+
+        def copy_scale(g=g):
+            j, t = arith.divui(g, c32(n_scales)), arith.remui(g, c32(n_scales))
             valid, safe = slot_of(j)
-            col = arith.muli(unit, c32(16))
-            src = gep(latent_ptr, arith.addi(arith.muli(safe, arith.constant(i64, rank)), arith.extui(i64, col)), i8)
-            data = llvm.load(vec4, src, alignment=16)
-            scale_idx = arith.addi(arith.muli(safe, arith.constant(i64, rank // tile)),
-                                   arith.extui(i64, arith.divui(col, c32(tile))))
-            scale = llvm.load(f32, gep(scale_ptr, scale_idx, f32), alignment=4)
+            src = gep(scale_ptr, arith.addi(arith.muli(safe, arith.constant(i64, n_scales)), arith.extui(i64, t)), f32)
+            nvvm.cp_async_shared_global(scale_addr(j, t), src, 4, nvvm.LoadCacheModifierKind.CA,
+                                        cp_size=arith.select(valid, c32(4), c32(0)))
+
+        _when(in_range, copy_scale)
+    nvvm.cp_async_commit_group()
+    nvvm.cp_async_wait_group(0)
+    sync = lambda: mgpu_utils.inline_ptx(f"bar.sync {_PRODUCER_BARRIER}, {_PRODUCER_THREADS};",
+                                         has_side_effects=True, convergent=True)
+    sync()  # every thread's copies have landed
+
+    per_group = 8 * n_chunks  # (row, chunk) units of an 8-row group
+
+    def load_group(grp):
+        out = []
+        for u0 in range(0, per_group, _PRODUCER_THREADS):
+            u = arith.addi(tid, c32(u0))
+            in_range = None if per_group % _PRODUCER_THREADS == 0 else arith.cmpi(
+                arith.CmpIPredicate.ult, u, c32(per_group))
+            c = arith.minui(arith.divui(u, c32(8)), c32(n_chunks - 1))  # in bounds when out of range
+            j = arith.addi(c32(8 * grp), arith.remui(u, c32(8)))
+            data = llvm.load(vec4, raw_addr(j, c), alignment=16)
+            scale = llvm.load(f32, scale_addr(j, arith.divui(arith.muli(c, c32(16)), c32(tile))), alignment=4)
+            out.append((j, c, data, scale, in_range))
+        return out
+
+    loaded = load_group(0)
+    for grp in range(BLOCK_K // 8):
+        sync()  # group grp is in registers everywhere: its tiles may be overwritten
+        following = load_group(grp + 1) if grp + 1 < BLOCK_K // 8 else None
+        for j, c, data, scale, in_range in loaded:
             words = []
             for k in range(4):
                 word = llvm.extractelement(data, arith.constant(i32, k))
                 words += mgpu_utils.inline_ptx(_FP8_TO_BF16, word, scale, result_types=[i32, i32])
-            words = [arith.select(valid, w, c32(0)) for w in words]  # also drops NaNs of slot 0
-            for half in range(2):
-                vec = llvm.mlir_undef(vec4)
-                for k in range(4):
-                    vec = llvm.insertelement(vec, words[4 * half + k], arith.constant(i32, k))
-                llvm.store(vec, dst(j, arith.addi(arith.muli(unit, c32(2)), c32(half))), alignment=16)
-    rope_chunks = (width - rank) // _CHUNK
-    for j, chunk in units(rope_chunks):
-        col = arith.muli(chunk, c32(_CHUNK))
-        in_rope = arith.cmpi(arith.CmpIPredicate.ult, col, c32(rope))
-        cp_async(j, arith.addi(chunk, c32(rank // _CHUNK)), gptr(k_pe), rope, col, in_rope)
-    nvvm.cp_async_commit_group()
+
+            def store(j=j, c=c, words=words):
+                for half in range(2):
+                    vec = llvm.mlir_undef(vec4)
+                    for k in range(4):
+                        vec = llvm.insertelement(vec, words[4 * half + k], arith.constant(i32, k))
+                    llvm.store(vec, dst(j, arith.addi(arith.muli(c, c32(2)), c32(half))), alignment=16)
+
+            _when(in_range, store)
+        loaded = following
 
 
-_CONSUMER_BARRIER = 15  # named barrier id (Mosaic uses 0 and 1 + warpgroup index)
+# Named barrier ids over the two consumer warpgroups (Mosaic itself uses 0 and 1 + warpgroup).
+_EXCHANGED = 15  # both warpgroups have published this block's row maxima and probabilities
+_BUFFER_FREE = (13, 14)  # the other warpgroup has read warpgroup w's exchange buffers
 
 
-@plgpu.inline_mgpu()
-def _consumer_sync(ctx):
-    """`bar.sync` over the two consumer warpgroups (256 threads): a cheap rendezvous that also
-    orders their shared-memory stores (the exchanges of row maxima, P and l)."""
-    del ctx
-    mgpu_utils.inline_ptx(f"bar.sync {_CONSUMER_BARRIER}, 256;", has_side_effects=True, convergent=True)
+def _finite_or_zero(x):
+    return jnp.where(x == -jnp.inf, 0.0, x)
 
 
-@plgpu.inline_mgpu()
-def _fence_async(ctx):
-    """Makes this thread's generic-proxy shared-memory stores visible to the async proxy (wgmma)."""
-    del ctx
-    nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+def _named_barrier(op, barrier_id):
+    """`bar.sync` (wait) or `bar.arrive` (no wait) on a named barrier over the two consumer
+    warpgroups (256 threads). Both order this thread's earlier shared-memory accesses."""
+
+    @plgpu.inline_mgpu()
+    def barrier(ctx):
+        del ctx
+        mgpu_utils.inline_ptx(f"bar.{op} {barrier_id}, 256;", has_side_effects=True, convergent=True)
+
+    return barrier()
 
 
 def _wait_copies(ctx):
@@ -234,54 +326,106 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
             plgpu.copy_gmem_to_smem(q_gmem.at[row, pl.ds(h0, HEADS_PER_CTA)], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
 
-        def step(i, carry):
-            acc, m, l = carry  # acc [64, R/2] f32 (WGMMA); m, l [64] f32 (log2 units)
+        def load_ids(i):  # block i's slot ids of this warpgroup's half (for the -1 mask)
+            return plgpu.load(slots_gmem.at[row, pl.ds((first + i) * BLOCK_K + w * _HALF_K, _HALF_K)],
+                              layout=col_layout, optimized=False)
+
+        def issue_qk(s_ref, i):  # S_w = Q . K_w^T for block i, [64, 32], once the block has landed
             stage = lax.rem(i, num_stages)
-            # the slot ids (for the -1 mask) load while the block is still landing
-            idx = plgpu.load(slots_gmem.at[row, pl.ds((first + i) * BLOCK_K + w * _HALF_K, _HALF_K)],
-                             layout=col_layout, optimized=False)
             plgpu.barrier_wait(kv_ready.at[stage])
+            plgpu.wgmma(s_ref, q_smem, kv_smem.at[stage, pl.ds(w * _HALF_K, _HALF_K)].T)
 
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, kv_smem.at[stage, pl.ds(w * _HALF_K, _HALF_K)].T)
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, _HALF_K), jnp.float32))
+        def softmax(i, s, idx, acc, m, l):
+            """Scores of block i -> (P [64, 64] bf16 over both halves, acc rescaled, m, l)."""
             valid = lax.broadcast_in_dim(idx >= 0, s.shape, [1])
             s = jnp.where(valid, s * qk_scale, -jnp.inf)
 
-            # Swap row maxima so both warpgroups use the same running max m.
-            x_smem[w] = jnp.max(s, axis=1)
-            _consumer_sync()
-            m_new = jnp.maximum(m, jnp.maximum(plgpu.load(x_smem.at[0], layout=row_layout),
-                                               plgpu.load(x_smem.at[1], layout=row_layout)))
+            # Probabilities against this warpgroup's own new max (no exchange needed first).
             # Until a row has seen a valid slot its max is -inf: shift by 0 then (exp2(-inf) = 0).
-            shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            m_own = jnp.maximum(m, jnp.max(s, axis=1))
+            p_own = jnp.exp2(s - lax.broadcast_in_dim(_finite_or_zero(m_own), s.shape, [0]))
+
+            @pl.when(i > 0)
+            def _():
+                _named_barrier("sync", _BUFFER_FREE[w])  # the other read our previous block's
+
+            # Publish (max, P) as f16 (10-bit mantissa: rescaled once more by the reader).
+            x_smem[w] = m_own
+            p_smem[w] = p_own.astype(jnp.float16)
+            _named_barrier("sync", _EXCHANGED)
+            m_other = plgpu.load(x_smem.at[1 - w], layout=row_layout)
+            p_other = plgpu.load(p_smem.at[1 - w], layout=plgpu.Layout.WGMMA)
+            # Both warpgroups derive the same common max, hence the same scale for out and l.
+            m_new = jnp.maximum(m_own, m_other)
+            shift = _finite_or_zero(m_new)
             alpha = jnp.exp2(m - shift)
-            p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
-            l = l * alpha + jnp.sum(p, axis=1)
+            factors = [jnp.exp2(x - shift) for x in (m_own, m_other)]  # <= 1; 0 for rows still -inf
+            p_own = p_own * lax.broadcast_in_dim(factors[0], s.shape, [0])
+            p_other = p_other.astype(jnp.float32) * lax.broadcast_in_dim(factors[1], s.shape, [0])
+            l = l * alpha + jnp.sum(p_own, axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p_smem[w] = p.astype(jnp.bfloat16)
-            _fence_async()  # this thread's stores -> visible to wgmma (the async proxy)
-            _consumer_sync()
+            halves = [p_own.astype(jnp.bfloat16), p_other.astype(jnp.bfloat16)][::1 - 2 * w]
+            _named_barrier("arrive", _BUFFER_FREE[1 - w])  # its buffers are read (values in registers)
+            return jnp.concatenate(halves, axis=1), acc, m_new, l
 
-            def pv(acc_ref):
-                for half in range(2):
-                    plgpu.wgmma(acc_ref, p_smem.at[half],
-                                kv_smem.at[stage, pl.ds(half * _HALF_K, _HALF_K), pl.ds(w * half_r, half_r)])
-
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(kv_free.at[stage])
-            return acc, m_new, l
+        def issue_pv(acc_ref, i, probs):  # out[:, w-th half] += P . V (P from registers)
+            stage = lax.rem(i, num_stages)
+            plgpu.wgmma(acc_ref, probs, kv_smem.at[stage, :, pl.ds(w * half_r, half_r)])
 
         acc = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, half_r), jnp.float32), plgpu.Layout.WGMMA)
         m = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), -jnp.inf, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), jnp.float32), row_layout)
-        acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
+
+        if not _QK_AHEAD:
+            def step(i, carry):
+                acc, m, l = carry  # acc [64, R/2] f32 (WGMMA); m, l [64] f32 (log2 units)
+                idx = load_ids(i)  # loads while the block is still landing
+
+                def qk(s_ref):
+                    issue_qk(s_ref, i)
+                    return s_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, _HALF_K), jnp.float32))
+                probs, acc, m, l = softmax(i, s, idx, acc, m, l)
+                acc = pl.run_state(lambda acc_ref: issue_pv(acc_ref, i, probs))(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(kv_free.at[lax.rem(i, num_stages)])
+                return acc, m, l
+
+            acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
+        else:
+            # QK of block i + 1 is queued right behind PV of block i: no tensor-core bubble.
+            def pipelined(s_ref, acc_ref):
+                issue_qk(s_ref, 0)
+
+                def step(i, carry):
+                    m, l = carry
+                    idx = load_ids(i)
+                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0)  # QK_i (and PV_{i-1}) done
+                    acc = plgpu.wgmma_accumulator_load(acc_ref, wait_n=None)
+                    probs, acc, m, l = softmax(i, s, idx, acc, m, l)
+                    acc_ref[...] = acc
+                    issue_pv(acc_ref, i, probs)
+
+                    @pl.when(i + 1 < count)
+                    def _():
+                        s_ref[...] = plgpu.layout_cast(jnp.zeros(s.shape, jnp.float32), plgpu.Layout.WGMMA)
+                        issue_qk(s_ref, i + 1)
+
+                    plgpu.wgmma_wait(1)  # PV_i done (only QK_{i+1} may still run)
+                    plgpu.barrier_arrive(kv_free.at[lax.rem(i, num_stages)])
+                    return m, l
+
+                m_l = lax.fori_loop(0, count, step, (m, l))
+                return (plgpu.wgmma_accumulator_load(acc_ref, wait_n=0), *m_l)
+
+            acc, m, l = pl.run_scoped(
+                lambda s_ref, acc_ref: pipelined(s_ref, acc_ref),
+                plgpu.ACC((HEADS_PER_CTA, _HALF_K), jnp.float32), plgpu.ACC((HEADS_PER_CTA, half_r), jnp.float32))
 
         # Each warpgroup summed p over its own slots: add the two halves of l.
+        _named_barrier("sync", _BUFFER_FREE[w])  # matches the other's last arrive
         x_smem[w] = l
-        _consumer_sync()
+        _named_barrier("sync", _EXCHANGED)
         l = plgpu.load(x_smem.at[0], layout=row_layout) + plgpu.load(x_smem.at[1], layout=row_layout)
         empty = l == 0.0
         inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
@@ -315,6 +459,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
                                     ids_smem.at[stage], ids_bar.at[stage])
 
         fetch_ids(0)
+        plgpu.barrier_wait(ids_bar.at[0])
 
         @pl.loop(0, count)
         def _(i):
@@ -328,13 +473,16 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
             def _():
                 plgpu.barrier_wait(kv_free.at[stage])
 
-            plgpu.barrier_wait(ids_bar.at[stage])
             gather(kv_smem, latent_gmem, *cache_gmem, ids_smem.at[stage], stage)
             # Signal each block as soon as it has landed: this thread's copies done, then fence
             # them to the async proxy (wgmma) and sync the warpgroup before the single arrive.
             wait_copies()
             plgpu.commit_smem()
             plgpu.barrier_arrive(kv_ready.at[stage])
+
+            @pl.when(i + 1 < count)
+            def _():
+                plgpu.barrier_wait(ids_bar.at[lax.rem(i + 1, num_stages)])
 
 
 def unsupported_reason(q, latent, latent_scale, k_pe):
@@ -407,7 +555,7 @@ def sparse_mla_attention_mgpu(q, latent, latent_scale, k_pe, slots, *, scale, nu
                 (plgpu.SMEM((2, HEADS_PER_CTA, rank // 2), jnp.float32, transforms=_swizzled(jnp.float32, 128)),
                  plgpu.SMEM((HEADS_PER_CTA,), jnp.float32)),
             ),
-            plgpu.SMEM((2, HEADS_PER_CTA, _HALF_K), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),
+            plgpu.SMEM((2, HEADS_PER_CTA, _HALF_K), jnp.float16, transforms=_swizzled(jnp.float16, 64)),
             plgpu.SMEM((2, HEADS_PER_CTA), jnp.float32),
             plgpu.SMEM((num_stages, BLOCK_K), jnp.int32),
             plgpu.Barrier(),

@@ -151,17 +151,19 @@ def test_mosaic_odd_shapes_gpu(cache, num_splits):
 
 
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
-def test_mosaic_kernel_lowers(cache):
+@pytest.mark.parametrize("heads,rank,rope,topk,num_splits", [(128, 512, 64, 2048, None), (20, 128, 8, 200, 3)])
+def test_mosaic_kernel_lowers(cache, heads, rank, rope, topk, num_splits):
     """CPU twin of the Mosaic GPU tests: the kernel (inline gathers included) lowers to a Mosaic GPU
-    module at the real shapes; it cannot run in interpret mode (inline_mgpu has no interpreter)."""
+    module at the real shapes and at the GPU test's odd ones; it cannot run in interpret mode
+    (inline_mgpu has no interpreter)."""
     from pallas_kernels.sparse_attention_mgpu import sparse_mla_attention_mgpu
 
     sd = jax.ShapeDtypeStruct
-    latent = sd((4096, 512), jnp.bfloat16 if cache == "bf16" else jnp.float8_e4m3fn)
-    latent_scale = None if cache == "bf16" else sd((4096, 4), jnp.float32)
-    args = (sd((3, 128, 576), jnp.bfloat16), latent, latent_scale, sd((4096, 64), jnp.bfloat16),
-            sd((3, 2048), jnp.int32))
-    fn = jax.jit(lambda *a: sparse_mla_attention_mgpu(*a, scale=0.1))
+    latent = sd((4096, rank), jnp.bfloat16 if cache == "bf16" else jnp.float8_e4m3fn)
+    latent_scale = None if cache == "bf16" else sd((4096, rank // FP8_TILE), jnp.float32)
+    args = (sd((3, heads, rank + rope), jnp.bfloat16), latent, latent_scale, sd((4096, rope), jnp.bfloat16),
+            sd((3, topk), jnp.int32))
+    fn = jax.jit(lambda *a: sparse_mla_attention_mgpu(*a, scale=0.1, num_splits=num_splits))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
