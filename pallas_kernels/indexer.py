@@ -247,20 +247,26 @@ def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
                    interpret=False, fp8_imprecise_acc=FP8_IMPRECISE_ACC, **tiling_overrides):
     """Indexer logits, Pallas kernels. Same contract as `indexer_logits_reference`.
 
-    Route (by measurement on the H200): prefill-shaped batches (>= MGPU_MIN_ROWS_PER_SEQ rows
-    per sequence on average) of e4m3 or bf16 q and keys on a Hopper GPU go to the Mosaic GPU
-    kernel (`indexer_mgpu.indexer_logits_mgpu`: wgmma + TMA, warp-specialised; causal prefill
-    at T = S = 8K fp8 578 TFLOP/s vs the Triton kernel's 247, at 4K bf16 406 vs 186).
-    Everything else (decode: Triton 715 GB/s vs Mosaic 555 at B=32, C=32K; interpret mode, f32,
-    other GPUs, any tiling override) goes to the Triton-backend kernel `indexer_logits_triton`,
-    whose arguments these are.
+    Route (by measurement on the H200), for e4m3 or bf16 q and keys on a Hopper GPU:
+      * prefill-shaped batches (>= MGPU_MIN_ROWS_PER_SEQ rows per sequence on average) go to
+        the Mosaic GPU prefill kernel (`indexer_mgpu.indexer_logits_mgpu`: wgmma + TMA,
+        warp-specialised; causal prefill at T = S = 8K fp8 578 TFLOP/s vs the Triton kernel's
+        247, at 4K bf16 406 vs 186);
+      * everything else (decode: 1-2 rows per sequence) goes to the Mosaic GPU decode kernel
+        (`indexer_decode_mgpu.indexer_logits_decode_mgpu`: a TMA stream of the key pages
+        through a deep SMEM ring).
+    Interpret mode, f32, other GPUs and any tiling override go to the Triton-backend kernel
+    `indexer_logits_triton`, whose arguments these are.
     """
     if (not interpret and not tiling_overrides and fp8_imprecise_acc == FP8_IMPRECISE_ACC
-            and on_hopper() and q.dtype == k_cache.dtype and q.dtype in (FP8_E4M3, jnp.bfloat16)
-            and q.shape[0] >= MGPU_MIN_ROWS_PER_SEQ * min(block_tables.shape[0], q.shape[0])):
-        from .indexer_mgpu import indexer_logits_mgpu  # imports this module's helpers
-        return indexer_logits_mgpu(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
-                                   page_size=page_size)
+            and on_hopper() and q.dtype == k_cache.dtype and q.dtype in (FP8_E4M3, jnp.bfloat16)):
+        if q.shape[0] >= MGPU_MIN_ROWS_PER_SEQ * min(block_tables.shape[0], q.shape[0]):
+            from .indexer_mgpu import indexer_logits_mgpu  # imports this module's helpers
+            return indexer_logits_mgpu(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
+                                       page_size=page_size)
+        from .indexer_decode_mgpu import indexer_logits_decode_mgpu
+        return indexer_logits_decode_mgpu(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
+                                          page_size=page_size)
     return indexer_logits_triton(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
                                  page_size=page_size, interpret=interpret,
                                  fp8_imprecise_acc=fp8_imprecise_acc, **tiling_overrides)

@@ -6,8 +6,12 @@
   (+ k_scale) and bf16: the Mosaic GPU kernel (`mgpu`, what `indexer_logits` routes prefill to)
   beside the Triton kernel (`triton`) and XLA; TFLOP/s counted as 2 * valid_causal_pairs * Hi * D.
 * decode logits: batch B of sequences, each with --decode-rows query rows at the end of a
-  context of C keys; GB/s of key bytes read once per sequence (D + 4 per key for fp8 with its
-  scale, 2 * D for bf16).
+  context of C keys: `indexer_logits` (the Mosaic GPU decode kernel on Hopper) and, full mode
+  or B=32 C=32K, the Triton kernel; GB/s of key bytes read once per sequence (D + 4 per key
+  for fp8 with its scale, 2 * D for bf16) and the fraction of the copy bandwidth measured in
+  the same run on an array of the same bytes (copy GB/s = 2 * bytes / time). Decode calls are
+  timed on the device: 20 dependent calls in one jit (`device_ms`), since a single call of a
+  small decode batch takes less GPU time than JAX's host dispatch (`host_ms`, also recorded).
 * top-k (k=2048) of [rows, L] f32 logits: pallas_kernels.topk (sample-filter-select) vs
   lax.top_k on the same inputs. `--only topk` runs just that (~1 minute).
 Every config is checked against the reference (on a sample of rows) before it is timed; a
@@ -35,6 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pallas_kernels.indexer import indexer_logits, indexer_logits_reference, indexer_logits_triton  # noqa: E402
+from pallas_kernels.indexer_decode_mgpu import indexer_logits_decode_mgpu  # noqa: E402
 from pallas_kernels.indexer_mgpu import indexer_logits_mgpu  # noqa: E402
 from pallas_kernels.topk import topk, topk_reference  # noqa: E402
 from timing import median_ms  # noqa: E402
@@ -115,6 +120,30 @@ def check_topk_sample(out, logits, k, num_rows=12, seed=0):
 # benchmarks
 # ------------------------------------------------------------------------------------------------
 
+def device_ms(fn, *args, reps=20):
+    """Median ms per call of fn(q, w, k, k_scale, bt, row_seq, row_end) -> [N, L], without host
+    dispatch: one jit runs reps calls in a fori_loop, each call's row_end depending on the
+    previous output (no hoisting, no CSE; the extra select and slice are a few us of a call)."""
+    def run(q, w, k, ks, bt, rs, re):
+        def body(i, acc):
+            re_i = jnp.where(acc == 1.2345e-30, re + 1, re)
+            return acc + fn(q, w, k, ks, bt, rs, re_i)[0, 0]
+        return jax.lax.fori_loop(0, reps, body, jnp.float32(0))
+    return median_ms(jax.jit(run), *args) / reps
+
+
+def copy_gbps(nbytes, reps=20):
+    """The copy ceiling: 2 * nbytes / time of an elementwise copy of an nbytes array, timed like
+    `device_ms` (reps dependent copies in one jit)."""
+    x = jnp.ones((nbytes // 4,), jnp.uint32)
+
+    def run(x):
+        def body(i, acc):
+            return acc + (x ^ (acc == 12345).astype(jnp.uint32))[0]
+        return jax.lax.fori_loop(0, reps, body, jnp.uint32(0))
+    return 2 * nbytes / (median_ms(jax.jit(run), x) / reps * 1e-3) / 1e9
+
+
 RESULTS = []
 DEADLINE = [float("inf")]  # configs starting after this time.time() are skipped
 
@@ -188,27 +217,47 @@ def bench_prefill(quick, tiling=None, sizes=None, dtypes=(FP8, jnp.bfloat16), ta
 
 
 def bench_decode(quick, tiling=None, batches=None, contexts=None, dtypes=(FP8, jnp.bfloat16), rows=1,
-                 tag=""):
-    batches = batches or ([1, 32, 128] if quick else [1, 8, 32, 128])
-    contexts = contexts or ([4096, 32768, 131072] if quick else [4096, 16384, 65536, 131072])
-    kern = jax.jit(functools.partial(indexer_logits, page_size=PAGE, **(tiling or {})))
-    xla = jax.jit(functools.partial(indexer_logits_reference, page_size=PAGE))
+                 tag="", compare=None):
+    """`indexer_logits` (or, with `tiling` overrides, the Mosaic decode kernel) on the decode grid,
+    device-timed, beside the copy ceiling of the same bytes; compare: also time the Triton
+    kernel (default: full mode, or the B=32 C=32K config)."""
+    batches = batches or ([1, 32, 128] if quick else [1, 8, 32, 64, 128])
+    contexts = contexts or ([4096, 32768, 131072] if quick else [4096, 16384, 32768, 65536, 131072])
+    kern = functools.partial(indexer_logits_decode_mgpu if tiling else indexer_logits, page_size=PAGE,
+                             **(tiling or {}))
+    triton = functools.partial(indexer_logits_triton, page_size=PAGE)
+    copies = {}
     for dtype in dtypes:
         key_bytes = D + 4 if dtype == FP8 else 2 * D
         for b in batches:
             for c in contexts:
-                nbytes = float(b) * c * key_bytes
-                skip = None
-                if b * c > (1 << 22):  # the reference gathers [B, C, D] f32 keys: > 2 GiB
-                    skip = "B*C > 4M: the reference materialises > 2 GiB of f32 keys"
-                run_config(
-                    "decode" + tag,
-                    dict(dtype=jnp.dtype(dtype).name, B=b, C=c, rows_per_seq=rows, tiling=tiling or "default"),
-                    lambda: paged_inputs(jax.random.key(b * 7 + c), dtype=dtype, lengths=[c] * b,
-                                         rows_per_seq=[rows] * b),
-                    kern, xla, lambda ms: nbytes / (ms * 1e-3) / 1e9, "GBps",
-                    lambda out, args: check_logits_sample(out, args, num_rows=8),
-                    xla_skip_reason=skip)
+                nbytes = b * c * key_bytes
+                rec = dict(kind="decode" + tag, dtype=jnp.dtype(dtype).name, B=b, C=c, rows_per_seq=rows,
+                           tiling=tiling or "default", unit="GBps")
+                if time.time() > DEADLINE[0]:
+                    record(**rec, error="skipped: run time budget spent")
+                    continue
+                try:
+                    args = paged_inputs(jax.random.key(b * 7 + c), dtype=dtype, lengths=[c] * b,
+                                        rows_per_seq=[rows] * b)
+                    out = jax.block_until_ready(jax.jit(kern)(*args))
+                    rec["check_err"] = check_logits_sample(out, args, num_rows=8)
+                    del out
+                    rec["kernel_ms"] = device_ms(kern, *args)
+                    rec["kernel_GBps"] = nbytes / (rec["kernel_ms"] * 1e-3) / 1e9
+                    if nbytes not in copies:
+                        copies[nbytes] = copy_gbps(nbytes)
+                    rec["copy_GBps"] = copies[nbytes]
+                    rec["copy_fraction"] = rec["kernel_GBps"] / rec["copy_GBps"]
+                    rec["host_ms"] = median_ms(jax.jit(kern), *args)
+                    if compare if compare is not None else (not quick or (b, c) == (32, 32768)):
+                        rec["triton_ms"] = device_ms(triton, *args)
+                        rec["triton_GBps"] = nbytes / (rec["triton_ms"] * 1e-3) / 1e9
+                    del args
+                except Exception as e:  # noqa: BLE001
+                    rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    rec["trace"] = traceback.format_exc()[-2000:]
+                record(**rec)
 
 
 def topk_inputs(rows, length, causal, seed):
@@ -258,9 +307,9 @@ def bench_topk(quick, tiling=None, shapes=None, tag=""):
 def sweep():
     for t in [dict(block_rows=8), dict(group=2), dict(group=8), dict(stages=2), dict(stages=6)]:
         bench_prefill(True, tiling=t, sizes=[8192], dtypes=(FP8, jnp.bfloat16), tag="-sweep", compare=False)
-    for t in [dict(block_keys=128), dict(block_keys=128, num_warps=8), dict(chunk=4096),
-              dict(block_keys=32)]:
-        bench_decode(True, tiling=t, batches=[64], contexts=[65536], dtypes=(FP8,), tag="-sweep")
+    for t in [dict(stages=8), dict(stages=16), dict(chunk=32), dict(chunk=256)]:
+        bench_decode(True, tiling=t, batches=[32], contexts=[32768], dtypes=(FP8,), tag="-sweep",
+                     compare=False)
     for t in [dict(num_warps=4), dict(num_warps=16), dict(block=512), dict(block=2048),
               dict(block=256, num_warps=4), dict(num_stages=2)]:
         bench_topk(True, tiling=t, shapes=[(1024, 32768, False), (128, 131072, False)], tag="-sweep")
@@ -279,6 +328,8 @@ def print_table():
         xla = f"{r['xla_ms']:.3f}ms {r['xla_' + unit]:.0f}" if "xla_ms" in r else "-"
         sp = f"{r['speedup']:.1f}x" if "speedup" in r else ""
         note = r.get("error") or r.get("xla", "")
+        if "copy_GBps" in r:
+            note = f"copy {r['copy_GBps']:.0f} ({r['copy_fraction']:.0%}) host {r['host_ms']:.3f}ms " + note
         if "triton_ms" in r:
             note = f"triton {r['triton_ms']:.3f}ms {r['triton_' + unit]:.0f} ({r['triton_ms'] / r['kernel_ms']:.1f}x) " + note
         print(f"{r['kind']:14} {cfg[:62]:62} {kern:>18} {xla:>18} {sp:>8}  {unit} {note[:90]}")

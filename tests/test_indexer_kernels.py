@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.indexer import indexer_logits, indexer_logits_reference, indexer_logits_triton
+from pallas_kernels.indexer_decode_mgpu import choose_decode_tiling, indexer_logits_decode_mgpu
 from pallas_kernels.indexer_mgpu import indexer_logits_mgpu
 from pallas_kernels.topk import topk, topk_reference
 from tests.conftest import INTERPRET
@@ -150,6 +151,54 @@ def test_indexer_logits_mgpu(dtype, scaled, page, lengths, rows, tiling):
     check_logits(out, ref, 1e-5)
 
 
+# Rings deep enough that no slot is refilled: the Mosaic GPU interpreter (jax 0.11.2, this 2-core
+# CPU) stalls forever once the key ring wraps (every warpgroup blocked in a barrier wait), while
+# the same kernel runs on the H200; the GPU tests below cover refilled slots.
+@pytest.mark.parametrize("dtype,scaled,page,lengths,rows,tiling", [
+    # ragged decode batch: lengths not multiples of 64, rows with end 0, 1 and the full table;
+    # 3 key chunks per row
+    (FP8, True, 64, [520, 1, 77], [1, 1, 1], dict(chunk=4, stages=4)),
+    # MTP: 2 rows of a sequence share one wgmma (N = 2 x heads); a tile with an empty row slot
+    (FP8, True, 64, [300, 1], [2, 1], dict(chunk=8, stages=8)),
+    # bf16 without scales; page 4: keys gathered into 64-key pages first; 1 chunk per row
+    (jnp.bfloat16, False, 4, [37, 1, 90, 12], [1, 1, 1, 1], dict(chunk=4, stages=4)),
+    # fp8 without scales, page 128 (split into 64-key pages); the block table padded to 4 chunks
+    (FP8, False, 128, [700, 5, 300], [1, 1, 1], dict(chunk=4, stages=4)),
+])
+def test_indexer_logits_decode_mgpu(dtype, scaled, page, lengths, rows, tiling):
+    """The Mosaic GPU decode kernel (CPU: its interpreter, whose fresh buffers are NaN, so every
+    unwritten logit fails; heads 4 -> 8 and D 16 -> 32 padded)."""
+    args, page = make_indexer_case(7, dtype=dtype, scaled=scaled, hi=4, d=16, page=page,
+                                   lengths=lengths, rows_per_seq=rows)
+    out = indexer_logits_decode_mgpu(*args, page_size=page, interpret=INTERPRET, **tiling)
+    ref = indexer_logits_reference(*args, page_size=page)
+    check_logits(out, ref, 1e-5)
+
+
+@pytest.mark.parametrize("num_rows,num_seqs,key_blocks,want", [
+    (32, 32, 512, (1, 128)),     # B=32, 32K keys: 4 chunks a row, 128 CTAs (one wave of 132 SMs)
+    (1, 1, 2048, (1, 16)),       # B=1, 128K keys: 128 chunks of 16 blocks
+    (128, 128, 2048, (1, 256)),  # B=128: chunks of 256 blocks (one TMA of the block table)
+    (64, 32, 512, (2, 128)),     # MTP: 2 rows per tile
+])
+def test_choose_decode_tiling(num_rows, num_seqs, key_blocks, want):
+    t = choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, num_sms=132)
+    assert (t.block_rows, t.chunk) == want and t.stages % 2 == 0
+    for chunk in (6, 260):
+        with pytest.raises(ValueError, match="multiple of 4"):
+            choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, chunk=chunk)
+    with pytest.raises(ValueError, match="wgmma N"):
+        choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, block_rows=8)
+
+
+def test_indexer_logits_decode_mgpu_rejects_mixed_dtypes():
+    args, page = make_indexer_case(9, dtype=FP8, scaled=True, hi=4, d=16, page=64,
+                                   lengths=[70], rows_per_seq=[1])
+    q, w, k, *rest = args
+    with pytest.raises(ValueError, match="float8_e4m3fn or bfloat16"):
+        indexer_logits_decode_mgpu(q, w, k.astype(jnp.bfloat16), *rest, page_size=page, interpret=INTERPRET)
+
+
 # ------------------------------------------------------------------------------------------------
 # top-k (CPU: interpret mode)
 # ------------------------------------------------------------------------------------------------
@@ -264,6 +313,20 @@ def test_indexer_logits_prefill_kernels_gpu(kernel, dtype, scaled):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype,scaled", [(FP8, True), (jnp.bfloat16, False)])
+@pytest.mark.parametrize("kernel", [indexer_logits_decode_mgpu, indexer_logits_triton])
+def test_indexer_logits_decode_kernels_gpu(kernel, dtype, scaled):
+    """Both decode kernels at real dimensions: long ragged contexts (key rings refilled many
+    times), 1 and 2 (MTP) rows per sequence, a 1-key sequence, rows with no valid key."""
+    args, page = make_indexer_case(10, dtype=dtype, scaled=scaled, hi=64, d=128, page=64,
+                                   lengths=[33001, 700, 1, 20000, 4097, 64],
+                                   rows_per_seq=[1, 2, 1, 2, 1, 1])
+    out = jax.jit(functools.partial(kernel, page_size=page))(*args)
+    ref = jax.jit(functools.partial(indexer_logits_reference, page_size=page))(*args)
+    check_logits(out, ref, 2e-3 if dtype == FP8 else 1e-4)
+
+
+@pytest.mark.gpu
 def test_topk_gpu():
     rng = np.random.default_rng(4)
     num_keys, k = 32768, 2048
@@ -301,4 +364,17 @@ def test_indexer_logits_mgpu_lowers_for_the_gpu(dtype, scaled):
             sd((64 * 256,), jnp.float32) if scaled else None, sd((2, 128), jnp.int32),
             sd((4096,), jnp.int32), sd((4096,), jnp.int32))
     fn = jax.jit(functools.partial(indexer_logits_mgpu, page_size=64))
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("dtype,scaled,rows", [(FP8, True, 1), (jnp.bfloat16, False, 1), (FP8, True, 2)])
+def test_indexer_logits_decode_mgpu_lowers_for_the_gpu(dtype, scaled, rows):
+    """CPU twin of the hardware run: the decode kernel lowers to a Mosaic GPU module at real
+    dimensions (B=32 sequences of 32K keys, 64 heads x 128, pages of 64; 1 or 2 rows each)."""
+    sd = jax.ShapeDtypeStruct
+    n, slots = 32 * rows, 32 * 32768
+    args = (sd((n, 64, 128), dtype), sd((n, 64), jnp.float32), sd((slots, 128), dtype),
+            sd((slots,), jnp.float32) if scaled else None, sd((32, 512), jnp.int32),
+            sd((n,), jnp.int32), sd((n,), jnp.int32))
+    fn = jax.jit(functools.partial(indexer_logits_decode_mgpu, page_size=64))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

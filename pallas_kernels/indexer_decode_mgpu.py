@@ -1,0 +1,321 @@
+"""Lightning-indexer decode logits: a Pallas Mosaic GPU kernel (Hopper TMA + wgmma), bandwidth-bound.
+
+Same contract as `pallas_kernels.indexer.indexer_logits_reference`:
+    logits[n, s] = sum_h weights[n, h] * relu(q[n, h] . k[s]) * k_scale[s]   for s < row_end[n]
+and -inf elsewhere, keys addressed by position s of the row's sequence through its block table.
+
+Decode has 1-2 query rows per sequence and up to 128K keys each: every key byte is read once and
+feeds only 2 * rows * Hi * D flops (~124 flop/byte at fp8, one row), so the kernel is a stream
+over the key cache and its speed is the bytes it keeps in flight. Layout of the work:
+  * rows are grouped by sequence into tiles of block_rows rows (1: every row its own tile, no
+    sort; 2 for MTP, whose rows then share one read of the keys); the key axis is cut into
+    64-key blocks (the cache's pages; other page sizes are mapped to 64-key pages first) and
+    into chunks of `chunk` blocks, one CTA per (tile, chunk), with `chunk` picked so the CTAs
+    fill whole waves of the GPU's SMs;
+  * a memory warpgroup loads the chunk's slice of the block table into SMEM once (so no page
+    lookup waits on GMEM), then streams key blocks [64, D] and their scales by TMA into a ring
+    of `stages` SMEM slots (~100 KiB of keys in flight per SM), and writes -inf over the
+    chunk's blocks at or past the tile's last valid key;
+  * two compute warpgroups take alternate blocks: one wgmma [64 keys, D] x [D, block_rows * Hi]
+    (the tile's q side by side, SMEM), then per row ReLU, the head-weighted sum as a row
+    reduction of the WGMMA layout, key scales and the ragged mask; 64 logits per row go out by
+    TMA from a double-buffered SMEM tile.
+Nothing of size [rows, Hi, keys] exists outside registers.
+
+Why Mosaic GPU and a kernel of its own (measured on the H200): see `indexer.indexer_logits`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .indexer import FP8_E4M3, _tile_schedule, gather_paged_rows
+from .indexer_mgpu import BLOCK_KEYS, _meta_width, _padded_dims
+
+_COMPUTE_WGS = 2
+_KEY_RING_BYTES = 96 * 1024  # SMEM for key blocks in flight per CTA (one CTA per SM)
+_MAX_CHUNK = 256  # key blocks per CTA: its block-table slice is one TMA box (<= 256 per dim)
+_CTA_OVERHEAD_BLOCKS = 4  # a CTA's start/drain, in key blocks of streaming time (chunk cost model)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiling:
+    """block_rows: rows of one sequence per CTA (one wgmma, N = block_rows * Hi <= 256);
+    chunk: key blocks (of 64) per CTA, a multiple of 4 up to 256 (its block-table slice is one TMA);
+    stages: key blocks in flight per CTA (even: the two compute warpgroups alternate)."""
+    block_rows: int
+    chunk: int
+    stages: int
+
+
+def _num_sms():
+    return getattr(jax.devices()[0], "core_count", None) or 132
+
+
+def choose_decode_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_rows=None, chunk=None,
+                         stages=None, num_sms=None) -> DecodeTiling:
+    """block_rows: the rows per sequence (rounded up to a power of two, N <= 256). chunk: the
+    multiple of 4 that minimises waves * (chunk + per-CTA overhead) over the grid of
+    tiles x ceil(key_blocks / chunk) CTAs. stages: as many as _KEY_RING_BYTES holds (even)."""
+    rows_per_seq = num_rows / max(1, min(num_seqs, num_rows))
+    if block_rows is None:
+        block_rows = 1 if rows_per_seq < 1.5 else min(1 << (int(rows_per_seq + 0.5) - 1).bit_length(),
+                                                      max(1, 256 // hi))
+    if block_rows * hi > 256:
+        raise ValueError(f"block_rows * heads = {block_rows * hi} > 256 (wgmma N)")
+    if chunk is None:
+        tiles = -(-num_rows // block_rows)  # busy tiles when rows split evenly (the rest exit at once)
+        sms = num_sms or _num_sms()
+        best = None
+        for c in range(4, min(_MAX_CHUNK, -(-key_blocks // 4) * 4) + 1, 4):
+            waves = -(-tiles * -(-key_blocks // c) // sms)
+            cost = (waves * (c + _CTA_OVERHEAD_BLOCKS), -c)
+            if best is None or cost < best[0]:
+                best = (cost, c)
+        chunk = best[1]
+    if chunk % 4 or not 4 <= chunk <= _MAX_CHUNK:
+        raise ValueError(f"chunk={chunk} must be a multiple of 4 in [4, {_MAX_CHUNK}] (the block-table "
+                         "slice is one TMA box of 16-byte multiple)")
+    if stages is None:
+        stages = max(2, _KEY_RING_BYTES // (BLOCK_KEYS * d * jnp.dtype(dtype).itemsize) // 2 * 2)
+    if stages % _COMPUTE_WGS:
+        raise ValueError(f"stages={stages} must be a multiple of {_COMPUTE_WGS}")
+    return DecodeTiling(block_rows, chunk, stages)
+
+
+def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, swizzle):
+    """meta [T, M] int32 (sequence, tile end, row ids, row ends); q [N, Hi, D]; w [T, BR, Hi] f32;
+    bt [S, Wp] int32 (64-key pages, Wp a multiple of chunk); k [slots, D]; k_scale [slots] f32
+    (if present); out [N, KB, 64] f32 (KB key blocks)."""
+    *ks_ref, out_ref = rest
+    ks_ref = ks_ref[0] if ks_ref else None
+    br, chunk, stages = tiling.block_rows, tiling.chunk, tiling.stages
+    _, hi, d = q_ref.shape
+    bk = BLOCK_KEYS
+    out_blocks = out_ref.shape[1]
+    tile = lax.axis_index("tile")
+    first = lax.axis_index("split") * chunk  # the chunk's first key block
+    transforms = (plgpu.TilingTransform((8, swizzle // q_ref.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
+
+    def body(meta_smem, bt_smem, q_smem, w_smem, k_smem, ks_smem, o_smem, fill_smem,
+             meta_bar, bt_bar, q_bar, k_bar, consumed_bar):
+        wg = lax.axis_index("wg")
+
+        def chunk_header():
+            """(sequence, first key block past the tile's last valid key, blocks to compute)."""
+            plgpu.barrier_wait(meta_bar)
+            stop = pl.cdiv(meta_smem[1], bk)
+            return meta_smem[0], stop, jnp.clip(stop - first, 0, chunk)
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _memory_wg():
+            plgpu.set_max_registers(40, action="decrease")
+            plgpu.copy_gmem_to_smem(meta_ref.at[tile], meta_smem, meta_bar)
+            fill_smem[...] = jnp.full(fill_smem.shape, -jnp.inf, jnp.float32)
+            plgpu.commit_smem()
+            seq, stop, n_steps = chunk_header()
+
+            @pl.when(n_steps > 0)
+            def _load_rows():
+                plgpu.copy_gmem_to_smem(bt_ref.at[seq, pl.ds(first, chunk)], bt_smem, bt_bar)
+                plgpu.copy_gmem_to_smem(w_ref.at[tile], w_smem, q_bar)
+                for j in range(br):  # empty row slots load row 0 (never stored): one arrival each
+                    plgpu.copy_gmem_to_smem(q_ref.at[jnp.maximum(meta_smem[2 + j], 0)],
+                                            q_smem.at[pl.ds(j * hi, hi)], q_bar)
+                plgpu.barrier_wait(bt_bar)
+
+            @pl.loop(0, n_steps)
+            def _load_keys(step):
+                slot = lax.rem(step, stages)
+
+                @pl.when(step >= stages)
+                def _():
+                    plgpu.barrier_wait(consumed_bar.at[slot])
+                    plgpu.commit_smem()  # order the consumer's reads (generic proxy) before TMA's writes
+
+                keys = pl.ds(pl.multiple_of(jnp.maximum(bt_smem[step], 0) * bk, bk), bk)
+                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
+                if ks_ref is not None:
+                    plgpu.copy_gmem_to_smem(ks_ref.at[keys], ks_smem.at[slot], k_bar.at[slot])
+
+            fill_start = jnp.maximum(stop, first)
+            fill_stop = jnp.minimum(first + chunk, out_blocks)
+            for j in range(br):  # -inf over the chunk's blocks past the last computed one
+                row = meta_smem[2 + j]
+
+                @pl.when(row >= 0)
+                def _fill_row():
+                    @pl.loop(fill_start, fill_stop)
+                    def _fill(b):
+                        plgpu.copy_smem_to_gmem(fill_smem.at[:bk], out_ref.at[row, b])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def _compute_wg():
+            plgpu.set_max_registers(232, action="increase")
+            _, _, n_steps = chunk_header()
+            lane = plgpu.broadcasted_iota(jnp.int32, (bk,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+
+            @pl.when(n_steps > 0)
+            def _():
+                plgpu.barrier_wait(q_bar)
+
+            @pl.loop(0, (n_steps - wg + 1) // _COMPUTE_WGS)
+            def _step(i):
+                step = wg + _COMPUTE_WGS * i
+                slot = lax.rem(step, stages)
+                out_tile = o_smem.at[wg, lax.rem(i, 2)]
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # out_tile's stores of step i - 2
+                if ks_ref is not None:
+                    k_scale = plgpu.load(ks_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+
+                def mma(acc):  # the tile's q rows side by side: N = block_rows * Hi
+                    plgpu.wgmma(acc, k_smem.at[slot], q_smem.T)
+                    plgpu.wgmma_wait(0)
+                    return acc[...]
+
+                scores = pl.run_scoped(mma, plgpu.ACC((bk, br * hi), jnp.float32))
+
+                @pl.when(step + stages < n_steps)  # the memory warpgroup refills this slot
+                def _release():
+                    plgpu.barrier_arrive(consumed_bar.at[slot])
+
+                pos = lane + (first + step) * bk
+                for j in range(br):
+                    s = scores[:, j * hi:(j + 1) * hi]
+                    w = plgpu.load(w_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                    logit = jnp.sum(jnp.maximum(s, 0.0) * lax.broadcast_in_dim(w, (bk, hi), [1]), axis=1)
+                    if ks_ref is not None:
+                        logit = logit * k_scale
+                    out_tile[j] = jnp.where(pos < meta_smem[2 + br + j], logit, -jnp.inf)
+
+                plgpu.commit_smem()
+                for j in range(br):
+                    row = meta_smem[2 + j]
+
+                    @pl.when(row >= 0)
+                    def _store():
+                        plgpu.copy_smem_to_gmem(out_tile.at[j], out_ref.at[row, first + step],
+                                                commit_group=False)
+                plgpu.commit_smem_to_gmem_group()
+
+            plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((meta_ref.shape[1],), jnp.int32),
+        plgpu.SMEM((chunk,), jnp.int32),
+        plgpu.SMEM((br * hi, d), q_ref.dtype, transforms=transforms),
+        plgpu.SMEM((br, hi), jnp.float32),
+        plgpu.SMEM((stages, bk, d), q_ref.dtype, transforms=transforms),
+        plgpu.SMEM((stages, bk), jnp.float32),
+        plgpu.SMEM((_COMPUTE_WGS, 2, br, bk), jnp.float32),
+        plgpu.SMEM((2 * bk,), jnp.float32),  # -inf; splat stores need a multiple of 128 elements
+        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=br + 1),
+        plgpu.Barrier(num_arrivals=1 if ks_ref is None else 2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+        collective_axes="wg",
+    )
+
+
+def _decode_tiles(row_seq, row_end, num_seqs, num_keys, block_rows):
+    """meta [T, M] int32 (sequence, tile end, row ids (-1 = empty), row ends) and row ids [T, BR].
+    One row per tile: the rows themselves, in order (no sort)."""
+    if block_rows == 1:
+        ends = jnp.clip(row_end.astype(jnp.int32), 0, num_keys)[:, None]
+        tile_rows = jnp.arange(row_seq.shape[0], dtype=jnp.int32)[:, None]
+        seq = jnp.clip(row_seq.astype(jnp.int32), 0, num_seqs - 1)[:, None]
+        meta = jnp.concatenate([seq, ends, tile_rows, ends], axis=1)
+    else:
+        tile_rows, tile_meta = _tile_schedule(row_seq, row_end, num_seqs, num_keys, block_rows)
+        ends = jnp.where(tile_rows >= 0,
+                         jnp.clip(row_end.astype(jnp.int32)[jnp.maximum(tile_rows, 0)], 0, num_keys), 0)
+        meta = jnp.concatenate([tile_meta, tile_rows, ends], axis=1)
+    return jnp.pad(meta, ((0, 0), (0, _meta_width(block_rows) - meta.shape[1]))), tile_rows
+
+
+def _pages_of_64(k_cache, k_scale, block_tables, page_size):
+    """The cache as 64-key pages: (k_cache, k_scale, block_tables [S, KB]). Pages of a multiple
+    of 64 keys are split (a table op); other page sizes are gathered into contiguous sequences
+    first (XLA; the real cache has 64-key pages, a no-op)."""
+    num_seqs, width = block_tables.shape
+    bk = BLOCK_KEYS
+    if page_size % bk == 0:
+        per_page = page_size // bk
+        if per_page > 1:
+            pages = jnp.maximum(block_tables, 0)[:, :, None] * per_page + jnp.arange(per_page, dtype=jnp.int32)
+            block_tables = pages.reshape(num_seqs, width * per_page)
+        return k_cache, k_scale, block_tables
+    num_keys = width * page_size
+    key_blocks = pl.cdiv(num_keys, bk)
+    pad = ((0, 0), (0, key_blocks * bk - num_keys))
+    k_cache = jnp.pad(gather_paged_rows(k_cache, block_tables, page_size), pad + ((0, 0),))
+    k_cache = k_cache.reshape(num_seqs * key_blocks * bk, k_cache.shape[-1])
+    if k_scale is not None:
+        k_scale = jnp.pad(gather_paged_rows(k_scale, block_tables, page_size), pad).reshape(-1)
+    block_tables = jnp.arange(num_seqs * key_blocks, dtype=jnp.int32).reshape(num_seqs, key_blocks)
+    return k_cache, k_scale, block_tables
+
+
+def indexer_logits_decode_mgpu(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *,
+                               page_size, interpret=False, **tiling_overrides):
+    """Indexer logits for decode-shaped batches (1-2 rows per sequence, long contexts), Pallas
+    Mosaic GPU kernel (Hopper). Same contract as `indexer_logits_reference`.
+
+    q: [N, Hi, D] e4m3 or bf16; weights [N, Hi] f32; k_cache [num_slots, D] (same dtype as q);
+    k_scale [num_slots] f32 or None; block_tables [S, W] int32; row_seq, row_end [N] int32.
+    Returns [N, W * page_size] f32, -inf at positions >= row_end[n].
+    tiling_overrides: block_rows, chunk, stages, num_sms (see `choose_decode_tiling`).
+    interpret: run in the Mosaic GPU interpreter (CPU tests; eager only, it deadlocks under jit).
+    """
+    n, hi, d = q.shape
+    num_seqs, width = block_tables.shape
+    num_keys = width * page_size
+    if q.dtype != k_cache.dtype or q.dtype not in (FP8_E4M3, jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"q and k_cache must both be float8_e4m3fn or bfloat16, got {q.dtype}, {k_cache.dtype}")
+    if n == 0 or num_keys == 0:
+        return jnp.full((n, num_keys), -jnp.inf, jnp.float32)
+    hi_p, d_p, swizzle = _padded_dims(hi, d, q.dtype)
+    weights = weights.astype(jnp.float32)
+    if (hi_p, d_p) != (hi, d):
+        q = jnp.pad(q, ((0, 0), (0, hi_p - hi), (0, d_p - d)))
+        weights = jnp.pad(weights, ((0, 0), (0, hi_p - hi)))
+        k_cache = jnp.pad(k_cache, ((0, 0), (0, d_p - d)))
+    k_cache, k_scale, block_tables = _pages_of_64(k_cache, k_scale, block_tables.astype(jnp.int32), page_size)
+    key_blocks = block_tables.shape[1]
+    tiling = choose_decode_tiling(n, num_seqs, key_blocks, q.dtype, hi_p, d_p, **tiling_overrides)
+    splits = pl.cdiv(key_blocks, tiling.chunk)
+    if splits * tiling.chunk != key_blocks:  # every chunk's block-table slice is in bounds
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, splits * tiling.chunk - key_blocks)))
+
+    meta, tile_rows = _decode_tiles(row_seq, row_end, num_seqs, num_keys, tiling.block_rows)
+    if tiling.block_rows == 1:
+        tile_weights = weights[:, None, :]
+    else:
+        tile_weights = jnp.where(tile_rows[..., None] >= 0, weights[jnp.maximum(tile_rows, 0)], 0.0)
+    args = [meta, q, tile_weights, block_tables, k_cache]
+    if k_scale is not None:
+        args.append(k_scale.astype(jnp.float32))
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, tiling=tiling, swizzle=swizzle),
+        out_type=jax.ShapeDtypeStruct((n, key_blocks, BLOCK_KEYS), jnp.float32),
+        grid=(splits, meta.shape[0]),
+        grid_names=("split", "tile"),
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name="indexer_logits_decode_mgpu",
+    )
+    out = kernel(*args).reshape(n, key_blocks * BLOCK_KEYS)
+    return out if out.shape[1] == num_keys else out[:, :num_keys]
