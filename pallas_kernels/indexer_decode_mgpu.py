@@ -49,9 +49,11 @@ _CTA_OVERHEAD_BLOCKS = 4  # a CTA's start/drain, in key blocks of streaming time
 class DecodeTiling:
     """block_rows: rows of one sequence per CTA (one wgmma, N = block_rows * Hi <= 256);
     chunk: key blocks (of 64) per CTA, a multiple of 4 up to 256 (its block-table slice is one TMA);
-    stages: key blocks in flight per CTA (even: the two compute warpgroups alternate)."""
+    step_blocks: key blocks per pipeline step (one ring slot, one barrier round trip, one
+    wgmma per block); stages: ring slots (even: the two compute warpgroups alternate)."""
     block_rows: int
     chunk: int
+    step_blocks: int
     stages: int
 
 
@@ -60,10 +62,11 @@ def _num_sms():
 
 
 def choose_decode_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_rows=None, chunk=None,
-                         stages=None, num_sms=None) -> DecodeTiling:
+                         step_blocks=None, stages=None, num_sms=None) -> DecodeTiling:
     """block_rows: the rows per sequence (rounded up to a power of two, N <= 256). chunk: the
     multiple of 4 that minimises waves * (chunk + per-CTA overhead) over the grid of
-    tiles x ceil(key_blocks / chunk) CTAs. stages: as many as _KEY_RING_BYTES holds (even)."""
+    tiles x ceil(key_blocks / chunk) CTAs. step_blocks: 1. stages: as many slots as
+    _KEY_RING_BYTES holds (even)."""
     rows_per_seq = num_rows / max(1, min(num_seqs, num_rows))
     if block_rows is None:
         block_rows = 1 if rows_per_seq < 1.5 else min(1 << (int(rows_per_seq + 0.5) - 1).bit_length(),
@@ -83,11 +86,13 @@ def choose_decode_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_
     if chunk % 4 or not 4 <= chunk <= _MAX_CHUNK:
         raise ValueError(f"chunk={chunk} must be a multiple of 4 in [4, {_MAX_CHUNK}] (the block-table "
                          "slice is one TMA box of 16-byte multiple)")
+    step_blocks = step_blocks or 1
     if stages is None:
-        stages = max(2, _KEY_RING_BYTES // (BLOCK_KEYS * d * jnp.dtype(dtype).itemsize) // 2 * 2)
+        slot_bytes = step_blocks * BLOCK_KEYS * d * jnp.dtype(dtype).itemsize
+        stages = max(2, _KEY_RING_BYTES // slot_bytes // 2 * 2)
     if stages % _COMPUTE_WGS:
         raise ValueError(f"stages={stages} must be a multiple of {_COMPUTE_WGS}")
-    return DecodeTiling(block_rows, chunk, stages)
+    return DecodeTiling(block_rows, chunk, step_blocks, stages)
 
 
 def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, swizzle):
@@ -96,7 +101,7 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
     (if present); out [N, KB, 64] f32 (KB key blocks)."""
     *ks_ref, out_ref = rest
     ks_ref = ks_ref[0] if ks_ref else None
-    br, chunk, stages = tiling.block_rows, tiling.chunk, tiling.stages
+    br, chunk, sb, stages = tiling.block_rows, tiling.chunk, tiling.step_blocks, tiling.stages
     _, hi, d = q_ref.shape
     bk = BLOCK_KEYS
     out_blocks = out_ref.shape[1]
@@ -109,10 +114,12 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
         wg = lax.axis_index("wg")
 
         def chunk_header():
-            """(sequence, first key block past the tile's last valid key, blocks to compute)."""
+            """(sequence, first key block past the tile's last valid key, blocks to compute,
+            pipeline steps: the last one padded with repeats of the last block, never stored)."""
             plgpu.barrier_wait(meta_bar)
             stop = pl.cdiv(meta_smem[1], bk)
-            return meta_smem[0], stop, jnp.clip(stop - first, 0, chunk)
+            n_blocks = jnp.clip(stop - first, 0, chunk)
+            return meta_smem[0], stop, n_blocks, pl.cdiv(n_blocks, sb)
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory_wg():
@@ -120,7 +127,7 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
             plgpu.copy_gmem_to_smem(meta_ref.at[tile], meta_smem, meta_bar)
             fill_smem[...] = jnp.full(fill_smem.shape, -jnp.inf, jnp.float32)
             plgpu.commit_smem()
-            seq, stop, n_steps = chunk_header()
+            seq, stop, n_blocks, n_steps = chunk_header()
 
             @pl.when(n_steps > 0)
             def _load_rows():
@@ -140,10 +147,12 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
                     plgpu.barrier_wait(consumed_bar.at[slot])
                     plgpu.commit_smem()  # order the consumer's reads (generic proxy) before TMA's writes
 
-                keys = pl.ds(pl.multiple_of(jnp.maximum(bt_smem[step], 0) * bk, bk), bk)
-                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
-                if ks_ref is not None:
-                    plgpu.copy_gmem_to_smem(ks_ref.at[keys], ks_smem.at[slot], k_bar.at[slot])
+                for b in range(sb):
+                    block = jnp.minimum(step * sb + b, n_blocks - 1)
+                    keys = pl.ds(pl.multiple_of(jnp.maximum(bt_smem[block], 0) * bk, bk), bk)
+                    plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot, b], k_bar.at[slot])
+                    if ks_ref is not None:
+                        plgpu.copy_gmem_to_smem(ks_ref.at[keys], ks_smem.at[slot, b], k_bar.at[slot])
 
             fill_start = jnp.maximum(stop, first)
             fill_stop = jnp.minimum(first + chunk, out_blocks)
@@ -160,52 +169,58 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
             plgpu.set_max_registers(232, action="increase")
-            _, _, n_steps = chunk_header()
+            _, _, n_blocks, n_steps = chunk_header()
             lane = plgpu.broadcasted_iota(jnp.int32, (bk,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
 
             @pl.when(n_steps > 0)
             def _():
                 plgpu.barrier_wait(q_bar)
+                ws = [lax.broadcast_in_dim(plgpu.load(w_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0),
+                                                      optimized=False), (bk, hi), [1]) for j in range(br)]
 
-            @pl.loop(0, (n_steps - wg + 1) // _COMPUTE_WGS)
-            def _step(i):
-                step = wg + _COMPUTE_WGS * i
-                slot = lax.rem(step, stages)
-                out_tile = o_smem.at[wg, lax.rem(i, 2)]
-                plgpu.barrier_wait(k_bar.at[slot])
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # out_tile's stores of step i - 2
-                if ks_ref is not None:
-                    k_scale = plgpu.load(ks_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                @pl.loop(0, (n_steps - wg + 1) // _COMPUTE_WGS)
+                def _step(i):
+                    step = wg + _COMPUTE_WGS * i
+                    slot = lax.rem(step, stages)
+                    out_tile = o_smem.at[wg, lax.rem(i, 2)]
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # out_tile's stores of step i - 2
 
-                def mma(acc):  # the tile's q rows side by side: N = block_rows * Hi
-                    plgpu.wgmma(acc, k_smem.at[slot], q_smem.T)
-                    plgpu.wgmma_wait(0)
-                    return acc[...]
+                    def mma(*accs):  # per block, the tile's q rows side by side: N = block_rows * Hi
+                        for b, acc in enumerate(accs):
+                            plgpu.wgmma(acc, k_smem.at[slot, b], q_smem.T)
+                        plgpu.wgmma_wait(0)
+                        return [acc[...] for acc in accs]
 
-                scores = pl.run_scoped(mma, plgpu.ACC((bk, br * hi), jnp.float32))
+                    scores = pl.run_scoped(mma, *[plgpu.ACC((bk, br * hi), jnp.float32)] * sb)
 
-                @pl.when(step + stages < n_steps)  # the memory warpgroup refills this slot
-                def _release():
-                    plgpu.barrier_arrive(consumed_bar.at[slot])
+                    @pl.when(step + stages < n_steps)  # the memory warpgroup refills this slot
+                    def _release():
+                        plgpu.barrier_arrive(consumed_bar.at[slot])
 
-                pos = lane + (first + step) * bk
-                for j in range(br):
-                    s = scores[:, j * hi:(j + 1) * hi]
-                    w = plgpu.load(w_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-                    logit = jnp.sum(jnp.maximum(s, 0.0) * lax.broadcast_in_dim(w, (bk, hi), [1]), axis=1)
-                    if ks_ref is not None:
-                        logit = logit * k_scale
-                    out_tile[j] = jnp.where(pos < meta_smem[2 + br + j], logit, -jnp.inf)
+                    for b in range(sb):
+                        if ks_ref is not None:
+                            k_scale = plgpu.load(ks_smem.at[slot, b], layout=plgpu.Layout.WGMMA.reduce(1),
+                                                 optimized=False)
+                        pos = lane + (first + step * sb + b) * bk
+                        for j in range(br):
+                            s = jnp.maximum(scores[b][:, j * hi:(j + 1) * hi], 0.0)
+                            logit = jnp.sum(s * ws[j], axis=1)
+                            if ks_ref is not None:
+                                logit = logit * k_scale
+                            out_tile[b, j] = jnp.where(pos < meta_smem[2 + br + j], logit, -jnp.inf)
 
-                plgpu.commit_smem()
-                for j in range(br):
-                    row = meta_smem[2 + j]
+                    plgpu.commit_smem()
+                    for b in range(sb):
+                        block = step * sb + b
+                        for j in range(br):
+                            row = meta_smem[2 + j]
 
-                    @pl.when(row >= 0)
-                    def _store():
-                        plgpu.copy_smem_to_gmem(out_tile.at[j], out_ref.at[row, first + step],
-                                                commit_group=False)
-                plgpu.commit_smem_to_gmem_group()
+                            @pl.when((row >= 0) & (block < n_blocks))
+                            def _store():
+                                plgpu.copy_smem_to_gmem(out_tile.at[b, j], out_ref.at[row, first + block],
+                                                        commit_group=False)
+                    plgpu.commit_smem_to_gmem_group()
 
             plgpu.wait_smem_to_gmem(0)
 
@@ -215,14 +230,14 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
         plgpu.SMEM((chunk,), jnp.int32),
         plgpu.SMEM((br * hi, d), q_ref.dtype, transforms=transforms),
         plgpu.SMEM((br, hi), jnp.float32),
-        plgpu.SMEM((stages, bk, d), q_ref.dtype, transforms=transforms),
-        plgpu.SMEM((stages, bk), jnp.float32),
-        plgpu.SMEM((_COMPUTE_WGS, 2, br, bk), jnp.float32),
+        plgpu.SMEM((stages, sb, bk, d), q_ref.dtype, transforms=transforms),
+        plgpu.SMEM((stages, sb, bk), jnp.float32),
+        plgpu.SMEM((_COMPUTE_WGS, 2, sb, br, bk), jnp.float32),
         plgpu.SMEM((2 * bk,), jnp.float32),  # -inf; splat stores need a multiple of 128 elements
         plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=br + 1),
-        plgpu.Barrier(num_arrivals=1 if ks_ref is None else 2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=sb * (1 if ks_ref is None else 2), num_barriers=stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         collective_axes="wg",
     )

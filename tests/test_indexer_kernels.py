@@ -164,6 +164,9 @@ def test_indexer_logits_mgpu(dtype, scaled, page, lengths, rows, tiling):
     (jnp.bfloat16, False, 4, [37, 1, 90, 12], [1, 1, 1, 1], dict(chunk=4, stages=4)),
     # fp8 without scales, page 128 (split into 64-key pages); the block table padded to 4 chunks
     (FP8, False, 128, [700, 5, 300], [1, 1, 1], dict(chunk=4, stages=4)),
+    # 3 key blocks per ring slot: the last step of a chunk padded with a repeated block (5 blocks)
+    (FP8, True, 64, [300, 130], [2, 2], dict(chunk=8, step_blocks=3, stages=4)),
+    (jnp.bfloat16, False, 64, [250, 64, 1], [1, 1, 1], dict(chunk=4, step_blocks=2, stages=2)),
 ])
 def test_indexer_logits_decode_mgpu(dtype, scaled, page, lengths, rows, tiling):
     """The Mosaic GPU decode kernel (CPU: its interpreter, whose fresh buffers are NaN, so every
@@ -183,7 +186,7 @@ def test_indexer_logits_decode_mgpu(dtype, scaled, page, lengths, rows, tiling):
 ])
 def test_choose_decode_tiling(num_rows, num_seqs, key_blocks, want):
     t = choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, num_sms=132)
-    assert (t.block_rows, t.chunk) == want and t.stages % 2 == 0
+    assert (t.block_rows, t.chunk, t.step_blocks, t.stages) == want + (1, 12)
     for chunk in (6, 260):
         with pytest.raises(ValueError, match="multiple of 4"):
             choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, chunk=chunk)
