@@ -175,8 +175,8 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
             @pl.when(n_steps > 0)
             def _():
                 plgpu.barrier_wait(q_bar)
-                ws = [lax.broadcast_in_dim(plgpu.load(w_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0),
-                                                      optimized=False), (bk, hi), [1]) for j in range(br)]
+                ws = [plgpu.load(w_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                      for j in range(br)]
 
                 @pl.loop(0, (n_steps - wg + 1) // _COMPUTE_WGS)
                 def _step(i):
@@ -205,7 +205,7 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
                         pos = lane + (first + step * sb + b) * bk
                         for j in range(br):
                             s = jnp.maximum(scores[b][:, j * hi:(j + 1) * hi], 0.0)
-                            logit = jnp.sum(s * ws[j], axis=1)
+                            logit = jnp.sum(s * lax.broadcast_in_dim(ws[j], (bk, hi), [1]), axis=1)
                             if ks_ref is not None:
                                 logit = logit * k_scale
                             out_tile[b, j] = jnp.where(pos < meta_smem[2 + br + j], logit, -jnp.inf)
