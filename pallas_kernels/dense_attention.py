@@ -3,10 +3,16 @@
 `causal_varlen_attention` is a Pallas Mosaic GPU (Hopper: TMA + wgmma, warp-specialised) flash
 attention over a packed ragged batch of causal prefills. Mosaic GPU rather than Pallas-Triton:
 on the H200, Triton-lowered attention kernels ran ~3.4x slower than Mosaic GPU ones (tokamax
-139 vs 471 causal TFLOP/s at 4x2048, /work/shared/dsa-facts.md). Measured on the H200 (H=128,
-bf16, causal TFLOP/s): 4x2048 453, 16x512 288-293, 64x128 103, 4x1024 after 1024 cached 485;
-cuDNN through jax.nn 426 / 254 at 4x2048 / 16x512. block_kv=64 with 3 stages beat block_kv=96
-with 2 (383 and 188 at 4x2048 and 16x512).
+139 vs 471 causal TFLOP/s at 4x2048, /work/shared/dsa-facts.md).
+Measured on the H200 (H=128, bf16, causal TFLOP/s; ratios within one run, runs vary ~7%):
+128-key tiles x 2 stages beat 64 x 3 (4x2048 481 vs 433, 16x512 309 vs 280, 64x128 115 vs 100,
+the last also from building the work table without a searchsorted loop); 64-column output
+pieces free the shared memory for them, and storing whole 64-row pieces from a swizzled tile
+saved ~5% (1.82 vs 1.90 ms at 4x2048). Not kept: issuing a step's PV product and the next QK
+product together (363 vs 449 at 4x2048, 167 vs 307 at 16x512), turn-taking by hardware named
+barriers or one-way signals (474, 479 vs 481). For comparison (session 2): cuDNN 396-426 /
+254 / 65 and tokamax 555 / 307 / 116 at 4x2048 / 16x512 / 64x128. 64x128 moves 1.34 GB (q, k,
+v read once, out written once): 0.375 ms is 3.6 TB/s, the copy ceiling.
 """
 
 from __future__ import annotations
@@ -29,7 +35,10 @@ _ALIGN = 8  # rows: TMA into (8, 64)-tiled shared memory starts at a multiple of
 # Block table columns (one row per kernel block, int32), see _block_table:
 _ROW0, _LO, _HI, _POS0, _KROW0, _KSHIFT, _KV_END = range(7)
 _TABLE_COLS = 7
-
+_O_COLS = 64  # output columns per store round (one 64 x 64 tile per consumer)
+# (block_kv, num_stages) by preference (measured, see the module docstring): the first whose
+# shared memory fits the head dims
+_TILINGS = ((128, 2), (64, 3), (64, 2))
 
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma operands; the softmax is float32
 
@@ -143,7 +152,9 @@ def _block_table(q_start_loc, k_start_loc, num_rows, num_blocks):
     seq_blocks = jnp.where(seq_end > seq_start, (seq_end - seq_base + _BLOCK_Q - 1) // _BLOCK_Q, 0)
     blocks_end = jnp.cumsum(seq_blocks)
     blk = jnp.arange(num_blocks, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(blocks_end, blk, side="right"), num_seqs).astype(jnp.int32)
+    # compare_all: one fused kernel (the default scan is a loop of small ones)
+    seq = jnp.minimum(jnp.searchsorted(blocks_end, blk, side="right", method="compare_all"),
+                      num_seqs).astype(jnp.int32)
     in_use = blk < blocks_end[-1]
     row0 = seq_base[seq] + (blk - (blocks_end[seq] - seq_blocks[seq])) * _BLOCK_Q
     lo = jnp.where(in_use, jnp.maximum(seq_start[seq] - row0, 0), 0)
@@ -152,12 +163,13 @@ def _block_table(q_start_loc, k_start_loc, num_rows, num_blocks):
     kv_end = jnp.where(in_use & (seq < num_seqs), pos0 + hi, 0)
     krow = seq_krow[seq]
     table = jnp.stack([row0 // _ALIGN, lo, hi, pos0, krow // _ALIGN, krow % _ALIGN, kv_end], axis=1)
-    order = jnp.lexsort((-kv_end, ~in_use))  # in use first, then by descending key count
+    # in use first (keys <= 0), then by descending key count
+    order = jnp.argsort(jnp.where(in_use, -kv_end, 1), stable=True)
     return table[order].astype(jnp.int32), blocks_end[-1:].astype(jnp.int32)
 
 
 def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpret=False,
-                            block_kv=64, num_stages=3, num_programs=None):
+                            block_kv=None, num_stages=None, num_programs=None):
     """Causal flash attention of a packed ragged batch of prefills (Pallas Mosaic GPU, Hopper).
 
     q: [T, H, Dqk] packed queries, sequence s owns rows q_start_loc[s]..q_start_loc[s+1]
@@ -169,13 +181,18 @@ def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpr
     dtypes: bf16 or f16 (wgmma operands), f32 softmax. Dqk and Dv: multiples of 64, <= 256.
 
     Work items are (block of 128 packed q rows, 8-row aligned, holding queries of one sequence,
-    head), from a table built here from the start locations (traced), longest blocks first. num_programs persistent blocks
-    (default: one per SM) walk the items; each has two consumer warpgroups of 64 query rows
-    and one producer warpgroup that streams block_kv-key tiles of K and V through num_stages
-    shared-memory slots with TMA, continuously across items. An item reads only the key tiles
-    its causal range reaches and masks only the diagonal ones; the consumers take turns on the
-    tensor cores (one's softmax overlaps the other's matmuls). A tile's output is stored with a
-    ladder of power-of-two-row TMA stores so no other sequence's rows are touched.
+    head), from a table built here from the start locations (traced), longest blocks first.
+    num_programs persistent blocks (default: one per SM) walk the items; each has two consumer
+    warpgroups of 64 query rows and one producer warpgroup that streams block_kv-key tiles of K
+    and V through num_stages shared-memory slots with TMA, continuously across items
+    (block_kv, num_stages: both or neither; neither = the first of _TILINGS whose shared memory
+    fits, 128 x 2 for the model's 192 / 128 head dims). An item reads only the key tiles its
+    causal range reaches and masks only the diagonal ones. The consumers take turns on the
+    tensor cores (one's softmax overlaps the other's matmuls). The next item's q tile is loaded
+    as soon as the last QK product has read the current one. Output leaves in 64-column pieces
+    through a 64 x 64 shared-memory tile per consumer: swizzled when all 64 rows are the
+    sequence's, else plain rows stored with a ladder of power-of-two-row TMA stores so no other
+    sequence's rows are touched.
     TMA into swizzled shared memory needs 8-row aligned starts: query tiles start at the
     sequence's first row rounded down to 8 and key tiles likewise (the causal mask drops the
     other sequence's keys). T or Tk not a multiple of 8 costs a padded copy of q or of k and v.
@@ -187,12 +204,20 @@ def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpr
     reason = unsupported_reason(q.dtype, d_qk, d_v)
     if reason:
         raise ValueError(reason)
+    itemsize = jnp.dtype(q.dtype).itemsize
+    smem_bytes = lambda bkv, stages: itemsize * (_BLOCK_Q * (d_qk + _O_COLS)
+                                                 + stages * bkv * (d_qk + d_v))
+    if block_kv is None and num_stages is None:
+        # unsupported_reason's head dims fit the last one
+        block_kv, num_stages = next(t for t in _TILINGS if smem_bytes(*t) <= _SMEM_BYTES)
+    if block_kv is None or num_stages is None:
+        raise ValueError(f"give both block_kv and num_stages or neither; got {block_kv}, "
+                         f"{num_stages}")
     if block_kv % 32 or not 64 <= block_kv <= 256:
         raise ValueError(f"block_kv={block_kv} must be a multiple of 32 in [64, 256]")
     if num_stages < 2:
         raise ValueError(f"num_stages={num_stages} must be >= 2")
-    itemsize = jnp.dtype(q.dtype).itemsize
-    smem = itemsize * (_BLOCK_Q * (d_qk + d_v) + num_stages * block_kv * (d_qk + d_v))
+    smem = smem_bytes(block_kv, num_stages)
     if smem > _SMEM_BYTES:
         raise ValueError(f"block_kv={block_kv}, num_stages={num_stages} need {smem} bytes of "
                          f"shared memory (> {_SMEM_BYTES})")
@@ -226,7 +251,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
     # exp2 of scores pre-multiplied by scale * log2(e): one FMA per score
     qk_scale = scale * math.log2(math.e)
 
-    def kernel(table_ref, used_ref, q_ref, k_ref, v_ref, out_ref, q_smem, o_smem, k_smem, v_smem,
+    def kernel(table_ref, used_ref, q_ref, k_ref, v_ref, out_ref, q_smem, o_smems, k_smem, v_smem,
                q_ready, k_ready, v_ready, k_free, v_free, turn, p_smem=None):
         wg = lax.axis_index("wg")
         num_used = used_ref[0]
@@ -258,14 +283,16 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
             q_tile = q_smem.at[wg]
-            o_tile = o_smem.at[wg]
+            # one 64 x 64 tile per consumer, seen two ways (see the stores)
+            (o_swizzled,), (o_plain,) = o_smems
+            o_swizzled, o_plain = o_swizzled.at[wg], o_plain.at[wg]
             row_layout = plgpu.Layout.WGMMA.reduce(1)
 
             def load_q(head, info):
                 rows = pl.ds(aligned_rows(info[_ROW0], wg * _WG_ROWS), _WG_ROWS)
                 plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_tile, q_ready.at[wg])
 
-            def kv_step(step, carry, *, tile0, wg_pos0, k_shift, masked):
+            def kv_step(step, carry, *, tile0, wg_pos0, k_shift, masked, after_qk):
                 acc, m_i, l_i = carry
                 slot = lax.rem(tile0 + step, num_stages)
                 plgpu.barrier_wait(k_ready.at[slot])
@@ -277,7 +304,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
 
                 s = pl.run_scoped(qk_product, plgpu.ACC((_WG_ROWS, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                s = s * qk_scale
+                after_qk(step)
                 if masked:
                     # key 0 of the sequence sits k_shift columns into tile 0
                     q_pos = wg_pos0 + plgpu.broadcasted_iota(
@@ -285,11 +312,13 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
                     k_pos = (step * block_kv - k_shift) + plgpu.broadcasted_iota(
                         jnp.int32, (_WG_ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
                     s = jnp.where((k_pos <= q_pos) & (k_pos >= 0), s, -jnp.inf)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
+                # the scale rides on the max and on one FMA per score
+                m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
+                p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha  # + p's row sums, added while the tensor cores work
+                p16 = p.astype(dtype)
                 plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_wait(turn)
@@ -297,18 +326,21 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
                     # The interpreter has no register operands or pre-initialised accumulators
                     # for wgmma: P goes through shared memory and the product is added.
                     p_tile = p_smem.at[wg]
-                    p_tile[...] = p.astype(dtype)
+                    p_tile[...] = p16
 
                     def pv_alone(acc_ref):
                         plgpu.wgmma(acc_ref, p_tile, v_smem.at[slot])
                         return acc_ref[...]
 
                     acc = acc + pl.run_scoped(pv_alone, plgpu.ACC((_WG_ROWS, d_v), jnp.float32))
+                    l_i = l_i + p.sum(axis=1)
                 else:
-                    def pv_product(acc_ref):
-                        plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+                    def pv_then_sum(refs):
+                        acc_ref, l_ref = refs
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        l_ref[...] += p.sum(axis=1)  # while the tensor cores work
 
-                    acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+                    acc, l_i = pl.run_state(pv_then_sum)((plgpu.ACC.init(acc), l_i))
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
 
@@ -351,35 +383,59 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
                     plgpu.layout_cast(jnp.full((_WG_ROWS,), -jnp.inf, jnp.float32), row_layout),
                     plgpu.layout_cast(jnp.zeros((_WG_ROWS,), jnp.float32), row_layout),
                 )
-                step_fn = functools.partial(kv_step, tile0=tile0, wg_pos0=wg_pos0, k_shift=k_shift)
+                has_next = i + 1 < num_items
+
+                def after_qk(step):
+                    # the q tile is free once the item's last QK product is read: fetch the next
+                    pl.when((step == steps - 1) & has_next)(lambda: load_q(next_head, next_info))
+
+                step_fn = functools.partial(kv_step, tile0=tile0, wg_pos0=wg_pos0, k_shift=k_shift,
+                                            after_qk=after_qk)
                 carry = lax.fori_loop(0, first_full, functools.partial(step_fn, masked=True), carry)
                 carry = lax.fori_loop(first_full, end_full, functools.partial(step_fn, masked=False),
                                       carry)
                 carry = lax.fori_loop(end_full, steps, functools.partial(step_fn, masked=True), carry)
 
-                @pl.when(i + 1 < num_items)
+                @pl.when(has_next & (steps == 0))
                 def _():
-                    load_q(next_head, next_info)  # the q tile is free: fetch the next item's
+                    load_q(next_head, next_info)  # no QK product read the q tile: fetch now
 
                 lax.fori_loop(steps, tiles, functools.partial(skip_step, tile0=tile0), None)
                 acc, _, l_i = carry
                 # l_i >= 1 in any row that saw a key; rows that saw none (zero blocks) stay 0
                 inv_l = 1.0 / jnp.where(l_i > 0, l_i, 1.0)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores
-                o_tile[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
-                plgpu.commit_smem()
-                # Store rows [lo, hi): one TMA per set bit of hi - lo, largest first.
+                out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
                 wg_row0 = aligned_rows(info[_ROW0], wg * _WG_ROWS)
                 count = hi - lo
-                stored = lo
-                size = _WG_ROWS
-                while size >= 1:
-                    @pl.when((count & size) != 0)
-                    def _store(size=size, stored=stored):
-                        plgpu.copy_smem_to_gmem(o_tile.at[pl.ds(stored, size)],
-                                                out_ref.at[pl.ds(wg_row0 + stored, size), head])
-                    stored = stored + (count & size)
-                    size //= 2
+                whole = count == _WG_ROWS
+                for col0 in range(0, d_v, _O_COLS):
+                    cols = pl.ds(col0, _O_COLS)
+                    piece = out[:, col0:col0 + _O_COLS].astype(dtype)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the o tile's last stores
+
+                    @pl.when(whole)
+                    def _():
+                        # all 64 rows: through the swizzled view (bank-conflict-free writes)
+                        o_swizzled[...] = piece
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(o_swizzled,
+                                                out_ref.at[pl.ds(wg_row0, _WG_ROWS), head, cols])
+
+                    @pl.when(~whole)
+                    def _():
+                        # rows [lo, hi): plain rows, one TMA per set bit of hi - lo, largest first
+                        o_plain[...] = piece
+                        plgpu.commit_smem()
+                        stored = lo
+                        size = _WG_ROWS // 2
+                        while size >= 1:
+                            @pl.when((count & size) != 0)
+                            def _store(size=size, stored=stored):
+                                plgpu.copy_smem_to_gmem(
+                                    o_plain.at[pl.ds(stored, size)],
+                                    out_ref.at[pl.ds(wg_row0 + stored, size), head, cols])
+                            stored = stored + (count & size)
+                            size //= 2
                 return tile0 + tiles, next_head, next_info
 
             lax.fori_loop(0, num_items, item_body, (jnp.int32(0), *item_info(0)))
@@ -432,7 +488,11 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
     v_swizzle = _SWIZZLE if block_kv % 64 == 0 else _SWIZZLE // 2
     scratch = [
         plgpu.SMEM((_CONSUMER_WGS, _WG_ROWS, d_qk), dtype, transforms=swizzled()),
-        plgpu.SMEM((_CONSUMER_WGS, _WG_ROWS, d_v), dtype),  # plain rows: any row slice is a TMA box
+        # the o tile: swizzled for whole 64-row stores, plain (any row slice is a TMA box) for
+        # the partial ones at sequence edges
+        plgpu.RefUnion((plgpu.SMEM((_CONSUMER_WGS, _WG_ROWS, _O_COLS), dtype,
+                                   transforms=swizzled()),),
+                       (plgpu.SMEM((_CONSUMER_WGS, _WG_ROWS, _O_COLS), dtype),)),
         plgpu.SMEM((num_stages, block_kv, d_qk), dtype, transforms=swizzled()),
         plgpu.SMEM((num_stages, block_kv, d_v), dtype, transforms=swizzled(v_swizzle)),
         plgpu.Barrier(num_barriers=_CONSUMER_WGS),
@@ -453,5 +513,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
         grid_names=("program",),
         num_threads=_CONSUMER_WGS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                             unsafe_no_auto_barriers=True,
+                                             reduction_scratch_bytes=0),
     )(table, blocks_used, q, k, v)

@@ -62,7 +62,7 @@ def rel_err(out, ref, rows):
     return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
-# lengths not multiples of any block (64-row warpgroup tiles, 128-row blocks, 64-key tiles),
+# lengths not multiples of any block (64-row warpgroup tiles, 128-row blocks, 128-key tiles),
 # sequences starting off the 8-row grid of the kernel's tiles, a single query, an empty
 # sequence, contexts 0 and > 0 (several unmasked key tiles)
 RAGGED = dict(q_lens=[70, 1, 0, 130, 129], ctx_lens=[0, 5, 3, 200, 64])
@@ -123,7 +123,9 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="int32"):
         call(q, k, v, q_start.astype(jnp.float32), k_start)
     with pytest.raises(ValueError, match="shared memory"):
-        call(*make_batch(4, [3], [0], heads=1)[:3], q_start, k_start, block_kv=128, num_stages=2)
+        call(*make_batch(4, [3], [0], heads=1)[:3], q_start, k_start, block_kv=128, num_stages=3)
+    with pytest.raises(ValueError, match="both"):
+        call(q, k, v, q_start, k_start, block_kv=128)
 
 
 @pytest.mark.gpu
@@ -147,11 +149,14 @@ def test_unsupported_reason_names_the_problem():
     assert "Dv=320" in dense_attention.unsupported_reason(jnp.float16, 192, 320)
 
 
-def test_kernel_lowers_for_the_gpu_at_real_dims():
-    """CPU twin of the hardware run: the kernel lowers to a Mosaic GPU module at H=128, 192/128
+# 192 / 128: the model's (128-key tiles, 2 stages); 256 / 256: the largest head dims
+# unsupported_reason accepts (64-key tiles, 2 stages: the only tiling whose shared memory fits)
+@pytest.mark.parametrize("d_qk,d_v", [(192, 128), (256, 256)])
+def test_kernel_lowers_for_the_gpu_at_real_dims(d_qk, d_v):
+    """CPU twin of the hardware run: the kernel lowers to a Mosaic GPU module at H=128
     (the interpreter does not check layouts or swizzles; lowering does)."""
     sd = jax.ShapeDtypeStruct
-    args = (sd((4096, 128, 192), jnp.bfloat16), sd((6144, 128, 192), jnp.bfloat16),
-            sd((6144, 128, 128), jnp.bfloat16), sd((5,), jnp.int32), sd((5,), jnp.int32))
+    args = (sd((4096, 128, d_qk), jnp.bfloat16), sd((6144, 128, d_qk), jnp.bfloat16),
+            sd((6144, 128, d_v), jnp.bfloat16), sd((5,), jnp.int32), sd((5,), jnp.int32))
     fn = jax.jit(lambda *a: causal_varlen_attention(*a, scale=0.07))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
