@@ -12,27 +12,38 @@ One CTA = one query row x 64 heads x one split of the slot list, three warpgroup
     swizzled shared memory with per-thread 16-byte `cp.async` copies (Hopper's TMA cannot
     gather rows, and one bulk copy per row would need 10 copies per row), zero-filling the rows
     of -1 slots, into a ring of [64, R + P] bf16 tiles (2 at DeepSeek's shapes: q's [64, 576]
-    tile and the ring fill the 227 KiB). An fp8 latent is loaded to registers instead,
-    dequantised (e4m3 -> f16 exactly, x the f32 scale, -> bf16, as FlashMLA does) and stored.
+    tile and the ring fill the 227 KiB). Eight consecutive lanes take eight rows, so a warp's
+    16-byte stores spread over all shared-memory banks (one row per warp: 2-4 way conflicts).
+    An fp8 latent is copied the same way, raw (e4m3 bytes and f32 scales, into the stage's own
+    tiles), then dequantised in place 8 rows at a time (e4m3 -> f16 exactly, x the f32 scale,
+    -> bf16, as FlashMLA does): every copy is in flight at once, where loading e4m3 through
+    registers (72 of them) left few loads in flight at a time.
     The block's slot ids arrive by TMA one block ahead;
   * two consumer warpgroups share each tile: warpgroup w scores its 32 slots of the block
     against all 64 heads (S_w = Q . K_w^T, [64, 32], the 576-wide contraction in one wgmma
-    chain), they swap row maxima through shared memory, each writes its probabilities P_w
-    (bf16) there (each exchange one `bar.sync` over the two warpgroups, cheaper than an
-    mbarrier round trip: 338 vs 307 TFLOP/s), and warpgroup w accumulates out[:, w-th half of R] += P . V over all 64
-    slots (V = the first R columns of the same tile). The accumulator, 64 x R/2 f32, is what
-    fits in one warpgroup's registers; the tile is read from shared memory by both.
-The 64-byte swizzle (32 bf16 columns per tile) is what lets a warpgroup's 32-slot halves be
-wgmma operands: Mosaic's wgmma contracts in multiples of the swizzle width.
+    chain) and turns them into probabilities against its own running max m_w; it publishes
+    (m_w, P_w as f16) in shared memory, both meet at one named barrier (`bar.sync`), and each
+    takes the common max m = max(m_0, m_1), rescales its own P and the other's by 2^(m_w - m) in
+    registers and accumulates out[:, w-th half of R] += P . V over all 64 slots with P from
+    registers (V = the first R columns of the same tile). A second named barrier pair
+    (`bar.arrive` after reading, `bar.sync` before the next write) guards the exchange buffers.
+    One rendezvous per block instead of two (max, then P) and no P round trip through shared
+    memory for the wgmma. The accumulator, 64 x R/2 f32, is what fits in one warpgroup's
+    registers; the tile is read from shared memory by both.
 128 heads take two CTAs per row (launched side by side, so the second gather hits L2): a CTA
 over all 128 heads would need a 128 x 512 f32 accumulator, the whole register file.
 
-Measured on H200 (FlashMLA's FLOP count; 1024 rows over an 8K-slot cache; decode 128 x 2 rows
-over 32K-slot caches): bf16 prefill 338 TFLOP/s (the Triton kernel: 154), bf16 decode ~260
-(Triton: 131), fp8 prefill 168 (Triton: 118). What bounds it (earlier variant, 249 TFLOP/s):
-the producer alone (no math) gathers at ~4 TB/s from L2, the consumers alone (no gathers)
-reach 391 TFLOP/s, and the 2-deep ring overlaps the two only in part; fetching each block's
-slot ids one block ahead (no global-load latency before the copies) took it to 307.
+Measured on H200 (FlashMLA's FLOP count, TFLOP/s; probe shapes: 1024 rows over an 8K-slot cache,
+decode 128 x 2 rows over 8K-slot caches; the session-2 kernel in brackets, same run): bf16 prefill
+417-426 (335), bf16 decode 359 (277), fp8 prefill 269-274 (~170). The Pallas Triton kernel
+(`sparse_attention.py`) reaches 164 / 134 / 119 on the bench's shapes: Mosaic GPU is the backend
+here for wgmma with warp-specialised, barrier-synchronised warpgroups. Tried and dropped (same
+runs): an L2 bulk prefetch of the next block's rows (decode 359 -> 299); queueing QK of block
+i + 1 behind PV of block i in a persistent accumulator (342); a 128-byte swizzle (421, no gain);
+e4m3 -> f32 by integer bit operations instead of conversions (231). fp8 with the conversion
+skipped runs at 304: the in-place copies, not the dequantisation, bound it. Only two 64-row
+stages fit beside q, so the gather of block i + 1 overlaps block i's math and nothing deeper:
+QK, softmax and PV of a block run in series.
 
 Tests: on a GPU, tests/test_sparse_attention_kernel.py (`gpu` marker) checks it against the
 reference; on CPU the kernel can only be lowered (inline PTX has no interpreter), which the
@@ -64,10 +75,10 @@ _PRODUCER_THREADS = 128
 _LANE_ROWS = 8  # rows per 8 lanes of a producer warp (see _gather_block's units)
 _SMEM_BYTES = 227 * 1024  # per block on Hopper
 _MAX_STAGES = 4
-_QK_AHEAD = False  # probe knob
 # setmaxnreg budgets, indexed by "fp8 cache". The kernel launches 384 threads at 168 registers
 # (65536 / 384, rounded down to 8): 2 consumers + 1 producer must sum to 3 x 168 = 504, or an
-# increase waits forever for registers. The fp8 producer converts e4m3 in registers.
+# increase waits forever for registers. The fp8 producer converts e4m3 in registers. Measured
+# alternatives: (232, 40) for bf16 375 vs 417 TFLOP/s; (224, 56) for fp8 the same as (216, 72).
 _CONSUMER_REGS = (224, 216)
 _PRODUCER_REGS = (56, 72)
 
@@ -326,15 +337,6 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
             plgpu.copy_gmem_to_smem(q_gmem.at[row, pl.ds(h0, HEADS_PER_CTA)], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
 
-        def load_ids(i):  # block i's slot ids of this warpgroup's half (for the -1 mask)
-            return plgpu.load(slots_gmem.at[row, pl.ds((first + i) * BLOCK_K + w * _HALF_K, _HALF_K)],
-                              layout=col_layout, optimized=False)
-
-        def issue_qk(s_ref, i):  # S_w = Q . K_w^T for block i, [64, 32], once the block has landed
-            stage = lax.rem(i, num_stages)
-            plgpu.barrier_wait(kv_ready.at[stage])
-            plgpu.wgmma(s_ref, q_smem, kv_smem.at[stage, pl.ds(w * _HALF_K, _HALF_K)].T)
-
         def softmax(i, s, idx, acc, m, l):
             """Scores of block i -> (P [64, 64] bf16 over both halves, acc rescaled, m, l)."""
             valid = lax.broadcast_in_dim(idx >= 0, s.shape, [1])
@@ -368,59 +370,32 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
             _named_barrier("arrive", _BUFFER_FREE[1 - w])  # its buffers are read (values in registers)
             return jnp.concatenate(halves, axis=1), acc, m_new, l
 
-        def issue_pv(acc_ref, i, probs):  # out[:, w-th half] += P . V (P from registers)
+        def step(i, carry):
+            acc, m, l = carry  # acc [64, R/2] f32 (WGMMA); m, l [64] f32 (log2 units)
             stage = lax.rem(i, num_stages)
-            plgpu.wgmma(acc_ref, probs, kv_smem.at[stage, :, pl.ds(w * half_r, half_r)])
+            # the slot ids (for the -1 mask) load while the block is still landing
+            idx = plgpu.load(slots_gmem.at[row, pl.ds((first + i) * BLOCK_K + w * _HALF_K, _HALF_K)],
+                             layout=col_layout, optimized=False)
+            plgpu.barrier_wait(kv_ready.at[stage])
+
+            def qk(s_ref):  # S_w = Q . K_w^T, [64, 32]
+                plgpu.wgmma(s_ref, q_smem, kv_smem.at[stage, pl.ds(w * _HALF_K, _HALF_K)].T)
+                return s_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, _HALF_K), jnp.float32))
+            probs, acc, m, l = softmax(i, s, idx, acc, m, l)
+
+            def pv(acc_ref):  # out[:, w-th half of R] += P . V, P [64, 64] from registers
+                plgpu.wgmma(acc_ref, probs, kv_smem.at[stage, :, pl.ds(w * half_r, half_r)])
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(kv_free.at[stage])
+            return acc, m, l
 
         acc = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, half_r), jnp.float32), plgpu.Layout.WGMMA)
         m = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), -jnp.inf, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), jnp.float32), row_layout)
-
-        if not _QK_AHEAD:
-            def step(i, carry):
-                acc, m, l = carry  # acc [64, R/2] f32 (WGMMA); m, l [64] f32 (log2 units)
-                idx = load_ids(i)  # loads while the block is still landing
-
-                def qk(s_ref):
-                    issue_qk(s_ref, i)
-                    return s_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, _HALF_K), jnp.float32))
-                probs, acc, m, l = softmax(i, s, idx, acc, m, l)
-                acc = pl.run_state(lambda acc_ref: issue_pv(acc_ref, i, probs))(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(kv_free.at[lax.rem(i, num_stages)])
-                return acc, m, l
-
-            acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
-        else:
-            # QK of block i + 1 is queued right behind PV of block i: no tensor-core bubble.
-            def pipelined(s_ref, acc_ref):
-                issue_qk(s_ref, 0)
-
-                def step(i, carry):
-                    m, l = carry
-                    idx = load_ids(i)
-                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0)  # QK_i (and PV_{i-1}) done
-                    acc = plgpu.wgmma_accumulator_load(acc_ref, wait_n=None)
-                    probs, acc, m, l = softmax(i, s, idx, acc, m, l)
-                    acc_ref[...] = acc
-                    issue_pv(acc_ref, i, probs)
-
-                    @pl.when(i + 1 < count)
-                    def _():
-                        s_ref[...] = plgpu.layout_cast(jnp.zeros(s.shape, jnp.float32), plgpu.Layout.WGMMA)
-                        issue_qk(s_ref, i + 1)
-
-                    plgpu.wgmma_wait(1)  # PV_i done (only QK_{i+1} may still run)
-                    plgpu.barrier_arrive(kv_free.at[lax.rem(i, num_stages)])
-                    return m, l
-
-                m_l = lax.fori_loop(0, count, step, (m, l))
-                return (plgpu.wgmma_accumulator_load(acc_ref, wait_n=0), *m_l)
-
-            acc, m, l = pl.run_scoped(
-                lambda s_ref, acc_ref: pipelined(s_ref, acc_ref),
-                plgpu.ACC((HEADS_PER_CTA, _HALF_K), jnp.float32), plgpu.ACC((HEADS_PER_CTA, half_r), jnp.float32))
+        acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
 
         # Each warpgroup summed p over its own slots: add the two halves of l.
         _named_barrier("sync", _BUFFER_FREE[w])  # matches the other's last arrive
