@@ -12,7 +12,11 @@ saved ~5% (1.82 vs 1.90 ms at 4x2048). Not kept: issuing a step's PV product and
 product together (363 vs 449 at 4x2048, 167 vs 307 at 16x512), turn-taking by hardware named
 barriers or one-way signals (474, 479 vs 481). For comparison (session 2): cuDNN 396-426 /
 254 / 65 and tokamax 555 / 307 / 116 at 4x2048 / 16x512 / 64x128. 64x128 moves 1.34 GB (q, k,
-v read once, out written once): 0.375 ms is 3.6 TB/s, the copy ceiling.
+v read once, out written once): 0.375 ms is 3.6 TB/s, the copy ceiling. Plain round-robin
+dealing of the items ran 4x1024 after 1024 cached plus 8 padding rows at 353-357 (vs 475
+without the padding rows): 33 table rows per head, 132 = 4 * 33 programs, so each program met
+the same block length in every round (a load model gives 1.32x the mean); snake order gives
+1.03x (not yet timed on the GPU).
 """
 
 from __future__ import annotations
@@ -256,12 +260,21 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
         wg = lax.axis_index("wg")
         num_used = used_ref[0]
         program = lax.axis_index("program")
-        # items program, program + num_programs, ...; item -> (head, table row), row fastest
-        num_items = jnp.maximum(num_used * heads - program + num_programs - 1, 0) // num_programs
+        # Items (head, table row), row fastest, are dealt out in rounds of num_programs, in snake
+        # order (odd rounds right to left): with plain round robin a program whose position
+        # recurs in the table (num_programs a multiple of the rows per head) met the same
+        # block length every round. Rounds keep the blocks of a head together (K/V reuse in L2).
+        num_total = num_used * heads
+        last_round = num_total // num_programs
+
+        def position(i):
+            return jnp.where(i % 2 == 0, program, num_programs - 1 - program)
+
+        num_items = last_round + (position(last_round) < num_total % num_programs).astype(jnp.int32)
 
         def item_info(i):
-            # (head, table row) of item i; in range even past the last item (row < num_used)
-            item = program + i * num_programs
+            # (head, table row) of this program's item i; in range even past its last item
+            item = i * num_programs + position(i)
             head = item // num_used
             blk = item - head * num_used
             return head, tuple(table_ref[blk, c] for c in range(_TABLE_COLS))
