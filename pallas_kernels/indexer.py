@@ -254,7 +254,8 @@ def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
         247, at 4K bf16 406 vs 186);
       * everything else (decode: 1-2 rows per sequence) goes to the Mosaic GPU decode kernel
         (`indexer_decode_mgpu.indexer_logits_decode_mgpu`: a TMA stream of the key pages
-        through a deep SMEM ring).
+        through a deep SMEM ring; fp8 B=32 sequences x 32K keys 3291 GB/s of key bytes, 81% of
+        the copy bandwidth, vs the Triton kernel's 595).
     Interpret mode, f32, other GPUs and any tiling override go to the Triton-backend kernel
     `indexer_logits_triton`, whose arguments these are.
     """
@@ -300,9 +301,9 @@ def indexer_logits_triton(q, weights, k_cache, k_scale, block_tables, row_seq, r
     and splits the key axis over programs so a small batch still fills the GPU.
 
     Why Triton here: the Triton backend has vector gathers (`ref[idx_vector]`) and masked
-    loads/stores, which a paged, ragged gather with 1-2 rows per sequence (decode) needs without
-    a gathered copy of the keys. For prefill, where this kernel is MMA-bound, the Mosaic GPU
-    kernel is several times faster (see `indexer_logits`).
+    loads/stores, so one kernel covers any page size, dtype (f32 included), GPU and interpret
+    mode. It is the portable path: on Hopper the Mosaic GPU kernels are several times faster for
+    both prefill (MMA-bound) and decode (bandwidth-bound; see `indexer_logits`).
     """
     n, hi, d = q.shape
     num_seqs, pages_per_seq = block_tables.shape

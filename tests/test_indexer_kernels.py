@@ -157,13 +157,13 @@ def test_indexer_logits_mgpu(dtype, scaled, page, lengths, rows, tiling):
 @pytest.mark.parametrize("dtype,scaled,page,lengths,rows,tiling", [
     # ragged decode batch: lengths not multiples of 64, rows with end 0, 1 and the full table;
     # 3 key chunks per row
-    (FP8, True, 64, [520, 1, 77], [1, 1, 1], dict(chunk=4, stages=4)),
+    (FP8, True, 64, [520, 1, 77], [1, 1, 1], dict(chunk=4, step_blocks=2, stages=2)),
     # MTP: 2 rows of a sequence share one wgmma (N = 2 x heads); a tile with an empty row slot
-    (FP8, True, 64, [300, 1], [2, 1], dict(chunk=8, stages=8)),
+    (FP8, True, 64, [300, 1], [2, 1], dict(chunk=8, step_blocks=2, stages=4)),
     # bf16 without scales; page 4: keys gathered into 64-key pages first; 1 chunk per row
-    (jnp.bfloat16, False, 4, [37, 1, 90, 12], [1, 1, 1, 1], dict(chunk=4, stages=4)),
+    (jnp.bfloat16, False, 4, [37, 1, 90, 12], [1, 1, 1, 1], dict(chunk=4, step_blocks=1, stages=4)),
     # fp8 without scales, page 128 (split into 64-key pages); the block table padded to 4 chunks
-    (FP8, False, 128, [700, 5, 300], [1, 1, 1], dict(chunk=4, stages=4)),
+    (FP8, False, 128, [700, 5, 300], [1, 1, 1], dict(chunk=4, step_blocks=1, stages=4)),
     # 3 key blocks per ring slot: the last step of a chunk padded with a repeated block (5 blocks)
     (FP8, True, 64, [300, 130], [2, 2], dict(chunk=8, step_blocks=3, stages=4)),
     (jnp.bfloat16, False, 64, [250, 64, 1], [1, 1, 1], dict(chunk=4, step_blocks=2, stages=2)),
@@ -186,7 +186,9 @@ def test_indexer_logits_decode_mgpu(dtype, scaled, page, lengths, rows, tiling):
 ])
 def test_choose_decode_tiling(num_rows, num_seqs, key_blocks, want):
     t = choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, num_sms=132)
-    assert (t.block_rows, t.chunk, t.step_blocks, t.stages) == want + (1, 12)
+    assert (t.block_rows, t.chunk, t.step_blocks, t.stages) == want + (2, 6)  # 16 KiB slots, 96 KiB ring
+    t = choose_decode_tiling(num_rows, num_seqs, key_blocks, jnp.bfloat16, 64, 128, num_sms=132)
+    assert (t.block_rows, t.chunk, t.step_blocks, t.stages) == want + (1, 6)
     for chunk in (6, 260):
         with pytest.raises(ValueError, match="multiple of 4"):
             choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, chunk=chunk)
