@@ -528,7 +528,8 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
         thread_name="wg",
         # No auto barriers: no thread reads shared memory it wrote (the o tile is read by TMA;
         # q, k, v tiles are written by TMA). No reduction scratch: the row reductions of the
-        # wgmma layout stay within warps, and 2 KB would not fit beside two 128-key stages.
+        # wgmma layout stay within warps (its 2 KB default is most of what two 128-key stages
+        # leave free).
         compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
                                              reduction_scratch_bytes=0),
     )(table, blocks_used, q, k, v)
