@@ -319,13 +319,16 @@ def test_indexer_logits_prefill_kernels_gpu(kernel, dtype, scaled):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,scaled", [(FP8, True), (jnp.bfloat16, False)])
-@pytest.mark.parametrize("kernel", [indexer_logits_decode_mgpu, indexer_logits_triton])
-def test_indexer_logits_decode_kernels_gpu(kernel, dtype, scaled):
+@pytest.mark.parametrize("kernel,rows", [
+    (indexer_logits_decode_mgpu, [1, 1, 1, 1, 1, 1]),  # one row per tile
+    (indexer_logits_decode_mgpu, [2, 2, 1, 2, 2, 1]),  # MTP: 2 rows per tile, some slots empty
+    (indexer_logits_triton, [1, 2, 1, 2, 1, 1]),
+])
+def test_indexer_logits_decode_kernels_gpu(kernel, rows, dtype, scaled):
     """Both decode kernels at real dimensions: long ragged contexts (key rings refilled many
     times), 1 and 2 (MTP) rows per sequence, a 1-key sequence, rows with no valid key."""
     args, page = make_indexer_case(10, dtype=dtype, scaled=scaled, hi=64, d=128, page=64,
-                                   lengths=[33001, 700, 1, 20000, 4097, 64],
-                                   rows_per_seq=[1, 2, 1, 2, 1, 1])
+                                   lengths=[33001, 700, 1, 20000, 4097, 64], rows_per_seq=rows)
     out = jax.jit(functools.partial(kernel, page_size=page))(*args)
     ref = jax.jit(functools.partial(indexer_logits_reference, page_size=page))(*args)
     check_logits(out, ref, 2e-3 if dtype == FP8 else 1e-4)
