@@ -50,7 +50,7 @@ from .indexer_mgpu import BLOCK_KEYS, _meta_width, _padded_dims
 
 _COMPUTE_WGS = 2
 _KEY_RING_BYTES = 96 * 1024  # SMEM for key blocks in flight per CTA (one CTA per SM)
-_STEP_BYTES = 16 * 1024  # keys per ring slot: 2 fp8 blocks (81% vs 76% of copy BW with 1 on the H200)
+_STEP_BYTES = 16 * 1024  # keys x rows per ring slot: 2 fp8 blocks of 1 row (81% vs 76% of copy BW with 1)
 _MAX_CHUNK = 256  # key blocks per CTA: its block-table slice is one TMA box (<= 256 per dim)
 _CTA_OVERHEAD_BLOCKS = 4  # a CTA's start/drain, in key blocks of streaming time (chunk cost model)
 
@@ -75,8 +75,9 @@ def choose_decode_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_
                          step_blocks=None, stages=None, num_sms=None) -> DecodeTiling:
     """block_rows: the rows per sequence (rounded up to a power of two, N <= 256). chunk: the
     multiple of 4 that minimises waves * (chunk + per-CTA overhead) over the grid of
-    tiles x ceil(key_blocks / chunk) CTAs. step_blocks: _STEP_BYTES of keys per slot (2 blocks
-    at fp8, 1 at bf16). stages: as many slots as _KEY_RING_BYTES holds (even)."""
+    tiles x ceil(key_blocks / chunk) CTAs. step_blocks: _STEP_BYTES of keys per slot and tile row
+    (2 blocks at fp8 and one row; 1 at bf16 or two rows, whose wgmmas already hold twice the
+    registers and work per block). stages: as many slots as _KEY_RING_BYTES holds (even)."""
     rows_per_seq = num_rows / max(1, min(num_seqs, num_rows))
     if block_rows is None:
         block_rows = 1 if rows_per_seq < 1.5 else min(1 << (int(rows_per_seq + 0.5) - 1).bit_length(),
@@ -97,7 +98,7 @@ def choose_decode_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_
         raise ValueError(f"chunk={chunk} must be a multiple of 4 in [4, {_MAX_CHUNK}] (the block-table "
                          "slice is one TMA box of 16-byte multiple)")
     block_bytes = BLOCK_KEYS * d * jnp.dtype(dtype).itemsize
-    step_blocks = step_blocks or max(1, _STEP_BYTES // block_bytes)
+    step_blocks = step_blocks or max(1, _STEP_BYTES // (block_bytes * block_rows))
     if stages is None:
         slot_bytes = step_blocks * block_bytes
         stages = max(2, _KEY_RING_BYTES // slot_bytes // 2 * 2)

@@ -186,7 +186,8 @@ def test_indexer_logits_decode_mgpu(dtype, scaled, page, lengths, rows, tiling):
 ])
 def test_choose_decode_tiling(num_rows, num_seqs, key_blocks, want):
     t = choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, num_sms=132)
-    assert (t.block_rows, t.chunk, t.step_blocks, t.stages) == want + (2, 6)  # 16 KiB slots, 96 KiB ring
+    step_blocks = 2 // want[0]  # 16 KiB of fp8 keys per slot and row
+    assert (t.block_rows, t.chunk, t.step_blocks, t.stages) == want + (step_blocks, 12 // step_blocks)
     t = choose_decode_tiling(num_rows, num_seqs, key_blocks, jnp.bfloat16, 64, 128, num_sms=132)
     assert (t.block_rows, t.chunk, t.step_blocks, t.stages) == want + (1, 6)
     for chunk in (6, 260):
