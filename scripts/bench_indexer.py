@@ -304,7 +304,8 @@ def bench_topk(quick, tiling=None, shapes=None, tag=""):
 def sweep():
     for t in [dict(block_rows=8), dict(group=2), dict(group=8), dict(stages=2), dict(stages=6)]:
         bench_prefill(True, tiling=t, sizes=[8192], dtypes=(FP8, jnp.bfloat16), tag="-sweep", compare=False)
-    for t in [dict(stages=8), dict(stages=16), dict(chunk=32), dict(chunk=256)]:
+    for t in [dict(step_blocks=1), dict(step_blocks=4, stages=4), dict(stages=8), dict(chunk=32),
+              dict(chunk=256)]:
         bench_decode(True, tiling=t, batches=[32], contexts=[32768], dtypes=(FP8,), tag="-sweep",
                      compare=False)
     for t in [dict(num_warps=4), dict(num_warps=16), dict(block=512), dict(block=2048),
