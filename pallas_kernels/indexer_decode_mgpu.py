@@ -302,8 +302,9 @@ def indexer_logits_decode_mgpu(q, weights, k_cache, k_scale, block_tables, row_s
     q: [N, Hi, D] e4m3 or bf16; weights [N, Hi] f32; k_cache [num_slots, D] (same dtype as q);
     k_scale [num_slots] f32 or None; block_tables [S, W] int32; row_seq, row_end [N] int32.
     Returns [N, W * page_size] f32, -inf at positions >= row_end[n].
-    tiling_overrides: block_rows, chunk, stages, num_sms (see `choose_decode_tiling`).
-    interpret: run in the Mosaic GPU interpreter (CPU tests; eager only, it deadlocks under jit).
+    tiling_overrides: block_rows, chunk, step_blocks, stages, num_sms (see `choose_decode_tiling`).
+    interpret: run in the Mosaic GPU interpreter (CPU tests; eager only, it deadlocks under jit,
+    and on a 2-core host once the key ring wraps unless PJRT_NPROC raises XLA's CPU thread count).
     """
     n, hi, d = q.shape
     num_seqs, width = block_tables.shape
