@@ -193,9 +193,9 @@ def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpr
     fits, 128 x 2 for the model's 192 / 128 head dims). An item reads only the key tiles its
     causal range reaches and masks only the diagonal ones. The consumers take turns on the
     tensor cores (one's softmax overlaps the other's matmuls). The next item's q tile is loaded
-    as soon as the last QK product has read the current one. Output leaves in 64-column pieces through a 64 x 64 shared-memory tile per
-    consumer, with a ladder of power-of-two-row TMA stores so no other sequence's rows are
-    touched.
+    as soon as the last QK product has read the current one. Output leaves in 64-column pieces
+    through a 64 x 64 shared-memory tile per consumer, with a ladder of power-of-two-row TMA
+    stores so no other sequence's rows are touched.
     TMA into swizzled shared memory needs 8-row aligned starts: query tiles start at the
     sequence's first row rounded down to 8 and key tiles likewise (the causal mask drops the
     other sequence's keys). T or Tk not a multiple of 8 costs a padded copy of q or of k and v.
