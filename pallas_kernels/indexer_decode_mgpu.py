@@ -50,6 +50,7 @@ from .indexer_mgpu import BLOCK_KEYS, _meta_width, _padded_dims
 
 _COMPUTE_WGS = 2
 _KEY_RING_BYTES = 96 * 1024  # SMEM for key blocks in flight per CTA (one CTA per SM)
+_MAX_STAGES = 32  # Mosaic GPU initialises at most 32 mbarriers per group (the ring's two groups)
 _STEP_BYTES = 16 * 1024  # keys x rows per ring slot: 2 fp8 blocks of 1 row (81% vs 76% of copy BW with 1)
 _MAX_CHUNK = 256  # key blocks per CTA: its block-table slice is one TMA box (<= 256 per dim)
 _CTA_OVERHEAD_BLOCKS = 4  # a CTA's start/drain, in key blocks of streaming time (chunk cost model)
@@ -77,7 +78,8 @@ def choose_decode_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_
     multiple of 4 that minimises waves * (chunk + per-CTA overhead) over the grid of
     tiles x ceil(key_blocks / chunk) CTAs. step_blocks: _STEP_BYTES of keys per slot and tile row
     (2 blocks at fp8 and one row; 1 at bf16 or two rows, whose wgmmas already hold twice the
-    registers and work per block). stages: as many slots as _KEY_RING_BYTES holds (even)."""
+    registers and work per block). stages: as many slots as _KEY_RING_BYTES holds (even), at most
+    _MAX_STAGES (small dims: tiny slots)."""
     rows_per_seq = num_rows / max(1, min(num_seqs, num_rows))
     if block_rows is None:
         block_rows = 1 if rows_per_seq < 1.5 else min(1 << (int(rows_per_seq + 0.5) - 1).bit_length(),
@@ -101,9 +103,10 @@ def choose_decode_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_
     step_blocks = step_blocks or max(1, _STEP_BYTES // (block_bytes * block_rows))
     if stages is None:
         slot_bytes = step_blocks * block_bytes
-        stages = max(2, _KEY_RING_BYTES // slot_bytes // 2 * 2)
-    if stages % _COMPUTE_WGS:
-        raise ValueError(f"stages={stages} must be a multiple of {_COMPUTE_WGS}")
+        stages = max(2, min(_MAX_STAGES, _KEY_RING_BYTES // slot_bytes) // 2 * 2)
+    if stages % _COMPUTE_WGS or stages > _MAX_STAGES:
+        raise ValueError(f"stages={stages} must be a multiple of {_COMPUTE_WGS} and at most {_MAX_STAGES} "
+                         "(mbarriers per group)")
     return DecodeTiling(block_rows, chunk, step_blocks, stages)
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_sparse_mla.config import MLAConfig
 from pallas_kernels.indexer import indexer_logits, indexer_logits_reference, indexer_logits_triton
 from pallas_kernels.indexer_decode_mgpu import choose_decode_tiling, indexer_logits_decode_mgpu
 from pallas_kernels.indexer_mgpu import indexer_logits_mgpu
@@ -193,6 +194,8 @@ def test_choose_decode_tiling(num_rows, num_seqs, key_blocks, want):
     for chunk in (6, 260):
         with pytest.raises(ValueError, match="multiple of 4"):
             choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, chunk=chunk)
+    with pytest.raises(ValueError, match="at most 32"):
+        choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, stages=34)
     with pytest.raises(ValueError, match="wgmma N"):
         choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, block_rows=8)
 
@@ -386,4 +389,19 @@ def test_indexer_logits_decode_mgpu_lowers_for_the_gpu(dtype, scaled, rows):
             sd((slots,), jnp.float32) if scaled else None, sd((32, 512), jnp.int32),
             sd((n,), jnp.int32), sd((n,), jnp.int32))
     fn = jax.jit(functools.partial(indexer_logits_decode_mgpu, page_size=64))
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("rows_per_seq", [1, 6, 13])
+def test_indexer_logits_decode_mgpu_lowers_at_tiny_dims(rows_per_seq):
+    """CPU twin of the hardware failure in test_forward's bf16 TINY config (one decode row beside
+    prefill chunks of < 16 rows per sequence): tiny key blocks made a ring of 48 slots, more
+    mbarriers than Mosaic GPU initialises in one group (32)."""
+    cfg = MLAConfig.tiny(dtype="bfloat16")
+    hi, d, page = cfg.index_n_heads, cfg.index_head_dim, cfg.page_size
+    n, num_seqs, width = 3 * rows_per_seq, 3, 8
+    sd = jax.ShapeDtypeStruct
+    args = (sd((n, hi, d), jnp.bfloat16), sd((n, hi), jnp.float32), sd((page * num_seqs * width, d), jnp.bfloat16),
+            None, sd((num_seqs, width), jnp.int32), sd((n,), jnp.int32), sd((n,), jnp.int32))
+    fn = jax.jit(functools.partial(indexer_logits_decode_mgpu, page_size=page))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
