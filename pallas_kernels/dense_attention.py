@@ -4,19 +4,19 @@
 attention over a packed ragged batch of causal prefills. Mosaic GPU rather than Pallas-Triton:
 on the H200, Triton-lowered attention kernels ran ~3.4x slower than Mosaic GPU ones (tokamax
 139 vs 471 causal TFLOP/s at 4x2048, /work/shared/dsa-facts.md).
-Measured on the H200 (H=128, bf16, causal TFLOP/s; ratios within one run, runs vary ~7%):
-128-key tiles x 2 stages beat 64 x 3 (4x2048 481 vs 433, 16x512 309 vs 280, 64x128 115 vs 100,
-the last also from building the work table without a searchsorted loop); 64-column output
-pieces free the shared memory for them. Not kept: issuing a step's PV product and the next QK
-product together (363 vs 449 at 4x2048, 167 vs 307 at 16x512), turn-taking by hardware named
-barriers or one-way signals (474, 479 vs 481). Not yet default (never timed with this loop):
-storing whole 64-row output pieces from a swizzled tile (~5% on the PV+QK variant, 1.82 vs
-1.90 ms at 4x2048). For comparison (session 2): cuDNN 396-426 / 254 / 65 and tokamax 555 /
-307 / 116 at 4x2048 / 16x512 / 64x128. 64x128 moves 1.34 GB (q, k, v read once, out written
-once): 0.375 ms is 3.6 TB/s, the copy ceiling. Known imbalance: the round-robin dealing of
-items ran 4x1024 after 1024 cached plus 8 padding rows at 353-357 (vs 475 without them): 33
-table rows per head and 132 = 4 * 33 programs, so each program meets the same block length
-every round (a load model: 1.32x the mean; snake-order rounds would give 1.03x).
+Measured on the H200 (H=128, bf16, causal TFLOP/s, final run of this kernel, vs tokamax's Mosaic
+flash attention and cuDNN via jax.nn on padded batches): 4x2048 516 (510, 418); 4x1024 after
+1024 cached 529 (490, 327); 16x512 332 (339, 212); 64x128 119 (121, 67). 64x128 moves 1.34 GB
+(q, k, v read once, out written once): 0.364 ms is 3.7 TB/s, the copy ceiling.
+How it got there (ratios within one probe run; runs vary ~7%): 128-key tiles x 2 stages beat
+64 x 3 (4x2048 481 vs 433, 16x512 309 vs 280, 64x128 115 vs 100, the last also from building the
+work table without a searchsorted loop); 64-column output pieces free the shared memory for
+them; storing whole 64-row pieces from a swizzled tile saved ~5% (1.82 vs 1.90 ms at 4x2048).
+Plain round-robin dealing of the items ran 4x1024+1024 with 8 padding rows at 353-357 (33 table
+rows per head, 132 = 4 * 33 programs: each program met the same block length every round; a load
+model gives 1.32x the mean, snake-order rounds 1.03x). Not kept: issuing a step's PV product and
+the next QK product together (363 vs 449 at 4x2048, 167 vs 307 at 16x512), turn-taking by
+hardware named barriers or one-way signals (474, 479 vs 481).
 """
 
 from __future__ import annotations
@@ -194,8 +194,9 @@ def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpr
     causal range reaches and masks only the diagonal ones. The consumers take turns on the
     tensor cores (one's softmax overlaps the other's matmuls). The next item's q tile is loaded
     as soon as the last QK product has read the current one. Output leaves in 64-column pieces
-    through a 64 x 64 shared-memory tile per consumer, with a ladder of power-of-two-row TMA
-    stores so no other sequence's rows are touched.
+    through a 64 x 64 shared-memory tile per consumer: swizzled when all 64 rows are the
+    sequence's, else plain rows stored with a ladder of power-of-two-row TMA stores so no other
+    sequence's rows are touched.
     TMA into swizzled shared memory needs 8-row aligned starts: query tiles start at the
     sequence's first row rounded down to 8 and key tiles likewise (the causal mask drops the
     other sequence's keys). T or Tk not a multiple of 8 costs a padded copy of q or of k and v.
@@ -254,17 +255,26 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
     # exp2 of scores pre-multiplied by scale * log2(e): one FMA per score
     qk_scale = scale * math.log2(math.e)
 
-    def kernel(table_ref, used_ref, q_ref, k_ref, v_ref, out_ref, q_smem, o_smem, k_smem, v_smem,
+    def kernel(table_ref, used_ref, q_ref, k_ref, v_ref, out_ref, q_smem, o_smems, k_smem, v_smem,
                q_ready, k_ready, v_ready, k_free, v_free, turn, p_smem=None):
         wg = lax.axis_index("wg")
         num_used = used_ref[0]
         program = lax.axis_index("program")
-        # items program, program + num_programs, ...; item -> (head, table row), row fastest
-        num_items = jnp.maximum(num_used * heads - program + num_programs - 1, 0) // num_programs
+        # Items (head, table row), row fastest, are dealt out in rounds of num_programs, in snake
+        # order (odd rounds right to left): with plain round robin a program whose position
+        # recurs in the table (num_programs a multiple of the rows per head) met the same
+        # block length every round. Rounds keep the blocks of a head together (K/V reuse in L2).
+        num_total = num_used * heads
+        last_round = num_total // num_programs
+
+        def position(i):
+            return jnp.where(i % 2 == 0, program, num_programs - 1 - program)
+
+        num_items = last_round + (position(last_round) < num_total % num_programs).astype(jnp.int32)
 
         def item_info(i):
-            # (head, table row) of item i; in range even past the last item (row < num_used)
-            item = program + i * num_programs
+            # (head, table row) of this program's item i; in range even past its last item
+            item = i * num_programs + position(i)
             head = item // num_used
             blk = item - head * num_used
             return head, tuple(table_ref[blk, c] for c in range(_TABLE_COLS))
@@ -286,7 +296,9 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
             q_tile = q_smem.at[wg]
-            o_tile = o_smem.at[wg]
+            # one 64 x 64 tile per consumer, seen two ways (see the stores)
+            (o_swizzled,), (o_plain,) = o_smems
+            o_swizzled, o_plain = o_swizzled.at[wg], o_plain.at[wg]
             row_layout = plgpu.Layout.WGMMA.reduce(1)
 
             def load_q(head, info):
@@ -408,22 +420,35 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
                 out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
                 wg_row0 = aligned_rows(info[_ROW0], wg * _WG_ROWS)
                 count = hi - lo
+                whole = count == _WG_ROWS
                 for col0 in range(0, d_v, _O_COLS):
                     cols = pl.ds(col0, _O_COLS)
+                    piece = out[:, col0:col0 + _O_COLS].astype(dtype)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the o tile's last stores
-                    o_tile[...] = out[:, col0:col0 + _O_COLS].astype(dtype)
-                    plgpu.commit_smem()
-                    # Store rows [lo, hi): one TMA per set bit of hi - lo, largest first.
-                    stored = lo
-                    size = _WG_ROWS
-                    while size >= 1:
-                        @pl.when((count & size) != 0)
-                        def _store(size=size, stored=stored):
-                            plgpu.copy_smem_to_gmem(
-                                o_tile.at[pl.ds(stored, size)],
-                                out_ref.at[pl.ds(wg_row0 + stored, size), head, cols])
-                        stored = stored + (count & size)
-                        size //= 2
+
+                    @pl.when(whole)
+                    def _():
+                        # all 64 rows: through the swizzled view (bank-conflict-free writes)
+                        o_swizzled[...] = piece
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(o_swizzled,
+                                                out_ref.at[pl.ds(wg_row0, _WG_ROWS), head, cols])
+
+                    @pl.when(~whole)
+                    def _():
+                        # rows [lo, hi): plain rows, one TMA per set bit of hi - lo, largest first
+                        o_plain[...] = piece
+                        plgpu.commit_smem()
+                        stored = lo
+                        size = _WG_ROWS // 2
+                        while size >= 1:
+                            @pl.when((count & size) != 0)
+                            def _store(size=size, stored=stored):
+                                plgpu.copy_smem_to_gmem(
+                                    o_plain.at[pl.ds(stored, size)],
+                                    out_ref.at[pl.ds(wg_row0 + stored, size), head, cols])
+                            stored = stored + (count & size)
+                            size //= 2
                 return tile0 + tiles, next_head, next_info
 
             lax.fori_loop(0, num_items, item_body, (jnp.int32(0), *item_info(0)))
@@ -476,7 +501,11 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
     v_swizzle = _SWIZZLE if block_kv % 64 == 0 else _SWIZZLE // 2
     scratch = [
         plgpu.SMEM((_CONSUMER_WGS, _WG_ROWS, d_qk), dtype, transforms=swizzled()),
-        plgpu.SMEM((_CONSUMER_WGS, _WG_ROWS, _O_COLS), dtype),  # plain rows: any row slice is a TMA box
+        # the o tile: swizzled for whole 64-row stores, plain (any row slice is a TMA box) for
+        # the partial ones at sequence edges
+        plgpu.RefUnion((plgpu.SMEM((_CONSUMER_WGS, _WG_ROWS, _O_COLS), dtype,
+                                   transforms=swizzled()),),
+                       (plgpu.SMEM((_CONSUMER_WGS, _WG_ROWS, _O_COLS), dtype),)),
         plgpu.SMEM((num_stages, block_kv, d_qk), dtype, transforms=swizzled()),
         plgpu.SMEM((num_stages, block_kv, d_v), dtype, transforms=swizzled(v_swizzle)),
         plgpu.Barrier(num_barriers=_CONSUMER_WGS),
