@@ -45,8 +45,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .indexer import FP8_E4M3, _tile_schedule, gather_paged_rows
-from .indexer_mgpu import BLOCK_KEYS, _meta_width, _padded_dims
+from .indexer import _tile_schedule, gather_paged_rows
+from .indexer_mgpu import BLOCK_KEYS, _meta_width, _padded_inputs
 
 _COMPUTE_WGS = 2
 _KEY_RING_BYTES = 96 * 1024  # SMEM for key blocks in flight per CTA (one CTA per SM)
@@ -309,19 +309,12 @@ def indexer_logits_decode_mgpu(q, weights, k_cache, k_scale, block_tables, row_s
     interpret: run in the Mosaic GPU interpreter (CPU tests; eager only, it deadlocks under jit,
     and on a 2-core host once the key ring wraps unless PJRT_NPROC raises XLA's CPU thread count).
     """
-    n, hi, d = q.shape
+    q, weights, k_cache, swizzle = _padded_inputs(q, weights, k_cache)
+    n, hi_p, d_p = q.shape
     num_seqs, width = block_tables.shape
     num_keys = width * page_size
-    if q.dtype != k_cache.dtype or q.dtype not in (FP8_E4M3, jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"q and k_cache must both be float8_e4m3fn or bfloat16, got {q.dtype}, {k_cache.dtype}")
     if n == 0 or num_keys == 0:
         return jnp.full((n, num_keys), -jnp.inf, jnp.float32)
-    hi_p, d_p, swizzle = _padded_dims(hi, d, q.dtype)
-    weights = weights.astype(jnp.float32)
-    if (hi_p, d_p) != (hi, d):
-        q = jnp.pad(q, ((0, 0), (0, hi_p - hi), (0, d_p - d)))
-        weights = jnp.pad(weights, ((0, 0), (0, hi_p - hi)))
-        k_cache = jnp.pad(k_cache, ((0, 0), (0, d_p - d)))
     k_cache, k_scale, block_tables = _pages_of_64(k_cache, k_scale, block_tables.astype(jnp.int32), page_size)
     key_blocks = block_tables.shape[1]
     tiling = choose_decode_tiling(n, num_seqs, key_blocks, q.dtype, hi_p, d_p, **tiling_overrides)

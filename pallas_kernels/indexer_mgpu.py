@@ -86,17 +86,28 @@ def choose_mgpu_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_ro
     return MgpuTiling(block_rows, group, stages, splits)
 
 
-def _padded_dims(hi, d, dtype):
-    """wgmma needs N = heads % 8 == 0 and a K row of 32, 64 or a multiple of 128 bytes (the
-    swizzle); pad heads (weight 0) and D (zeros). No-op for the real Hi=64, D=128."""
-    itemsize = jnp.dtype(dtype).itemsize
-    hi_p = -(-hi // 8) * 8
+def _padded_inputs(q, weights, k_cache):
+    """Checks dtypes and pads for wgmma: N = heads % 8 == 0 and a K row of 32, 64 or a multiple of
+    128 bytes (the swizzle); heads get weight 0, D zeros. No-op for the real Hi=64, D=128.
+
+    Returns (q [N, Hi_p, D_p], weights [N, Hi_p] f32, k_cache [num_slots, D_p], swizzle bytes).
+    """
+    if q.dtype != k_cache.dtype or q.dtype not in (FP8_E4M3, jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"q and k_cache must both be float8_e4m3fn or bfloat16, got {q.dtype}, {k_cache.dtype}")
+    _, hi, d = q.shape
+    itemsize = q.dtype.itemsize
     row_bytes = d * itemsize
     if row_bytes <= 128:
         row_bytes = max(32, next_pow2(row_bytes))
     else:
         row_bytes = -(-row_bytes // 128) * 128
-    return hi_p, row_bytes // itemsize, min(128, row_bytes)
+    hi_p, d_p = -(-hi // 8) * 8, row_bytes // itemsize
+    weights = weights.astype(jnp.float32)
+    if (hi_p, d_p) != (hi, d):
+        q = jnp.pad(q, ((0, 0), (0, hi_p - hi), (0, d_p - d)))
+        weights = jnp.pad(weights, ((0, 0), (0, hi_p - hi)))
+        k_cache = jnp.pad(k_cache, ((0, 0), (0, d_p - d)))
+    return q, weights, k_cache, min(128, row_bytes)
 
 
 def _meta_width(block_rows):
@@ -270,19 +281,12 @@ def indexer_logits_mgpu(q, weights, k_cache, k_scale, block_tables, row_seq, row
     tiling_overrides: block_rows, group, stages, splits (see `MgpuTiling`). interpret: run in
     the Mosaic GPU interpreter (CPU tests).
     """
-    n, hi, d = q.shape
+    q, weights, k_cache, swizzle = _padded_inputs(q, weights, k_cache)
+    n, hi_p, d_p = q.shape
     num_seqs, pages_per_seq = block_tables.shape
     num_keys = pages_per_seq * page_size
-    if q.dtype != k_cache.dtype or q.dtype not in (FP8_E4M3, jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"q and k_cache must both be float8_e4m3fn or bfloat16, got {q.dtype}, {k_cache.dtype}")
     if n == 0 or num_keys == 0:
         return jnp.full((n, num_keys), -jnp.inf, jnp.float32)
-    hi_p, d_p, swizzle = _padded_dims(hi, d, q.dtype)
-    weights = weights.astype(jnp.float32)
-    if (hi_p, d_p) != (hi, d):
-        q = jnp.pad(q, ((0, 0), (0, hi_p - hi), (0, d_p - d)))
-        weights = jnp.pad(weights, ((0, 0), (0, hi_p - hi)))
-        k_cache = jnp.pad(k_cache, ((0, 0), (0, d_p - d)))
     block_tables = block_tables.astype(jnp.int32)
     key_blocks = pl.cdiv(num_keys, BLOCK_KEYS)
     if page_size % BLOCK_KEYS:
