@@ -12,7 +12,7 @@
   the same run on an array of the same bytes (copy GB/s = 2 * bytes / time). Decode calls are
   timed on the device: 20 dependent calls in one jit (`device_ms`), since a single call of a
   small decode batch takes less GPU time than JAX's host dispatch (`host_ms`, also recorded).
-* top-k (k=2048) of [rows, L] f32 logits: pallas_kernels.topk (sample-filter-select) vs
+* top-k (k=2048) of [rows, L] f32 logits: pallas_kernels.topk (sampled thresholds + band select) vs
   lax.top_k on the same inputs. `--only topk` runs just that (~1 minute).
 Every config is checked against the reference (on a sample of rows) before it is timed; a
 failing config is recorded with its error and the run goes on. The XLA reference is skipped

@@ -251,8 +251,8 @@ def test_topk(num_keys, k, block):
     (70, 90, 16, 16, 32),        # k > L, sample of 16 (stride 4)
 ])
 def test_topk_filter_fallbacks(num_keys, k, block, sample, capacity):
-    """Small samples and candidate buffers: overflow and unlucky-threshold fallbacks (whole-row
-    selection) must stay exact, next to rows that take the candidate path."""
+    """Small samples and band buffers: band overflow and unlucky-threshold fallbacks (whole-row
+    selection) must stay exact, next to rows that take the band path (capacity None)."""
     x = _topk_rows(num_keys + 1, num_keys, k)
     rng = np.random.default_rng(num_keys)
     extra = []
