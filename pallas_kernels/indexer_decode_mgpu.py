@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .indexer import _tile_schedule, gather_paged_rows
-from .indexer_mgpu import BLOCK_KEYS, _meta_width, _padded_inputs
+from .indexer_mgpu import BLOCK_KEYS, _fill_rows_tail, _meta_width, _padded_inputs, _row_logits
 
 _COMPUTE_WGS = 2
 _KEY_RING_BYTES = 96 * 1024  # SMEM for key blocks in flight per CTA (one CTA per SM)
@@ -171,14 +171,8 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
 
             fill_start = jnp.maximum(stop, first)
             fill_stop = jnp.minimum(first + chunk, out_blocks)
-            for j in range(br):  # -inf over the chunk's blocks past the last computed one
-                row = meta_smem[2 + j]
-
-                @pl.when(row >= 0)
-                def _fill_row():
-                    @pl.loop(fill_start, fill_stop)
-                    def _fill(b):
-                        plgpu.copy_smem_to_gmem(fill_smem.at[:bk], out_ref.at[row, b])
+            _fill_rows_tail(meta_smem, fill_smem.at[:bk], br, fill_start, fill_stop,
+                            lambda row, b: out_ref.at[row, b])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg < _COMPUTE_WGS)
@@ -214,16 +208,12 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
                         plgpu.barrier_arrive(consumed_bar.at[slot])
 
                     for b in range(sb):
-                        if ks_ref is not None:
-                            k_scale = plgpu.load(ks_smem.at[slot, b], layout=plgpu.Layout.WGMMA.reduce(1),
-                                                 optimized=False)
+                        k_scale = None if ks_ref is None else plgpu.load(
+                            ks_smem.at[slot, b], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
                         pos = lane + (first + step * sb + b) * bk
                         for j in range(br):
-                            s = jnp.maximum(scores[b][:, j * hi:(j + 1) * hi], 0.0)
-                            logit = jnp.sum(s * lax.broadcast_in_dim(ws[j], (bk, hi), [1]), axis=1)
-                            if ks_ref is not None:
-                                logit = logit * k_scale
-                            out_tile[b, j] = jnp.where(pos < meta_smem[2 + br + j], logit, -jnp.inf)
+                            out_tile[b, j] = _row_logits(scores[b][:, j * hi:(j + 1) * hi], ws[j], k_scale, pos,
+                                                         meta_smem[2 + br + j])
 
                     plgpu.commit_smem()
                     for b in range(sb):

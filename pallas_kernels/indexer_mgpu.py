@@ -110,6 +110,30 @@ def _padded_inputs(q, weights, k_cache):
     return q, weights, k_cache, min(128, row_bytes)
 
 
+def _fill_rows_tail(meta_smem, neg_inf_block, block_rows, start, stop, out_block):
+    """Stores neg_inf_block (SMEM, one key block of -inf) to out_block(row, b) for b in
+    [start, stop) and each of the tile's rows (meta_smem[2 + j], -1 = none): the chunk's key
+    blocks past the last computed one."""
+    for j in range(block_rows):
+        row = meta_smem[2 + j]
+
+        @pl.when(row >= 0)
+        def _fill_row():
+            @pl.loop(start, stop)
+            def _fill(b):
+                plgpu.copy_smem_to_gmem(neg_inf_block, out_block(row, b))
+
+
+def _row_logits(scores, w, k_scale, pos, row_end):
+    """One row's logits of a key block: scores [bk, Hi] f32, w [Hi] f32, k_scale [bk] f32 or None,
+    pos [bk] key positions -> [bk] sum_h w_h ReLU(scores_h) (x k_scale), -inf at pos >= row_end."""
+    bk, hi = scores.shape
+    logit = jnp.sum(jnp.maximum(scores, 0.0) * lax.broadcast_in_dim(w, (bk, hi), [1]), axis=1)
+    if k_scale is not None:
+        logit = logit * k_scale
+    return jnp.where(pos < row_end, logit, -jnp.inf)
+
+
 def _meta_width(block_rows):
     return -(-(2 + 2 * block_rows) // 4) * 4  # int32 row of 16-byte multiple (TMA)
 
@@ -176,14 +200,8 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: MgpuTiling, pa
 
             fill_start = jnp.maximum(stop, first)
             fill_stop = jnp.minimum(first + chunk, out_blocks)
-            for j in range(br):  # -inf over the chunk's blocks past the last computed one
-                row = meta_smem[2 + j]
-
-                @pl.when(row >= 0)
-                def _fill_row():
-                    @pl.loop(fill_start, fill_stop)
-                    def _fill(b):
-                        plgpu.copy_smem_to_gmem(fill_smem.at[:bk], out_ref.at[row, pl.ds(b * bk, bk)])
+            _fill_rows_tail(meta_smem, fill_smem.at[:bk], br, fill_start, fill_stop,
+                            lambda row, b: out_ref.at[row, pl.ds(b * bk, bk)])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg < _COMPUTE_WGS)
@@ -204,8 +222,8 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: MgpuTiling, pa
                 key0 = (first + step) * bk
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # out_tile's stores of step i - 2
-                if ks_ref is not None:
-                    k_scale = plgpu.load(ks_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                k_scale = None if ks_ref is None else plgpu.load(
+                    ks_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
                 pos = lane + key0
                 for g in range(br // group):
                     rows = range(g * group, (g + 1) * group)
@@ -217,12 +235,9 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: MgpuTiling, pa
 
                     scores = pl.run_scoped(mma, plgpu.ACC((bk, group * hi), jnp.float32))
                     for r, j in enumerate(rows):
-                        s = scores[:, r * hi:(r + 1) * hi]
                         w = plgpu.load(w_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-                        logit = jnp.sum(jnp.maximum(s, 0.0) * lax.broadcast_in_dim(w, (bk, hi), [1]), axis=1)
-                        if ks_ref is not None:
-                            logit = logit * k_scale
-                        out_tile[j] = jnp.where(pos < meta_smem[2 + br + j], logit, -jnp.inf)
+                        out_tile[j] = _row_logits(scores[:, r * hi:(r + 1) * hi], w, k_scale, pos,
+                                                  meta_smem[2 + br + j])
 
                 @pl.when(step + stages < n_steps)  # the memory warpgroup refills this slot
                 def _release():
