@@ -133,7 +133,7 @@ def test_indexer_logits_prefill_causal_fp8_unscaled():
     check_logits(out, ref, 1e-5)
 
 
-@pytest.mark.parametrize("dtype,scaled,page,lengths,rows,tiling", [
+_MGPU_PREFILL_CASES = [
     # ragged batch with a 1-key sequence; page 4: keys gathered first; 5 key blocks, 2-slot ring
     (FP8, True, 4, [37, 1, 300, 12], [5, 1, 9, 3], dict(block_rows=4, group=2, stages=2)),
     # the same batch read straight from 64-token pages, bf16
@@ -142,20 +142,12 @@ def test_indexer_logits_prefill_causal_fp8_unscaled():
     (FP8, True, 64, [400, 130, 1], [1, 2, 1], dict()),
     # causal prefill of 150 rows (not a multiple of any block), no k_scale, 3 key chunks a tile
     (FP8, False, 64, [150], [150], dict(block_rows=8, splits=3)),
-])
-def test_indexer_logits_mgpu(dtype, scaled, page, lengths, rows, tiling):
-    """The Mosaic GPU kernel (CPU: its interpreter; heads 4 -> 8 and D 16 -> 32 padded)."""
-    args, page = make_indexer_case(5, dtype=dtype, scaled=scaled, hi=4, d=16, page=page,
-                                   lengths=lengths, rows_per_seq=rows)
-    out = indexer_logits_mgpu(*args, page_size=page, interpret=INTERPRET, **tiling)
-    ref = indexer_logits_reference(*args, page_size=page)
-    check_logits(out, ref, 1e-5)
+]
 
-
-# Rings deep enough that no slot is refilled: the Mosaic GPU interpreter (jax 0.11.2, this 2-core
-# CPU) stalls forever once the key ring wraps (every warpgroup blocked in a barrier wait), while
-# the same kernel runs on the H200; the GPU tests below cover refilled slots.
-@pytest.mark.parametrize("dtype,scaled,page,lengths,rows,tiling", [
+# Decode rings deep enough that no slot is refilled: the Mosaic GPU interpreter (jax 0.11.2, this
+# 2-core CPU) stalls forever once the key ring wraps (every warpgroup blocked in a barrier wait),
+# while the same kernel runs on the H200; the GPU tests below cover refilled slots.
+_MGPU_DECODE_CASES = [
     # ragged decode batch: lengths not multiples of 64, rows with end 0, 1 and the full table;
     # 3 key chunks per row
     (FP8, True, 64, [520, 1, 77], [1, 1, 1], dict(chunk=4, step_blocks=2, stages=2)),
@@ -168,13 +160,20 @@ def test_indexer_logits_mgpu(dtype, scaled, page, lengths, rows, tiling):
     # 3 key blocks per ring slot: the last step of a chunk padded with a repeated block (5 blocks)
     (FP8, True, 64, [300, 130], [2, 2], dict(chunk=8, step_blocks=3, stages=4)),
     (jnp.bfloat16, False, 64, [250, 64, 1], [1, 1, 1], dict(chunk=4, step_blocks=2, stages=2)),
-])
-def test_indexer_logits_decode_mgpu(dtype, scaled, page, lengths, rows, tiling):
-    """The Mosaic GPU decode kernel (CPU: its interpreter, whose fresh buffers are NaN, so every
-    unwritten logit fails; heads 4 -> 8 and D 16 -> 32 padded)."""
+]
+
+
+@pytest.mark.parametrize("kernel,dtype,scaled,page,lengths,rows,tiling",
+                         [pytest.param(indexer_logits_mgpu, *c, id=f"prefill{i}")
+                          for i, c in enumerate(_MGPU_PREFILL_CASES)]
+                         + [pytest.param(indexer_logits_decode_mgpu, *c, id=f"decode{i}")
+                            for i, c in enumerate(_MGPU_DECODE_CASES)])
+def test_indexer_logits_mosaic_kernels(kernel, dtype, scaled, page, lengths, rows, tiling):
+    """The Mosaic GPU prefill and decode kernels (CPU: their interpreter, whose fresh buffers are
+    NaN, so every unwritten logit fails; heads 4 -> 8 and D 16 -> 32 padded)."""
     args, page = make_indexer_case(7, dtype=dtype, scaled=scaled, hi=4, d=16, page=page,
                                    lengths=lengths, rows_per_seq=rows)
-    out = indexer_logits_decode_mgpu(*args, page_size=page, interpret=INTERPRET, **tiling)
+    out = kernel(*args, page_size=page, interpret=INTERPRET, **tiling)
     ref = indexer_logits_reference(*args, page_size=page)
     check_logits(out, ref, 1e-5)
 
