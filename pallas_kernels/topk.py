@@ -72,14 +72,15 @@ def _count_search(count_ge, kk, lo, w, c_lo, c_hi, tol):
     State, all [R]: the kk-th largest key lies in [lo, lo + w) (uint32 order); c_lo = #keys
     >= lo (>= kk) and c_hi = #keys >= lo + w (< kk). Each pass counts the keys >= lo + j *
     ceil(w / 16), j = 0..15, and keeps the last sub-interval whose count is >= kk. A search
-    stops when w == 1 (lo is then the kk-th largest key and c_hi the number of keys above it)
-    or when its interval holds <= tol keys; <= 8 passes whatever the data. Returns (lo, w, c_hi)."""
+    stops when w == 1 (lo is then the kk-th largest key and c_hi the number of keys above it),
+    when c_lo == kk (the kk largest keys are exactly those >= lo) or when its interval holds
+    <= tol keys; <= 8 passes whatever the data. Returns (lo, w, c_hi)."""
     jj = jnp.arange(_WAYS, dtype=jnp.int32)[None, :]
     jj_u = jj.astype(jnp.uint32)
 
     def active(lo, w, c_lo, c_hi):
         del lo
-        return (w > 1) & (c_lo - c_hi > tol)
+        return (w > 1) & (c_lo - c_hi > tol) & (c_lo > kk)
 
     def cond(state):
         return jnp.sum(active(*state).astype(jnp.int32)) > 0
@@ -157,17 +158,23 @@ def _float_key(v):
 
 # First pass of the threshold searches: fixed thresholds at typical logit magnitudes (ascending)
 # place both ranks within a sign / magnitude range in one sweep (~1 pass less than 16-way steps
-# over the whole key range, and 16 compares per key instead of 2 x 16).
-_COARSE_KEYS = tuple(_float_key(v) for v in (
-    -64.0, -8.0, -1.0, -0.125, 0.0, 2.0 ** -12, 2.0 ** -8, 2.0 ** -5, 0.125, 0.25, 0.5, 1.0, 2.0,
+# over the whole key range, and 16 compares per key instead of 2 x 16). The lowest threshold is
+# the lowest valid key: the same sweep counts the valid sampled keys.
+_COARSE_KEYS = (_KEY_LOW,) + tuple(_float_key(v) for v in (
+    -8.0, -1.0, -0.125, 0.0, 2.0 ** -12, 2.0 ** -8, 2.0 ** -5, 0.125, 0.25, 0.5, 1.0, 2.0,
     4.0, 16.0, 256.0))
 
 
-def _threshold_kernel(x_ref, thr_ref, *, num_keys, sample, chunk, r_lo, r_hi, tol):
+def _threshold_kernel(x_ref, thr_ref, *pub_refs, num_keys, sample, chunk, r_lo, r_hi, tol):
     """thr[n] = (t_lo, t_hi): ~r_lo * stride row keys are >= t_lo and ~r_hi * stride >= t_hi.
     The sample is reloaded chunk by chunk each pass (L1/L2 hits): holding it in registers
-    (8192 keys) cost 1.2 ms a row at 128 x 128K on the H200, and ~2x at 1024 x 32K."""
+    (8192 keys) cost 1.2 ms a row at 128 x 128K on the H200, and ~2x at 1024 x 32K.
+    pub_refs: () or ([N, P] f32 published slice counts, set to -1 here for the "lookback"
+    write)."""
     n = pl.program_id(0)
+    for pub_ref in pub_refs:
+        pltriton.store(pub_ref.at[n, pl.ds(0, pub_ref.shape[1])],
+                       jnp.full(pub_ref.shape[1:], -1.0, jnp.float32))
     lane = jnp.arange(chunk, dtype=jnp.int32)
 
     def sample_keys(c):
@@ -181,10 +188,7 @@ def _threshold_kernel(x_ref, thr_ref, *, num_keys, sample, chunk, r_lo, r_hi, to
         pos = run * q + (h % (q // _RUN)) * _RUN + j % _RUN  # runs 8-aligned when q is
         return _row_keys(pltriton.load(x_ref.at[n, pos]))
 
-    n_chunks = sample // chunk
-    count_ge = _count_ge_chunks(sample_keys, n_chunks)
-    n_s = jax.lax.fori_loop(0, n_chunks, lambda c, a: a + jnp.sum(
-        (sample_keys(c) != _INVALID).astype(jnp.int32)), jnp.int32(0))
+    count_ge = _count_ge_chunks(sample_keys, sample // chunk)
     # Both ranks searched in the same passes (one search when the sample is the whole row).
     ranks = jnp.where(jnp.arange(2 if r_hi != r_lo else 1) == 0, r_lo, r_hi)  # [R]
     jj = jnp.arange(_WAYS, dtype=jnp.int32)[None, :]
@@ -192,11 +196,13 @@ def _threshold_kernel(x_ref, thr_ref, *, num_keys, sample, chunk, r_lo, r_hi, to
     for i, key in enumerate(_COARSE_KEYS):
         fixed = jnp.where(jj == i, key, fixed)
     cnt = count_ge(fixed)  # [1, 16], falls with j
-    d = jnp.sum((cnt >= ranks[:, None]).astype(jnp.int32), axis=1) - 1  # [R] in -1..15
+    n_s = jnp.sum(jnp.where(jj == 0, cnt, 0))  # valid sampled keys
+    # [R] in 0..15 (0 also when the sample has < rank valid keys: no search then)
+    d = jnp.maximum(jnp.sum((cnt >= ranks[:, None]).astype(jnp.int32), axis=1) - 1, 0)
     at = lambda v, i: jnp.sum(jnp.where(jj == i[:, None], v, 0), axis=1)  # noqa: E731  v[0, i]
-    lo = jnp.where(d >= 0, _to_u(at(fixed, d)), _to_u(jnp.int32(_KEY_LOW)))
+    lo = _to_u(at(fixed, d))
     hi = jnp.where(d >= _WAYS - 1, _to_u(jnp.int32(_KEY_ABOVE)), _to_u(at(fixed, d + 1)))
-    c_lo = jnp.where(d >= 0, at(cnt, d), n_s)
+    c_lo = at(cnt, d)
     c_hi = jnp.where(d >= _WAYS - 1, 0, at(cnt, d + 1))
     w = jnp.where((n_s >= ranks) & (ranks > 0), hi - lo, jnp.uint32(1))
     lo, w, _ = _count_search(count_ge, ranks, lo, w, c_lo, c_hi, tol)
@@ -213,11 +219,9 @@ def _slice_chunks(s, num_keys, slice_len, block):
     return jnp.clip((left + block - 1) // block, 0, slice_len // block)
 
 
-def _count_kernel(x_ref, thr_ref, cnt_ref, *, num_keys, slice_len, block):
-    """cnt[n, s] = #keys of slice s >= t_hi (definite), in [t_lo, t_hi) (band), valid, 0."""
-    n, s = pl.program_id(0), pl.program_id(1)
+def _slice_counts(x_ref, n, s, t_lo, t_hi, *, num_keys, slice_len, block):
+    """(#keys >= t_hi (definite), #keys in [t_lo, t_hi) (band), #valid keys) of slice s of row n."""
     lane = jnp.arange(block, dtype=jnp.int32)
-    t_lo, t_hi = _load_thresholds(thr_ref, n)
 
     def body(i, acc):
         cols = s * slice_len + i * block + lane
@@ -230,24 +234,66 @@ def _count_kernel(x_ref, thr_ref, cnt_ref, *, num_keys, slice_len, block):
     zeros = jnp.zeros((block,), jnp.int32)
     acc = jax.lax.fori_loop(0, _slice_chunks(s, num_keys, slice_len, block), body,
                             (zeros, zeros, zeros))
-    _store_counts(cnt_ref, n, s, *(jnp.sum(a) for a in acc))
+    return tuple(jnp.sum(a) for a in acc)
+
+
+def _count_kernel(x_ref, thr_ref, cnt_ref, *, num_keys, slice_len, block):
+    """cnt[n, s] = (definite, band, valid, 0) counts of slice s."""
+    n, s = pl.program_id(0), pl.program_id(1)
+    t_lo, t_hi = _load_thresholds(thr_ref, n)
+    _store_counts(cnt_ref, n, s, *_slice_counts(x_ref, n, s, t_lo, t_hi, num_keys=num_keys,
+                                                slice_len=slice_len, block=block))
+
+
+def _count_vector(n_def, n_band, n_valid):
+    j = jnp.arange(4, dtype=jnp.int32)
+    return jnp.where(j == 0, n_def, jnp.where(j == 1, n_band, jnp.where(j == 2, n_valid, 0)))
 
 
 def _store_counts(cnt_ref, n, s, n_def, n_band, n_valid):
-    j = jnp.arange(4, dtype=jnp.int32)
-    pltriton.store(cnt_ref.at[n, s, pl.ds(0, 4)],
-                   jnp.where(j == 0, n_def, jnp.where(j == 1, n_band, jnp.where(j == 2, n_valid, 0))))
+    pltriton.store(cnt_ref.at[n, s, pl.ds(0, 4)], _count_vector(n_def, n_band, n_valid))
 
 
-def _write_kernel(x_ref, thr_ref, *refs, k, cap, num_keys, slice_len, block, counted):
+def _offsets_after_lookback(pub_ref, n, s, n_def, n_band):
+    """Publish slice s's (definite, band) counts in pub[n, 2s:2s+2] (f32, set to -1 by the
+    threshold kernel), wait until slices 0..s-1 of row n have published theirs, return their
+    sums. pub rows hold >= one entry per thread (the atomics' results are read back, and a
+    tensor smaller than the thread count has replicated lanes); f32 because Pallas lowers
+    vector atomics of int32 as float ones; counts < 2^24 are exact. Slice s' < s of row n has a
+    lower block index (grid (N, S), x fastest), so it was dispatched first: the wait ends."""
+    width = pub_ref.shape[1]
+    j = jnp.arange(2)
+    pltriton.atomic_max(pub_ref, (n, pl.ds(2 * s, 2)),
+                        jnp.where(j == 0, n_def, n_band).astype(jnp.float32))  # -1 -> counts
+    j = jnp.arange(width)
+    before = j < 2 * s
+
+    def poll(state):
+        del state
+        c = pltriton.atomic_add(pub_ref, (n, pl.ds(0, width)),
+                                jnp.zeros((width,), jnp.float32))  # an L2 read
+        return c, jnp.sum((before & (c < 0)).astype(jnp.int32))
+
+    c, _ = jax.lax.while_loop(lambda state: state[1] > 0, poll,
+                              (jnp.zeros((width,), jnp.float32), jnp.int32(1)))
+    c = jnp.where(before, c, 0.0).astype(jnp.int32)
+    return jnp.sum(jnp.where(j % 2 == 0, c, 0)), jnp.sum(jnp.where(j % 2 == 1, c, 0))
+
+
+def _write_kernel(x_ref, thr_ref, *refs, k, cap, num_keys, slice_len, block, mode):
     """Slice s of row n: columns of definite keys -> out[n, offset..], band keys and columns ->
     band[n, offset..], in column order (offsets: the counts of slices 0..s-1; entries past k
-    or cap are dropped: the select kernel then finds the row off the band path).
-    counted: refs = (cnt [N, S, 4] from the count kernel, out, band keys, band columns); rows
-    whose band cannot hold the answer and empty slices are skipped. Otherwise (one slice per
-    row) refs = (out, band keys, band columns, cnt): this kernel counts as it writes."""
-    if counted:
+    or cap are dropped: the select kernel then finds the row off the band path). Modes:
+    "counted": refs = (cnt [N, S, 4] from the count kernel, out, band keys, band columns); rows
+      whose band cannot hold the answer and empty slices are skipped.
+    "lookback": refs = (pub input [N, P >= 2S] f32 of -1, out, band keys, band columns, cnt,
+      pub aliasing the input): each slice counts its keys, publishes the counts and waits for
+      the earlier slices'.
+    "single" (one slice per row): refs = (out, band keys, band columns, cnt): counts as it writes."""
+    if mode == "counted":
         cnt_ref, out_ref, bkey_ref, bcol_ref = refs
+    elif mode == "lookback":
+        _, out_ref, bkey_ref, bcol_ref, cnt_ref, pub_ref = refs
     else:
         out_ref, bkey_ref, bcol_ref, cnt_ref = refs
     n, s = pl.program_id(0), pl.program_id(1)
@@ -255,7 +301,12 @@ def _write_kernel(x_ref, thr_ref, *refs, k, cap, num_keys, slice_len, block, cou
     t_lo, t_hi = _load_thresholds(thr_ref, n)
     n_chunks = _slice_chunks(s, num_keys, slice_len, block)
     def_off = band_off = jnp.int32(0)
-    if counted:
+    if mode == "lookback":
+        counts = _slice_counts(x_ref, n, s, t_lo, t_hi, num_keys=num_keys, slice_len=slice_len,
+                               block=block)
+        _store_counts(cnt_ref, n, s, *counts)
+        def_off, band_off = _offsets_after_lookback(pub_ref, n, s, *counts[:2])
+    if mode == "counted":
         n_def, n_band, n_valid = _load_counts(cnt_ref, n)
         ok = _band_holds_answer(jnp.sum(n_def), jnp.sum(n_band), jnp.sum(n_valid), k, cap)
         before = jnp.arange(n_def.shape[0]) < s
@@ -281,13 +332,13 @@ def _write_kernel(x_ref, thr_ref, *refs, k, cap, num_keys, slice_len, block, cou
         pltriton.store(bkey_ref.at[n, pos], key, mask=st)
         pltriton.store(bcol_ref.at[n, pos], cols, mask=st)
         total = jnp.sum(both)
-        if not counted:
+        if mode == "single":
             valid = valid + (key != _INVALID).astype(jnp.int32)
         return c_def + (total & 0xFFFF), c_band + (total >> 16), valid
 
     c_def, c_band, valid = jax.lax.fori_loop(
         0, n_chunks, body, (jnp.int32(0), jnp.int32(0), jnp.zeros((block,), jnp.int32)))
-    if not counted:
+    if mode == "single":
         _store_counts(cnt_ref, n, s, c_def, c_band, jnp.sum(valid))
 
 
@@ -320,20 +371,23 @@ def _select_kernel(x_ref, thr_ref, cnt_ref, bkey_ref, bcol_ref, out_in_ref, out_
     lo = _to_u(jnp.where(ok, t_lo, _KEY_LOW))
     w = jnp.where(take_all | (rank == 0), jnp.uint32(1), _to_u(jnp.where(ok, t_hi, _KEY_ABOVE)) - lo)
     one = lambda v: jnp.full((1,), v)  # noqa: E731  (a single search)
-    kth_u, _, n_above = _count_search(_count_ge_chunks(lambda i: src(i)[1], n_src_chunks),
-                                      one(rank), one(lo), one(w),
-                                      one(jnp.where(ok, n_band, n_valid)), one(jnp.int32(0)), 0)
-    kth_u, n_above = jnp.sum(kth_u), jnp.sum(n_above)
-    # take_all: every valid key is > _KEY_NEG_INF; otherwise keys > kth and the first ties.
-    threshold = jnp.where(take_all, _KEY_NEG_INF, _from_u(kth_u))
+    lo, w, n_above = _count_search(_count_ge_chunks(lambda i: src(i)[1], n_src_chunks),
+                                   one(rank), one(lo), one(w),
+                                   one(jnp.where(ok, n_band, n_valid)), one(jnp.int32(0)), 0)
+    lo, w, n_above = jnp.sum(lo), jnp.sum(w), jnp.sum(n_above)
+    # Keys >= hi are all taken, then the first (rank - n_above) in [lo, hi) in column order: the
+    # ties at the rank-th key (w = 1) or all of them (the search stopped at exactly rank keys).
+    # take_all: every valid key is >= _KEY_LOW.
+    hi = jnp.where(take_all, _KEY_LOW, _from_u(lo + w))
+    lo = _from_u(lo)
     take_eq = jnp.where(take_all, 0, rank - n_above)
     n_gt = rank - take_eq
 
     def compact(i, carry):
         c_gt, c_eq = carry
         cols, key = src(i)
-        gt = key > threshold
-        eq = key == threshold
+        gt = key >= hi
+        eq = (key >= lo) & jnp.logical_not(gt)
         both = gt.astype(jnp.int32) + (eq.astype(jnp.int32) << 16)
         excl = jnp.cumsum(both) - both
         rank_eq = c_eq + (excl >> 16)
@@ -430,10 +484,12 @@ def topk(logits, k: int, *, interpret=False, block=None, num_warps=None, num_sta
                         slices=slices)["out"]
 
 
-def _topk_stages(logits, k, *, interpret, block, num_warps, num_stages, sample, capacity, slices):
+def _topk_stages(logits, k, *, interpret, block, num_warps, num_stages, sample, capacity, slices,
+                 lookback=False):
     """`topk`'s kernels for N, L, k >= 1 -> {"out": [N, k], "thresholds": [N, 2] (t_lo, t_hi),
     "counts": [N, S, 4] (definite, band, valid, 0 per slice), "band_keys": [N, cap (+block)],
-    "capacity": cap}; the intermediates let tests see which path each row took."""
+    "capacity": cap}; the intermediates let tests see which path each row took.
+    num_warps: an int for all four kernels or (thresholds, count, write, select)."""
     n, num_keys = logits.shape
     block = max(16, min(next_pow2(block or 1024), next_pow2(num_keys)))
     if slices is None:  # one slice (a single sweep) once rows alone fill the GPU
@@ -444,26 +500,45 @@ def _topk_stages(logits, k, *, interpret, block, num_warps, num_stages, sample, 
     # Interpret mode carries out a masked-out scatter lane as a write of the old value: give
     # those lanes `block` spare columns of their own. On the GPU masked lanes store nothing.
     spare = block if interpret else 0
-    params = pltriton.CompilerParams(num_warps=num_warps or 8, num_stages=num_stages or 3)
+    if not isinstance(num_warps, tuple):
+        num_warps = (num_warps or 8,) * 4
     x = logits.astype(jnp.float32)
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-    call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
 
-    thr = call(functools.partial(_threshold_kernel, num_keys=num_keys, sample=sample,
-                                 chunk=min(sample, 1024), r_lo=r_lo, r_hi=r_hi, tol=tol),
-               out_shape=i32((n, 2)), grid=(n,), name="topk_thresholds")(x)
+    def call(kernel, warps, **kw):
+        return pl.pallas_call(kernel, interpret=interpret, compiler_params=pltriton.CompilerParams(
+            num_warps=warps, num_stages=num_stages or 3), **kw)
+
+    lookback = lookback and n_slices > 1
+    thr_kernel = functools.partial(_threshold_kernel, num_keys=num_keys, sample=sample,
+                                   chunk=min(sample, 1024), r_lo=r_lo, r_hi=r_hi, tol=tol)
+    thr_shape = i32((n, 2))
+    cnt_shape = i32((n, n_slices, 4))
+    if lookback:
+        thr, pub = call(thr_kernel, num_warps[0], grid=(n,), name="topk_thresholds",
+                        out_shape=(thr_shape, jax.ShapeDtypeStruct(
+                            (n, next_pow2(max(2 * n_slices, 32 * num_warps[2]))), jnp.float32)))(x)
+    else:
+        thr = call(thr_kernel, num_warps[0], out_shape=thr_shape, grid=(n,),
+                   name="topk_thresholds")(x)
     sliced = dict(num_keys=num_keys, slice_len=slice_len, block=block)
     written = (i32((n, k + spare)), i32((n, cap + spare)), i32((n, cap + spare)))
+    write = functools.partial(_write_kernel, k=k, cap=cap, **sliced)
     if n_slices == 1:  # no offsets to wait for: count while writing
-        out, bkey, bcol, cnt = call(
-            functools.partial(_write_kernel, k=k, cap=cap, counted=False, **sliced),
-            out_shape=written + (i32((n, 1, 4)),), grid=(n, 1), name="topk_write")(x, thr)
+        out, bkey, bcol, cnt = call(functools.partial(write, mode="single"), num_warps[2],
+                                    out_shape=written + (i32((n, 1, 4)),), grid=(n, 1),
+                                    name="topk_write")(x, thr)
+    elif lookback:  # count and write in one kernel: offsets from the earlier slices' counts
+        out, bkey, bcol, cnt, _ = call(
+            functools.partial(write, mode="lookback"), num_warps[2],
+            out_shape=written + (cnt_shape, jax.ShapeDtypeStruct(pub.shape, jnp.float32)),
+            grid=(n, n_slices), input_output_aliases={2: 4}, name="topk_write")(x, thr, pub)
     else:
-        cnt = call(functools.partial(_count_kernel, **sliced), out_shape=i32((n, n_slices, 4)),
+        cnt = call(functools.partial(_count_kernel, **sliced), num_warps[1], out_shape=cnt_shape,
                    grid=(n, n_slices), name="topk_count")(x, thr)
-        out, bkey, bcol = call(functools.partial(_write_kernel, k=k, cap=cap, counted=True, **sliced),
+        out, bkey, bcol = call(functools.partial(write, mode="counted"), num_warps[2],
                                out_shape=written, grid=(n, n_slices), name="topk_write")(x, thr, cnt)
     out = call(functools.partial(_select_kernel, k=k, cap=cap, num_keys=num_keys, block=block),
-               out_shape=i32((n, k + spare)), grid=(n,), input_output_aliases={5: 0},
+               num_warps[3], out_shape=i32((n, k + spare)), grid=(n,), input_output_aliases={5: 0},
                name="topk_select")(x, thr, cnt, bkey, bcol, out)
     return dict(out=out[:, :k], thresholds=thr, counts=cnt, band_keys=bkey, capacity=cap)

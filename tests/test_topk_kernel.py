@@ -27,7 +27,7 @@ from tests.test_indexer_kernels import check_topk
 def stages(x, k, **kw):
     """All intermediates of `topk` (see `_topk_stages`) for a numpy [N, L] array."""
     opts = dict(interpret=INTERPRET, block=None, num_warps=None, num_stages=None, sample=None,
-                capacity=None, slices=None)
+                capacity=None, slices=None, lookback=False)
     opts.update(kw)
     return topk_lib._topk_stages(jnp.asarray(x), k, **opts)
 
@@ -90,12 +90,14 @@ def test_topk_sampled_ragged():
     assert band_path(st, k)[valid > 3 * k].all(), band_path(st, k)
 
 
-def test_topk_adversarial_rows():
+@pytest.mark.parametrize("lookback", [False, True])
+def test_topk_adversarial_rows(lookback):
     """Sorted, tied, concentrated, special-value rows: exact; the all-equal row overflows the
-    band and falls back to the whole row, the ascending/descending rows stay on the band."""
+    band and falls back to the whole row, the ascending/descending rows stay on the band.
+    lookback: the slices' offsets from counts published within the write kernel."""
     num_keys, k = 2048, 64
     x = adversarial_rows(np.random.default_rng(1), num_keys, k)
-    st = stages(x, k, sample=256, block=128, slices=4)
+    st = stages(x, k, sample=256, block=128, slices=4, lookback=lookback)
     check_topk(st["out"], nan_free(x), k)
     on_band = band_path(st, k)
     assert on_band[0] and on_band[1], on_band  # sorted rows: the sample sees the quantiles
@@ -114,29 +116,33 @@ def test_topk_forced_fallback():
 
 
 def test_topk_exact_sample():
-    """Sample >= row length: t_lo is the exact k-th key and the band holds only its ties."""
+    """Sample >= row length: exact thresholds, t_lo <= the k-th key < t_hi with exactly k keys
+    >= t_lo when there are no ties (the band holds only keys of the answer)."""
     num_keys, k = 300, 37
     rng = np.random.default_rng(3)
     x = np.concatenate([random_rows(rng, 3, num_keys, [num_keys, k, k + 1]),
                         adversarial_rows(rng, num_keys, k)])
     st = stages(x, k, block=64)
     check_topk(st["out"], nan_free(x), k)
-    n_band = np.asarray(st["counts"])[:, :, 1].sum(1)
-    assert (n_band[:1] == 1).all(), n_band  # no ties in a Gaussian row: the band is the k-th key
+    n_def, n_band = (np.asarray(st["counts"])[:, :, j].sum(1) for j in range(2))
+    assert n_def[0] < k and n_def[0] + n_band[0] == k, (n_def, n_band)  # Gaussian row: no ties
 
 
 def test_topk_deterministic_across_slicings():
-    """The output (order included) does not depend on the slicing: definite keys, then the
-    band's selected keys, each in column order."""
+    """The output (order included) and the per-row counts do not depend on the slicing nor on
+    how the slices' offsets are found (count kernel or lookback): definite keys, then the band's
+    selected keys, each in column order."""
     num_keys, k = 2048, 64
     rng = np.random.default_rng(4)
     x = np.concatenate([random_rows(rng, 3, num_keys, [num_keys, 900, 70]),
                         adversarial_rows(rng, num_keys, k)[2:5]])
-    outs = [np.asarray(topk_lib.topk(jnp.asarray(x), k, interpret=INTERPRET, sample=256,
-                                     block=128, slices=s)) for s in (1, 2, 8)]
-    check_topk(outs[0], x, k)
-    np.testing.assert_array_equal(outs[0], outs[1])
-    np.testing.assert_array_equal(outs[0], outs[2])
+    runs = [stages(x, k, sample=256, block=128, slices=s, lookback=lb)
+            for s, lb in ((1, False), (2, False), (8, False), (2, True), (8, True))]
+    check_topk(runs[0]["out"], x, k)
+    row_counts = np.asarray(runs[0]["counts"]).sum(1)
+    for st in runs[1:]:
+        np.testing.assert_array_equal(np.asarray(st["out"]), np.asarray(runs[0]["out"]))
+        np.testing.assert_array_equal(np.asarray(st["counts"]).sum(1), row_counts)
 
 
 def test_topk_attention_unchanged():
