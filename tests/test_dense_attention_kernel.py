@@ -103,6 +103,21 @@ def test_long_context_and_key_tiles(block_kv):
     np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)
 
 
+# Work-list orders and diagonal tiles: sequences of at most 128 rows on average (items dealt
+# head fastest: several heads, more items than programs) and 128-aligned prefills with and
+# without a 128-aligned context (warpgroup 0's diagonal key tiles run as 64-key half steps).
+@pytest.mark.parametrize("q_lens,ctx_lens", [([100, 7, 0, 120, 29], [0, 3, 9, 0, 64]),
+                                             ([256, 128], [0, 128])])
+def test_short_and_aligned_prefills(q_lens, ctx_lens):
+    q, k, v, q_start, k_start = make_batch(6, q_lens, ctx_lens, heads=4, d_qk=64, d_v=64, pad_q=3)
+    out = causal_varlen_attention(q, k, v, q_start, k_start, scale=0.2, interpret=INTERPRET,
+                                  num_programs=3)
+    ref = causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=0.2)
+    owned = int(q_start[-1])
+    assert rel_err(out, ref, owned) < TOL
+    np.testing.assert_array_equal(np.asarray(out[owned:], np.float32), 0.0)
+
+
 def test_all_padding():
     q, k, v, q_start, k_start = make_batch(3, [0, 0], [0, 4], heads=1, d_qk=64, d_v=64, pad_q=5)
     out = causal_varlen_attention(q, k, v, q_start, k_start, scale=0.2, interpret=INTERPRET)
