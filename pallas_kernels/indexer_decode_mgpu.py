@@ -12,26 +12,36 @@ over the key cache and its speed is the bytes it keeps in flight. Layout of the 
     64-key blocks (the cache's pages; other page sizes are mapped to 64-key pages first) and
     into chunks of `chunk` blocks, one CTA per (tile, chunk), with `chunk` picked so the CTAs
     fill whole waves of the GPU's SMs;
-  * a memory warpgroup loads the chunk's slice of the block table into SMEM once (so no page
-    lookup waits on GMEM), then streams key blocks [64, D] and their scales by TMA into a ring
-    of `stages` SMEM slots of `step_blocks` blocks each (96 KiB of keys in flight per SM), and
-    writes -inf over the chunk's blocks at or past the tile's last valid key;
+  * a memory warpgroup loads the chunk's slice of the tile's block-table row (gathered per tile
+    by the wrapper) into SMEM once, so no page lookup waits on GMEM, together with the tile's
+    row metadata and (one row per tile) its q and weights: the first keys go out one memory
+    round trip after the start, not two. It then streams key blocks [64, D] and their scales by
+    TMA into a ring of `stages` SMEM slots of `step_blocks` blocks each (96 KiB of keys in
+    flight per SM), and writes -inf over the chunk's blocks at or past the tile's last valid key;
   * two compute warpgroups take alternate slots: per block one wgmma [64 keys, D] x
     [D, block_rows * Hi] (the tile's q side by side, SMEM), then per row ReLU, the
     head-weighted sum as a row reduction of the WGMMA layout, key scales and the ragged mask;
-    64 logits per row and block go out by TMA from a double-buffered SMEM tile.
+    64 logits per row and block go out by TMA from a double-buffered SMEM tile. At the end the
+    warpgroups wait only until their stores have read SMEM (the writes land by kernel end).
 Nothing of size [rows, Hi, keys] exists outside registers.
 
 Why Mosaic GPU, and a kernel of its own (measured on the H200, fp8 keys + scales, 64 heads x
 128, pages of 64, 1 row per sequence, B=32 sequences of 32K keys, device time of 20 calls in
-one jit): 3291 GB/s of key bytes, 81% of the copy bandwidth measured in the same run (4040 GB/s;
+one jit's fori_loop, whose per-iteration overhead this size hides: B=32 C=128K 153 us a call in
+the loop, 151 unrolled): 3291 GB/s of key bytes, 81% of the copy bandwidth measured in the same run (4040 GB/s;
 76% with one block per ring slot). The Triton-backend kernel reads 595 GB/s there (16%): one
 program per (row, chunk) gathering keys with vector loads and one block-table load per key. A
 decode tiling of the Mosaic prefill kernel read 521-555 GB/s: its producer reads each block's
 page id from GMEM just before that block's TMA, one memory latency per 8 KiB. Also measured
 (host-timed, GPU-bound): bf16 B=32 C=32K 3501 GB/s (87% of copy), fp8 B=128 C=32K 3303 (81%).
-Small batches (B=1) are bound by the per-call latency (launch, then three dependent memory
-round trips: row metadata, block-table slice, first keys), not by bandwidth.
+Small batches are bound by per-call latency, not bandwidth. B=1, fp8, 20 dependent calls unrolled
+in one jit rotating over copies of the cache (L2-cold, scripts/bench_indexer.py `device_ms`):
+C=128K 9.7 us a call (1792 GB/s, 57% of a same-size copy's 10.9 us), C=32K 7.8 us (58%; the
+Triton kernel 7.4; with metadata and table loads in sequence, the kernel before, 8.4). L2-warm
+the same calls take 7.8 / 4.9 us: a fixed ~4 us (launch, first round trips, drain) that a
+single sequence cannot hide. XLA glue around the kernel costs nothing measurable (the bare
+kernel call 7.4 us vs 7.5, warm); more or fewer CTAs are slower (B=1 C=128K: 64 CTAs 11.0 us,
+256 CTAs 9.6, the chosen 128 CTAs 7.5, warm).
 """
 
 from __future__ import annotations
@@ -112,8 +122,8 @@ def choose_decode_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_
 
 def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, swizzle):
     """meta [T, M] int32 (sequence, tile end, row ids, row ends); q [N, Hi, D]; w [T, BR, Hi] f32;
-    bt [S, Wp] int32 (64-key pages, Wp a multiple of chunk); k [slots, D]; k_scale [slots] f32
-    (if present); out [N, KB, 64] f32 (KB key blocks)."""
+    bt [T, Wp] int32 (each tile's sequence's 64-key pages, Wp a multiple of chunk); k [slots, D];
+    k_scale [slots] f32 (if present); out [N, KB, 64] f32 (KB key blocks)."""
     *ks_ref, out_ref = rest
     ks_ref = ks_ref[0] if ks_ref else None
     br, chunk, sb, stages = tiling.block_rows, tiling.chunk, tiling.step_blocks, tiling.stages
@@ -129,29 +139,39 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
         wg = lax.axis_index("wg")
 
         def chunk_header():
-            """(sequence, first key block past the tile's last valid key, blocks to compute,
-            pipeline steps: the last one padded with repeats of the last block, never stored)."""
+            """(first key block past the tile's last valid key, blocks to compute, pipeline steps:
+            the last one padded with repeats of the last block, never stored)."""
             plgpu.barrier_wait(meta_bar)
             stop = pl.cdiv(meta_smem[1], bk)
             n_blocks = jnp.clip(stop - first, 0, chunk)
-            return meta_smem[0], stop, n_blocks, pl.cdiv(n_blocks, sb)
+            return stop, n_blocks, pl.cdiv(n_blocks, sb)
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory_wg():
             plgpu.set_max_registers(40, action="decrease")
+            # Everything that does not depend on the metadata goes out at once: the tile's
+            # block-table slice (its sequence's row, gathered by the wrapper) and, with one row
+            # per tile (the tile is the row), its q and weights. Keys wait only for the table.
             plgpu.copy_gmem_to_smem(meta_ref.at[tile], meta_smem, meta_bar)
+            plgpu.copy_gmem_to_smem(bt_ref.at[tile, pl.ds(first, chunk)], bt_smem, bt_bar)
+            if br == 1:
+                plgpu.copy_gmem_to_smem(w_ref.at[tile], w_smem, q_bar)
+                plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem, q_bar)
             fill_smem[...] = jnp.full(fill_smem.shape, -jnp.inf, jnp.float32)
             plgpu.commit_smem()
-            seq, stop, n_blocks, n_steps = chunk_header()
-
-            @pl.when(n_steps > 0)
-            def _load_rows():
-                plgpu.copy_gmem_to_smem(bt_ref.at[seq, pl.ds(first, chunk)], bt_smem, bt_bar)
-                plgpu.copy_gmem_to_smem(w_ref.at[tile], w_smem, q_bar)
-                for j in range(br):  # empty row slots load row 0 (never stored): one arrival each
-                    plgpu.copy_gmem_to_smem(q_ref.at[jnp.maximum(meta_smem[2 + j], 0)],
-                                            q_smem.at[pl.ds(j * hi, hi)], q_bar)
-                plgpu.barrier_wait(bt_bar)
+            stop, n_blocks, n_steps = chunk_header()
+            if br == 1:
+                @pl.when(n_steps == 0)  # no compute warpgroup waits for q then: drain it before exit
+                def _drain_q():
+                    plgpu.barrier_wait(q_bar)
+            else:
+                @pl.when(n_steps > 0)
+                def _load_rows():
+                    plgpu.copy_gmem_to_smem(w_ref.at[tile], w_smem, q_bar)
+                    for j in range(br):  # empty row slots load row 0 (never stored): one arrival each
+                        plgpu.copy_gmem_to_smem(q_ref.at[jnp.maximum(meta_smem[2 + j], 0)],
+                                                q_smem.at[pl.ds(j * hi, hi)], q_bar)
+            plgpu.barrier_wait(bt_bar)
 
             @pl.loop(0, n_steps)
             def _load_keys(step):
@@ -173,12 +193,12 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
             fill_stop = jnp.minimum(first + chunk, out_blocks)
             _fill_rows_tail(meta_smem, fill_smem.at[:bk], br, fill_start, fill_stop,
                             lambda row, b: out_ref.at[row, b])
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM reads; the writes land by kernel end
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
             plgpu.set_max_registers(232, action="increase")
-            _, _, n_blocks, n_steps = chunk_header()
+            _, n_blocks, n_steps = chunk_header()
             lane = plgpu.broadcasted_iota(jnp.int32, (bk,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
 
             @pl.when(n_steps > 0)
@@ -227,7 +247,7 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
                                                         commit_group=False)
                     plgpu.commit_smem_to_gmem_group()
 
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     pl.run_scoped(
         body,
@@ -313,11 +333,12 @@ def indexer_logits_decode_mgpu(q, weights, k_cache, k_scale, block_tables, row_s
         block_tables = jnp.pad(block_tables, ((0, 0), (0, splits * tiling.chunk - key_blocks)))
 
     meta, tile_rows = _decode_tiles(row_seq, row_end, num_seqs, num_keys, tiling.block_rows)
+    tile_tables = block_tables[meta[:, 0]]  # [T, Wp]: loaded by the kernel without waiting for meta
     if tiling.block_rows == 1:
         tile_weights = weights[:, None, :]
     else:
         tile_weights = jnp.where(tile_rows[..., None] >= 0, weights[jnp.maximum(tile_rows, 0)], 0.0)
-    args = [meta, q, tile_weights, block_tables, k_cache]
+    args = [meta, q, tile_weights, tile_tables, k_cache]
     if k_scale is not None:
         args.append(k_scale.astype(jnp.float32))
     kernel = plgpu.kernel(

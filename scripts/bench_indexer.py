@@ -10,8 +10,9 @@
   or B=32 C=32K, the Triton kernel; GB/s of key bytes read once per sequence (D + 4 per key
   for fp8 with its scale, 2 * D for bf16) and the fraction of the copy bandwidth measured in
   the same run on an array of the same bytes (copy GB/s = 2 * bytes / time). Decode calls are
-  timed on the device: 20 dependent calls in one jit (`device_ms`), since a single call of a
-  small decode batch takes less GPU time than JAX's host dispatch (`host_ms`, also recorded).
+  timed on the device: 20 dependent calls unrolled in one jit, L2-cold (`device_ms`: why not a
+  fori_loop, why several copies of the cache), since a single call of a small decode batch
+  takes less GPU time than JAX's host dispatch (`host_ms`, also recorded).
 * top-k (k=2048) of [rows, L] f32 logits: pallas_kernels.topk (sampled thresholds + band select) vs
   lax.top_k on the same inputs. `--only topk` runs just that (~1 minute).
 Every config is checked against the reference (on a sample of rows) before it is timed; a
@@ -51,6 +52,57 @@ FP8 = jnp.float8_e4m3fn
 # ------------------------------------------------------------------------------------------------
 # timing
 # ------------------------------------------------------------------------------------------------
+
+L2_BYTES = 50 * 2 ** 20  # the H200's L2
+
+
+def _rotation(nbytes, reps):
+    """Copies of an input that a timed chain rotates over, so that its reads come from HBM as in
+    a model step (where the other layers' caches evict this one's): 4 x L2 in all, at most reps."""
+    return max(1, min(reps, -(-4 * L2_BYTES // nbytes)))
+
+
+def device_ms(fn, q, w, k, k_scale, block_tables, row_seq, row_end, reps=20):
+    """Median ms per call of fn(q, w, k, k_scale, block_tables, row_seq, row_end) -> [N, L] on the
+    device, L2-cold: one jit runs reps calls unrolled in Python (fn jitted once inside: one
+    lowering, one compile), each call's row_end depending on the previous output through one tiny
+    fusion so XLA can neither hoist nor merge the calls (that fusion is counted in the call), and
+    the calls rotating over copies of the keys and scales (`_rotation`).
+
+    Why not a lax.fori_loop (this bench's harness before): on the H200 XLA's while loop added
+    6-16 us to every iteration (B=1 C=128K fp8: 23.4 us a call in the loop, 7.5 unrolled; the
+    copy reference of 540 KB: 7.7 vs 2.1 us), which hid small decode calls behind the loop.
+    Why rotate: 20 unrolled calls on one 17 MB cache read it from L2 (a copy of it ran at 5.3 TB/s,
+    above HBM's 4.8)."""
+    n = _rotation(int(k.size * k.dtype.itemsize) + (0 if k_scale is None else int(k_scale.size) * 4), reps)
+    ks = tuple([k] + [jnp.array(k, copy=True) for _ in range(n - 1)])
+    scales = None if k_scale is None else tuple([k_scale] + [jnp.array(k_scale, copy=True) for _ in range(n - 1)])
+    call = jax.jit(fn)
+
+    def run(q, w, ks, scales, bt, rs, re):
+        for i in range(reps):
+            out = call(q, w, ks[i % n], None if scales is None else scales[i % n], bt, rs, re)
+            re = re + (out[0, 0] == 1.2345e-30).astype(re.dtype)
+        return re
+    return median_ms(jax.jit(run), q, w, ks, scales, block_tables, row_seq, row_end) / reps
+
+
+def copy_gbps(nbytes, reps=20):
+    """The copy ceiling: 2 * nbytes / time of an elementwise pass over an nbytes array, timed like
+    `device_ms` (reps passes unrolled in one jit over `_rotation` arrays, one
+    optimization_barrier after each so that XLA neither fuses nor reorders them)."""
+    n = _rotation(nbytes, reps)
+    xs = tuple(jnp.full((nbytes // 4,), i, jnp.uint32) for i in range(n))
+
+    def run(xs):
+        xs = list(xs)
+        for i in range(reps):
+            xs[i % n] = xs[i % n] ^ jnp.uint32(i + 1)
+            xs = list(jax.lax.optimization_barrier(tuple(xs)))
+        return xs
+    ms = median_ms(jax.jit(run), xs) / reps
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
 
 # ------------------------------------------------------------------------------------------------
 # inputs
@@ -119,27 +171,6 @@ def check_topk_sample(out, logits, k, num_rows=12, seed=0):
 # ------------------------------------------------------------------------------------------------
 # benchmarks
 # ------------------------------------------------------------------------------------------------
-
-def device_ms(fn, q, w, k, k_scale, block_tables, row_seq, row_end, reps=20):
-    """Median ms per call of fn(q, w, k, k_scale, block_tables, row_seq, row_end) -> [N, L]
-    without host dispatch: one jit runs reps calls in a fori_loop (one call site: one compile),
-    each call's row_end depending on the previous output through one tiny fusion, so XLA can
-    neither hoist nor merge the calls; that fusion (~a few us) is counted in the call."""
-    def run(q, w, k, ks, bt, rs, re):
-        def body(i, re):
-            return re + (fn(q, w, k, ks, bt, rs, re)[0, 0] == 1.2345e-30).astype(re.dtype)
-        return jax.lax.fori_loop(0, reps, body, re)
-    return median_ms(jax.jit(run), q, w, k, k_scale, block_tables, row_seq, row_end) / reps
-
-
-def copy_gbps(nbytes, reps=20):
-    """The copy ceiling: 2 * nbytes / time of an elementwise pass over an nbytes array, timed
-    like `device_ms` (reps dependent passes in one fori_loop)."""
-    def run(x):  # purely elementwise on the loop carry: updated in place, one pass a step
-        return jax.lax.fori_loop(0, reps, lambda i, x: x ^ i.astype(x.dtype), x)
-    ms = median_ms(jax.jit(run), jnp.ones((nbytes // 4,), jnp.uint32)) / reps
-    return 2 * nbytes / (ms * 1e-3) / 1e9
-
 
 RESULTS = []
 DEADLINE = [float("inf")]  # configs starting after this time.time() are skipped
