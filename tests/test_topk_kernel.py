@@ -1,4 +1,4 @@
-"""pallas_kernels.topk (thresholds / count / write / select kernels) against lax.top_k.
+"""pallas_kernels.topk (thresholds / write / select kernels) against lax.top_k.
 
 Checked per row (check_topk): min(k, #finite) distinct indices then -1, and the multiset of
 their values equal to lax.top_k's (the exact index set where there are no ties at the k-th
@@ -27,7 +27,7 @@ from tests.test_indexer_kernels import check_topk
 def stages(x, k, **kw):
     """All intermediates of `topk` (see `_topk_stages`) for a numpy [N, L] array."""
     opts = dict(interpret=INTERPRET, block=None, num_warps=None, num_stages=None, sample=None,
-                capacity=None, slices=None, lookback=False)
+                capacity=None, slices=None, group=None)
     opts.update(kw)
     return topk_lib._topk_stages(jnp.asarray(x), k, **opts)
 
@@ -78,8 +78,9 @@ def adversarial_rows(rng, num_keys, k):
 # ------------------------------------------------------------------------------------------------
 
 def test_topk_sampled_ragged():
-    """Sampled thresholds (sample 256 of 2048 keys), 4 slices per row: ragged valid lengths around
-    k, random rows; every row with more than ~2k valid keys must take the band path."""
+    """Sampled thresholds (sample 256 of 2048 keys), 4 slices per row (published counts, chunks
+    loaded 4 at a time): ragged valid lengths around k, random rows; every row with more than
+    ~2k valid keys must take the band path."""
     num_keys, k = 2048, 64
     ends = [0, 1, k - 1, k, k + 1, 2 * k, 300, 1000, 1500, num_keys, num_keys]
     x = random_rows(np.random.default_rng(0), len(ends) + 5, num_keys, ends)
@@ -90,14 +91,15 @@ def test_topk_sampled_ragged():
     assert band_path(st, k)[valid > 3 * k].all(), band_path(st, k)
 
 
-@pytest.mark.parametrize("lookback", [False, True])
-def test_topk_adversarial_rows(lookback):
+@pytest.mark.parametrize("slices", [1, 4])
+def test_topk_adversarial_rows(slices):
     """Sorted, tied, concentrated, special-value rows: exact; the all-equal row overflows the
     band and falls back to the whole row, the ascending/descending rows stay on the band.
-    lookback: the slices' offsets from counts published within the write kernel."""
+    One slice a row (the write kernel counts as it writes) or 4 (each slice publishes its
+    counts and takes its offsets from the earlier slices')."""
     num_keys, k = 2048, 64
     x = adversarial_rows(np.random.default_rng(1), num_keys, k)
-    st = stages(x, k, sample=256, block=128, slices=4, lookback=lookback)
+    st = stages(x, k, sample=256, block=128, slices=slices)
     check_topk(st["out"], nan_free(x), k)
     on_band = band_path(st, k)
     assert on_band[0] and on_band[1], on_band  # sorted rows: the sample sees the quantiles
@@ -130,19 +132,32 @@ def test_topk_exact_sample():
 
 def test_topk_deterministic_across_slicings():
     """The output (order included) and the per-row counts do not depend on the slicing nor on
-    how the slices' offsets are found (count kernel or lookback): definite keys, then the band's
-    selected keys, each in column order."""
+    how many chunks are loaded at a time: definite keys, then the band's selected keys, each in
+    column order."""
     num_keys, k = 2048, 64
     rng = np.random.default_rng(4)
     x = np.concatenate([random_rows(rng, 3, num_keys, [num_keys, 900, 70]),
                         adversarial_rows(rng, num_keys, k)[2:5]])
-    runs = [stages(x, k, sample=256, block=128, slices=s, lookback=lb)
-            for s, lb in ((1, False), (2, False), (8, False), (2, True), (8, True))]
+    runs = [stages(x, k, sample=256, block=128, slices=s, group=g)
+            for s, g in ((1, 1), (2, 4), (8, 4), (1, 4), (8, 1))]
     check_topk(runs[0]["out"], x, k)
     row_counts = np.asarray(runs[0]["counts"]).sum(1)
     for st in runs[1:]:
         np.testing.assert_array_equal(np.asarray(st["out"]), np.asarray(runs[0]["out"]))
         np.testing.assert_array_equal(np.asarray(st["counts"]).sum(1), row_counts)
+
+
+def test_topk_grouped_chunks():
+    """Chunks loaded `group` at a time: 15 chunks a row (slices of 4, 4, 4, 3 chunks), so
+    groups end past a slice; bands of 1-3 chunks. Same output as one chunk at a time."""
+    num_keys, k = 1920, 64
+    rng = np.random.default_rng(8)
+    x = np.concatenate([random_rows(rng, 4, num_keys, [num_keys, 1000, k + 1, 1500]),
+                        adversarial_rows(rng, num_keys, k)[[0, 3, 5, 6]]])
+    runs = [stages(x, k, sample=512, block=128, slices=4, group=g) for g in (1, 2, 4, 8)]
+    check_topk(runs[0]["out"], x, k)
+    for st in runs[1:]:
+        np.testing.assert_array_equal(np.asarray(st["out"]), np.asarray(runs[0]["out"]))
 
 
 def test_topk_attention_unchanged():
@@ -175,8 +190,8 @@ def test_topk_bad_input():
 
 @pytest.mark.gpu
 def test_topk_kernel_gpu():
-    """32K keys, k = 2048, default plan (8 slices at 64 rows): ragged random rows on the band
-    path, adversarial rows exact."""
+    """32K keys, k = 2048, default plan (8 slices a row at 60 rows: published slice counts,
+    chunks loaded 4 at a time): ragged random rows on the band path, adversarial rows exact."""
     num_keys, k = 32768, 2048
     rng = np.random.default_rng(6)
     ends = [0, 1, k - 1, k, k + 1, 3000, 5000, 20000, 32767] + [num_keys] * 39
