@@ -4,19 +4,33 @@
 attention over a packed ragged batch of causal prefills. Mosaic GPU rather than Pallas-Triton:
 on the H200, Triton-lowered attention kernels ran ~3.4x slower than Mosaic GPU ones (tokamax
 139 vs 471 causal TFLOP/s at 4x2048, /work/shared/dsa-facts.md).
-Measured on the H200 (H=128, bf16, causal TFLOP/s, final run of this kernel, vs tokamax's Mosaic
-flash attention and cuDNN via jax.nn on padded batches): 4x2048 516 (510, 418); 4x1024 after
-1024 cached 529 (490, 327); 16x512 332 (339, 212); 64x128 119 (121, 67). 64x128 moves 1.34 GB
-(q, k, v read once, out written once): 0.364 ms is 3.7 TB/s, the copy ceiling.
+Measured on the H200 (H=128, bf16, causal TFLOP/s; one probe run, median of 3 interleaved
+repetitions, first timing after compiling in brackets; the repetitions run slower as the GPU
+heats up): 64x128 123 (124) vs tokamax's Mosaic flash attention 122 (121); 16x512 321 (380) vs
+tokamax 288 (342); 4x2048 511 (564) vs the previous kernel 486 (536). Session 3's bench, previous
+kernel: 4x2048 516 vs tokamax 510, cuDNN via jax.nn (padded batches) 418; 4x1024 after 1024
+cached 529 (490, 327); 16x512 cuDNN 212; 64x128 cuDNN 67.
+What bounds it: at 64x128 HBM: q, k, v are read once and out written once, 1.34 GB in 0.351 ms,
+3.8 TB/s, the copy ceiling measured through XLA (3.6-3.8). At 4x2048 the tensor cores and the
+softmax between them: ~530-580 TFLOP/s of tile products (masked halves included), near the
+600-690 of a large bf16 XLA matmul. 16x512 sits between (1.34 GB is 0.36 ms at 3.7 TB/s, its
+tile products 0.39 ms at the 4x2048 rate; measured 0.45-0.54 ms): ~62 items per SM of 2.5 key
+tiles on average, so each item's q load, output stores and pipeline refill weigh.
 How it got there (ratios within one probe run; runs vary ~7%): 128-key tiles x 2 stages beat
 64 x 3 (4x2048 481 vs 433, 16x512 309 vs 280, 64x128 115 vs 100, the last also from building the
 work table without a searchsorted loop); 64-column output pieces free the shared memory for
 them; storing whole 64-row pieces from a swizzled tile saved ~5% (1.82 vs 1.90 ms at 4x2048).
 Plain round-robin dealing of the items ran 4x1024+1024 with 8 padding rows at 353-357 (33 table
 rows per head, 132 = 4 * 33 programs: each program met the same block length every round; a load
-model gives 1.32x the mean, snake-order rounds 1.03x). Not kept: issuing a step's PV product and
-the next QK product together (363 vs 449 at 4x2048, 167 vs 307 at 16x512), turn-taking by
-hardware named barriers or one-way signals (474, 479 vs 481).
+model gives 1.32x the mean, snake-order rounds 1.03x). Handing the turn over before an item's
+epilogue: 16x512 341 vs 327 and 335 vs 307 (two runs). The work table's argsort (longest blocks
+first) cost ~15 us, 4% at 64x128 (the kernel alone ran 126 vs 121 with the table); without it
+and with head-fastest dealing of one-block sequences, 64x128 123 vs 118. Half-width last tiles:
+16x512 355 vs 351 first timings, 313 vs 335 repeated (within the noise); the whole set: 4x2048
+511 vs 486. Not kept: issuing a step's PV product and the next QK product together (363 vs 449
+at 4x2048, 167 vs 307 at 16x512), turn-taking by hardware named barriers or one-way signals
+(474, 479 vs 481), TMA prefetches into L2 of the next item's q and first K/V tiles (64x128 84
+vs 120, 16x512 268 vs 327), dealing 4 heads at a time at 16x512 (232 vs 268).
 """
 
 from __future__ import annotations
@@ -142,7 +156,9 @@ def _block_table(q_start_loc, k_start_loc, num_rows, num_blocks):
       _KSHIFT packed k row of key 0 minus 8 * _KROW0: key tiles start _KSHIFT keys early
       _KV_END keys the block reads (position of its last stored query + 1); 0 for the blocks
               that only write zeros (the padding rows q_start_loc[S]..num_rows)
-    Blocks in use come first, by descending _KV_END: the longest start first.
+    Rows are in sequence order, each sequence's last (longest) block first, so blocks in use
+    come first. (No sort: the argsort that dealt the longest blocks first cost ~15 us, 4% of
+    the kernel at 64x128, and the snake-order dealing balances the programs without it.)
     """
     num_seqs = q_start_loc.shape[0] - 1
     q_len = jnp.diff(q_start_loc)
@@ -160,16 +176,14 @@ def _block_table(q_start_loc, k_start_loc, num_rows, num_blocks):
     seq = jnp.minimum(jnp.searchsorted(blocks_end, blk, side="right", method="compare_all"),
                       num_seqs).astype(jnp.int32)
     in_use = blk < blocks_end[-1]
-    row0 = seq_base[seq] + (blk - (blocks_end[seq] - seq_blocks[seq])) * _BLOCK_Q
+    row0 = seq_base[seq] + (blocks_end[seq] - 1 - blk) * _BLOCK_Q
     lo = jnp.where(in_use, jnp.maximum(seq_start[seq] - row0, 0), 0)
     hi = jnp.where(in_use, jnp.minimum(seq_end[seq] - row0, _BLOCK_Q), 0)
     pos0 = seq_ctx[seq] + row0 - seq_start[seq]
     kv_end = jnp.where(in_use & (seq < num_seqs), pos0 + hi, 0)
     krow = seq_krow[seq]
     table = jnp.stack([row0 // _ALIGN, lo, hi, pos0, krow // _ALIGN, krow % _ALIGN, kv_end], axis=1)
-    # in use first (keys <= 0), then by descending key count
-    order = jnp.argsort(jnp.where(in_use, -kv_end, 1), stable=True)
-    return table[order].astype(jnp.int32), blocks_end[-1:].astype(jnp.int32)
+    return table.astype(jnp.int32), blocks_end[-1:].astype(jnp.int32)
 
 
 def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpret=False,
@@ -185,15 +199,19 @@ def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpr
     dtypes: bf16 or f16 (wgmma operands), f32 softmax. Dqk and Dv: multiples of 64, <= 256.
 
     Work items are (block of 128 packed q rows, 8-row aligned, holding queries of one sequence,
-    head), from a table built here from the start locations (traced), longest blocks first.
+    head), from a table built here from the start locations (traced; sequence order, each
+    sequence's last block first), dealt head fastest when the sequences average at most 128
+    rows, else table row fastest (a head's blocks together, their keys reused from L2).
     num_programs persistent blocks (default: one per SM) walk the items; each has two consumer
     warpgroups of 64 query rows and one producer warpgroup that streams block_kv-key tiles of K
     and V through num_stages shared-memory slots with TMA, continuously across items
     (block_kv, num_stages: both or neither; neither = the first of _TILINGS whose shared memory
     fits, 128 x 2 for the model's 192 / 128 head dims). An item reads only the key tiles its
-    causal range reaches and masks only the diagonal ones. The consumers take turns on the
-    tensor cores (one's softmax overlaps the other's matmuls). The next item's q tile is loaded
-    as soon as the last QK product has read the current one. Output leaves in 64-column pieces
+    causal range reaches and masks only the diagonal ones; a consumer whose rows end in the
+    first half of their last key tile reads only that half (64 keys). The consumers take turns
+    on the tensor cores (one's softmax overlaps the other's matmuls) and hand the turn over
+    before storing an item's output. The next item's q tile is loaded as soon as the last QK
+    product has read the current one. Output leaves in 64-column pieces
     through a 64 x 64 shared-memory tile per consumer: swizzled when all 64 rows are the
     sequence's, else plain rows stored with a ladder of power-of-two-row TMA stores so no other
     sequence's rows are touched.
@@ -238,7 +256,13 @@ def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpr
         q = pad_rows(q)
     if k.shape[0] % _ALIGN:
         k, v = pad_rows(k), pad_rows(v)
+    # Head fastest in the item order when sequences average at most one block: nothing to
+    # reuse from L2 across a sequence's blocks then, and the concurrent items read (and write)
+    # neighbouring heads of the same rows. Else table row fastest, keeping a head's blocks
+    # together (their keys are reused from L2).
+    heads_per_group = heads if num_rows <= num_seqs * _BLOCK_Q else 1
     call = functools.partial(_attention_call, num_programs=min(num_programs, num_blocks * heads),
+                             heads_per_group=heads_per_group,
                              scale=float(scale), block_kv=block_kv, num_stages=num_stages,
                              interpret=interpret)
     if interpret:
@@ -247,8 +271,8 @@ def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpr
     return call(table, blocks_used, q, k, v)[:num_rows]
 
 
-def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_kv, num_stages,
-                    interpret):
+def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_group, scale,
+                    block_kv, num_stages, interpret):
     num_rows, heads, d_qk = q.shape
     d_v = v.shape[2]
     dtype = q.dtype
@@ -260,10 +284,11 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
         wg = lax.axis_index("wg")
         num_used = used_ref[0]
         program = lax.axis_index("program")
-        # Items (head, table row), row fastest, are dealt out in rounds of num_programs, in snake
+        # Items (head, table row), in groups of heads_per_group heads, table row fastest across
+        # a group and head fastest within it, are dealt out in rounds of num_programs, in snake
         # order (odd rounds right to left): with plain round robin a program whose position
         # recurs in the table (num_programs a multiple of the rows per head) met the same
-        # block length every round. Rounds keep the blocks of a head together (K/V reuse in L2).
+        # block length every round.
         num_total = num_used * heads
         last_round = num_total // num_programs
 
@@ -275,8 +300,11 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
         def item_info(i):
             # (head, table row) of this program's item i; in range even past its last item
             item = i * num_programs + position(i)
-            head = item // num_used
-            blk = item - head * num_used
+            group_items = heads_per_group * num_used
+            group = item // group_items
+            within = item - group * group_items
+            blk = within // heads_per_group
+            head = group * heads_per_group + (within - blk * heads_per_group)
             return head, tuple(table_ref[blk, c] for c in range(_TABLE_COLS))
 
         def block_steps(info):
@@ -286,10 +314,16 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
             # row_div8 * 8 + offset, written so Mosaic sees a multiple of 8 (offset: one too)
             return row_div8 * _ALIGN + offset
 
-        def take_turn():
+        def take_turn(step=None):
             # Rendezvous of the two consumers: with one of them a half step ahead, this makes
-            # one's softmax run while the other's matmuls do.
-            plgpu.barrier_arrive(turn)
+            # one's softmax run while the other's matmuls do. An item's first turn (step 0) was
+            # arrived at before the previous item's epilogue (or before the first item), so the
+            # other consumer's last PV product ran meanwhile: it only waits. Each consumer
+            # alternates arrive and wait, so no phase counts two arrivals of one consumer.
+            if step is None:
+                plgpu.barrier_arrive(turn)
+            else:
+                pl.when(step != 0)(lambda: plgpu.barrier_arrive(turn))
             plgpu.barrier_wait(turn)
 
         @pl.when(wg < _CONSUMER_WGS)
@@ -305,25 +339,29 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
                 rows = pl.ds(aligned_rows(info[_ROW0], wg * _WG_ROWS), _WG_ROWS)
                 plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_tile, q_ready.at[wg])
 
-            def kv_step(step, carry, *, tile0, wg_pos0, k_shift, masked, after_qk):
+            def kv_step(step, carry, *, tile0, wg_pos0, k_shift, masked, after_qk, keys=block_kv):
+                # reads the tile's first `keys` keys (< block_kv: see half_last)
                 acc, m_i, l_i = carry
                 slot = lax.rem(tile0 + step, num_stages)
+                k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+                if keys < block_kv:
+                    k_tile, v_tile = k_tile.at[pl.ds(0, keys)], v_tile.at[pl.ds(0, keys)]
                 plgpu.barrier_wait(k_ready.at[slot])
 
                 def qk_product(acc_ref):
-                    plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
-                    take_turn()
+                    plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
+                    take_turn(step)
                     return acc_ref[...]
 
-                s = pl.run_scoped(qk_product, plgpu.ACC((_WG_ROWS, block_kv), jnp.float32))
+                s = pl.run_scoped(qk_product, plgpu.ACC((_WG_ROWS, keys), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 after_qk(step)
                 if masked:
                     # key 0 of the sequence sits k_shift columns into tile 0
                     q_pos = wg_pos0 + plgpu.broadcasted_iota(
-                        jnp.int32, (_WG_ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
+                        jnp.int32, (_WG_ROWS, keys), 0, layout=plgpu.Layout.WGMMA)
                     k_pos = (step * block_kv - k_shift) + plgpu.broadcasted_iota(
-                        jnp.int32, (_WG_ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
+                        jnp.int32, (_WG_ROWS, keys), 1, layout=plgpu.Layout.WGMMA)
                     s = jnp.where((k_pos <= q_pos) & (k_pos >= 0), s, -jnp.inf)
                 # the scale rides on the max and on one FMA per score
                 m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
@@ -338,11 +376,11 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
                 if interpret:
                     # The interpreter has no register operands or pre-initialised accumulators
                     # for wgmma: P goes through shared memory and the product is added.
-                    p_tile = p_smem.at[wg]
+                    p_tile = p_smem.at[wg, :, pl.ds(0, keys)]
                     p_tile[...] = p16
 
                     def pv_alone(acc_ref):
-                        plgpu.wgmma(acc_ref, p_tile, v_smem.at[slot])
+                        plgpu.wgmma(acc_ref, p_tile, v_tile)
                         return acc_ref[...]
 
                     acc = acc + pl.run_scoped(pv_alone, plgpu.ACC((_WG_ROWS, d_v), jnp.float32))
@@ -350,7 +388,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
                 else:
                     def pv_then_sum(refs):
                         acc_ref, l_ref = refs
-                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        plgpu.wgmma(acc_ref, p16, v_tile)
                         l_ref[...] += p.sum(axis=1)  # while the tensor cores work
 
                     acc, l_i = pl.run_state(pv_then_sum)((plgpu.ACC.init(acc), l_i))
@@ -363,7 +401,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
                 slot = lax.rem(tile0 + step, num_stages)
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
-                take_turn()
+                take_turn(step)
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
                 take_turn()
@@ -373,6 +411,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
                 load_q(*item_info(0))
 
             pl.when(wg == 1)(take_turn)
+            plgpu.barrier_arrive(turn)  # the first item's first turn
 
             def item_body(i, carry):
                 tile0, head, info = carry
@@ -407,13 +446,27 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
                 carry = lax.fori_loop(0, first_full, functools.partial(step_fn, masked=True), carry)
                 carry = lax.fori_loop(first_full, end_full, functools.partial(step_fn, masked=False),
                                       carry)
-                carry = lax.fori_loop(end_full, steps, functools.partial(step_fn, masked=True), carry)
+                # The last masked tile as a half step when the last row's position falls in its
+                # first half (warpgroup 0 of every block of an aligned prefill): a quarter of the
+                # diagonal tiles' matmuls skipped. Half steps need block_kv / 2 a multiple of 64
+                # (V's 128-byte swizzle spans 64 keys).
+                halves = block_kv % 128 == 0
+                half_keys = block_kv // 2
+                half_last = halves & (end_full < steps) & (
+                    wg_pos0 + hi - 1 < (steps - 1) * block_kv - k_shift + half_keys)
+                masked_end = steps - half_last.astype(jnp.int32)
+                carry = lax.fori_loop(end_full, masked_end, functools.partial(step_fn, masked=True),
+                                      carry)
+                if halves:
+                    carry = lax.fori_loop(masked_end, steps, functools.partial(
+                        step_fn, masked=True, keys=half_keys), carry)
 
                 @pl.when(has_next & (steps == 0))
                 def _():
                     load_q(next_head, next_info)  # no QK product read the q tile: fetch now
 
                 lax.fori_loop(steps, tiles, functools.partial(skip_step, tile0=tile0), None)
+                pl.when(tiles > 0)(lambda: plgpu.barrier_arrive(turn))  # the next item's first turn
                 acc, _, l_i = carry
                 # l_i >= 1 in any row that saw a key; rows that saw none (zero blocks) stay 0
                 inv_l = 1.0 / jnp.where(l_i > 0, l_i, 1.0)
@@ -452,6 +505,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, scale, block_k
                 return tile0 + tiles, next_head, next_info
 
             lax.fori_loop(0, num_items, item_body, (jnp.int32(0), *item_info(0)))
+            plgpu.barrier_wait(turn)  # the last arrival in advance
             pl.when(wg == 0)(take_turn)
             plgpu.wait_smem_to_gmem(0)
 
