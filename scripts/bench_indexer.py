@@ -300,8 +300,8 @@ def bench_topk(quick, tiling=None, shapes=None, tag=""):
     """The top-k kernel vs lax.top_k on the same inputs, per shape; the kernel is checked on a
     sample of rows before it is timed."""
     del quick
-    shapes = shapes or ([(1024, 32768, False), (4096, 32768, False), (4096, 32768, True),
-                         (128, 131072, False)])
+    shapes = shapes or ([(128, 32768, False), (512, 32768, False), (1024, 32768, False),
+                         (4096, 32768, False), (4096, 32768, True), (128, 131072, False)])
     xla = jax.jit(lambda x: jax.lax.top_k(x, TOPK)[1])
     kern = jax.jit(functools.partial(topk, k=TOPK, **(tiling or {})))
     for rows, length, causal in shapes:
