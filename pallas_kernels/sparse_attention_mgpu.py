@@ -33,17 +33,30 @@ One CTA = one query row x 64 heads x one split of the slot list, three warpgroup
 128 heads take two CTAs per row (launched side by side, so the second gather hits L2): a CTA
 over all 128 heads would need a 128 x 512 f32 accumulator, the whole register file.
 
-Measured on H200 (FlashMLA's FLOP count, TFLOP/s; probe shapes: 1024 rows over an 8K-slot cache,
-decode 128 x 2 rows over 8K-slot caches; the session-2 kernel in brackets, same run): bf16 prefill
-417-426 (335), bf16 decode 359 (277), fp8 prefill 269-274 (~170). The Pallas Triton kernel
-(`sparse_attention.py`) reaches 164 / 134 / 119 on the bench's shapes: Mosaic GPU is the backend
-here for wgmma with warp-specialised, barrier-synchronised warpgroups. Tried and dropped (same
-runs): an L2 bulk prefetch of the next block's rows (decode 359 -> 299); queueing QK of block
-i + 1 behind PV of block i in a persistent accumulator (342); a 128-byte swizzle (421, no gain);
-e4m3 -> f32 by integer bit operations instead of conversions (231). fp8 with the conversion
-skipped runs at 304: the in-place copies, not the dequantisation, bound it. Only two 64-row
-stages fit beside q, so the gather of block i + 1 overlaps block i's math and nothing deeper:
-QK, softmax and PV of a block run in series.
+Measured on H200 (FlashMLA's FLOP count, TFLOP/s; `scripts/bench_sparse_attention.py --quick`:
+prefill 4096 rows, decode 128 x 2 rows over 32K-slot caches): bf16 prefill 431 at an 8K-slot cache,
+365 at 128K, decode 345; fp8 prefill 278 / 251, decode 230 (targets: prefill 400, decode 300).
+The Pallas Triton kernel (`sparse_attention.py`) reaches 164 / 134 / 119 (bf16 prefill 8K, bf16
+decode, fp8 prefill 8K; session 2's runs of the same bench): Mosaic GPU is the backend here for
+wgmma with warp-specialised, barrier-synchronised warpgroups.
+Tried and dropped (probes at 1024 x 8K unless said): an L2 bulk prefetch of the next block's rows
+(decode 359 -> 299); queueing QK of block i + 1 behind PV of block i in a persistent accumulator
+(342 vs 417); a 128-byte swizzle (421, no gain); e4m3 -> f32 by integer bit operations instead of
+conversions (231 vs 274); fp8 through registers as FlashMLA does it (each producer thread loads
+32-byte e4m3 pieces with ld.global, dequantises in registers and stores bf16 swizzle-tile rows;
+4 parts per block with the next 2 parts' loads in flight, across blocks; 88 producer registers):
+correct, but 233 vs 278 at 4096 x 8K (the one part / register setting measured; likely cause: ~16 KiB of gathers
+in flight per CTA, where cp.async puts a whole block's 42 KiB in flight at once; spills at 88
+registers not ruled out).
+What bounds it: only two 64-row stages fit beside q's 72 KiB tile, so block i + 1's gather
+overlaps block i's math and nothing deeper, and QK, softmax and PV of a block run in series;
+at 128K the gathers leave L2 (151 MB of bf16 cache against 50 MB; not profiled). fp8 converts a
+block only after all its raw copies have landed, 8 rows at a time behind producer barriers, in
+series with the copies: with the conversion skipped it runs 304, so that copy-then-convert
+structure, not the arithmetic, keeps it below bf16. Between it and FlashMLA (640 prefill, 410
+fp8 decode, on H800): the serial phases above; each 64-head CTA of a row gathers (and, for fp8,
+dequantises) the same rows, with no 2-CTA sharing; an fp8 gather that is both deep (all of a
+block in flight) and converted on the way in, which neither variant here achieved.
 
 Tests: on a GPU, tests/test_sparse_attention_kernel.py (`gpu` marker) checks it against the
 reference; on CPU the kernel can only be lowered (inline PTX has no interpreter), which the

@@ -168,13 +168,15 @@ def test_mosaic_kernel_lowers(cache, heads, rank, rope, topk, num_splits):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("bad", ["rank", "rope", "dtype"])
+@pytest.mark.parametrize("bad", ["rank", "rope", "dtype", "fp8_tile"])
 def test_mosaic_rejects_unsupported_shapes(bad):
     from pallas_kernels.sparse_attention_mgpu import sparse_mla_attention_mgpu
 
     rank, rope, dtype = {"rank": (96, 64, jnp.bfloat16), "rope": (128, 12, jnp.bfloat16),
-                         "dtype": (128, 64, jnp.float32)}[bad]
+                         "dtype": (128, 64, jnp.float32), "fp8_tile": (128, 64, jnp.float8_e4m3fn)}[bad]
+    # fp8: one scale per 8 values, finer than the kernel's 16-value dequantisation units
+    latent_scale = jnp.ones((8, rank // 8), jnp.float32) if bad == "fp8_tile" else None
     q = jnp.zeros((2, 4, rank + rope), jnp.bfloat16)
     with pytest.raises(ValueError):
-        sparse_mla_attention_mgpu(q, jnp.zeros((8, rank), dtype), None, jnp.zeros((8, rope), jnp.bfloat16),
+        sparse_mla_attention_mgpu(q, jnp.zeros((8, rank), dtype), latent_scale, jnp.zeros((8, rope), jnp.bfloat16),
                                   jnp.zeros((2, 4), jnp.int32), scale=0.1)
