@@ -15,6 +15,8 @@ what measured fastest on the H200 (docs/benchmarks.md) and XLA off the GPU:
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 from pallas_kernels import dense_attention, indexer, sparse_attention, topk
@@ -29,8 +31,9 @@ def resolve(kernels: str, config) -> dict[str, str]:
 
     Dense MHA runs on XLA whatever the choice where the dense Mosaic kernel does not take the
     config (float32 oracles, head dims that are not multiples of 64: the tiny test configs), and
-    off the GPU: Mosaic GPU's interpreter deadlocks inside an enclosing jit on CPU (its simulated
-    warpgroup threads wait on host callbacks), so the kernel's CPU tests call it eagerly.
+    off the GPU when XLA's CPU thread pool (PJRT_NPROC, else the schedulable CPUs) is too small
+    for Mosaic GPU's interpreter: it runs the kernel's warpgroups as concurrent callbacks on that
+    pool and deadlocks with fewer threads than warpgroups (tests/conftest.py sets PJRT_NPROC).
     """
     if kernels not in CHOICES:
         raise ValueError(f"kernels must be one of {CHOICES}, got {kernels!r}")
@@ -38,13 +41,20 @@ def resolve(kernels: str, config) -> dict[str, str]:
         impl = dict(AUTO_ON_GPU) if jax.default_backend() == "gpu" else dict.fromkeys(OPS, "xla")
     else:
         impl = dict.fromkeys(OPS, kernels)
-    if _interpret() or dense_attention.unsupported_reason(config.jnp_dtype, config.qk_head_dim, config.v_head_dim):
+    too_few_threads = _interpret() and _cpu_threads() < dense_attention.INTERPRET_MIN_CPU_THREADS
+    if too_few_threads or dense_attention.unsupported_reason(config.jnp_dtype, config.qk_head_dim,
+                                                             config.v_head_dim):
         impl["dense_mha"] = "xla"
     return impl
 
 
 def _interpret() -> bool:
     return jax.default_backend() != "gpu"
+
+
+def _cpu_threads() -> int:
+    """The size of XLA's CPU thread pool: PJRT_NPROC if set, else the CPUs this process may use."""
+    return int(os.environ.get("PJRT_NPROC") or len(os.sched_getaffinity(0)))
 
 
 def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size, impl):

@@ -47,6 +47,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 _SMEM_BYTES = 227 * 1024  # Hopper's per-block dynamic shared memory limit
 _WG_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile)
 _CONSUMER_WGS = 2
+# Mosaic GPU's interpreter runs a kernel's warpgroups as concurrent callbacks on XLA's CPU thread
+# pool; with fewer threads than warpgroups they wait on each other forever (measured inside the
+# forward's jit on CPU: a pool of 2 threads hangs, 3 and 4 pass).
+INTERPRET_MIN_CPU_THREADS = _CONSUMER_WGS + 1
 _BLOCK_Q = _WG_ROWS * _CONSUMER_WGS  # query rows per kernel block
 _SWIZZLE = 128  # bytes: 64 bf16 columns per swizzled tile row
 _ALIGN = 8  # rows: TMA into (8, 64)-tiled shared memory starts at a multiple of 8 rows

@@ -1,6 +1,12 @@
 """One switch for the whole suite: Pallas kernels interpret on CPU and compile on a GPU."""
 
-import jax
+import os
+
+# Mosaic GPU's interpreter needs a CPU thread per simulated warpgroup (see jax_sparse_mla.kernels.resolve);
+# set before jax creates its CPU client, so the dense kernel also runs inside the forward on a 2-core CI box.
+os.environ.setdefault("PJRT_NPROC", "4")
+
+import jax  # noqa: E402
 import ml_dtypes
 import numpy as np
 import pytest

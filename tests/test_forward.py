@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jax_sparse_mla import MLAConfig, Request, init_cache, plan_batch, read_indexer_keys, read_latent
+from jax_sparse_mla import kernels as kernel_ops
 from jax_sparse_mla.model import forward
 from jax_sparse_mla.synthetic import Harness, rel_err
 
@@ -191,12 +192,12 @@ def test_pallas_kernels_through_forward(kv_cache_dtype, indexer_dtype):
     h.check(out, TOL_F32)
 
 
-@pytest.mark.gpu
 def test_dense_kernel_through_forward_matches_xla():
     """The dense route's Mosaic kernel (bf16 config; float32 configs run dense MHA on XLA) gives
-    the XLA route's output: ragged prefills with and without context, beside a decode. GPU only:
-    on CPU kernels="pallas" runs dense MHA on XLA (kernels.resolve says why)."""
+    the XLA route's output: ragged prefills with and without context, beside a decode. On CPU the
+    kernel runs in Mosaic GPU's interpreter inside the forward's jit (conftest sizes the CPU pool)."""
     cfg = dataclasses.replace(TINY, dtype="bfloat16", qk_nope_head_dim=56, v_head_dim=64)  # head dims the kernel takes
+    assert kernel_ops.resolve("pallas", cfg)["dense_mha"] == "pallas"
     outs = {}
     for kernels in ("pallas", "xla"):
         h = Harness(cfg, seed=21, kernels=kernels)
@@ -209,6 +210,18 @@ def test_dense_kernel_through_forward_matches_xla():
         outs[kernels] = out
     for sid in (0, 1, 2):
         assert rel_err(outs["pallas"][sid], outs["xla"][sid]) < 2e-2, sid
+
+
+@pytest.mark.parametrize("threads, dense_impl", [("2", "xla"), ("3", "pallas")])
+def test_dense_interpreter_needs_a_thread_per_warpgroup(monkeypatch, threads, dense_impl):
+    """Off the GPU, kernels="pallas" runs dense MHA on XLA when XLA's CPU pool has fewer threads than
+    the kernel's warpgroups (the interpreter would deadlock), and the kernel otherwise."""
+    cfg = dataclasses.replace(TINY, dtype="bfloat16", qk_nope_head_dim=56, v_head_dim=64)
+    monkeypatch.setattr(kernel_ops, "_interpret", lambda: True)
+    monkeypatch.setenv("PJRT_NPROC", threads)
+    impl = kernel_ops.resolve("pallas", cfg)
+    assert impl["dense_mha"] == dense_impl
+    assert impl["sparse_mla"] == impl["indexer_logits"] == "pallas"
 
 
 def test_short_and_long_prefills_in_one_batch():
