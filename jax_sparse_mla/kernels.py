@@ -4,13 +4,15 @@
 (compiled on a GPU, in Pallas interpret mode elsewhere: slow, for tests). `"auto"` picks per op
 what measured fastest on the H200 (docs/benchmarks.md) and XLA off the GPU:
   indexer logits: Pallas (Mosaic GPU on Hopper: prefill 556 TFLOP/s fp8 at T = S = 8K against the
-    Triton kernel's 246 and XLA's 12; decode 3101 GB/s at B = 32, C = 32K, 82% of a copy, against
-    the Triton kernel's 905);
-  top-k: Pallas (thresholds / count / band select: 8.5x lax.top_k at 1024 x 32K, 7.7x at 128 x 128K);
+    Triton kernel's 246 and XLA's 12; decode 3307 GB/s at B = 32, C = 32K, 82% of a copy, against
+    the Triton kernel's 1386);
+  top-k: Pallas (thresholds / counted writes / band select: 9.4x lax.top_k at 1024 x 32K, 8.1x at
+    128 x 128K);
   sparse MLA attention: Pallas (Mosaic GPU on Hopper: 431 TFLOP/s bf16 prefill at 4096 x 8K, 345
     bf16 decode; the Triton kernel 164, XLA's gather + einsum 28);
-  dense MHA (short prefills): Pallas (Mosaic GPU over packed ragged sequences: 516 TFLOP/s at
-    4 x 2048, cuDNN 418 on a padded batch; the only option that takes the packed layout; XLA 53).
+  dense MHA (short prefills): Pallas (Mosaic GPU over packed ragged sequences: 521 TFLOP/s at
+    4 x 2048 and 369 at 16 x 512, cuDNN 375 and 196 on padded batches; the only option that
+    takes the packed layout; XLA 53).
 """
 
 from __future__ import annotations
