@@ -13,6 +13,7 @@ from jax_sparse_mla.model import forward
 from jax_sparse_mla.synthetic import Harness, rel_err
 
 TINY = MLAConfig.tiny()  # topk 16, page 4, float32 activations, bf16 latent cache, fp8 indexer
+DENSE_KERNEL_TINY = dataclasses.replace(TINY, dtype="bfloat16", qk_nope_head_dim=56, v_head_dim=64)  # head dims the dense kernel takes
 TOL_F32 = 1e-4
 
 
@@ -196,7 +197,7 @@ def test_dense_kernel_through_forward_matches_xla():
     """The dense route's Mosaic kernel (bf16 config; float32 configs run dense MHA on XLA) gives
     the XLA route's output: ragged prefills with and without context, beside a decode. On CPU the
     kernel runs in Mosaic GPU's interpreter inside the forward's jit (conftest sizes the CPU pool)."""
-    cfg = dataclasses.replace(TINY, dtype="bfloat16", qk_nope_head_dim=56, v_head_dim=64)  # head dims the kernel takes
+    cfg = DENSE_KERNEL_TINY
     assert kernel_ops.resolve("pallas", cfg)["dense_mha"] == "pallas"
     outs = {}
     for kernels in ("pallas", "xla"):
@@ -216,7 +217,7 @@ def test_dense_kernel_through_forward_matches_xla():
 def test_dense_interpreter_needs_a_thread_per_warpgroup(monkeypatch, threads, dense_impl):
     """Off the GPU, kernels="pallas" runs dense MHA on XLA when XLA's CPU pool has fewer threads than
     the kernel's warpgroups (the interpreter would deadlock), and the kernel otherwise."""
-    cfg = dataclasses.replace(TINY, dtype="bfloat16", qk_nope_head_dim=56, v_head_dim=64)
+    cfg = DENSE_KERNEL_TINY
     monkeypatch.setattr(kernel_ops, "_interpret", lambda: True)
     monkeypatch.setenv("PJRT_NPROC", threads)
     impl = kernel_ops.resolve("pallas", cfg)
