@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as pltriton
 from . import sparse_attention_mgpu
 from ._device import on_hopper
 from ._shapes import next_pow2
+from .slot_splits import auto_num_splits, combine_splits
 
 ROW_CHUNK = 32  # rows per step of the reference, bounding its [rows, topk, R] gather
 
@@ -176,27 +177,6 @@ def _sparse_mla_kernel(q_ref, latent_ref, *rest, heads, rank, rope, topk, tile, 
     pltriton.store(lse_ref.at[split, row, pl.ds(h0, block_h)], lse, mask=head_ok)
 
 
-def _combine_splits(out, lse):
-    """Merge per-split partial results: out [S, N, H, R], lse [S, N, H] (-inf = empty) -> final."""
-    if out.shape[0] == 1:
-        return out[0], jnp.where(lse[0] == -jnp.inf, jnp.inf, lse[0])
-    total = jax.nn.logsumexp(lse, axis=0)  # -inf where every split was empty
-    weight = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse - jnp.where(total == -jnp.inf, 0.0, total)))
-    merged = jnp.einsum("snh,snhr->nhr", weight, out, precision=lax.Precision.HIGHEST)
-    return merged, jnp.where(total == -jnp.inf, jnp.inf, total)
-
-
-def _auto_num_splits(rows, head_blocks, num_blocks, target_programs=264, min_blocks_per_split=4):
-    """Split a row's slot list across programs only when rows x head blocks can't fill the GPU.
-
-    264 = 2 programs per SM on an H200 (132 SMs). Each split keeps >= 4 slot blocks of work.
-    """
-    programs = rows * head_blocks
-    if programs >= target_programs:
-        return 1
-    return max(1, min(pl.cdiv(target_programs, programs), num_blocks // min_blocks_per_split))
-
-
 def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale, interpret=False, backend=None,
                          block_h=64, block_k=32, num_splits=None, num_warps=None, num_stages=2):
     """Sparse MLA attention as a Pallas GPU kernel; same semantics as `sparse_mla_reference`.
@@ -283,7 +263,7 @@ def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale, interpr
     head_blocks = pl.cdiv(heads, block_h)
     num_blocks = pl.cdiv(topk, block_k)
     if num_splits is None:
-        num_splits = _auto_num_splits(n_rows, head_blocks, num_blocks)
+        num_splits = auto_num_splits(n_rows, head_blocks, num_blocks)
     num_splits = max(1, min(num_splits, num_blocks))
     blocks_per_split = pl.cdiv(num_blocks, num_splits)
     num_splits = pl.cdiv(num_blocks, blocks_per_split)  # no split left without work
@@ -305,4 +285,4 @@ def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale, interpr
         interpret=interpret,
         name="sparse_mla_attention",
     )(*operands)
-    return _combine_splits(out, lse)
+    return combine_splits(out, lse)

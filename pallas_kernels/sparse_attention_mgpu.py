@@ -76,6 +76,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, scf
 
+from .slot_splits import auto_num_splits, combine_splits
+
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 HEADS_PER_CTA = 64  # wgmma's M
@@ -501,8 +503,6 @@ def sparse_mla_attention_mgpu(q, latent, latent_scale, k_pe, slots, *, scale, nu
     float8_e4m3fn with latent_scale [S, R / tile] f32; k_pe [S, P] bf16; slots [N, K] i32 (-1 skip).
     Returns (out [N, H, R] f32, lse [N, H] f32; empty rows give 0, +inf).
     """
-    from .sparse_attention import _auto_num_splits, _combine_splits  # noqa: PLC0415
-
     if reason := unsupported_reason(q, latent, latent_scale, k_pe):
         raise ValueError(reason)
     n_rows, heads, _ = q.shape
@@ -518,7 +518,7 @@ def sparse_mla_attention_mgpu(q, latent, latent_scale, k_pe, slots, *, scale, nu
     slots = jnp.pad(slots.astype(jnp.int32), ((0, 0), (0, num_blocks * BLOCK_K - topk)), constant_values=-1)
     head_blocks = padded_heads // HEADS_PER_CTA
     if num_splits is None:
-        num_splits = _auto_num_splits(n_rows, head_blocks, num_blocks, target_programs=132,
+        num_splits = auto_num_splits(n_rows, head_blocks, num_blocks, target_programs=132,
                                       min_blocks_per_split=2)
     num_splits = max(1, min(num_splits, num_blocks))
     blocks_per_split = pl.cdiv(num_blocks, num_splits)
@@ -563,5 +563,5 @@ def sparse_mla_attention_mgpu(q, latent, latent_scale, k_pe, slots, *, scale, nu
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )(q, *cache, k_pe, slots)
-    out, lse = _combine_splits(out, lse)
+    out, lse = combine_splits(out, lse)
     return out[:, :heads], lse[:, :heads]

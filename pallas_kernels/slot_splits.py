@@ -1,0 +1,30 @@
+"""A row's slot list split across programs (when rows x head blocks can't fill the GPU) and the
+per-split partial results merged by their log-sum-exp; shared by the sparse MLA kernels."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+
+def combine_splits(out, lse):
+    """Merge per-split partial results: out [S, N, H, R], lse [S, N, H] (-inf = empty) -> final."""
+    if out.shape[0] == 1:
+        return out[0], jnp.where(lse[0] == -jnp.inf, jnp.inf, lse[0])
+    total = jax.nn.logsumexp(lse, axis=0)  # -inf where every split was empty
+    weight = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse - jnp.where(total == -jnp.inf, 0.0, total)))
+    merged = jnp.einsum("snh,snhr->nhr", weight, out, precision=lax.Precision.HIGHEST)
+    return merged, jnp.where(total == -jnp.inf, jnp.inf, total)
+
+
+def auto_num_splits(rows, head_blocks, num_blocks, target_programs=264, min_blocks_per_split=4):
+    """Split a row's slot list across programs only when rows x head blocks can't fill the GPU.
+
+    264 = 2 programs per SM on an H200 (132 SMs). Each split keeps >= 4 slot blocks of work.
+    """
+    programs = rows * head_blocks
+    if programs >= target_programs:
+        return 1
+    return max(1, min(pl.cdiv(target_programs, programs), num_blocks // min_blocks_per_split))
