@@ -6,10 +6,12 @@ on the H200, Triton-lowered attention kernels ran ~3.4x slower than Mosaic GPU o
 139 vs 471 causal TFLOP/s at 4x2048, /work/shared/dsa-facts.md).
 Measured on the H200 (H=128, bf16, causal TFLOP/s; one probe run, median of 3 interleaved
 repetitions, first timing after compiling in brackets; the repetitions run slower as the GPU
-heats up): 64x128 123 (124) vs tokamax's Mosaic flash attention 122 (121); 16x512 321 (380) vs
-tokamax 288 (342); 4x2048 511 (564) vs the previous kernel 486 (536). Session 3's bench, previous
-kernel: 4x2048 516 vs tokamax 510, cuDNN via jax.nn (padded batches) 418; 4x1024 after 1024
-cached 529 (490, 327); 16x512 cuDNN 212; 64x128 cuDNN 67.
+heats up): 4x2048 565 (574) vs tokamax's Mosaic flash attention 512 (577); 8x1024 479 (493) vs
+tokamax 408 (470) (session 5); 64x128 123 (124) vs tokamax 122 (121); 16x512 321 (380) vs
+tokamax 288 (342) (session 4). Another run: 4x2048 576 vs tokamax 568 (first timings). Session
+4's bench: 4x2048 521 vs tokamax 525 (tokamax's rounds 521-531), cuDNN via jax.nn (padded
+batches) 375; 4x1024 after 1024 cached 559 (tokamax 448, cuDNN 288). ptxas: 168 registers at
+launch, 8 bytes of spill stores and 44 of spill loads (tokamax: 168, none).
 What bounds it: at 64x128 HBM: q, k, v are read once and out written once, 1.34 GB in 0.351 ms,
 3.8 TB/s, the copy ceiling measured through XLA (3.6-3.8). At 4x2048 the tensor cores and the
 softmax between them: ~530-580 TFLOP/s of tile products (masked halves included), near the
@@ -30,7 +32,14 @@ and with head-fastest dealing of one-block sequences, 64x128 123 vs 118. Half-wi
 511 vs 486. Not kept: issuing a step's PV product and the next QK product together (363 vs 449
 at 4x2048, 167 vs 307 at 16x512), turn-taking by hardware named barriers or one-way signals
 (474, 479 vs 481), TMA prefetches into L2 of the next item's q and first K/V tiles (64x128 84
-vs 120, 16x512 268 vs 327), dealing 4 heads at a time at 16x512 (232 vs 268).
+vs 120, 16x512 268 vs 327), dealing 4 heads at a time at 16x512 (232 vs 268). Session 5, at
+4x2048 against 565 (574): FA3-style pipelining inside each consumer in place of the turn-taking
+(tile j's QK product issued beside tile j-1's PV product, only the QK one waited for before tile
+j's softmax) 385 (484), with the turn-taking as well 359 (386); with the next item's q prefetch
+(a branch) moved out from between the products' issue and the PV wait, 562 first vs 576 in
+another run (a branch there likely makes ptxas serialise the products), still short. Items
+dealt longest first within groups of 16 heads (a load model of the snake deal: max/mean 1.029
+-> 1.007) 509 (521): 16 heads' keys and values outgrow L2.
 """
 
 from __future__ import annotations
