@@ -15,9 +15,11 @@ One CTA = one query row x 64 heads x one split of the slot list, three warpgroup
     tile and the ring fill the 227 KiB). Eight consecutive lanes take eight rows, so a warp's
     16-byte stores spread over all shared-memory banks (one row per warp: 2-4 way conflicts).
     An fp8 latent is copied the same way, raw (e4m3 bytes and f32 scales, into the stage's own
-    tiles), then dequantised in place 8 rows at a time (e4m3 -> f16 exactly, x the f32 scale,
-    -> bf16, as FlashMLA does): every copy is in flight at once, where loading e4m3 through
-    registers (72 of them) left few loads in flight at a time.
+    tiles), in 4 parts of 16 rows (one cp.async group each, k_pe's last), and each part is
+    dequantised in place 8 rows at a time as soon as it has landed, while the later parts are
+    still in flight (e4m3 -> f16 exactly, x the f32 scale, -> bf16, as FlashMLA does): every
+    copy is in flight at once, where loading e4m3 through registers (72 of them) left few loads
+    in flight at a time.
     The block's slot ids arrive by TMA one block ahead;
   * two consumer warpgroups share each tile: warpgroup w scores its 32 slots of the block
     against all 64 heads (S_w = Q . K_w^T, [64, 32], the 576-wide contraction in one wgmma
@@ -30,12 +32,17 @@ One CTA = one query row x 64 heads x one split of the slot list, three warpgroup
     One rendezvous per block instead of two (max, then P) and no P round trip through shared
     memory for the wgmma. The accumulator, 64 x R/2 f32, is what fits in one warpgroup's
     registers; the tile is read from shared memory by both.
-128 heads take two CTAs per row (launched side by side, so the second gather hits L2): a CTA
-over all 128 heads would need a 128 x 512 f32 accumulator, the whole register file.
+128 heads take two CTAs per row: a CTA over all 128 heads would need a 128 x 512 f32 accumulator,
+the whole register file. The grid runs heads fastest, so a row's two CTAs run side by side and
+the second one's gathers hit L2 (rows first, as before this session, put them ~a wave apart:
+beyond L2 at a 128K cache and in decode).
 
 Measured on H200 (FlashMLA's FLOP count, TFLOP/s; `scripts/bench_sparse_attention.py --quick`:
-prefill 4096 rows, decode 128 x 2 rows over 32K-slot caches): bf16 prefill 431 at an 8K-slot cache,
-365 at 128K, decode 345; fp8 prefill 278 / 251, decode 230 (targets: prefill 400, decode 300).
+prefill 4096 rows, decode 128 x 2 rows over 32K-slot caches), before the two changes above:
+bf16 prefill 430 at an 8K-slot cache, 348 at 128K, decode 324; fp8 prefill 280 / 254, decode 231
+(targets: prefill 400, decode 300). Probe of this kernel against that one in one run (2048 rows
+over 8K, decode 128 x 2 over 32K per sequence, 1024 rows over 128K): fp8 prefill 289 vs 276,
+fp8 decode 274 vs 229 (mostly the grid order), bf16 prefill at 128K 383.
 The Pallas Triton kernel (`sparse_attention.py`) reaches 164 / 134 / 119 (bf16 prefill 8K, bf16
 decode, fp8 prefill 8K; session 2's runs of the same bench): Mosaic GPU is the backend here for
 wgmma with warp-specialised, barrier-synchronised warpgroups.
@@ -47,16 +54,20 @@ conversions (231 vs 274); fp8 through registers as FlashMLA does it (each produc
 4 parts per block with the next 2 parts' loads in flight, across blocks; 88 producer registers):
 correct, but 233 vs 278 at 4096 x 8K (the one part / register setting measured; likely cause: ~16 KiB of gathers
 in flight per CTA, where cp.async puts a whole block's 42 KiB in flight at once; spills at 88
-registers not ruled out).
+registers not ruled out). A row's two CTAs as a 2-CTA cluster, each gathering (and for fp8
+dequantising) half of every block and bulk-copying it into the other's stage through
+distributed shared memory (cp.async.bulk shared::cluster, completing bytes on the peer's
+mbarrier): correct, but no faster (same run as above: fp8 prefill 276 vs 289, fp8 decode 257 vs
+274, bf16 128K 369 vs 383), so the producer's amount of work is not what bounds fp8.
 What bounds it: only two 64-row stages fit beside q's 72 KiB tile, so block i + 1's gather
 overlaps block i's math and nothing deeper, and QK, softmax and PV of a block run in series;
-at 128K the gathers leave L2 (151 MB of bf16 cache against 50 MB; not profiled). fp8 converts a
-block only after all its raw copies have landed, 8 rows at a time behind producer barriers, in
-series with the copies: with the conversion skipped it runs 304, so that copy-then-convert
-structure, not the arithmetic, keeps it below bf16. Between it and FlashMLA (640 prefill, 410
-fp8 decode, on H800): the serial phases above; each 64-head CTA of a row gathers (and, for fp8,
-dequantises) the same rows, with no 2-CTA sharing; an fp8 gather that is both deep (all of a
-block in flight) and converted on the way in, which neither variant here achieved.
+at 128K the gathers leave L2 (151 MB of bf16 cache against 50 MB; not profiled). fp8: the next
+block's copies can start only when a stage frees, and its conversion follows them (8 rows at a
+time behind producer barriers; with the conversion skipped it ran 304): that chain's latency,
+not the producer's throughput (halving its work per CTA gained nothing), keeps fp8 below bf16.
+Between it and FlashMLA (640 prefill, 410 fp8 decode, on H800): the serial phases above; an fp8
+gather that is both deep (all of a block in flight) and converted on the way in, which no
+variant here achieved.
 
 Tests: on a GPU, tests/test_sparse_attention_kernel.py (`gpu` marker) checks it against the
 reference; on CPU the kernel can only be lowered (inline PTX has no interpreter), which the
@@ -132,8 +143,9 @@ def _gather_block(ctx, kv_smem, latent, *rest, rank, rope, width, tile):
     [stages, BLOCK_K / 8, width / _COLS, 8, _COLS]); ids: [BLOCK_K] i32 (shared), the block's slot ids.
     Row j of the block is cache row s = ids[j]: columns [0, rank) the latent (bf16: cp.async; e4m3:
     see `_fp8_in_place`), [rank, rank + rope) k_pe (bf16, cp.async), the rest zero. A -1 slot gives
-    a zero row. bf16: the copies are committed as one group, the caller waits for it and fences;
-    fp8: every copy has landed and been converted on return.
+    a zero row. bf16: the copies are committed (k_pe's group, then the latent's), the caller waits
+    for them and fences; fp8: the latent has landed and been converted on return, k_pe's copies
+    (the last group) may still be in flight.
     """
     del ctx
     if tile is None:
@@ -169,16 +181,20 @@ def _gather_block(ctx, kv_smem, latent, *rest, rank, rope, width, tile):
                             arith.muli(unit, c32(16)))
         return gep(smem_base, offset, i8)
 
-    def units(per_row):
-        """(row j, unit) pairs of this thread, BLOCK_K * per_row in all. Consecutive lanes take
-        _LANE_ROWS consecutive rows, then the next unit: the swizzle then spreads a warp's 16-byte
-        shared accesses over all banks (lanes along one row would hit 2 of 8 bank groups)."""
-        for g0 in range(0, BLOCK_K * per_row, _PRODUCER_THREADS):
+    def units(per_row, rows=(0, BLOCK_K)):
+        """(row j, unit, in range: i1 or None) of this thread over block rows [rows[0], rows[1])
+        (multiples of 8), per_row units a row. Consecutive lanes take _LANE_ROWS consecutive rows,
+        then the next unit: the swizzle then spreads a warp's 16-byte shared accesses over all
+        banks (lanes along one row would hit 2 of 8 bank groups)."""
+        total = (rows[1] - rows[0]) * per_row
+        for g0 in range(0, total, _PRODUCER_THREADS):
             g = arith.addi(tid, c32(g0))
+            in_range = None if total - g0 >= _PRODUCER_THREADS else arith.cmpi(
+                arith.CmpIPredicate.ult, g, c32(total))
             rest = arith.divui(g, c32(_LANE_ROWS))
             j = arith.addi(arith.muli(arith.divui(rest, c32(per_row)), c32(_LANE_ROWS)),
                            arith.remui(g, c32(_LANE_ROWS)))
-            yield j, arith.remui(rest, c32(per_row))
+            yield arith.addi(j, c32(rows[0])), arith.remui(rest, c32(per_row)), in_range
 
     def cp_async(j, chunk, src, row_elems, col, col_ok=None):
         """16 bytes of bf16 row slot(j) of src from column col -> dst(j, chunk); zeros if invalid."""
@@ -190,20 +206,25 @@ def _gather_block(ctx, kv_smem, latent, *rest, rank, rope, width, tile):
         nvvm.cp_async_shared_global(dst(j, chunk), gep(src, elem, ir.BF16Type.get()), 16,
                                     nvvm.LoadCacheModifierKind.CG, cp_size=arith.select(valid, c32(16), c32(0)))
 
-    for j, chunk in units((width - rank) // _CHUNK):  # k_pe (first: fp8 waits for all copies below)
-        col = arith.muli(chunk, c32(_CHUNK))
-        in_rope = arith.cmpi(arith.CmpIPredicate.ult, col, c32(rope))
-        cp_async(j, arith.addi(chunk, c32(rank // _CHUNK)), gptr(k_pe), rope, col, in_rope)
+    def copy_rope():
+        for j, chunk, _ in units((width - rank) // _CHUNK):  # 64 rows x 4k units: whole rounds
+            col = arith.muli(chunk, c32(_CHUNK))
+            in_rope = arith.cmpi(arith.CmpIPredicate.ult, col, c32(rope))
+            cp_async(j, arith.addi(chunk, c32(rank // _CHUNK)), gptr(k_pe), rope, col, in_rope)
+        nvvm.cp_async_commit_group()
+
     if latent_scale is None:
-        for j, chunk in units(rank // _CHUNK):
+        copy_rope()
+        for j, chunk, _ in units(rank // _CHUNK):
             cp_async(j, chunk, gptr(latent), rank, arith.muli(chunk, c32(_CHUNK)))
         nvvm.cp_async_commit_group()
     else:
-        _fp8_in_place(gptr(latent), gptr(latent_scale), slot_of, units, dst, gep, smem_base, tid, rank=rank,
-                      width=width, tile=tile)
+        _fp8_in_place(gptr(latent), gptr(latent_scale), copy_rope, slot_of, units, dst, gep, smem_base, tid,
+                      rank=rank, width=width, tile=tile)
 
 
 _PRODUCER_BARRIER = 12  # named barrier over the producer warpgroup's 128 threads
+_FP8_PARTS = 4  # cp.async groups an fp8 block's latent copies go out in (each converted as it lands)
 
 
 def _when(cond, body):
@@ -217,10 +238,13 @@ def _when(cond, body):
         scf.yield_([])
 
 
-def _fp8_in_place(latent_ptr, scale_ptr, slot_of, units, dst, gep, smem_base, tid, *, rank, width, tile):
+def _fp8_in_place(latent_ptr, scale_ptr, copy_rope, slot_of, units, dst, gep, smem_base, tid, *, rank, width,
+                  tile):
     """fp8 latent: cp.async the raw e4m3 rows and their f32 scales into the stage itself, then
     dequantise there, 8 rows at a time (register-free gathers: every copy is in flight at once).
 
+    The copies go out in _FP8_PARTS parts of rows, one cp.async group each, then k_pe's (copy_rope):
+    part p is converted as soon as it has landed, while the later parts are still in flight.
     Within the stage's 8-row group g, raw 16-byte chunk c of row r sits in the second half of
     the group's latent tiles at [c][r][16 B] (conflict-free reads), the scales [r][rank / tile]
     at the start; converting group g rewrites exactly its own latent tiles, so each group is
@@ -232,6 +256,8 @@ def _fp8_in_place(latent_ptr, scale_ptr, slot_of, units, dst, gep, smem_base, ti
     vec4 = ir.VectorType.get((4,), i32)
     n_chunks, n_scales = rank // 16, rank // tile
     group_bytes = 8 * width * 2
+    part_rows = BLOCK_K // _FP8_PARTS
+    groups_per_part = part_rows // 8
 
     def raw_addr(j, c):  # -> shared pointer of raw chunk c of block row j
         off = arith.addi(arith.muli(arith.divui(j, c32(8)), c32(group_bytes)),
@@ -243,30 +269,40 @@ def _fp8_in_place(latent_ptr, scale_ptr, slot_of, units, dst, gep, smem_base, ti
                          arith.muli(arith.addi(arith.muli(arith.remui(j, c32(8)), c32(n_scales)), t), c32(4)))
         return gep(smem_base, off, i8)
 
-    for j, c in units(n_chunks):
-        valid, safe = slot_of(j)
-        src = gep(latent_ptr, arith.addi(arith.muli(safe, arith.constant(i64, rank)),
-                                         arith.extui(i64, arith.muli(c, c32(16)))), i8)
-        nvvm.cp_async_shared_global(raw_addr(j, c), src, 16, nvvm.LoadCacheModifierKind.CG,
-                                    cp_size=arith.select(valid, c32(16), c32(0)))
-    total = BLOCK_K * n_scales
-    for g0 in range(0, total, _PRODUCER_THREADS):
-        g = arith.addi(tid, c32(g0))
-        in_range = None if total % _PRODUCER_THREADS == 0 else arith.cmpi(arith.CmpIPredicate.ult, g, c32(total))
+    for part in range(_FP8_PARTS):
+        rows = (part * part_rows, (part + 1) * part_rows)
+        for j, c, in_range in units(n_chunks, rows):
+            def copy_chunk(j=j, c=c):
+                valid, safe = slot_of(j)
+                src = gep(latent_ptr, arith.addi(arith.muli(safe, arith.constant(i64, rank)),
+                                                 arith.extui(i64, arith.muli(c, c32(16)))), i8)
+                nvvm.cp_async_shared_global(raw_addr(j, c), src, 16, nvvm.LoadCacheModifierKind.CG,
+                                            cp_size=arith.select(valid, c32(16), c32(0)))
 
-        def copy_scale(g=g):
-            j, t = arith.divui(g, c32(n_scales)), arith.remui(g, c32(n_scales))
-            valid, safe = slot_of(j)
-            src = gep(scale_ptr, arith.addi(arith.muli(safe, arith.constant(i64, n_scales)), arith.extui(i64, t)), f32)
-            nvvm.cp_async_shared_global(scale_addr(j, t), src, 4, nvvm.LoadCacheModifierKind.CA,
-                                        cp_size=arith.select(valid, c32(4), c32(0)))
+            _when(in_range, copy_chunk)
+        total = part_rows * n_scales
+        for g0 in range(0, total, _PRODUCER_THREADS):
+            g = arith.addi(tid, c32(g0))
+            in_range = None if total - g0 >= _PRODUCER_THREADS else arith.cmpi(
+                arith.CmpIPredicate.ult, g, c32(total))
 
-        _when(in_range, copy_scale)
-    nvvm.cp_async_commit_group()
-    nvvm.cp_async_wait_group(0)
+            def copy_scale(g=g):
+                j = arith.addi(arith.divui(g, c32(n_scales)), c32(rows[0]))
+                t = arith.remui(g, c32(n_scales))
+                valid, safe = slot_of(j)
+                src = gep(scale_ptr, arith.addi(arith.muli(safe, arith.constant(i64, n_scales)), arith.extui(i64, t)),
+                          f32)
+                nvvm.cp_async_shared_global(scale_addr(j, t), src, 4, nvvm.LoadCacheModifierKind.CA,
+                                            cp_size=arith.select(valid, c32(4), c32(0)))
+
+            _when(in_range, copy_scale)
+        nvvm.cp_async_commit_group()
+    copy_rope()  # one more group: lands while the parts convert
     sync = lambda: mgpu_utils.inline_ptx(f"bar.sync {_PRODUCER_BARRIER}, {_PRODUCER_THREADS};",
                                          has_side_effects=True, convergent=True)
-    sync()  # every thread's copies have landed
+
+    def landed(part):  # this thread's copies of `part` have landed (later parts and k_pe may not)
+        nvvm.cp_async_wait_group(_FP8_PARTS - part)
 
     per_group = 8 * n_chunks  # (row, chunk) units of an 8-row group
 
@@ -283,8 +319,12 @@ def _fp8_in_place(latent_ptr, scale_ptr, slot_of, units, dst, gep, smem_base, ti
             out.append((j, c, data, scale, in_range))
         return out
 
+    landed(0)
+    sync()  # every thread's copies of part 0 have landed
     loaded = load_group(0)
     for grp in range(BLOCK_K // 8):
+        if grp + 1 < BLOCK_K // 8 and (grp + 1) % groups_per_part == 0:
+            landed((grp + 1) // groups_per_part)  # the next group starts a part (the sync below publishes it)
         sync()  # group grp is in registers everywhere: its tiles may be overwritten
         following = load_group(grp + 1) if grp + 1 < BLOCK_K // 8 else None
         for j, c, data, scale, in_range in loaded:
@@ -557,8 +597,8 @@ def sparse_mla_attention_mgpu(q, latent, latent_scale, k_pe, slots, *, scale, nu
         entry,
         out_type=(jax.ShapeDtypeStruct((num_splits, n_rows, padded_heads, rank), jnp.float32),
                   jax.ShapeDtypeStruct((num_splits, n_rows, padded_heads), jnp.float32)),
-        grid=(head_blocks, n_rows, num_splits),
-        grid_names=("heads", "rows", "splits"),
+        grid=(n_rows, num_splits, head_blocks),  # heads fastest: a row's CTAs run together (L2 hits)
+        grid_names=("rows", "splits", "heads"),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),

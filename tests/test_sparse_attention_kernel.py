@@ -137,12 +137,13 @@ def test_real_dimensions_gpu(cache, backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_mosaic_odd_shapes_gpu(cache, num_splits):
-    """Mosaic kernel: H=20 (padded to 64 heads), R=128, P=8 (padded to 32 columns), K=200 (padded
-    to whole 64-slot blocks), holes, an empty row, a one-slot row, splits with no valid slot."""
+@pytest.mark.parametrize("heads,num_splits", [(20, 1), (20, 3), (128, 3)])
+def test_mosaic_odd_shapes_gpu(cache, heads, num_splits):
+    """Mosaic kernel: H=20 (one head block, padded to 64 heads) or 128 (two head blocks), R=128,
+    P=8 (padded to 32 columns), K=200 (padded to whole 64-slot blocks), holes, an empty row, a
+    one-slot row, splits with no valid slot."""
     q, latent, latent_scale, k_pe, slots = make_inputs(
-        6, rows=5, heads=20, topk=200, cache=cache, q_dtype=jnp.bfloat16, rank=128, rope=8, num_slots=500)
+        6, rows=5, heads=heads, topk=200, cache=cache, q_dtype=jnp.bfloat16, rank=128, rope=8, num_slots=500)
     slots = slots.at[0].set(-1)
     slots = slots.at[1].set(jnp.full((200,), -1).at[150].set(7))
     slots = slots.at[2, :128].set(-1)
@@ -151,7 +152,8 @@ def test_mosaic_odd_shapes_gpu(cache, num_splits):
 
 
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
-@pytest.mark.parametrize("heads,rank,rope,topk,num_splits", [(128, 512, 64, 2048, None), (20, 128, 8, 200, 3)])
+@pytest.mark.parametrize("heads,rank,rope,topk,num_splits", [(128, 512, 64, 2048, None), (20, 128, 8, 200, 3),
+                                                            (128, 128, 8, 200, 3)])
 def test_mosaic_kernel_lowers(cache, heads, rank, rope, topk, num_splits):
     """CPU twin of the Mosaic GPU tests: the kernel (inline gathers included) lowers to a Mosaic GPU
     module at the real shapes and at the GPU test's odd ones; it cannot run in interpret mode
