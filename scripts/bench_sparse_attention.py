@@ -213,18 +213,23 @@ def main():
     num_slots = max(cache_slots(kind, a, b) for kind, _, a, b in plan + sweep)
 
     records = []
+
+    def save():  # after every config: a run cut short keeps what it measured
+        with open(args.out, "w") as f:
+            json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                           elapsed_s=time.perf_counter() - start, records=records), f, indent=1)
+
     for kind, fmt, a, b in plan:
         records += run_config(kind, fmt, a, b, num_slots, reference_fn, impls)
+        save()
     for kind, fmt, a, b in sweep:
         records += run_config(kind, fmt, a, b, num_slots, reference_fn, ("triton",), tilings=tuple(SWEEP),
                               time_reference=False)
-    elapsed = time.perf_counter() - start
+        save()
 
     print_table(records)
-    print(f"\ntotal {elapsed:.0f} s")
-    with open(args.out, "w") as f:
-        json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-                       elapsed_s=elapsed, records=records), f, indent=1)
+    print(f"\ntotal {time.perf_counter() - start:.0f} s")
+    save()
     print(f"wrote {args.out}")
 
 
