@@ -18,16 +18,11 @@ from jax.experimental.pallas import triton as pltriton
 
 from ._device import on_hopper
 from ._shapes import next_pow2
+from .indexer_decode_mgpu import indexer_logits_decode_mgpu
+from .indexer_layout import FP8_E4M3, _max_tiles, _tile_schedule, gather_paged_rows
+from .indexer_mgpu import indexer_logits_mgpu
 
-FP8_E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 ROW_CHUNK = 64  # rows per step of the reference, bounding its [rows, heads, keys] intermediate
-
-
-def gather_paged_rows(cache, block_tables, page_size):
-    """cache: [num_slots, ...], block_tables: [S, W] -> [S, W * page_size, ...] (entries < 0 read slot 0)."""
-    pages = jnp.maximum(block_tables, 0)
-    slots = (pages[:, :, None] * page_size + jnp.arange(page_size)).reshape(block_tables.shape[0], -1)
-    return cache[slots]
 
 
 def dequantize_index_keys(keys, scale):
@@ -136,41 +131,6 @@ def choose_tiling(num_rows, num_seqs, num_keys, *, block_rows=None, block_keys=N
     return IndexerTiling(block_rows, block_keys, chunk, num_warps or 4, num_stages or 3)
 
 
-def _max_tiles(num_rows, num_seqs, block_rows):
-    # sum over non-empty sequences of ceil(rows_s / BR) <= (N + nonempty * (BR - 1)) / BR
-    return max(1, (num_rows + min(num_seqs, num_rows) * (block_rows - 1)) // block_rows)
-
-
-def _tile_schedule(row_seq, row_end, num_seqs, num_keys, block_rows):
-    """Group the rows by sequence into tiles of <= block_rows rows (jnp, runs under jit).
-
-    Returns tile_rows [T, BR] int32 (row ids, -1 = empty slot) and tile_meta [T, 2] int32
-    (sequence, max row_end of the tile clipped to [0, L]); T = _max_tiles(...), unused tiles empty.
-    """
-    n = row_seq.shape[0]
-    br = block_rows
-    t_max = _max_tiles(n, num_seqs, br)
-    seq = jnp.clip(row_seq.astype(jnp.int32), 0, num_seqs - 1)
-    order = jnp.argsort(seq, stable=True).astype(jnp.int32)
-    counts = jnp.zeros((num_seqs,), jnp.int32).at[seq].add(1)
-    seq_start = jnp.cumsum(counts) - counts
-    tiles_per_seq = (counts + br - 1) // br
-    tile_stop = jnp.cumsum(tiles_per_seq)
-    tile_first = tile_stop - tiles_per_seq
-    t = jnp.arange(t_max, dtype=jnp.int32)
-    tile_seq = jnp.minimum(jnp.searchsorted(tile_stop, t, side="right"), num_seqs - 1).astype(jnp.int32)
-    used = t < tile_stop[-1]
-    first_row = (t - tile_first[tile_seq]) * br  # index of the tile's first row within its sequence
-    r = jnp.arange(br, dtype=jnp.int32)
-    within = first_row[:, None] + r[None, :]
-    ok = used[:, None] & (within < counts[tile_seq][:, None])
-    pos = jnp.where(ok, seq_start[tile_seq][:, None] + within, 0)
-    tile_rows = jnp.where(ok, order[pos], -1).astype(jnp.int32)
-    ends = jnp.where(ok, jnp.clip(row_end.astype(jnp.int32)[jnp.maximum(tile_rows, 0)], 0, num_keys), 0)
-    tile_meta = jnp.stack([tile_seq, ends.max(axis=1)], axis=1).astype(jnp.int32)
-    return tile_rows, tile_meta
-
-
 def _indexer_kernel(tile_rows_ref, tile_meta_ref, row_end_ref, q_ref, w_ref, bt_ref, k_ref, *rest,
                     page_size, num_pages_per_seq, num_keys, tiling: IndexerTiling, has_scale,
                     dot_dtype, precision, fast_fp8, fp8_imprecise_acc):
@@ -264,10 +224,8 @@ def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
     if (not interpret and not tiling_overrides and fp8_imprecise_acc == FP8_IMPRECISE_ACC
             and on_hopper() and q.dtype == k_cache.dtype and q.dtype in (FP8_E4M3, jnp.bfloat16)):
         if q.shape[0] >= MGPU_MIN_ROWS_PER_SEQ * min(block_tables.shape[0], q.shape[0]):
-            from .indexer_mgpu import indexer_logits_mgpu  # imports this module's helpers
             return indexer_logits_mgpu(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
                                        page_size=page_size)
-        from .indexer_decode_mgpu import indexer_logits_decode_mgpu
         return indexer_logits_decode_mgpu(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
                                           page_size=page_size)
     return indexer_logits_triton(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,

@@ -34,14 +34,18 @@ program per (row, chunk) gathering keys with vector loads and one block-table lo
 decode tiling of the Mosaic prefill kernel read 521-555 GB/s: its producer reads each block's
 page id from GMEM just before that block's TMA, one memory latency per 8 KiB. Also measured
 (host-timed, GPU-bound): bf16 B=32 C=32K 3501 GB/s (87% of copy), fp8 B=128 C=32K 3303 (81%).
-Small batches are bound by per-call latency, not bandwidth. B=1, fp8, 20 dependent calls unrolled
-in one jit rotating over copies of the cache (L2-cold, scripts/bench_indexer.py `device_ms`):
-C=128K 9.7 us a call (1792 GB/s, 57% of a same-size copy's 10.9 us), C=32K 7.8 us (58%; the
-Triton kernel 7.4; with metadata and table loads in sequence, the kernel before, 8.4). L2-warm
-the same calls take 7.8 / 4.9 us: a fixed ~4 us (launch, first round trips, drain) that a
-single sequence cannot hide. XLA glue around the kernel costs nothing measurable (the bare
-kernel call 7.4 us vs 7.5, warm); more or fewer CTAs are slower (B=1 C=128K: 64 CTAs 11.0 us,
-256 CTAs 9.6, the chosen 128 CTAs 7.5, warm).
+Small batches are bound by per-call latency, not bandwidth. B=1, fp8 (scripts/bench_indexer.py:
+20 dependent calls unrolled in one jit over L2-cold copies of the cache, which XLA runs as one
+CUDA graph, the Mosaic custom calls included, 0.13 us between kernels; jax.profiler trace):
+C=128K 9.5-9.7 us a call = this kernel 7.9 us (17.3 MB at 2.2 TB/s; 6.0 us L2-warm) + one 1.0 us
+fusion (the wrapper's tile metadata and block-table gather, fused by XLA with the chain's
+dependency op) + two gaps; a copy of the same bytes (read + write) takes 9.6 us on the device,
+10.2 us a step in the same harness: 53-57% of the copy per call, the kernel alone at 61% of the
+copy kernel's 3.6 TB/s. The HBM time of those bytes is ~4.3 us; launch, the table's
+round trip, the first keys' latency and the drain are the rest, which one sequence cannot hide.
+C=32K 7.8 us a call (58%; the Triton kernel 7.4). Without XLA command buffers each Mosaic launch
+costs ~8 us of host time (24 us a call). More or fewer CTAs are slower (B=1 C=128K: 64 CTAs
+11.0 us, 256 CTAs 9.6, the chosen 128 CTAs 7.5, warm).
 """
 
 from __future__ import annotations
@@ -55,10 +59,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .indexer import _tile_schedule, gather_paged_rows
-from .indexer_mgpu import BLOCK_KEYS, _fill_rows_tail, _meta_width, _padded_inputs, _row_logits
+from .indexer_layout import _tile_schedule, gather_paged_rows
+from .indexer_mgpu import (
+    _COMPUTE_WGS,
+    BLOCK_KEYS,
+    _chunk_header,
+    _consume_ring,
+    _fill_tail_and_drain,
+    _load_ring,
+    _load_tile_rows,
+    _meta_width,
+    _padded_inputs,
+    _ring_kernel,
+    _row_logits,
+    _warpgroups,
+)
 
-_COMPUTE_WGS = 2
 _KEY_RING_BYTES = 96 * 1024  # SMEM for key blocks in flight per CTA (one CTA per SM)
 _MAX_STAGES = 32  # Mosaic GPU initialises at most 32 mbarriers per group (the ring's two groups)
 _STEP_BYTES = 16 * 1024  # keys x rows per ring slot: 2 fp8 blocks of 1 row (81% vs 76% of copy BW with 1)
@@ -136,19 +152,8 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
 
     def body(meta_smem, bt_smem, q_smem, w_smem, k_smem, ks_smem, o_smem, fill_smem,
              meta_bar, bt_bar, q_bar, k_bar, consumed_bar):
-        wg = lax.axis_index("wg")
 
-        def chunk_header():
-            """(first key block past the tile's last valid key, blocks to compute, pipeline steps:
-            the last one padded with repeats of the last block, never stored)."""
-            plgpu.barrier_wait(meta_bar)
-            stop = pl.cdiv(meta_smem[1], bk)
-            n_blocks = jnp.clip(stop - first, 0, chunk)
-            return stop, n_blocks, pl.cdiv(n_blocks, sb)
-
-        @pl.when(wg == _COMPUTE_WGS)
-        def _memory_wg():
-            plgpu.set_max_registers(40, action="decrease")
+        def memory():
             # Everything that does not depend on the metadata goes out at once: the tile's
             # block-table slice (its sequence's row, gathered by the wrapper) and, with one row
             # per tile (the tile is the row), its q and weights. Keys wait only for the table.
@@ -157,97 +162,67 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
             if br == 1:
                 plgpu.copy_gmem_to_smem(w_ref.at[tile], w_smem, q_bar)
                 plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem, q_bar)
-            fill_smem[...] = jnp.full(fill_smem.shape, -jnp.inf, jnp.float32)
-            plgpu.commit_smem()
-            stop, n_blocks, n_steps = chunk_header()
+            stop, n_blocks, n_steps = _chunk_header(meta_smem, meta_bar, first, chunk, sb)
             if br == 1:
                 @pl.when(n_steps == 0)  # no compute warpgroup waits for q then: drain it before exit
                 def _drain_q():
                     plgpu.barrier_wait(q_bar)
             else:
                 @pl.when(n_steps > 0)
-                def _load_rows():
-                    plgpu.copy_gmem_to_smem(w_ref.at[tile], w_smem, q_bar)
-                    for j in range(br):  # empty row slots load row 0 (never stored): one arrival each
-                        plgpu.copy_gmem_to_smem(q_ref.at[jnp.maximum(meta_smem[2 + j], 0)],
-                                                q_smem.at[pl.ds(j * hi, hi)], q_bar)
+                def _():
+                    _load_tile_rows(meta_smem, q_ref, w_ref, q_smem, w_smem, q_bar, tile)
             plgpu.barrier_wait(bt_bar)
 
-            @pl.loop(0, n_steps)
-            def _load_keys(step):
-                slot = lax.rem(step, stages)
-
-                @pl.when(step >= stages)
-                def _():
-                    plgpu.barrier_wait(consumed_bar.at[slot])
-                    plgpu.commit_smem()  # order the consumer's reads (generic proxy) before TMA's writes
-
+            def load_keys(step, slot):
                 for b in range(sb):
-                    block = jnp.minimum(step * sb + b, n_blocks - 1)
+                    block = jnp.minimum(step * sb + b, n_blocks - 1)  # a short last step repeats its last block
                     keys = pl.ds(pl.multiple_of(jnp.maximum(bt_smem[block], 0) * bk, bk), bk)
                     plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot, b], k_bar.at[slot])
                     if ks_ref is not None:
                         plgpu.copy_gmem_to_smem(ks_ref.at[keys], ks_smem.at[slot, b], k_bar.at[slot])
 
-            fill_start = jnp.maximum(stop, first)
-            fill_stop = jnp.minimum(first + chunk, out_blocks)
-            _fill_rows_tail(meta_smem, fill_smem.at[:bk], br, fill_start, fill_stop,
-                            lambda row, b: out_ref.at[row, b])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM reads; the writes land by kernel end
+            _load_ring(n_steps, stages, consumed_bar, load_keys)
+            _fill_tail_and_drain(meta_smem, fill_smem, br, stop, first, chunk, out_blocks,
+                                 lambda row, b: out_ref.at[row, b])
 
-        @pl.when(wg < _COMPUTE_WGS)
-        def _compute_wg():
-            plgpu.set_max_registers(232, action="increase")
-            _, n_blocks, n_steps = chunk_header()
-            lane = plgpu.broadcasted_iota(jnp.int32, (bk,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+        def compute(wg):
+            _, n_blocks, n_steps = _chunk_header(meta_smem, meta_bar, first, chunk, sb)
 
-            @pl.when(n_steps > 0)
-            def _():
-                plgpu.barrier_wait(q_bar)
-                ws = [plgpu.load(w_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-                      for j in range(br)]
+            def row_weights():
+                return [plgpu.load(w_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                        for j in range(br)]
 
-                @pl.loop(0, (n_steps - wg + 1) // _COMPUTE_WGS)
-                def _step(i):
-                    step = wg + _COMPUTE_WGS * i
-                    slot = lax.rem(step, stages)
-                    out_tile = o_smem.at[wg, lax.rem(i, 2)]
-                    plgpu.barrier_wait(k_bar.at[slot])
-                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # out_tile's stores of step i - 2
+            def logits(step, slot, out_tile, lane, ws, release):
+                def mma(*accs):  # per block, the tile's q rows side by side: N = block_rows * Hi
+                    for b, acc in enumerate(accs):
+                        plgpu.wgmma(acc, k_smem.at[slot, b], q_smem.T)
+                    plgpu.wgmma_wait(0)
+                    return [acc[...] for acc in accs]
 
-                    def mma(*accs):  # per block, the tile's q rows side by side: N = block_rows * Hi
-                        for b, acc in enumerate(accs):
-                            plgpu.wgmma(acc, k_smem.at[slot, b], q_smem.T)
-                        plgpu.wgmma_wait(0)
-                        return [acc[...] for acc in accs]
+                scores = pl.run_scoped(mma, *[plgpu.ACC((bk, br * hi), jnp.float32)] * sb)
+                release()
+                for b in range(sb):
+                    k_scale = None if ks_ref is None else plgpu.load(
+                        ks_smem.at[slot, b], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                    pos = lane + (first + step * sb + b) * bk
+                    for j in range(br):
+                        out_tile[b, j] = _row_logits(scores[b][:, j * hi:(j + 1) * hi], ws[j], k_scale, pos,
+                                                     meta_smem[2 + br + j])
 
-                    scores = pl.run_scoped(mma, *[plgpu.ACC((bk, br * hi), jnp.float32)] * sb)
+            def store(step, out_tile):
+                for b in range(sb):
+                    block = step * sb + b
+                    for j in range(br):
+                        row = meta_smem[2 + j]
 
-                    @pl.when(step + stages < n_steps)  # the memory warpgroup refills this slot
-                    def _release():
-                        plgpu.barrier_arrive(consumed_bar.at[slot])
+                        @pl.when((row >= 0) & (block < n_blocks))
+                        def _store():
+                            plgpu.copy_smem_to_gmem(out_tile.at[b, j], out_ref.at[row, first + block],
+                                                    commit_group=False)
 
-                    for b in range(sb):
-                        k_scale = None if ks_ref is None else plgpu.load(
-                            ks_smem.at[slot, b], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-                        pos = lane + (first + step * sb + b) * bk
-                        for j in range(br):
-                            out_tile[b, j] = _row_logits(scores[b][:, j * hi:(j + 1) * hi], ws[j], k_scale, pos,
-                                                         meta_smem[2 + br + j])
+            _consume_ring(wg, n_steps, stages, q_bar, k_bar, consumed_bar, o_smem, logits, store, row_weights)
 
-                    plgpu.commit_smem()
-                    for b in range(sb):
-                        block = step * sb + b
-                        for j in range(br):
-                            row = meta_smem[2 + j]
-
-                            @pl.when((row >= 0) & (block < n_blocks))
-                            def _store():
-                                plgpu.copy_smem_to_gmem(out_tile.at[b, j], out_ref.at[row, first + block],
-                                                        commit_group=False)
-                    plgpu.commit_smem_to_gmem_group()
-
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        _warpgroups(memory, compute)
 
     pl.run_scoped(
         body,
@@ -341,16 +316,8 @@ def indexer_logits_decode_mgpu(q, weights, k_cache, k_scale, block_tables, row_s
     args = [meta, q, tile_weights, tile_tables, k_cache]
     if k_scale is not None:
         args.append(k_scale.astype(jnp.float32))
-    kernel = plgpu.kernel(
-        functools.partial(_kernel, tiling=tiling, swizzle=swizzle),
-        out_type=jax.ShapeDtypeStruct((n, key_blocks, BLOCK_KEYS), jnp.float32),
-        grid=(splits, meta.shape[0]),
-        grid_names=("split", "tile"),
-        num_threads=_COMPUTE_WGS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name="indexer_logits_decode_mgpu",
-    )
+    kernel = _ring_kernel(functools.partial(_kernel, tiling=tiling, swizzle=swizzle),
+                          jax.ShapeDtypeStruct((n, key_blocks, BLOCK_KEYS), jnp.float32), (splits, meta.shape[0]),
+                          "indexer_logits_decode_mgpu", interpret)
     out = kernel(*args).reshape(n, key_blocks * BLOCK_KEYS)
     return out if out.shape[1] == num_keys else out[:, :num_keys]

@@ -21,6 +21,10 @@ warpgroups:
 The tile's q [block_rows, Hi, D] and weights stay in SMEM for the whole chunk; nothing of size
 [rows, Hi, keys] exists outside registers. Key blocks at or past the tile's largest row_end are
 skipped (a causal prefill does about half of the rectangle); tiles run heaviest first.
+The warpgroup skeleton (register split, the ring's load and compute loops, the -inf tail and the
+final drain: `_warpgroups`, `_load_ring`, `_consume_ring`, `_fill_tail_and_drain`) is shared with
+the decode kernel `indexer_decode_mgpu`, which differs in where page ids come from and in the
+work per ring slot.
 
 Why Mosaic GPU (measured on the H200, fp8, Hi=64, D=128, 2 * valid pairs * Hi * D): causal
 prefill at T = S = 8K runs at 582 TFLOP/s, 2.4x the Triton-backend kernel (247; its fp8 dots
@@ -43,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ._shapes import next_pow2
-from .indexer import FP8_E4M3, _max_tiles, _tile_schedule, gather_paged_rows
+from .indexer_layout import FP8_E4M3, _max_tiles, _tile_schedule, gather_paged_rows
 
 BLOCK_KEYS = 64  # wgmma M: one warpgroup's accumulator rows
 _COMPUTE_WGS = 2
@@ -110,18 +114,108 @@ def _padded_inputs(q, weights, k_cache):
     return q, weights, k_cache, min(128, row_bytes)
 
 
-def _fill_rows_tail(meta_smem, neg_inf_block, block_rows, start, stop, out_block):
-    """Stores neg_inf_block (SMEM, one key block of -inf) to out_block(row, b) for b in
-    [start, stop) and each of the tile's rows (meta_smem[2 + j], -1 = none): the chunk's key
-    blocks past the last computed one."""
+def _warpgroups(memory, compute):
+    """Warp specialisation: warpgroup _COMPUTE_WGS streams keys with few registers (memory()); the
+    compute warpgroups take the registers it gives up (compute(wg), wg in [0, _COMPUTE_WGS))."""
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == _COMPUTE_WGS)
+    def _memory_wg():
+        plgpu.set_max_registers(40, action="decrease")
+        memory()
+
+    @pl.when(wg < _COMPUTE_WGS)
+    def _compute_wg():
+        plgpu.set_max_registers(232, action="increase")
+        compute(wg)
+
+
+def _chunk_header(meta_smem, meta_bar, first, chunk, step_blocks=1):
+    """Waits for the tile's metadata. Returns (first key block past the tile's last valid key,
+    the chunk's key blocks to compute, pipeline steps of step_blocks blocks)."""
+    plgpu.barrier_wait(meta_bar)
+    stop = pl.cdiv(meta_smem[1], BLOCK_KEYS)
+    n_blocks = jnp.clip(stop - first, 0, chunk)
+    return stop, n_blocks, n_blocks if step_blocks == 1 else pl.cdiv(n_blocks, step_blocks)
+
+
+def _load_tile_rows(meta_smem, q_ref, w_ref, q_smem, w_smem, q_bar, tile):
+    """The tile's weights [BR, Hi] and the q of its rows (meta_smem[2 + j]; an empty row slot loads
+    row 0, never stored: one arrival each) into SMEM, arriving on q_bar (1 + BR arrivals)."""
+    plgpu.copy_gmem_to_smem(w_ref.at[tile], w_smem, q_bar)
+    hi = q_ref.shape[1]
+    for j in range(w_smem.shape[0]):
+        plgpu.copy_gmem_to_smem(q_ref.at[jnp.maximum(meta_smem[2 + j], 0)], q_smem.at[pl.ds(j * hi, hi)], q_bar)
+
+
+def _load_ring(n_steps, stages, consumed_bar, load, init_carry=None):
+    """The memory warpgroup's loop: pipeline step s fills ring slot s % stages, from the second lap
+    on once its compute warpgroup released it. load(step, slot[, carry]) issues the step's TMAs
+    (arriving on the slot's barrier) [and returns the next carry]."""
+    def body(step, *carry):
+        slot = lax.rem(step, stages)
+
+        @pl.when(step >= stages)
+        def _():
+            plgpu.barrier_wait(consumed_bar.at[slot])
+            plgpu.commit_smem()  # order the consumer's reads (generic proxy) before TMA's writes
+
+        return load(step, slot, *carry)
+
+    pl.loop(0, n_steps, init_carry=init_carry)(body)
+
+
+def _fill_tail_and_drain(meta_smem, fill_smem, block_rows, stop, first, chunk, out_blocks, out_block):
+    """The memory warpgroup's end: -inf (fill_smem, 2 key blocks of SMEM) stored to out_block(row, b)
+    for each of the tile's rows (meta_smem[2 + j], -1 = none) and the chunk's key blocks b at or
+    past `stop` (the tile's end) and before out_blocks; then waits until the stores have read SMEM
+    (the writes land by kernel end)."""
+    fill_smem[...] = jnp.full(fill_smem.shape, -jnp.inf, jnp.float32)
+    plgpu.commit_smem()
     for j in range(block_rows):
         row = meta_smem[2 + j]
 
         @pl.when(row >= 0)
         def _fill_row():
-            @pl.loop(start, stop)
+            @pl.loop(jnp.maximum(stop, first), jnp.minimum(first + chunk, out_blocks))
             def _fill(b):
-                plgpu.copy_smem_to_gmem(neg_inf_block, out_block(row, b))
+                plgpu.copy_smem_to_gmem(fill_smem.at[:BLOCK_KEYS], out_block(row, b))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _consume_ring(wg, n_steps, stages, q_bar, k_bar, consumed_bar, o_smem, compute, store, prologue=lambda: None):
+    """Compute warpgroup wg's pipeline steps wg, wg + _COMPUTE_WGS, ...: once q (q_bar) has landed
+    and state = prologue(), per step waits for its ring slot's keys and until the stores of its
+    SMEM output tile (o_smem[wg, i % 2]) two steps back have read it, then
+    compute(step, slot, out_tile, lane, state, release) fills out_tile (lane: [64] key offsets in
+    the WGMMA row layout; release(): hands the slot back to the memory warpgroup once its keys
+    are read) and store(step, out_tile) issues out_tile's TMA stores (one commit group)."""
+    lane = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KEYS,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+
+    @pl.when(n_steps > 0)
+    def _():
+        plgpu.barrier_wait(q_bar)
+        state = prologue()
+
+        @pl.loop(0, (n_steps - wg + _COMPUTE_WGS - 1) // _COMPUTE_WGS)
+        def _step(i):
+            step = wg + _COMPUTE_WGS * i
+            slot = lax.rem(step, stages)
+            out_tile = o_smem.at[wg, lax.rem(i, 2)]
+            plgpu.barrier_wait(k_bar.at[slot])
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # out_tile's stores of step i - 2
+
+            def release():
+                @pl.when(step + stages < n_steps)  # else no refill follows
+                def _():
+                    plgpu.barrier_arrive(consumed_bar.at[slot])
+
+            compute(step, slot, out_tile, lane, state, release)
+            plgpu.commit_smem()
+            store(step, out_tile)
+            plgpu.commit_smem_to_gmem_group()
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _row_logits(scores, w, k_scale, pos, row_end):
@@ -136,6 +230,22 @@ def _row_logits(scores, w, k_scale, pos, row_end):
 
 def _meta_width(block_rows):
     return -(-(2 + 2 * block_rows) // 4) * 4  # int32 row of 16-byte multiple (TMA)
+
+
+def _ring_kernel(kernel, out_type, grid, name, interpret):
+    """plgpu.kernel of a ring kernel body: grid (key chunks "split", row tiles "tile"), one memory
+    and _COMPUTE_WGS compute warpgroups ("wg")."""
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        grid=grid,
+        grid_names=("split", "tile"),
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name=name,
+    )
 
 
 def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: MgpuTiling, page_size, chunk,
@@ -154,27 +264,15 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: MgpuTiling, pa
 
     def body(meta_smem, q_smem, w_smem, k_smem, ks_smem, o_smem, fill_smem,
              meta_bar, q_bar, k_bar, consumed_bar):
-        wg = lax.axis_index("wg")
 
-        def chunk_header():
-            """(sequence, first key block past the tile's last causal key, blocks to compute)."""
-            plgpu.barrier_wait(meta_bar)
-            stop = pl.cdiv(meta_smem[1], bk)
-            return meta_smem[0], stop, jnp.clip(stop - first, 0, chunk)
-
-        @pl.when(wg == _COMPUTE_WGS)
-        def _memory_wg():
-            plgpu.set_max_registers(40, action="decrease")
+        def memory():
             plgpu.copy_gmem_to_smem(meta_ref.at[tile], meta_smem, meta_bar)
-            fill_smem[...] = jnp.full(fill_smem.shape, -jnp.inf, jnp.float32)
-            plgpu.commit_smem()
-            seq, stop, n_steps = chunk_header()
+            stop, _, n_steps = _chunk_header(meta_smem, meta_bar, first, chunk)
+            seq = meta_smem[0]
 
             @pl.when(n_steps > 0)
-            def _load_rows():
-                plgpu.copy_gmem_to_smem(w_ref.at[tile], w_smem, q_bar)
-                for j in range(br):  # empty row slots load row 0 (never stored): one arrival each
-                    plgpu.copy_gmem_to_smem(q_ref.at[jnp.maximum(meta_smem[2 + j], 0)], q_smem.at[pl.ds(j * hi, hi)], q_bar)
+            def _():
+                _load_tile_rows(meta_smem, q_ref, w_ref, q_smem, w_smem, q_bar, tile)
 
             def block_slot(step):
                 """Cache slot of the chunk's key block `step` (a block table read from GMEM)."""
@@ -182,49 +280,24 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: MgpuTiling, pa
                 page = jnp.maximum(bt_ref[seq, jnp.minimum(key // page_size, bt_ref.shape[1] - 1)], 0)
                 return page * page_size + lax.rem(key, page_size)
 
-            @pl.loop(0, n_steps, init_carry=block_slot(0))
-            def _load_keys(step, slot0):
-                next_slot0 = block_slot(step + 1)  # in flight while this step waits for its slot
-                slot = lax.rem(step, stages)
-
-                @pl.when(step >= stages)
-                def _():
-                    plgpu.barrier_wait(consumed_bar.at[slot])
-                    plgpu.commit_smem()  # order the consumer's reads (generic proxy) before TMA's writes
-
+            def load_keys(step, slot, slot0):
                 keys = pl.ds(pl.multiple_of(slot0, bk), bk)
                 plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
                 if ks_ref is not None:
                     plgpu.copy_gmem_to_smem(ks_ref.at[keys], ks_smem.at[slot], k_bar.at[slot])
-                return next_slot0
+                return block_slot(step + 1)  # in flight while the next step waits for its slot
 
-            fill_start = jnp.maximum(stop, first)
-            fill_stop = jnp.minimum(first + chunk, out_blocks)
-            _fill_rows_tail(meta_smem, fill_smem.at[:bk], br, fill_start, fill_stop,
-                            lambda row, b: out_ref.at[row, pl.ds(b * bk, bk)])
-            plgpu.wait_smem_to_gmem(0)
+            _load_ring(n_steps, stages, consumed_bar, load_keys, init_carry=block_slot(0))
+            _fill_tail_and_drain(meta_smem, fill_smem, br, stop, first, chunk, out_blocks,
+                                 lambda row, b: out_ref.at[row, pl.ds(b * bk, bk)])
 
-        @pl.when(wg < _COMPUTE_WGS)
-        def _compute_wg():
-            plgpu.set_max_registers(232, action="increase")
-            _, _, n_steps = chunk_header()
-            lane = plgpu.broadcasted_iota(jnp.int32, (bk,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+        def compute(wg):
+            _, _, n_steps = _chunk_header(meta_smem, meta_bar, first, chunk)
 
-            @pl.when(n_steps > 0)
-            def _():
-                plgpu.barrier_wait(q_bar)
-
-            @pl.loop(0, (n_steps - wg + 1) // _COMPUTE_WGS)
-            def _step(i):
-                step = wg + _COMPUTE_WGS * i
-                slot = lax.rem(step, stages)
-                out_tile = o_smem.at[wg, lax.rem(i, 2)]
-                key0 = (first + step) * bk
-                plgpu.barrier_wait(k_bar.at[slot])
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # out_tile's stores of step i - 2
+            def logits(step, slot, out_tile, lane, _, release):
                 k_scale = None if ks_ref is None else plgpu.load(
                     ks_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-                pos = lane + key0
+                pos = lane + (first + step) * bk
                 for g in range(br // group):
                     rows = range(g * group, (g + 1) * group)
 
@@ -238,22 +311,20 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: MgpuTiling, pa
                         w = plgpu.load(w_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
                         out_tile[j] = _row_logits(scores[:, r * hi:(r + 1) * hi], w, k_scale, pos,
                                                   meta_smem[2 + br + j])
+                release()
 
-                @pl.when(step + stages < n_steps)  # the memory warpgroup refills this slot
-                def _release():
-                    plgpu.barrier_arrive(consumed_bar.at[slot])
-
-                plgpu.commit_smem()
+            def store(step, out_tile):
                 for j in range(br):
                     row = meta_smem[2 + j]
 
                     @pl.when(row >= 0)
                     def _store():
-                        plgpu.copy_smem_to_gmem(out_tile.at[j], out_ref.at[row, pl.ds(key0, bk)],
+                        plgpu.copy_smem_to_gmem(out_tile.at[j], out_ref.at[row, pl.ds((first + step) * bk, bk)],
                                                 commit_group=False)
-                plgpu.commit_smem_to_gmem_group()
 
-            plgpu.wait_smem_to_gmem(0)
+            _consume_ring(wg, n_steps, stages, q_bar, k_bar, consumed_bar, o_smem, logits, store)
+
+        _warpgroups(memory, compute)
 
     pl.run_scoped(
         body,
@@ -322,16 +393,9 @@ def indexer_logits_mgpu(q, weights, k_cache, k_scale, block_tables, row_seq, row
     args = [meta, q, tile_weights, block_tables, k_cache]
     if k_scale is not None:
         args.append(k_scale.astype(jnp.float32))
-    kernel = plgpu.kernel(
+    kernel = _ring_kernel(
         functools.partial(_kernel, tiling=tiling, page_size=page_size, chunk=chunk, swizzle=swizzle),
-        out_type=jax.ShapeDtypeStruct((n, key_blocks * BLOCK_KEYS), jnp.float32),
-        grid=(tiling.splits, meta.shape[0]),
-        grid_names=("split", "tile"),
-        num_threads=_COMPUTE_WGS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name="indexer_logits_mgpu",
-    )
+        jax.ShapeDtypeStruct((n, key_blocks * BLOCK_KEYS), jnp.float32), (tiling.splits, meta.shape[0]),
+        "indexer_logits_mgpu", interpret)
     out = kernel(*args)
     return out if out.shape[1] == num_keys else out[:, :num_keys]

@@ -10,9 +10,11 @@
   or B=32 C=32K, the Triton kernel; GB/s of key bytes read once per sequence (D + 4 per key
   for fp8 with its scale, 2 * D for bf16) and the fraction of the copy bandwidth measured in
   the same run on an array of the same bytes (copy GB/s = 2 * bytes / time). Decode calls are
-  timed on the device: 20 dependent calls unrolled in one jit, L2-cold (`device_ms`: why not a
-  fori_loop, why several copies of the cache), since a single call of a small decode batch
-  takes less GPU time than JAX's host dispatch (`host_ms`, also recorded).
+  timed on the device: 20 dependent calls unrolled in one jit, L2-cold (`decode_chain`: why not
+  a fori_loop, why several copies of the cache), since a single call of a small decode batch
+  takes less GPU time than JAX's host dispatch (`host_ms`, also recorded); `kernel_device_ms` is
+  the decode kernel alone in a profiler trace of that chain (without the chain's dependency
+  fusion and launch gaps, ~1.3 us a call at B=1).
 * top-k (k=2048) of [rows, L] f32 logits: pallas_kernels.topk (sampled thresholds + band select) vs
   lax.top_k on the same inputs, both timed on the device (`chain_ms`: 20 dependent calls in one
   jit; the host-timed call is recorded as `host_ms`). `--only topk` runs just that (~1 minute).
@@ -27,10 +29,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import glob
 import json
 import os
 import platform
+import statistics
 import sys
+import tempfile
 import time
 import traceback
 
@@ -55,6 +60,7 @@ FP8 = jnp.float8_e4m3fn
 # ------------------------------------------------------------------------------------------------
 
 L2_BYTES = 50 * 2 ** 20  # the H200's L2
+CHAIN_REPS = 20  # calls per timed chain
 
 
 def _rotation(nbytes, reps):
@@ -63,18 +69,20 @@ def _rotation(nbytes, reps):
     return max(1, min(reps, -(-4 * L2_BYTES // nbytes)))
 
 
-def device_ms(fn, q, w, k, k_scale, block_tables, row_seq, row_end, reps=20):
-    """Median ms per call of fn(q, w, k, k_scale, block_tables, row_seq, row_end) -> [N, L] on the
-    device, L2-cold: one jit runs reps calls unrolled in Python (fn jitted once inside: one
+def decode_chain(fn, q, w, k, k_scale, block_tables, row_seq, row_end, reps=CHAIN_REPS):
+    """(jitted chain, its arguments) of `reps` calls of fn(q, w, k, k_scale, block_tables, row_seq,
+    row_end) -> [N, L], L2-cold: the calls are unrolled in Python (fn jitted once inside: one
     lowering, one compile), each call's row_end depending on the previous output through one tiny
-    fusion so XLA can neither hoist nor merge the calls (that fusion is counted in the call), and
-    the calls rotating over copies of the keys and scales (`_rotation`).
+    fusion so XLA can neither hoist nor merge the calls (XLA fuses it with the wrapper's own
+    glue when there is some), and the calls rotate over copies of the keys and scales
+    (`_rotation`).
 
     Why not a lax.fori_loop (this bench's harness before): on the H200 XLA's while loop added
     6-16 us to every iteration (B=1 C=128K fp8: 23.4 us a call in the loop, 7.5 unrolled; the
     copy reference of 540 KB: 7.7 vs 2.1 us), which hid small decode calls behind the loop.
     Why rotate: 20 unrolled calls on one 17 MB cache read it from L2 (a copy of it ran at 5.3 TB/s,
-    above HBM's 4.8)."""
+    above HBM's 4.8). The unrolled chain runs as one CUDA graph (XLA command buffer, the Mosaic
+    custom calls included; 0.1 us between kernels on the H200)."""
     n = _rotation(int(k.size * k.dtype.itemsize) + (0 if k_scale is None else int(k_scale.size) * 4), reps)
     ks = tuple([k] + [jnp.array(k, copy=True) for _ in range(n - 1)])
     scales = None if k_scale is None else tuple([k_scale] + [jnp.array(k_scale, copy=True) for _ in range(n - 1)])
@@ -85,7 +93,30 @@ def device_ms(fn, q, w, k, k_scale, block_tables, row_seq, row_end, reps=20):
             out = call(q, w, ks[i % n], None if scales is None else scales[i % n], bt, rs, re)
             re = re + (out[0, 0] == 1.2345e-30).astype(re.dtype)
         return re
-    return median_ms(jax.jit(run), q, w, ks, scales, block_tables, row_seq, row_end) / reps
+    return jax.jit(run), (q, w, ks, scales, block_tables, row_seq, row_end)
+
+
+def device_ms(fn, *args, reps=CHAIN_REPS):
+    """Median ms per call of `decode_chain` (the dependency fusion and launch gaps included)."""
+    run, run_args = decode_chain(fn, *args, reps=reps)
+    return median_ms(run, *run_args) / reps
+
+
+def kernel_span_ms(run, run_args, name):
+    """Median device duration in ms of the GPU kernels whose name contains `name` in one
+    execution of run(*run_args) traced by jax.profiler: the kernel alone, without the launch gaps
+    and the other kernels of a chain."""
+    jax.block_until_ready(run(*run_args))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        jax.block_until_ready(run(*run_args))
+        jax.profiler.stop_trace()
+        profile = jax.profiler.ProfileData.from_file(glob.glob(d + "/**/*.xplane.pb", recursive=True)[0])
+        durations = [e.duration_ns for plane in profile.planes if plane.name.startswith("/device:GPU")
+                     for line in plane.lines for e in line.events if name in e.name]
+    if not durations:
+        raise RuntimeError(f"no GPU kernel named *{name}* in the trace")
+    return statistics.median(durations) / 1e6
 
 
 def chain_ms(fn, x, reps=20):
@@ -105,7 +136,7 @@ def chain_ms(fn, x, reps=20):
     return median_ms(jax.jit(run), x) / reps
 
 
-def copy_gbps(nbytes, reps=20):
+def copy_gbps(nbytes, reps=CHAIN_REPS):
     """The copy ceiling: 2 * nbytes / time of an elementwise pass over an nbytes array, timed like
     `device_ms` (reps passes unrolled in one jit over `_rotation` arrays, one
     optimization_barrier after each so that XLA neither fuses nor reorders them)."""
@@ -289,8 +320,14 @@ def bench_decode(quick, tiling=None, batches=None, contexts=None, dtypes=(FP8, j
                     out = jax.block_until_ready(jax.jit(kern)(*args))
                     rec["check_err"] = check_logits_sample(out, args, num_rows=8)
                     del out
-                    rec["kernel_ms"] = device_ms(kern, *args)
+                    run, run_args = decode_chain(kern, *args)
+                    rec["kernel_ms"] = median_ms(run, *run_args) / CHAIN_REPS
                     rec["kernel_GBps"] = nbytes / (rec["kernel_ms"] * 1e-3) / 1e9
+                    try:
+                        rec["kernel_device_ms"] = kernel_span_ms(run, run_args, "indexer_logits_decode_mgpu")
+                    except Exception as e:  # noqa: BLE001  (e.g. no profiler on the machine)
+                        rec["kernel_device_ms"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+                    del run, run_args
                     if nbytes not in copies:
                         copies[nbytes] = copy_gbps(nbytes)
                     rec["copy_GBps"] = copies[nbytes]
@@ -378,6 +415,8 @@ def print_table():
         note = r.get("error") or r.get("xla", "")
         if "copy_GBps" in r:
             note = f"copy {r['copy_GBps']:.0f} ({r['copy_fraction']:.0%}) host {r['host_ms']:.3f}ms " + note
+        if isinstance(r.get("kernel_device_ms"), float):
+            note = f"kernel alone {r['kernel_device_ms'] * 1e3:.1f}us " + note
         if "triton_ms" in r:
             note = f"triton {r['triton_ms']:.3f}ms {r['triton_' + unit]:.0f} ({r['triton_ms'] / r['kernel_ms']:.1f}x) " + note
         print(f"{r['kind']:14} {cfg[:62]:62} {kern:>18} {xla:>18} {sp:>8}  {unit} {note[:90]}")
