@@ -58,7 +58,9 @@ registers not ruled out). A row's two CTAs as a 2-CTA cluster, each gathering (a
 dequantising) half of every block and bulk-copying it into the other's stage through
 distributed shared memory (cp.async.bulk shared::cluster, completing bytes on the peer's
 mbarrier): correct, but no faster (same run as above: fp8 prefill 276 vs 289, fp8 decode 257 vs
-274, bf16 128K 369 vs 383), so the producer's amount of work is not what bounds fp8.
+274, bf16 128K 369 vs 383), so the producer's amount of work is not what bounds fp8. Each
+producer warp gathering and dequantising its own 8-row groups (no warpgroup barriers inside a
+block, a row's scales in one 16-byte copy): correct, 217 vs 285 (2048 x 8K fp8, one run).
 What bounds it: only two 64-row stages fit beside q's 72 KiB tile, so block i + 1's gather
 overlaps block i's math and nothing deeper, and QK, softmax and PV of a block run in series;
 at 128K the gathers leave L2 (151 MB of bf16 cache against 50 MB; not profiled). fp8: the next
@@ -104,7 +106,7 @@ _MAX_STAGES = 4
 # setmaxnreg budgets, indexed by "fp8 cache". The kernel launches 384 threads at 168 registers
 # (65536 / 384, rounded down to 8): 2 consumers + 1 producer must sum to 3 x 168 = 504, or an
 # increase waits forever for registers. The fp8 producer converts e4m3 in registers. Measured
-# alternatives: (232, 40) for bf16 375 vs 417 TFLOP/s; (224, 56) for fp8 the same as (216, 72).
+# alternatives: (232, 40) for bf16 375 vs 417 TFLOP/s; (224, 56) for fp8 290 vs 285 (noise level).
 _CONSUMER_REGS = (224, 216)
 _PRODUCER_REGS = (56, 72)
 
