@@ -8,7 +8,8 @@ Measured on the H200 (H=128, bf16, causal TFLOP/s; one probe run, median of 3 in
 repetitions, first timing after compiling in brackets; the repetitions run slower as the GPU
 heats up): 4x2048 565 (574) vs tokamax's Mosaic flash attention 512 (577); 8x1024 479 (493) vs
 tokamax 408 (470) (session 5); 64x128 123 (124) vs tokamax 122 (121); 16x512 321 (380) vs
-tokamax 288 (342) (session 4). Another run: 4x2048 576 vs tokamax 568 (first timings). Session
+tokamax 288 (342) (session 4). Other runs: 4x2048 576 vs tokamax 568 (first timings); 4x2048
+530 (587) vs 509 (575), 8x1024 450 (506) vs 412 (476), 16x512 353 (388). Session
 4's bench: 4x2048 521 vs tokamax 525 (tokamax's rounds 521-531), cuDNN via jax.nn (padded
 batches) 375; 4x1024 after 1024 cached 559 (tokamax 448, cuDNN 288). ptxas: 168 registers at
 launch, 8 bytes of spill stores and 44 of spill loads (tokamax: 168, none).
@@ -39,7 +40,9 @@ j's softmax) 385 (484), with the turn-taking as well 359 (386); with the next it
 (a branch) moved out from between the products' issue and the PV wait, 562 first vs 576 in
 another run (a branch there likely makes ptxas serialise the products), still short. Items
 dealt longest first within groups of 16 heads (a load model of the snake deal: max/mean 1.029
--> 1.007) 509 (521): 16 heads' keys and values outgrow L2.
+-> 1.007) 509 (521): 16 heads' keys and values outgrow L2. Against 530 (587): the pipelined
+consumer with the last P kept live past its PV wait 512 (567); consumers at 240 registers and
+the producer at 24 (for the spills) 528 (590), 8x1024 455 vs 450, 16x512 347 vs 353: noise.
 """
 
 from __future__ import annotations
