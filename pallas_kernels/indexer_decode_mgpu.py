@@ -41,8 +41,14 @@ C=128K 9.5-9.7 us a call = this kernel 7.9 us (17.3 MB at 2.2 TB/s; 6.0 us L2-wa
 fusion (the wrapper's tile metadata and block-table gather, fused by XLA with the chain's
 dependency op) + two gaps; a copy of the same bytes (read + write) takes 9.6 us on the device,
 10.2 us a step in the same harness: 53-57% of the copy per call, the kernel alone at 61% of the
-copy kernel's 3.6 TB/s. The HBM time of those bytes is ~4.3 us; launch, the table's
-round trip, the first keys' latency and the drain are the rest, which one sequence cannot hide.
+copy kernel's 3.6 TB/s. Inside the kernel (Mosaic GPU profiler, one L2-cold call, medians / max over the 128
+CTAs): all start within 0.2 us and initialise for 0.3; the tile's metadata and table land at
+0.9 / 1.0 us; the first ring slot's keys at 2.9 us (max 4.3: all CTAs request 12.6 MB at once);
+the last keys go out at 3.7 us and the last logits at 7.1 us (max 8.0). A compute step (2
+blocks) is 0.37 us of math and 0.19 of stores after 0.64 waiting for its keys: the kernel is
+memory-bound, its keys arriving at ~2.9 TB/s once requested (the copy moves 3.6), and nothing
+arrives in its first 2.9 us, which one sequence cannot hide. A ring that holds the whole B=1
+chunk (stages=8) was slower (9.70 vs 9.60 us; B=32 C=32K 43.7 vs 42.6).
 C=32K 7.8 us a call (58%; the Triton kernel 7.4). Without XLA command buffers each Mosaic launch
 costs ~8 us of host time (24 us a call). More or fewer CTAs are slower (B=1 C=128K: 64 CTAs
 11.0 us, 256 CTAs 9.6, the chosen 128 CTAs 7.5, warm).
