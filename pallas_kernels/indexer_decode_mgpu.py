@@ -41,8 +41,8 @@ C=128K 9.5-9.7 us a call = this kernel 7.9 us (17.3 MB at 2.2 TB/s; 6.0 us L2-wa
 fusion (the wrapper's tile metadata and block-table gather, fused by XLA with the chain's
 dependency op) + two gaps; a copy of the same bytes (read + write) takes 9.6 us on the device,
 10.2 us a step in the same harness: 53-57% of the copy per call, the kernel alone at 61% of the
-copy kernel's 3.6 TB/s. Inside the kernel (Mosaic GPU profiler, one L2-cold call, medians / max over the 128
-CTAs): all start within 0.2 us and initialise for 0.3; the tile's metadata and table land at
+copy kernel's 3.6 TB/s. Inside the kernel (Mosaic GPU profiler, one L2-cold call, medians / max
+over the 128 CTAs): all start within 0.2 us and initialise for 0.3; the tile's metadata and table land at
 0.9 / 1.0 us; the first ring slot's keys at 2.9 us (max 4.3: all CTAs request 12.6 MB at once);
 the last keys go out at 3.7 us and the last logits at 7.1 us (max 8.0). A compute step (2
 blocks) is 0.37 us of math and 0.19 of stores after 0.64 waiting for its keys: the kernel is
