@@ -3,15 +3,15 @@
 `kernels="xla"` runs each op's pure-jnp implementation and `"pallas"` every Pallas kernel
 (compiled on a GPU, in Pallas interpret mode elsewhere: slow, for tests). `"auto"` picks per op
 what measured fastest on the H200 (docs/benchmarks.md) and XLA off the GPU:
-  indexer logits: Pallas (Mosaic GPU on Hopper: prefill 556 TFLOP/s fp8 at T = S = 8K against the
-    Triton kernel's 246 and XLA's 12; decode 3307 GB/s at B = 32, C = 32K, 82% of a copy, against
-    the Triton kernel's 1386);
-  top-k: Pallas (thresholds / counted writes / band select: 9.4x lax.top_k at 1024 x 32K, 8.1x at
-    128 x 128K);
-  sparse MLA attention: Pallas (Mosaic GPU on Hopper: 431 TFLOP/s bf16 prefill at 4096 x 8K, 345
+  indexer logits: Pallas (Mosaic GPU on Hopper: prefill 580 TFLOP/s fp8 at T = S = 8K against the
+    Triton kernel's 246 and XLA's 12; decode 3340 GB/s at B = 32, C = 32K, 83% of a copy, against
+    the Triton kernel's 1363);
+  top-k: Pallas (thresholds / counted writes / band select: 6.1x lax.top_k at 128 x 32K, 9.0x at
+    1024 x 32K, 8.0x at 128 x 128K);
+  sparse MLA attention: Pallas (Mosaic GPU on Hopper: 423 TFLOP/s bf16 prefill at 4096 x 8K, 380
     bf16 decode; the Triton kernel 164, XLA's gather + einsum 28);
-  dense MHA (short prefills): Pallas (Mosaic GPU over packed ragged sequences: 521 TFLOP/s at
-    4 x 2048 and 369 at 16 x 512, cuDNN 375 and 196 on padded batches; the only option that
+  dense MHA (short prefills): Pallas (Mosaic GPU over packed ragged sequences: 537 TFLOP/s at
+    4 x 2048 and 391 at 16 x 512, cuDNN 374 and 200 on padded batches; the only option that
     takes the packed layout; XLA 53).
 """
 
@@ -21,7 +21,7 @@ import os
 
 import jax
 
-from pallas_kernels import dense_attention, indexer, sparse_attention, topk
+from pallas_kernels import dense_attention, indexer, indexer_layout, sparse_attention, topk
 
 CHOICES = ("auto", "xla", "pallas")
 OPS = ("indexer_logits", "topk", "sparse_mla", "dense_mha")
@@ -91,6 +91,6 @@ def causal_attention(q, k, v, q_start_loc, k_start_loc, *, scale, impl):
     return dense_attention.causal_varlen_attention_reference(q, k, v, q_start_loc, k_start_loc, scale=scale)
 
 
-gather_paged_rows = indexer.gather_paged_rows
+gather_paged_rows = indexer_layout.gather_paged_rows
 dequantize_index_keys = indexer.dequantize_index_keys
 dequantize_latent = sparse_attention.dequantize_latent
