@@ -14,12 +14,12 @@ One CTA = one query row x 64 heads x one split of the slot list, three warpgroup
     of -1 slots, into a ring of [64, R + P] bf16 tiles (2 at DeepSeek's shapes: q's [64, 576]
     tile and the ring fill the 227 KiB). Eight consecutive lanes take eight rows, so a warp's
     16-byte stores spread over all shared-memory banks (one row per warp: 2-4 way conflicts).
-    An fp8 latent is copied the same way, raw (e4m3 bytes and f32 scales, into the stage's own
-    tiles), in 4 parts of 16 rows (one cp.async group each, k_pe's last), and each part is
-    dequantised in place 8 rows at a time as soon as it has landed, while the later parts are
-    still in flight (e4m3 -> f16 exactly, x the f32 scale, -> bf16, as FlashMLA does): every
-    copy is in flight at once, where loading e4m3 through registers (72 of them) left few loads
-    in flight at a time.
+    An fp8 latent is copied the same way, raw: each producer thread copies its 16-byte e4m3
+    chunks (and its rows' f32 scales) into the very stage bytes that its own conversion then
+    overwrites, in 4 cp.async groups (k_pe's last), and dequantises each group as soon as it has
+    landed (e4m3 -> f16 exactly, x the f32 scale, -> bf16, as FlashMLA does). No thread reads
+    what another one copied, so a block needs no barrier until it is whole; every copy is in
+    flight at once, where loading e4m3 through registers (72 of them) left few loads in flight.
     The block's slot ids arrive by TMA one block ahead;
   * two consumer warpgroups share each tile: warpgroup w scores its 32 slots of the block
     against all 64 heads (S_w = Q . K_w^T, [64, 32], the 576-wide contraction in one wgmma
@@ -38,11 +38,12 @@ the second one's gathers hit L2 (rows first, as before this session, put them ~a
 beyond L2 at a 128K cache and in decode).
 
 Measured on H200 (FlashMLA's FLOP count, TFLOP/s; `scripts/bench_sparse_attention.py --quick`:
-prefill 4096 rows, decode 128 x 2 rows over 32K-slot caches), before the two changes above:
-bf16 prefill 430 at an 8K-slot cache, 348 at 128K, decode 324; fp8 prefill 280 / 254, decode 231
-(targets: prefill 400, decode 300). Probe of this kernel against that one in one run (2048 rows
-over 8K, decode 128 x 2 over 32K per sequence, 1024 rows over 128K): fp8 prefill 289 vs 276,
-fp8 decode 274 vs 229 (mostly the grid order), bf16 prefill at 128K 383.
+prefill 4096 rows, decode 128 x 2 rows over 32K-slot caches; targets: prefill 400, decode 300).
+Session 5's final bench: bf16 prefill 423 at an 8K-slot cache, 383 at 128K, decode 380; fp8
+prefill 294 / 290, decode 275. Session 6 probe (same run, median of 3 interleaved rounds, 2048
+rows over 8K, decode 128 x 2): the per-thread fp8 layout above 296 vs 290 prefill, 289 vs 276
+decode against session 5's in-place one (raw e4m3 in the second half of each 8-row group's tiles,
+converted by the whole producer warpgroup 8 rows at a time behind 8 barriers a block).
 The Pallas Triton kernel (`sparse_attention.py`) reaches 164 / 134 / 119 (bf16 prefill 8K, bf16
 decode, fp8 prefill 8K; session 2's runs of the same bench): Mosaic GPU is the backend here for
 wgmma with warp-specialised, barrier-synchronised warpgroups.
@@ -52,24 +53,31 @@ Tried and dropped (probes at 1024 x 8K unless said): an L2 bulk prefetch of the 
 conversions (231 vs 274); fp8 through registers as FlashMLA does it (each producer thread loads
 32-byte e4m3 pieces with ld.global, dequantises in registers and stores bf16 swizzle-tile rows;
 4 parts per block with the next 2 parts' loads in flight, across blocks; 88 producer registers):
-correct, but 233 vs 278 at 4096 x 8K (the one part / register setting measured; likely cause: ~16 KiB of gathers
-in flight per CTA, where cp.async puts a whole block's 42 KiB in flight at once; spills at 88
-registers not ruled out). A row's two CTAs as a 2-CTA cluster, each gathering (and for fp8
-dequantising) half of every block and bulk-copying it into the other's stage through
-distributed shared memory (cp.async.bulk shared::cluster, completing bytes on the peer's
-mbarrier): correct, but no faster (same run as above: fp8 prefill 276 vs 289, fp8 decode 257 vs
-274, bf16 128K 369 vs 383), so the producer's amount of work is not what bounds fp8. Each
-producer warp gathering and dequantising its own 8-row groups (no warpgroup barriers inside a
-block, a row's scales in one 16-byte copy): correct, 217 vs 285 (2048 x 8K fp8, one run).
+correct, but 233 vs 278 at 4096 x 8K (likely cause: ~16 KiB of gathers in flight per CTA, where
+cp.async puts a whole block's 42 KiB in flight at once; spills at 88 registers not ruled out).
+A row's two CTAs as a 2-CTA cluster, each gathering (and for fp8 dequantising) half of every
+block and bulk-copying it into the other's stage through distributed shared memory: correct, but
+no faster (fp8 prefill 276 vs 289, fp8 decode 257 vs 274, bf16 128K 369 vs 383). Each producer
+warp gathering and dequantising its own 8-row groups with warp syncs: 217 vs 285 (2048 x 8K).
+Session 6 (2048 x 8K / decode 128 x 2, same runs as above): e4m3 -> bf16 without conversion
+instructions (prmt puts each byte's sign and 7 exponent/mantissa bits into a bf16 = value x
+2^-120, exact for subnormals; x 2^120 and x the scale as bf16x2 multiplies: 10 SASS a 4 values
+against 12 with 4 F2FP) was correct (every e4m3 code within bf16 rounding) and no faster, in this
+layout (296 / 286) or the in-place one (297 / 286): the conversion's instruction mix does not
+bound fp8, and neither do the in-place layout's barriers. Asking L2 for block i + 1's rows
+(prefetch.global.L2 per 128-byte line, slot ids two blocks ahead) while block i waits for its
+stage: correct, fp8 decode 254 vs 290 (as the bulk prefetch before it, extra requests cost more
+than the latency they hide).
 What bounds it: only two 64-row stages fit beside q's 72 KiB tile, so block i + 1's gather
-overlaps block i's math and nothing deeper, and QK, softmax and PV of a block run in series;
-at 128K the gathers leave L2 (151 MB of bf16 cache against 50 MB; not profiled). fp8: the next
-block's copies can start only when a stage frees, and its conversion follows them (8 rows at a
-time behind producer barriers; with the conversion skipped it ran 304): that chain's latency,
-not the producer's throughput (halving its work per CTA gained nothing), keeps fp8 below bf16.
-Between it and FlashMLA (640 prefill, 410 fp8 decode, on H800): the serial phases above; an fp8
-gather that is both deep (all of a block in flight) and converted on the way in, which no
-variant here achieved.
+overlaps block i's math and nothing deeper (its copies can start only when a stage frees), and
+QK, softmax and PV of a block run in series; at 128K the gathers leave L2 (151 MB of bf16 cache
+against 50 MB; not profiled). fp8 (294 at 8K = 290 at 128K, so not the gathers' memory): per
+block the chain stage free -> copies land -> conversion -> ready must fit in the consumers' time
+for one block, and what in that chain costs the ~1.2 us a block over bf16 is not settled: not the
+conversion's instruction count or barriers (above), not the producer's amount of work (cluster).
+Between it and FlashMLA (640 prefill, 410 fp8 decode, on H800): the serial phases above (each
+consumer warpgroup also re-reads all of q from shared memory per block); an fp8 gather that is
+both deep and converted on the way in, which no variant here achieved.
 
 Tests: on a GPU, tests/test_sparse_attention_kernel.py (`gpu` marker) checks it against the
 reference; on CPU the kernel can only be lowered (inline PTX has no interpreter), which the
@@ -87,7 +95,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, scf
+from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
 from .slot_splits import auto_num_splits, combine_splits
 
@@ -144,7 +152,7 @@ def _gather_block(ctx, kv_smem, latent, *rest, rank, rope, width, tile):
     kv_smem: [stages, BLOCK_K, width] bf16, tiled (8, _COLS) with a _SWIZZLE-byte swizzle (physical
     [stages, BLOCK_K / 8, width / _COLS, 8, _COLS]); ids: [BLOCK_K] i32 (shared), the block's slot ids.
     Row j of the block is cache row s = ids[j]: columns [0, rank) the latent (bf16: cp.async; e4m3:
-    see `_fp8_in_place`), [rank, rank + rope) k_pe (bf16, cp.async), the rest zero. A -1 slot gives
+    see `_fp8_per_thread`), [rank, rank + rope) k_pe (bf16, cp.async), the rest zero. A -1 slot gives
     a zero row. bf16: the copies are committed (k_pe's group, then the latent's), the caller waits
     for them and fences; fp8: the latent has landed and been converted on return, k_pe's copies
     (the last group) may still be in flight.
@@ -183,20 +191,17 @@ def _gather_block(ctx, kv_smem, latent, *rest, rank, rope, width, tile):
                             arith.muli(unit, c32(16)))
         return gep(smem_base, offset, i8)
 
-    def units(per_row, rows=(0, BLOCK_K)):
-        """(row j, unit, in range: i1 or None) of this thread over block rows [rows[0], rows[1])
-        (multiples of 8), per_row units a row. Consecutive lanes take _LANE_ROWS consecutive rows,
-        then the next unit: the swizzle then spreads a warp's 16-byte shared accesses over all
-        banks (lanes along one row would hit 2 of 8 bank groups)."""
-        total = (rows[1] - rows[0]) * per_row
-        for g0 in range(0, total, _PRODUCER_THREADS):
+    def units(per_row):
+        """(row j, unit) of this thread over the block's rows, per_row units a row (BLOCK_K x per_row
+        is a multiple of the 128 threads at every supported shape). Consecutive lanes take
+        _LANE_ROWS consecutive rows, then the next unit: the swizzle then spreads a warp's 16-byte
+        shared accesses over all banks (lanes along one row would hit 2 of 8 bank groups)."""
+        for g0 in range(0, BLOCK_K * per_row, _PRODUCER_THREADS):
             g = arith.addi(tid, c32(g0))
-            in_range = None if total - g0 >= _PRODUCER_THREADS else arith.cmpi(
-                arith.CmpIPredicate.ult, g, c32(total))
             rest = arith.divui(g, c32(_LANE_ROWS))
             j = arith.addi(arith.muli(arith.divui(rest, c32(per_row)), c32(_LANE_ROWS)),
                            arith.remui(g, c32(_LANE_ROWS)))
-            yield arith.addi(j, c32(rows[0])), arith.remui(rest, c32(per_row)), in_range
+            yield j, arith.remui(rest, c32(per_row))
 
     def cp_async(j, chunk, src, row_elems, col, col_ok=None):
         """16 bytes of bf16 row slot(j) of src from column col -> dst(j, chunk); zeros if invalid."""
@@ -209,7 +214,7 @@ def _gather_block(ctx, kv_smem, latent, *rest, rank, rope, width, tile):
                                     nvvm.LoadCacheModifierKind.CG, cp_size=arith.select(valid, c32(16), c32(0)))
 
     def copy_rope():
-        for j, chunk, _ in units((width - rank) // _CHUNK):  # 64 rows x 4k units: whole rounds
+        for j, chunk in units((width - rank) // _CHUNK):
             col = arith.muli(chunk, c32(_CHUNK))
             in_rope = arith.cmpi(arith.CmpIPredicate.ult, col, c32(rope))
             cp_async(j, arith.addi(chunk, c32(rank // _CHUNK)), gptr(k_pe), rope, col, in_rope)
@@ -217,133 +222,86 @@ def _gather_block(ctx, kv_smem, latent, *rest, rank, rope, width, tile):
 
     if latent_scale is None:
         copy_rope()
-        for j, chunk, _ in units(rank // _CHUNK):
+        for j, chunk in units(rank // _CHUNK):
             cp_async(j, chunk, gptr(latent), rank, arith.muli(chunk, c32(_CHUNK)))
         nvvm.cp_async_commit_group()
     else:
-        _fp8_in_place(gptr(latent), gptr(latent_scale), copy_rope, slot_of, units, dst, gep, smem_base, tid,
-                      rank=rank, width=width, tile=tile)
+        _fp8_per_thread(gptr(latent), gptr(latent_scale), copy_rope, slot_of, dst, gep, tid, rank=rank, tile=tile)
 
 
-_PRODUCER_BARRIER = 12  # named barrier over the producer warpgroup's 128 threads
-_FP8_PARTS = 4  # cp.async groups an fp8 block's latent copies go out in (each converted as it lands)
+_FP8_PARTS = 4  # cp.async groups a thread's fp8 copies go out in (each converted as soon as it lands)
 
 
-def _when(cond, body):
-    """Emit body() under `if cond` (cond: i1, or None for always)."""
-    if cond is None:
-        body()
-        return
-    op = scf.IfOp(cond)
-    with ir.InsertionPoint(op.then_block):
-        body()
-        scf.yield_([])
+def _fp8_per_thread(latent_ptr, scale_ptr, copy_rope, slot_of, dst, gep, tid, *, rank, tile):
+    """fp8 latent: each producer thread cp.asyncs raw e4m3 chunks and their rows' f32 scales into the
+    stage bytes that its own conversion overwrites, then dequantises them there. No thread reads
+    what another one copied, so a block needs no barrier until it is whole (each thread waits for
+    its own cp.async groups only).
 
-
-def _fp8_in_place(latent_ptr, scale_ptr, copy_rope, slot_of, units, dst, gep, smem_base, tid, *, rank, width,
-                  tile):
-    """fp8 latent: cp.async the raw e4m3 rows and their f32 scales into the stage itself, then
-    dequantise there, 8 rows at a time (register-free gathers: every copy is in flight at once).
-
-    The copies go out in _FP8_PARTS parts of rows, one cp.async group each, then k_pe's (copy_rope):
-    part p is converted as soon as it has landed, while the later parts are still in flight.
-    Within the stage's 8-row group g, raw 16-byte chunk c of row r sits in the second half of
-    the group's latent tiles at [c][r][16 B] (conflict-free reads), the scales [r][rank / tile]
-    at the start; converting group g rewrites exactly its own latent tiles, so each group is
-    read into registers (and the producer synchronised) before it is written.
+    Thread t (lane r8 = t % 8, octet o = t / 8 % 4, warp w = t / 32) owns block rows 8 G + r8, G in
+    (w, w + 4), and of each the 16-value chunks c = 4 u + o (u < rank / 64). Chunk c becomes bf16
+    columns [16 c, 16 c + 16), 16-byte units 2 c and 2 c + 1 of `dst`: the raw chunk lands in unit
+    2 c + 1, the row's scales (rank / tile f32) in units 2 c of its first chunks. Eight lanes take
+    eight rows of one unit (conflict-free, as `units`); an octet's four lanes of a row read 64
+    consecutive bytes of it. The copies go out in _FP8_PARTS groups (then k_pe's, copy_rope), each
+    converted as soon as it has landed.
     """
     i32, i64, i8 = (ir.IntegerType.get_signless(b) for b in (32, 64, 8))
     f32 = ir.F32Type.get()
     c32 = lambda v: arith.constant(i32, v)
     vec4 = ir.VectorType.get((4,), i32)
-    n_chunks, n_scales = rank // 16, rank // tile
-    group_bytes = 8 * width * 2
-    part_rows = BLOCK_K // _FP8_PARTS
-    groups_per_part = part_rows // 8
+    n_units, n_scales = rank // 64, rank // tile
+    chunks_per_scale = tile // 16
+    piece = 16 if n_scales % 4 == 0 else 4  # bytes per scale copy
+    r8, octet, warp = (arith.remui(tid, c32(8)), arith.remui(arith.divui(tid, c32(8)), c32(4)),
+                       arith.divui(tid, c32(32)))
+    n_groups = BLOCK_K // 32  # 8-row groups per warp
+    rows = [arith.addi(arith.muli(arith.addi(warp, c32(4 * g)), c32(8)), r8) for g in range(n_groups)]
+    slots = [slot_of(j) for j in rows]
+    # Unit 8 u + 2 o + h of a row sits u * (8 / per) tiles after unit 2 o + h, at the same place in
+    # its tile (per = _SWIZZLE / 16 units a tile row): one address a row and h, constant offsets.
+    tile_step = (8 // (_SWIZZLE // 16)) * 8 * _SWIZZLE
+    bases = [[dst(j, arith.addi(arith.muli(octet, c32(2)), c32(h))) for h in range(2)] for j in rows]
+    unit_at = lambda g, u, h, extra=0: gep(bases[g][h], c32(u * tile_step + extra), i8)
+    half = max(1, n_units * n_groups // _FP8_PARTS)
+    parts = [(g, range(u0, min(u0 + half, n_units))) for g in range(n_groups) for u0 in range(0, n_units, half)]
 
-    def raw_addr(j, c):  # -> shared pointer of raw chunk c of block row j
-        off = arith.addi(arith.muli(arith.divui(j, c32(8)), c32(group_bytes)),
-                         arith.addi(arith.muli(c, c32(128)), arith.muli(arith.remui(j, c32(8)), c32(16))))
-        return gep(smem_base, arith.addi(off, c32(8 * rank)), i8)
-
-    def scale_addr(j, t):  # -> shared pointer of scale t of block row j
-        off = arith.addi(arith.muli(arith.divui(j, c32(8)), c32(group_bytes)),
-                         arith.muli(arith.addi(arith.muli(arith.remui(j, c32(8)), c32(n_scales)), t), c32(4)))
-        return gep(smem_base, off, i8)
-
-    for part in range(_FP8_PARTS):
-        rows = (part * part_rows, (part + 1) * part_rows)
-        for j, c, in_range in units(n_chunks, rows):
-            def copy_chunk(j=j, c=c):
-                valid, safe = slot_of(j)
-                src = gep(latent_ptr, arith.addi(arith.muli(safe, arith.constant(i64, rank)),
-                                                 arith.extui(i64, arith.muli(c, c32(16)))), i8)
-                nvvm.cp_async_shared_global(raw_addr(j, c), src, 16, nvvm.LoadCacheModifierKind.CG,
-                                            cp_size=arith.select(valid, c32(16), c32(0)))
-
-            _when(in_range, copy_chunk)
-        total = part_rows * n_scales
-        for g0 in range(0, total, _PRODUCER_THREADS):
-            g = arith.addi(tid, c32(g0))
-            in_range = None if total - g0 >= _PRODUCER_THREADS else arith.cmpi(
-                arith.CmpIPredicate.ult, g, c32(total))
-
-            def copy_scale(g=g):
-                j = arith.addi(arith.divui(g, c32(n_scales)), c32(rows[0]))
-                t = arith.remui(g, c32(n_scales))
-                valid, safe = slot_of(j)
-                src = gep(scale_ptr, arith.addi(arith.muli(safe, arith.constant(i64, n_scales)), arith.extui(i64, t)),
-                          f32)
-                nvvm.cp_async_shared_global(scale_addr(j, t), src, 4, nvvm.LoadCacheModifierKind.CA,
-                                            cp_size=arith.select(valid, c32(4), c32(0)))
-
-            _when(in_range, copy_scale)
+    for g, us in parts:
+        valid, safe = slots[g]
+        size = lambda n: arith.select(valid, c32(n), c32(0))
+        if us.start == 0:  # the row's scales, into units 2 c of its first chunks
+            first = gep(scale_ptr, arith.muli(safe, arith.constant(i64, n_scales)), f32)
+            for k in range(n_scales * 4 // piece):
+                nvvm.cp_async_shared_global(
+                    unit_at(g, k * piece // 16, 0, k * piece % 16), gep(first, c32(k * piece // 4), f32), piece,
+                    nvvm.LoadCacheModifierKind.CG if piece == 16 else nvvm.LoadCacheModifierKind.CA,
+                    cp_size=size(piece))
+        row_src = gep(latent_ptr, arith.addi(arith.muli(safe, arith.constant(i64, rank)),
+                                             arith.extui(i64, arith.muli(octet, c32(16)))), i8)
+        for u in us:  # chunk 4 u + o: 64 u bytes after chunk o
+            nvvm.cp_async_shared_global(unit_at(g, u, 1), gep(row_src, c32(64 * u), i8), 16,
+                                        nvvm.LoadCacheModifierKind.CG, cp_size=size(16))
         nvvm.cp_async_commit_group()
     copy_rope()  # one more group: lands while the parts convert
-    sync = lambda: mgpu_utils.inline_ptx(f"bar.sync {_PRODUCER_BARRIER}, {_PRODUCER_THREADS};",
-                                         has_side_effects=True, convergent=True)
 
-    def landed(part):  # this thread's copies of `part` have landed (later parts and k_pe may not)
-        nvvm.cp_async_wait_group(_FP8_PARTS - part)
-
-    per_group = 8 * n_chunks  # (row, chunk) units of an 8-row group
-
-    def load_group(grp):
-        out = []
-        for u0 in range(0, per_group, _PRODUCER_THREADS):
-            u = arith.addi(tid, c32(u0))
-            in_range = None if per_group % _PRODUCER_THREADS == 0 else arith.cmpi(
-                arith.CmpIPredicate.ult, u, c32(per_group))
-            c = arith.minui(arith.divui(u, c32(8)), c32(n_chunks - 1))  # in bounds when out of range
-            j = arith.addi(c32(8 * grp), arith.remui(u, c32(8)))
-            data = llvm.load(vec4, raw_addr(j, c), alignment=16)
-            scale = llvm.load(f32, scale_addr(j, arith.divui(arith.muli(c, c32(16)), c32(tile))), alignment=4)
-            out.append((j, c, data, scale, in_range))
-        return out
-
-    landed(0)
-    sync()  # every thread's copies of part 0 have landed
-    loaded = load_group(0)
-    for grp in range(BLOCK_K // 8):
-        if grp + 1 < BLOCK_K // 8 and (grp + 1) % groups_per_part == 0:
-            landed((grp + 1) // groups_per_part)  # the next group starts a part (the sync below publishes it)
-        sync()  # group grp is in registers everywhere: its tiles may be overwritten
-        following = load_group(grp + 1) if grp + 1 < BLOCK_K // 8 else None
-        for j, c, data, scale, in_range in loaded:
+    scales = {}
+    for p, (g, us) in enumerate(parts):
+        nvvm.cp_async_wait_group(len(parts) - p)  # this thread's copies of part p have landed
+        if us.start == 0:  # every scale of the row into registers before unit 0 overwrites them
+            for k in range(n_scales):
+                scales[g, k] = llvm.load(f32, unit_at(g, k * 4 // 16, 0, k * 4 % 16), alignment=4)
+        for u in us:
+            s = scales[g, 4 * u // chunks_per_scale]  # chunks 4 u + o, o < 4: one scale tile (tile % 64 == 0)
+            data = llvm.load(vec4, unit_at(g, u, 1), alignment=16)
             words = []
             for k in range(4):
                 word = llvm.extractelement(data, arith.constant(i32, k))
-                words += mgpu_utils.inline_ptx(_FP8_TO_BF16, word, scale, result_types=[i32, i32])
-
-            def store(j=j, c=c, words=words):
-                for half in range(2):
-                    vec = llvm.mlir_undef(vec4)
-                    for k in range(4):
-                        vec = llvm.insertelement(vec, words[4 * half + k], arith.constant(i32, k))
-                    llvm.store(vec, dst(j, arith.addi(arith.muli(c, c32(2)), c32(half))), alignment=16)
-
-            _when(in_range, store)
-        loaded = following
+                words += mgpu_utils.inline_ptx(_FP8_TO_BF16, word, s, result_types=[i32, i32])
+            for h in range(2):
+                vec = llvm.mlir_undef(vec4)
+                for k in range(4):
+                    vec = llvm.insertelement(vec, words[4 * h + k], arith.constant(i32, k))
+                llvm.store(vec, unit_at(g, u, h), alignment=16)
 
 
 # Named barrier ids over the two consumer warpgroups (Mosaic itself uses 0 and 1 + warpgroup).
@@ -533,8 +491,8 @@ def unsupported_reason(q, latent, latent_scale, k_pe):
             return f"latent must be bf16 (or e4m3 with latent_scale), got {latent.dtype}"
     else:
         tile = rank // latent_scale.shape[-1]
-        if latent.dtype != jnp.float8_e4m3fn or tile * latent_scale.shape[-1] != rank or tile % 16:
-            return (f"fp8 cache: an e4m3 latent with scales tiling it by a multiple of 16, got "
+        if latent.dtype != jnp.float8_e4m3fn or tile * latent_scale.shape[-1] != rank or tile % 64:
+            return (f"fp8 cache: an e4m3 latent with scales tiling it by a multiple of 64, got "
                     f"{latent.dtype} {latent.shape}, scales {latent_scale.shape}")
     return None
 

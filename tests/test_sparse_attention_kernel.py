@@ -151,6 +151,34 @@ def test_mosaic_odd_shapes_gpu(cache, heads, num_splits):
           **(FP8 if cache == "fp8" else BF16))
 
 
+@pytest.mark.gpu
+def test_mosaic_fp8_dequantisation_gpu():
+    """Every finite e4m3 code (subnormals, both zeros, +-448) times scales from 2e-7 to 1e3: a row
+    whose only valid slot is cache row n must return that row dequantised and rounded to bf16
+    (relative error <= 2^-7 per value: bf16's own rounding is 2^-8; zeros stay exact zeros)."""
+    rows, heads, rank, rope = 256, 64, 512, 64
+    codes = (np.arange(rank)[None, :] * 7 + np.arange(rows)[:, None] * 13) % 256
+    codes = np.where((codes & 0x7F) == 0x7F, 0, codes).astype(np.uint8)  # 0x7F, 0xFF are NaN
+    latent = jnp.asarray(codes).view(jnp.float8_e4m3fn)
+    rng = np.random.default_rng(7)
+    latent_scale = jnp.asarray(np.exp(rng.uniform(np.log(2e-7), np.log(1e3), (rows, rank // FP8_TILE))),
+                               jnp.float32)
+    k_pe = jnp.asarray(rng.normal(size=(rows, rope)), jnp.bfloat16)
+    q = jnp.asarray(rng.normal(size=(rows, heads, rank + rope)), jnp.bfloat16)
+    slots = np.full((rows, 64), -1, np.int32)
+    slots[:, 37] = np.arange(rows)
+    # (scores reach ~1e6 here, so lse is not compared: with one slot its weight is 1 regardless)
+    out, _ = sparse_mla_attention(q, latent, latent_scale, k_pe, jnp.asarray(slots), scale=0.1, backend="mosaic")
+    out = np.asarray(out)
+    want = (np.asarray(latent.astype(jnp.float32)).reshape(rows, -1, FP8_TILE)
+            * np.asarray(latent_scale)[:, :, None]).reshape(rows, 1, rank)
+    want = np.broadcast_to(want, out.shape)
+    nonzero = want != 0
+    np.testing.assert_array_equal(out[~nonzero], 0.0)
+    rel = np.abs(out[nonzero] - want[nonzero]) / np.abs(want[nonzero])
+    assert rel.max() <= 2.0 ** -7, f"max relative error {rel.max():.2e}"
+
+
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
 @pytest.mark.parametrize("heads,rank,rope,topk,num_splits", [(128, 512, 64, 2048, None), (20, 128, 8, 200, 3),
                                                             (128, 128, 8, 200, 3)])
