@@ -12,10 +12,14 @@ over the key cache and its speed is the bytes it keeps in flight. Layout of the 
     64-key blocks (the cache's pages; other page sizes are mapped to 64-key pages first) and
     into chunks of `chunk` blocks, one CTA per (tile, chunk), with `chunk` picked so the CTAs
     fill whole waves of the GPU's SMs;
-  * a memory warpgroup loads the chunk's slice of the tile's block-table row (gathered per tile
-    by the wrapper) into SMEM once, so no page lookup waits on GMEM, together with the tile's
-    row metadata and (one row per tile) its q and weights: the first keys go out one memory
-    round trip after the start, not two. It then streams key blocks [64, D] and their scales by
+  * with one row per tile the kernel reads the row's sequence and end itself (row_seq, row_end:
+    no XLA op runs before it) and loads, at once, the chunk's slice of block-table row `tile`
+    (rows in sequence order, one per sequence: the usual decode batch), reloading it from the
+    row's own sequence when that is another; with two rows per tile (MTP) the wrapper's tile
+    schedule (XLA) gives the tile's metadata and gathers its sequence's table row. Either way a
+    memory warpgroup holds the chunk's table slice in SMEM, so no page lookup waits on GMEM,
+    and loads (one row per tile) the row's q and weights beside it: the first keys go out one
+    memory round trip after the start, not two. It then streams key blocks [64, D] and their scales by
     TMA into a ring of `stages` SMEM slots of `step_blocks` blocks each (96 KiB of keys in
     flight per SM), and writes -inf over the chunk's blocks at or past the tile's last valid key;
   * two compute warpgroups take alternate slots: per block one wgmma [64 keys, D] x
@@ -52,6 +56,22 @@ chunk (stages=8) was slower (9.70 vs 9.60 us; B=32 C=32K 43.7 vs 42.6).
 C=32K 7.8 us a call (58%; the Triton kernel 7.4). Without XLA command buffers each Mosaic launch
 costs ~8 us of host time (24 us a call). More or fewer CTAs are slower (B=1 C=128K: 64 CTAs
 11.0 us, 256 CTAs 9.6, the chosen 128 CTAs 7.5, warm).
+Session 6 (H200, same harness; the 70% target is read as the kernel alone against the copy fusion
+alone on the same bytes, both from profiler traces of their chains: scripts/bench_indexer.py says
+why). Reading the row metadata and the table row in the kernel (before, a 1.0 us XLA fusion built
+them) took B=1 C=128K from 9.67 to 8.87 us a call and the kernel alone from 7.87 to 7.25 us
+(outputs identical; B=32 C=32K 41.8 us a call either way); what the chain still runs outside the
+kernel is its own dependency fusion (0.93 us). The kernel alone, 7.30 us, is 66% of the copy
+fusion alone (3.56 TB/s). Its timeline: table in at 1.04 us, first keys requested at 1.25 and
+landed at 3.0 (max 4.3), last logits at 6.9 (max 7.8). Measured at B=1 C=128K and not
+kept: compute warpgroups taking steps in the order their keys land (barrier_test polling, a ring
+holding the chunk) +15% a call; the first two steps' page ids by plain loads, their keys issued
+before the table's TMA lands, +7%; the scales on a barrier of their own, waited after the keys'
+wgmmas, 7.38 us alone (B=32 C=32K 38.2 vs 37.7); one block per slot 7.41; a 32 KiB ring 8.61.
+Without key scales (a diagnostic) a call is 5.7% faster for 3% fewer bytes: the 2048 separate
+256-byte scale copies cost ~3% beyond their bytes, and the cache keeps the scales in an array of
+their own (fetching them with their keys needs a layout change). Pages in order instead of
+shuffled: -2.7%.
 """
 
 from __future__ import annotations
@@ -69,6 +89,7 @@ from .indexer_layout import _tile_schedule, gather_paged_rows
 from .indexer_mgpu import (
     _COMPUTE_WGS,
     BLOCK_KEYS,
+    _chunk_blocks,
     _chunk_header,
     _consume_ring,
     _fill_tail_and_drain,
@@ -142,13 +163,18 @@ def choose_decode_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_
     return DecodeTiling(block_rows, chunk, step_blocks, stages)
 
 
-def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, swizzle):
-    """meta [T, M] int32 (sequence, tile end, row ids, row ends); q [N, Hi, D]; w [T, BR, Hi] f32;
-    bt [T, Wp] int32 (each tile's sequence's 64-key pages, Wp a multiple of chunk); k [slots, D];
-    k_scale [slots] f32 (if present); out [N, KB, 64] f32 (KB key blocks)."""
-    *ks_ref, out_ref = rest
-    ks_ref = ks_ref[0] if ks_ref else None
+def _kernel(*refs, tiling: DecodeTiling, swizzle, num_keys, scaled):
+    """One row per tile (block_rows 1): row_seq [N], row_end [N] int32 read by the kernel itself,
+    bt [S, Wp] int32 (the sequences' 64-key pages, Wp a multiple of chunk). Else: meta [T, M]
+    int32 (sequence, tile end, row ids, row ends), bt [T, Wp] (each tile's sequence's row,
+    gathered by the wrapper). Then q [N, Hi, D]; w [T, BR, Hi] f32; k [slots, D]; k_scale [slots]
+    f32 (if scaled); out [N, KB, 64] f32 (KB key blocks)."""
     br, chunk, sb, stages = tiling.block_rows, tiling.chunk, tiling.step_blocks, tiling.stages
+    if br == 1:
+        row_seq_ref, row_end_ref, q_ref, w_ref, bt_ref, k_ref, *rest = refs
+    else:
+        meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest = refs
+    ks_ref, out_ref = rest if scaled else (None, *rest)
     _, hi, d = q_ref.shape
     bk = BLOCK_KEYS
     out_blocks = out_ref.shape[1]
@@ -156,19 +182,36 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
     first = lax.axis_index("split") * chunk  # the chunk's first key block
     transforms = (plgpu.TilingTransform((8, swizzle // q_ref.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
 
+    def row_end():  # one row per tile: the tile is the row, its end read from GMEM (no barrier)
+        return jnp.clip(row_end_ref[tile], 0, num_keys)
+
+    def tile_header(meta_smem, meta_bar):
+        """(tile rows (-1 = none), their ends, `_chunk_blocks` of the tile's end)."""
+        if br == 1:
+            end = row_end()
+            return [tile], [end], _chunk_blocks(end, first, chunk, sb)
+        blocks = _chunk_header(meta_smem, meta_bar, first, chunk, sb)
+        return [meta_smem[2 + j] for j in range(br)], [meta_smem[2 + br + j] for j in range(br)], blocks
+
     def body(meta_smem, bt_smem, q_smem, w_smem, k_smem, ks_smem, o_smem, fill_smem,
              meta_bar, bt_bar, q_bar, k_bar, consumed_bar):
 
         def memory():
-            # Everything that does not depend on the metadata goes out at once: the tile's
-            # block-table slice (its sequence's row, gathered by the wrapper) and, with one row
-            # per tile (the tile is the row), its q and weights. Keys wait only for the table.
-            plgpu.copy_gmem_to_smem(meta_ref.at[tile], meta_smem, meta_bar)
-            plgpu.copy_gmem_to_smem(bt_ref.at[tile, pl.ds(first, chunk)], bt_smem, bt_bar)
+            # Everything that does not depend on the row metadata goes out at once: with one row
+            # per tile, its q, weights and the block-table slice of sequence `tile` (rows in
+            # sequence order, one per sequence: the usual decode batch), reloaded below if the
+            # row's sequence is another; else the tile's metadata and its table slice. Keys wait
+            # only for the table.
             if br == 1:
+                guess = jnp.minimum(tile, bt_ref.shape[0] - 1)
+                plgpu.copy_gmem_to_smem(bt_ref.at[guess, pl.ds(first, chunk)], bt_smem, bt_bar)
                 plgpu.copy_gmem_to_smem(w_ref.at[tile], w_smem, q_bar)
                 plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem, q_bar)
-            stop, n_blocks, n_steps = _chunk_header(meta_smem, meta_bar, first, chunk, sb)
+                seq = jnp.clip(row_seq_ref[tile], 0, bt_ref.shape[0] - 1)
+            else:
+                plgpu.copy_gmem_to_smem(meta_ref.at[tile], meta_smem, meta_bar)
+                plgpu.copy_gmem_to_smem(bt_ref.at[tile, pl.ds(first, chunk)], bt_smem, bt_bar)
+            rows, _, (stop, n_blocks, n_steps) = tile_header(meta_smem, meta_bar)
             if br == 1:
                 @pl.when(n_steps == 0)  # no compute warpgroup waits for q then: drain it before exit
                 def _drain_q():
@@ -178,21 +221,25 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
                 def _():
                     _load_tile_rows(meta_smem, q_ref, w_ref, q_smem, w_smem, q_bar, tile)
             plgpu.barrier_wait(bt_bar)
+            if br == 1:
+                @pl.when((seq != guess) & (n_steps > 0))
+                def _reload_table():
+                    plgpu.copy_gmem_to_smem(bt_ref.at[seq, pl.ds(first, chunk)], bt_smem, bt_bar)
+                    plgpu.barrier_wait(bt_bar)
 
             def load_keys(step, slot):
                 for b in range(sb):
                     block = jnp.minimum(step * sb + b, n_blocks - 1)  # a short last step repeats its last block
                     keys = pl.ds(pl.multiple_of(jnp.maximum(bt_smem[block], 0) * bk, bk), bk)
                     plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot, b], k_bar.at[slot])
-                    if ks_ref is not None:
+                    if scaled:
                         plgpu.copy_gmem_to_smem(ks_ref.at[keys], ks_smem.at[slot, b], k_bar.at[slot])
 
             _load_ring(n_steps, stages, consumed_bar, load_keys)
-            _fill_tail_and_drain(meta_smem, fill_smem, br, stop, first, chunk, out_blocks,
-                                 lambda row, b: out_ref.at[row, b])
+            _fill_tail_and_drain(rows, fill_smem, stop, first, chunk, out_blocks, lambda row, b: out_ref.at[row, b])
 
         def compute(wg):
-            _, n_blocks, n_steps = _chunk_header(meta_smem, meta_bar, first, chunk, sb)
+            rows, ends, (_, n_blocks, n_steps) = tile_header(meta_smem, meta_bar)
 
             def row_weights():
                 return [plgpu.load(w_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
@@ -206,21 +253,19 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
                     return [acc[...] for acc in accs]
 
                 scores = pl.run_scoped(mma, *[plgpu.ACC((bk, br * hi), jnp.float32)] * sb)
-                release()
+                k_scales = [None if not scaled else plgpu.load(
+                    ks_smem.at[slot, b], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False) for b in range(sb)]
+                release()  # the slot's keys and scales are in registers: it may be refilled
                 for b in range(sb):
-                    k_scale = None if ks_ref is None else plgpu.load(
-                        ks_smem.at[slot, b], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
                     pos = lane + (first + step * sb + b) * bk
                     for j in range(br):
-                        out_tile[b, j] = _row_logits(scores[b][:, j * hi:(j + 1) * hi], ws[j], k_scale, pos,
-                                                     meta_smem[2 + br + j])
+                        out_tile[b, j] = _row_logits(scores[b][:, j * hi:(j + 1) * hi], ws[j], k_scales[b], pos,
+                                                     ends[j])
 
             def store(step, out_tile):
                 for b in range(sb):
                     block = step * sb + b
-                    for j in range(br):
-                        row = meta_smem[2 + j]
-
+                    for j, row in enumerate(rows):
                         @pl.when((row >= 0) & (block < n_blocks))
                         def _store():
                             plgpu.copy_smem_to_gmem(out_tile.at[b, j], out_ref.at[row, first + block],
@@ -232,7 +277,7 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
 
     pl.run_scoped(
         body,
-        plgpu.SMEM((meta_ref.shape[1],), jnp.int32),
+        plgpu.SMEM((_meta_width(br),), jnp.int32),
         plgpu.SMEM((chunk,), jnp.int32),
         plgpu.SMEM((br * hi, d), q_ref.dtype, transforms=transforms),
         plgpu.SMEM((br, hi), jnp.float32),
@@ -243,25 +288,18 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: DecodeTiling, 
         plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=br + 1),
-        plgpu.Barrier(num_arrivals=sb * (1 if ks_ref is None else 2), num_barriers=stages),
+        plgpu.Barrier(num_arrivals=sb * (2 if scaled else 1), num_barriers=stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         collective_axes="wg",
     )
 
 
-def _decode_tiles(row_seq, row_end, num_seqs, num_keys, block_rows):
-    """meta [T, M] int32 (sequence, tile end, row ids (-1 = empty), row ends) and row ids [T, BR].
-    One row per tile: the rows themselves, in order (no sort)."""
-    if block_rows == 1:
-        ends = jnp.clip(row_end.astype(jnp.int32), 0, num_keys)[:, None]
-        tile_rows = jnp.arange(row_seq.shape[0], dtype=jnp.int32)[:, None]
-        seq = jnp.clip(row_seq.astype(jnp.int32), 0, num_seqs - 1)[:, None]
-        meta = jnp.concatenate([seq, ends, tile_rows, ends], axis=1)
-    else:
-        tile_rows, tile_meta = _tile_schedule(row_seq, row_end, num_seqs, num_keys, block_rows)
-        ends = jnp.where(tile_rows >= 0,
-                         jnp.clip(row_end.astype(jnp.int32)[jnp.maximum(tile_rows, 0)], 0, num_keys), 0)
-        meta = jnp.concatenate([tile_meta, tile_rows, ends], axis=1)
+def _mtp_tiles(row_seq, row_end, num_seqs, num_keys, block_rows):
+    """Tiles of block_rows rows of one sequence: meta [T, M] int32 (sequence, tile end, row ids
+    (-1 = empty), row ends) and row ids [T, BR]."""
+    tile_rows, tile_meta = _tile_schedule(row_seq, row_end, num_seqs, num_keys, block_rows)
+    ends = jnp.where(tile_rows >= 0, jnp.clip(row_end.astype(jnp.int32)[jnp.maximum(tile_rows, 0)], 0, num_keys), 0)
+    meta = jnp.concatenate([tile_meta, tile_rows, ends], axis=1)
     return jnp.pad(meta, ((0, 0), (0, _meta_width(block_rows) - meta.shape[1]))), tile_rows
 
 
@@ -313,17 +351,20 @@ def indexer_logits_decode_mgpu(q, weights, k_cache, k_scale, block_tables, row_s
     if splits * tiling.chunk != key_blocks:  # every chunk's block-table slice is in bounds
         block_tables = jnp.pad(block_tables, ((0, 0), (0, splits * tiling.chunk - key_blocks)))
 
-    meta, tile_rows = _decode_tiles(row_seq, row_end, num_seqs, num_keys, tiling.block_rows)
-    tile_tables = block_tables[meta[:, 0]]  # [T, Wp]: loaded by the kernel without waiting for meta
-    if tiling.block_rows == 1:
-        tile_weights = weights[:, None, :]
+    if tiling.block_rows == 1:  # the tile is the row: the kernel reads row_seq, row_end and the table
+        args, num_tiles = [row_seq.astype(jnp.int32), row_end.astype(jnp.int32), q, weights[:, None, :],
+                           block_tables], n
     else:
+        meta, tile_rows = _mtp_tiles(row_seq, row_end, num_seqs, num_keys, tiling.block_rows)
         tile_weights = jnp.where(tile_rows[..., None] >= 0, weights[jnp.maximum(tile_rows, 0)], 0.0)
-    args = [meta, q, tile_weights, tile_tables, k_cache]
+        # [T, Wp]: each tile's table row, loaded by the kernel without waiting for meta
+        args, num_tiles = [meta, q, tile_weights, block_tables[meta[:, 0]]], meta.shape[0]
+    args.append(k_cache)
     if k_scale is not None:
         args.append(k_scale.astype(jnp.float32))
-    kernel = _ring_kernel(functools.partial(_kernel, tiling=tiling, swizzle=swizzle),
-                          jax.ShapeDtypeStruct((n, key_blocks, BLOCK_KEYS), jnp.float32), (splits, meta.shape[0]),
+    kernel = _ring_kernel(functools.partial(_kernel, tiling=tiling, swizzle=swizzle, num_keys=num_keys,
+                                            scaled=k_scale is not None),
+                          jax.ShapeDtypeStruct((n, key_blocks, BLOCK_KEYS), jnp.float32), (splits, num_tiles),
                           "indexer_logits_decode_mgpu", interpret)
     out = kernel(*args).reshape(n, key_blocks * BLOCK_KEYS)
     return out if out.shape[1] == num_keys else out[:, :num_keys]

@@ -130,13 +130,18 @@ def _warpgroups(memory, compute):
         compute(wg)
 
 
-def _chunk_header(meta_smem, meta_bar, first, chunk, step_blocks=1):
-    """Waits for the tile's metadata. Returns (first key block past the tile's last valid key,
-    the chunk's key blocks to compute, pipeline steps of step_blocks blocks)."""
-    plgpu.barrier_wait(meta_bar)
-    stop = pl.cdiv(meta_smem[1], BLOCK_KEYS)
+def _chunk_blocks(tile_end, first, chunk, step_blocks=1):
+    """(first key block past the tile's last valid key tile_end, the chunk's key blocks to
+    compute, pipeline steps of step_blocks blocks)."""
+    stop = pl.cdiv(tile_end, BLOCK_KEYS)
     n_blocks = jnp.clip(stop - first, 0, chunk)
     return stop, n_blocks, n_blocks if step_blocks == 1 else pl.cdiv(n_blocks, step_blocks)
+
+
+def _chunk_header(meta_smem, meta_bar, first, chunk, step_blocks=1):
+    """Waits for the tile's metadata, then `_chunk_blocks` of its end (meta_smem[1])."""
+    plgpu.barrier_wait(meta_bar)
+    return _chunk_blocks(meta_smem[1], first, chunk, step_blocks)
 
 
 def _load_tile_rows(meta_smem, q_ref, w_ref, q_smem, w_smem, q_bar, tile):
@@ -165,16 +170,14 @@ def _load_ring(n_steps, stages, consumed_bar, load, init_carry=None):
     pl.loop(0, n_steps, init_carry=init_carry)(body)
 
 
-def _fill_tail_and_drain(meta_smem, fill_smem, block_rows, stop, first, chunk, out_blocks, out_block):
+def _fill_tail_and_drain(rows, fill_smem, stop, first, chunk, out_blocks, out_block):
     """The memory warpgroup's end: -inf (fill_smem, 2 key blocks of SMEM) stored to out_block(row, b)
-    for each of the tile's rows (meta_smem[2 + j], -1 = none) and the chunk's key blocks b at or
-    past `stop` (the tile's end) and before out_blocks; then waits until the stores have read SMEM
+    for each of the tile's rows (row ids, -1 = none) and the chunk's key blocks b at or past
+    `stop` (the tile's end) and before out_blocks; then waits until the stores have read SMEM
     (the writes land by kernel end)."""
     fill_smem[...] = jnp.full(fill_smem.shape, -jnp.inf, jnp.float32)
     plgpu.commit_smem()
-    for j in range(block_rows):
-        row = meta_smem[2 + j]
-
+    for row in rows:
         @pl.when(row >= 0)
         def _fill_row():
             @pl.loop(jnp.maximum(stop, first), jnp.minimum(first + chunk, out_blocks))
@@ -288,7 +291,7 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: MgpuTiling, pa
                 return block_slot(step + 1)  # in flight while the next step waits for its slot
 
             _load_ring(n_steps, stages, consumed_bar, load_keys, init_carry=block_slot(0))
-            _fill_tail_and_drain(meta_smem, fill_smem, br, stop, first, chunk, out_blocks,
+            _fill_tail_and_drain([meta_smem[2 + j] for j in range(br)], fill_smem, stop, first, chunk, out_blocks,
                                  lambda row, b: out_ref.at[row, pl.ds(b * bk, bk)])
 
         def compute(wg):

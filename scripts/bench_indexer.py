@@ -8,13 +8,21 @@
 * decode logits: batch B of sequences, each with --decode-rows query rows at the end of a
   context of C keys: `indexer_logits` (the Mosaic GPU decode kernel on Hopper) and, full mode
   or B=32 C=32K, the Triton kernel; GB/s of key bytes read once per sequence (D + 4 per key
-  for fp8 with its scale, 2 * D for bf16) and the fraction of the copy bandwidth measured in
-  the same run on an array of the same bytes (copy GB/s = 2 * bytes / time). Decode calls are
+  for fp8 with its scale, 2 * D for bf16) against the copy bandwidth measured in the same run on
+  an array of the same bytes (copy GB/s = 2 * bytes / time, `copy_gbps`). Decode calls are
   timed on the device: 20 dependent calls unrolled in one jit, L2-cold (`decode_chain`: why not
   a fori_loop, why several copies of the cache), since a single call of a small decode batch
   takes less GPU time than JAX's host dispatch (`host_ms`, also recorded); `kernel_device_ms` is
-  the decode kernel alone in a profiler trace of that chain (without the chain's dependency
-  fusion and launch gaps, ~1.3 us a call at B=1).
+  the decode kernel alone in a profiler trace of that chain. Two fractions of the copy are
+  recorded: `copy_fraction`, the chain's time a call (`kernel_ms`) against the copy's chain, and
+  `kernel_alone_fraction`, the kernel alone against the copy fusion alone (`copy_alone_GBps`,
+  a profiler trace of the copy's chain). The 70% target is read against `kernel_alone_fraction`,
+  because it compares like with like: each kernel's own device time on the same bytes. The
+  chains are not alike: a decode call's time in its chain includes the harness's dependency
+  fusion (row_end + a compare on the previous output, 0.93 us at B=1 on the H200), which the
+  copy's chain (an optimization_barrier, no kernel) does not pay, while the decode call itself
+  runs no op outside its kernel (in a model: the kernel plus a ~0.13 us CUDA-graph gap).
+  `copy_fraction` stays beside it (the session 1-5 numbers are that one).
 * top-k (k=2048) of [rows, L] f32 logits: pallas_kernels.topk (sampled thresholds + band select) vs
   lax.top_k on the same inputs, both timed on the device (`chain_ms`: 20 dependent calls in one
   jit; the host-timed call is recorded as `host_ms`). `--only topk` runs just that (~1 minute).
@@ -137,9 +145,11 @@ def chain_ms(fn, x, reps=20):
 
 
 def copy_gbps(nbytes, reps=CHAIN_REPS):
-    """The copy ceiling: 2 * nbytes / time of an elementwise pass over an nbytes array, timed like
-    `device_ms` (reps passes unrolled in one jit over `_rotation` arrays, one
-    optimization_barrier after each so that XLA neither fuses nor reorders them)."""
+    """The copy ceiling: (chain, alone) GB/s = 2 * nbytes / time of an elementwise pass over an
+    nbytes array, timed like `device_ms` (reps passes unrolled in one jit over `_rotation` arrays,
+    one optimization_barrier after each so that XLA neither fuses nor reorders them: no kernel
+    runs between passes) and, alone, the copy fusion's median duration in a profiler trace of
+    that chain (`kernel_span_ms`; None where the trace fails)."""
     n = _rotation(nbytes, reps)
     xs = tuple(jnp.full((nbytes // 4,), i, jnp.uint32) for i in range(n))
 
@@ -149,8 +159,13 @@ def copy_gbps(nbytes, reps=CHAIN_REPS):
             xs[i % n] = xs[i % n] ^ jnp.uint32(i + 1)
             xs = list(jax.lax.optimization_barrier(tuple(xs)))
         return xs
-    ms = median_ms(jax.jit(run), xs) / reps
-    return 2 * nbytes / (ms * 1e-3) / 1e9
+    run = jax.jit(run)
+    ms = median_ms(run, xs) / reps
+    try:
+        alone = 2 * nbytes / (kernel_span_ms(run, (xs,), "xor") * 1e-3) / 1e9
+    except Exception:  # noqa: BLE001  (e.g. no profiler on the machine)
+        alone = None
+    return 2 * nbytes / (ms * 1e-3) / 1e9, alone
 
 
 # ------------------------------------------------------------------------------------------------
@@ -299,7 +314,7 @@ def bench_decode(quick, tiling=None, batches=None, contexts=None, dtypes=(FP8, j
     device-timed, beside the copy ceiling of the same bytes; compare: also time the Triton
     kernel (default: full mode, or the B=32 C=32K config)."""
     batches = batches or ([1, 32, 128] if quick else [1, 8, 32, 64, 128])
-    contexts = contexts or ([32768, 131072] if quick else [4096, 16384, 32768, 65536, 131072])
+    contexts = contexts or ([131072, 32768] if quick else [4096, 16384, 32768, 65536, 131072])  # quick: 128K first
     kern = functools.partial(indexer_logits_decode_mgpu if tiling else indexer_logits, page_size=PAGE,
                              **(tiling or {}))
     triton = functools.partial(indexer_logits_triton, page_size=PAGE)
@@ -330,8 +345,11 @@ def bench_decode(quick, tiling=None, batches=None, contexts=None, dtypes=(FP8, j
                     del run, run_args
                     if nbytes not in copies:
                         copies[nbytes] = copy_gbps(nbytes)
-                    rec["copy_GBps"] = copies[nbytes]
+                    rec["copy_GBps"], rec["copy_alone_GBps"] = copies[nbytes]
                     rec["copy_fraction"] = rec["kernel_GBps"] / rec["copy_GBps"]
+                    if isinstance(rec["kernel_device_ms"], float) and rec["copy_alone_GBps"]:
+                        rec["kernel_alone_fraction"] = (nbytes / (rec["kernel_device_ms"] * 1e-3) / 1e9
+                                                        / rec["copy_alone_GBps"])
                     rec["host_ms"] = median_ms(jax.jit(kern), *args)
                     if compare if compare is not None else (not quick or (b, c) == (32, 32768)):
                         rec["triton_ms"] = device_ms(triton, *args)
@@ -416,7 +434,9 @@ def print_table():
         if "copy_GBps" in r:
             note = f"copy {r['copy_GBps']:.0f} ({r['copy_fraction']:.0%}) host {r['host_ms']:.3f}ms " + note
         if isinstance(r.get("kernel_device_ms"), float):
-            note = f"kernel alone {r['kernel_device_ms'] * 1e3:.1f}us " + note
+            alone = (f" ({r['kernel_alone_fraction']:.0%} of copy alone {r['copy_alone_GBps']:.0f})"
+                     if "kernel_alone_fraction" in r else "")
+            note = f"kernel alone {r['kernel_device_ms'] * 1e3:.1f}us{alone} " + note
         if "triton_ms" in r:
             note = f"triton {r['triton_ms']:.3f}ms {r['triton_' + unit]:.0f} ({r['triton_ms'] / r['kernel_ms']:.1f}x) " + note
         print(f"{r['kind']:14} {cfg[:62]:62} {kern:>18} {xla:>18} {sp:>8}  {unit} {note[:90]}")

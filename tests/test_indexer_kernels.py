@@ -28,10 +28,11 @@ FP8 = jnp.float8_e4m3fn
 # helpers
 # ------------------------------------------------------------------------------------------------
 
-def make_indexer_case(seed, *, dtype, scaled, hi, d, page, lengths, rows_per_seq, extra_pages=3):
+def make_indexer_case(seed, *, dtype, scaled, hi, d, page, lengths, rows_per_seq, extra_pages=3,
+                      interleave_rows=True):
     """A ragged batch: sequence s has lengths[s] keys (pages shuffled over a shared pool) and
-    rows_per_seq[s] query rows; rows are interleaved across sequences; row ends are a causal
-    run ending at the sequence length plus a few odd ones (0, 1, full)."""
+    rows_per_seq[s] query rows; rows are interleaved across sequences (else in sequence order);
+    row ends are a causal run ending at the sequence length plus a few odd ones (0, 1, full)."""
     rng = np.random.default_rng(seed)
     num_seqs = len(lengths)
     width = max(-(-l // page) for l in lengths) + 1  # one spare (unused, -1) page column
@@ -53,8 +54,9 @@ def make_indexer_case(seed, *, dtype, scaled, hi, d, page, lengths, rows_per_seq
     n = len(row_seq)
     if n >= 3:  # odd ends: no valid key, exactly one, the whole table width
         row_end[0], row_end[1], row_end[2] = 0, 1, min(lengths[row_seq[2]], width * page)
-    perm = rng.permutation(n)  # rows of different sequences interleaved
-    row_seq, row_end = row_seq[perm], row_end[perm]
+    if interleave_rows:  # rows of different sequences interleaved
+        perm = rng.permutation(n)
+        row_seq, row_end = row_seq[perm], row_end[perm]
 
     q = rng.standard_normal((n, hi, d)).astype(np.float32)
     k = rng.standard_normal((num_pages * page, d)).astype(np.float32)
@@ -197,6 +199,16 @@ def test_choose_decode_tiling(num_rows, num_seqs, key_blocks, want):
         choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, stages=34)
     with pytest.raises(ValueError, match="wgmma N"):
         choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, block_rows=8)
+
+
+def test_indexer_logits_decode_mgpu_rows_in_sequence_order():
+    """One row per sequence, row n of sequence n (the usual decode batch): every CTA's guessed
+    block-table row is the right one (the interleaved batches above reload most of them)."""
+    args, page = make_indexer_case(8, dtype=FP8, scaled=True, hi=4, d=16, page=64, lengths=[300, 1, 190],
+                                   rows_per_seq=[1, 1, 1], interleave_rows=False)
+    assert np.array_equal(np.asarray(args[5]), np.arange(3))
+    out = indexer_logits_decode_mgpu(*args, page_size=page, interpret=INTERPRET, chunk=4, stages=2)
+    check_logits(out, indexer_logits_reference(*args, page_size=page), 1e-5)
 
 
 def test_indexer_logits_decode_mgpu_rejects_mixed_dtypes():
