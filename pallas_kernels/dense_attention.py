@@ -11,8 +11,11 @@ tokamax 408 (470) (session 5); 64x128 123 (124) vs tokamax 122 (121); 16x512 321
 tokamax 288 (342) (session 4). Other runs: 4x2048 576 vs tokamax 568 (first timings); 4x2048
 530 (587) vs 509 (575), 8x1024 450 (506) vs 412 (476), 16x512 353 (388). Session
 4's bench: 4x2048 521 vs tokamax 525 (tokamax's rounds 521-531), cuDNN via jax.nn (padded
-batches) 375; 4x1024 after 1024 cached 559 (tokamax 448, cuDNN 288). ptxas: 168 registers at
-launch, 8 bytes of spill stores and 44 of spill loads (tokamax: 168, none).
+batches) 375; 4x1024 after 1024 cached 559 (tokamax 448, cuDNN 288). Session 6 (round B, median
+of 5 interleaved repetitions): 4x2048 538 (602) vs tokamax 501 (583), 64x128 125 vs 122.
+ptxas: 168 registers at launch, no spills (as tokamax). The work schedule is computed by each
+warpgroup after its setmaxnreg: computed before it, ptxas kept two scalars on the stack (8 bytes
+stored, 44 loaded, reloaded once per item; 538 (602) vs 539 (598) without the spill).
 What bounds it: at 64x128 HBM: q, k, v are read once and out written once, 1.34 GB in 0.351 ms,
 3.8 TB/s, the copy ceiling measured through XLA (3.6-3.8). At 4x2048 the tensor cores and the
 softmax between them: ~530-580 TFLOP/s of tile products (masked halves included), near the
@@ -43,6 +46,14 @@ dealt longest first within groups of 16 heads (a load model of the snake deal: m
 -> 1.007) 509 (521): 16 heads' keys and values outgrow L2. Against 530 (587): the pipelined
 consumer with the last P kept live past its PV wait 512 (567); consumers at 240 registers and
 the producer at 24 (for the spills) 528 (590), 8x1024 455 vs 450, 16x512 347 vs 353: noise.
+Session 6, at 4x2048 against 516 (574): the pipelined consumers with FA3's ping-pong on top (a
+consumer syncs on its turn, issues tile j's QK and tile j-1's PV products, hands the turn over
+by a hardware named barrier; both take tiles + 1 turns an item) 509 (567), with 240/24
+registers 499 (573), handing over once QK is done 500 (572), turns by mbarriers 481 (551);
+8x1024 431 vs 443. Against 539 (598): q held in registers as the QK products' A operand (no
+re-reads of q from shared memory; 240/24 registers) spilled 392 bytes, 385 (420); only warp 0
+of the producer warpgroup streaming the tiles (plgpu.warp_map) 531 (608), 64x128 126.4 vs 125.0:
+noise.
 """
 
 from __future__ import annotations
@@ -298,30 +309,36 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
     def kernel(table_ref, used_ref, q_ref, k_ref, v_ref, out_ref, q_smem, o_smems, k_smem, v_smem,
                q_ready, k_ready, v_ready, k_free, v_free, turn, p_smem=None):
         wg = lax.axis_index("wg")
-        num_used = used_ref[0]
-        program = lax.axis_index("program")
-        # Items (head, table row), in groups of heads_per_group heads, table row fastest across
-        # a group and head fastest within it, are dealt out in rounds of num_programs, in snake
-        # order (odd rounds right to left): with plain round robin a program whose position
-        # recurs in the table (num_programs a multiple of the rows per head) met the same
-        # block length every round.
-        num_total = num_used * heads
-        last_round = num_total // num_programs
 
-        def position(i):
-            return jnp.where(i % 2 == 0, program, num_programs - 1 - program)
+        def schedule():
+            """(this program's item count, item_info). Each warpgroup calls it after its register
+            reallocation: ptxas spills values live across setmaxnreg to local memory.
+            Items (head, table row), in groups of heads_per_group heads, table row fastest across
+            a group and head fastest within it, are dealt out in rounds of num_programs, in snake
+            order (odd rounds right to left): with plain round robin a program whose position
+            recurs in the table (num_programs a multiple of the rows per head) met the same
+            block length every round."""
+            num_used = used_ref[0]
+            program = lax.axis_index("program")
+            num_total = num_used * heads
+            last_round = num_total // num_programs
 
-        num_items = last_round + (position(last_round) < num_total % num_programs).astype(jnp.int32)
+            def position(i):
+                return jnp.where(i % 2 == 0, program, num_programs - 1 - program)
 
-        def item_info(i):
-            # (head, table row) of this program's item i; in range even past its last item
-            item = i * num_programs + position(i)
-            group_items = heads_per_group * num_used
-            group = item // group_items
-            within = item - group * group_items
-            blk = within // heads_per_group
-            head = group * heads_per_group + (within - blk * heads_per_group)
-            return head, tuple(table_ref[blk, c] for c in range(_TABLE_COLS))
+            def item_info(i):
+                # (head, table row) of this program's item i; in range even past its last item
+                item = i * num_programs + position(i)
+                group_items = heads_per_group * num_used
+                group = item // group_items
+                within = item - group * group_items
+                blk = within // heads_per_group
+                head = group * heads_per_group + (within - blk * heads_per_group)
+                return head, tuple(table_ref[blk, c] for c in range(_TABLE_COLS))
+
+            num_items = last_round + (position(last_round) < num_total % num_programs).astype(
+                jnp.int32)
+            return num_items, item_info
 
         def block_steps(info):
             return (info[_KV_END] + info[_KSHIFT] + block_kv - 1) // block_kv
@@ -345,6 +362,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
         @pl.when(wg < _CONSUMER_WGS)
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
+            num_items, item_info = schedule()
             q_tile = q_smem.at[wg]
             # one 64 x 64 tile per consumer, seen two ways (see the stores)
             (o_swizzled,), (o_plain,) = o_smems
@@ -528,6 +546,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
         @pl.when(wg == _CONSUMER_WGS)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
+            num_items, item_info = schedule()
 
             def item_body(i, carry):
                 tile0, head, info = carry

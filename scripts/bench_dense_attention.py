@@ -21,9 +21,11 @@ Every option is first checked against the float32 reference on 8 heads (relative
 an option that fails or mismatches is reported and left out of the ranking.
 TFLOP/s count causal work: sum over sequences of 2 * visible (query, key) pairs * heads * (192 + 128).
 Times: a case's options are compiled and checked first, then timed in REPEATS interleaved rounds
-(each scripts/timing.py's median_ms: median of batches of back-to-back calls after warm-up); the
-reported time is the median over the rounds (the GPU's clocks and the other kernels' times drift
-between runs by several percent, so options are only compared within one case's rounds).
+(each scripts/timing.py's median_ms: median of batches of back-to-back calls after warm-up), the
+options in reverse order every other round (so none always runs first after the others have
+heated the GPU); the reported time is the median over the rounds (the GPU's clocks and the other
+kernels' times drift between runs by several percent, so options are only compared within one
+case's rounds).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from pallas_kernels.dense_attention import (  # noqa: E402
 HEADS, D_QK, D_V = 128, 192, 128
 SCALE = D_QK ** -0.5
 CHECK_HEADS = 8
-REPEATS = 3  # interleaved timing rounds per case
+REPEATS = 5  # interleaved timing rounds per case (~0.07 s each per option)
 TOL = 2e-2  # bf16 inputs and outputs; the kernels round probabilities to bf16 (see the kernel tests)
 
 # (batch, new tokens per sequence, cached context per sequence)
@@ -170,8 +172,9 @@ def run_case(batch, new, ctx, option_names):
         print(f"  {name:>16} {option:>14}: " + (f"{row['ms']:8.3f} ms {row['tflops']:6.0f} TFLOP/s "
               f"(rel err {row['rel_err']:.1e}, first timing)" if row["status"] == "ok"
               else row["status"]), flush=True)
-    for _ in range(REPEATS):
-        for jitted, args, row in timed.values():
+    for repeat in range(REPEATS):
+        order = list(timed.values())
+        for jitted, args, row in (order[::-1] if repeat % 2 else order):
             row["rounds_ms"].append(median_ms(jitted, *args, batches=3))
     for option, (_, _, row) in timed.items():
         row["ms"] = statistics.median(row["rounds_ms"])
