@@ -64,17 +64,22 @@ instructions (prmt puts each byte's sign and 7 exponent/mantissa bits into a bf1
 2^-120, exact for subnormals; x 2^120 and x the scale as bf16x2 multiplies: 10 SASS a 4 values
 against 12 with 4 F2FP) was correct (every e4m3 code within bf16 rounding) and no faster, in this
 layout (296 / 286) or the in-place one (297 / 286): the conversion's instruction mix does not
-bound fp8, and neither do the in-place layout's barriers. Asking L2 for block i + 1's rows
-(prefetch.global.L2 per 128-byte line, slot ids two blocks ahead) while block i waits for its
-stage: correct, fp8 decode 254 vs 290 (as the bulk prefetch before it, extra requests cost more
-than the latency they hide).
+bound fp8, and neither do the in-place layout's barriers. With the conversion skipped altogether
+(wrong results, timed) fp8 prefill ran 302 against 301: converting costs nothing measurable.
+Asking L2 for block i + 1's rows (prefetch.global.L2 per 128-byte line, slot ids two blocks
+ahead) while block i waits for its stage: correct, fp8 decode 254 vs 290 (as with the bulk
+prefetch before it, the extra requests cost more than the latency they hide). Two fp8 producer
+warpgroups (32 rows of every block each): correct at the odd shapes, but at R = 512 ptxas
+rejects the kernel: 512 threads leave 128 registers a thread and the consumer's code needs 158
+(it compiles the whole kernel to the launch's register count; setmaxnreg does not raise it).
 What bounds it: only two 64-row stages fit beside q's 72 KiB tile, so block i + 1's gather
 overlaps block i's math and nothing deeper (its copies can start only when a stage frees), and
 QK, softmax and PV of a block run in series; at 128K the gathers leave L2 (151 MB of bf16 cache
-against 50 MB; not profiled). fp8 (294 at 8K = 290 at 128K, so not the gathers' memory): per
-block the chain stage free -> copies land -> conversion -> ready must fit in the consumers' time
-for one block, and what in that chain costs the ~1.2 us a block over bf16 is not settled: not the
-conversion's instruction count or barriers (above), not the producer's amount of work (cluster).
+against 50 MB; not profiled). fp8 holds at ~300 (8K, 128K and decode alike, so not the memory
+behind the gathers) against bf16's ~420, and not because of the conversion (skipping it changes
+nothing, above) nor the producer's amount of work (cluster): what is left between the two paths
+is their copies (three arrays, 656 bytes a row in 22 cp.async a thread against 36) and the
+register split; not profiled.
 Between it and FlashMLA (640 prefill, 410 fp8 decode, on H800): the serial phases above (each
 consumer warpgroup also re-reads all of q from shared memory per block); an fp8 gather that is
 both deep and converted on the way in, which no variant here achieved.
