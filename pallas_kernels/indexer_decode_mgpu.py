@@ -21,7 +21,8 @@ over the key cache and its speed is the bytes it keeps in flight. Layout of the 
     and loads (one row per tile) the row's q and weights beside it: the first keys go out one
     memory round trip after the start, not two. It then streams key blocks [64, D] and their scales by
     TMA into a ring of `stages` SMEM slots of `step_blocks` blocks each (96 KiB of keys in
-    flight per SM), and writes -inf over the chunk's blocks at or past the tile's last valid key;
+    flight per SM; 64 KiB for a CTA of at most 8 steps), and writes -inf over the chunk's
+    blocks at or past the tile's last valid key;
   * two compute warpgroups take alternate slots: per block one wgmma [64 keys, D] x
     [D, block_rows * Hi] (the tile's q side by side, SMEM), then per row ReLU, the
     head-weighted sum as a row reduction of the WGMMA layout, key scales and the ragged mask;
@@ -63,7 +64,11 @@ them) took B=1 C=128K from 9.67 to 8.87 us a call and the kernel alone from 7.87
 (outputs identical; B=32 C=32K 41.8 us a call either way); what the chain still runs outside the
 kernel is its own dependency fusion (0.93 us). The kernel alone, 7.30 us, is 66% of the copy
 fusion alone (3.56 TB/s). Its timeline: table in at 1.04 us, first keys requested at 1.25 and
-landed at 3.0 (max 4.3), last logits at 6.9 (max 7.8). Measured at B=1 C=128K and not
+landed at 3.0 (max 4.3), last logits at 6.9 (max 7.8). A ring of 4 slots (64 KiB) instead of 6
+for a CTA of at most 8 steps: B=1 C=128K 7.26 -> 7.01 us alone (2469 GB/s, 68.7% of the copy
+alone, 3593 GB/s; outputs identical), while B=32 C=32K, B=32 C=128K and B=128 C=32K are 4.5-4.7%
+slower with it (38.3 vs 40.1, 144.9 vs 151.7, 145.0 vs 151.7 us alone), so long chunks keep 6
+slots (`choose_decode_tiling`). Measured at B=1 C=128K and not
 kept: compute warpgroups taking steps in the order their keys land (barrier_test polling, a ring
 holding the chunk) +15% a call; the first two steps' page ids by plain loads, their keys issued
 before the table's TMA lands, +7%; the scales on a barrier of their own, waited after the keys'
@@ -103,6 +108,7 @@ from .indexer_mgpu import (
 )
 
 _KEY_RING_BYTES = 96 * 1024  # SMEM for key blocks in flight per CTA (one CTA per SM)
+_SHORT_CHUNK_STEPS, _SHORT_CHUNK_STAGES = 8, 4  # a CTA of <= 8 steps keeps <= 4 in flight (B=1 C=128K: faster)
 _MAX_STAGES = 32  # Mosaic GPU initialises at most 32 mbarriers per group (the ring's two groups)
 _STEP_BYTES = 16 * 1024  # keys x rows per ring slot: 2 fp8 blocks of 1 row (81% vs 76% of copy BW with 1)
 _MAX_CHUNK = 256  # key blocks per CTA: its block-table slice is one TMA box (<= 256 per dim)
@@ -132,7 +138,10 @@ def choose_decode_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_
     tiles x ceil(key_blocks / chunk) CTAs. step_blocks: _STEP_BYTES of keys per slot and tile row
     (2 blocks at fp8 and one row; 1 at bf16 or two rows, whose wgmmas already hold twice the
     registers and work per block). stages: as many slots as _KEY_RING_BYTES holds (even), at most
-    _MAX_STAGES (small dims: tiny slots)."""
+    _MAX_STAGES (small dims: tiny slots), and at most _SHORT_CHUNK_STAGES for a chunk of at most
+    _SHORT_CHUNK_STEPS steps: when every CTA requests its whole ring at once and holds few steps
+    (B=1 at 128K), a shallower ring queues less (H200: 7.01 vs 7.26 us a call alone); long chunks
+    (B=32/128) need the deeper one (4 slots there: 4.5-4.7% slower)."""
     rows_per_seq = num_rows / max(1, min(num_seqs, num_rows))
     if block_rows is None:
         block_rows = 1 if rows_per_seq < 1.5 else min(1 << (int(rows_per_seq + 0.5) - 1).bit_length(),
@@ -157,6 +166,8 @@ def choose_decode_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_
     if stages is None:
         slot_bytes = step_blocks * block_bytes
         stages = max(2, min(_MAX_STAGES, _KEY_RING_BYTES // slot_bytes) // 2 * 2)
+        if -(-chunk // step_blocks) <= _SHORT_CHUNK_STEPS:
+            stages = min(stages, _SHORT_CHUNK_STAGES)
     if stages % _COMPUTE_WGS or stages > _MAX_STAGES:
         raise ValueError(f"stages={stages} must be a multiple of {_COMPUTE_WGS} and at most {_MAX_STAGES} "
                          "(mbarriers per group)")
