@@ -12,10 +12,11 @@ tokamax 288 (342) (session 4). Other runs: 4x2048 576 vs tokamax 568 (first timi
 530 (587) vs 509 (575), 8x1024 450 (506) vs 412 (476), 16x512 353 (388). Session
 4's bench: 4x2048 521 vs tokamax 525 (tokamax's rounds 521-531), cuDNN via jax.nn (padded
 batches) 375; 4x1024 after 1024 cached 559 (tokamax 448, cuDNN 288). Session 6 (round B, median
-of 5 interleaved repetitions): 4x2048 538 (602) vs tokamax 501 (583), 64x128 125 vs 122.
+of 5 interleaved repetitions): 4x2048 538 (602) vs tokamax 501 (583), 64x128 125 vs 122;
+round B2 (7): 4x2048 507 (571) vs 494 (557), 16x512 350 (376) vs 287 (333).
 ptxas: 168 registers at launch, no spills (as tokamax). The work schedule is computed by each
 warpgroup after its setmaxnreg: computed before it, ptxas kept two scalars on the stack (8 bytes
-stored, 44 loaded, reloaded once per item; 538 (602) vs 539 (598) without the spill).
+stored, 44 loaded, reloaded once per item); without the spill 538 (602), with it 539 (598).
 What bounds it: at 64x128 HBM: q, k, v are read once and out written once, 1.34 GB in 0.351 ms,
 3.8 TB/s, the copy ceiling measured through XLA (3.6-3.8). At 4x2048 the tensor cores and the
 softmax between them: ~530-580 TFLOP/s of tile products (masked halves included), near the
@@ -53,7 +54,9 @@ registers 499 (573), handing over once QK is done 500 (572), turns by mbarriers 
 8x1024 431 vs 443. Against 539 (598): q held in registers as the QK products' A operand (no
 re-reads of q from shared memory; 240/24 registers) spilled 392 bytes, 385 (420); only warp 0
 of the producer warpgroup streaming the tiles (plgpu.warp_map) 531 (608), 64x128 126.4 vs 125.0:
-noise.
+noise. Against 507 (571), 7 repetitions: diagonal tiles masked by k <= q alone (the k >= 0 test
+kept for the first tile; ptxas then spilled 8 bytes) 511 (553), 16x512 339 vs 350; with the one
+producer warp as well 518 (580), 16x512 346 vs 350 (tokamax 494 (557) and 287): noise.
 """
 
 from __future__ import annotations
