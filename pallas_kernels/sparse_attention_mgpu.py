@@ -78,8 +78,8 @@ QK, softmax and PV of a block run in series; at 128K the gathers leave L2 (151 M
 against 50 MB; not profiled). fp8 holds at ~300 (8K, 128K and decode alike, so not the memory
 behind the gathers) against bf16's ~420, and not because of the conversion (skipping it changes
 nothing, above) nor the producer's amount of work (cluster): what is left between the two paths
-is their copies (three arrays, 656 bytes a row in 22 cp.async a thread against 36) and the
-register split; not profiled.
+is their copies (three arrays, 656 bytes a row in 22 cp.async a thread against 36); the register
+split was part of it (fp8 at bf16's (224, 56): 310 / 300 against 299 / 292); not profiled.
 Between it and FlashMLA (640 prefill, 410 fp8 decode, on H800): the serial phases above (each
 consumer warpgroup also re-reads all of q from shared memory per block); an fp8 gather that is
 both deep and converted on the way in, which no variant here achieved.
@@ -118,10 +118,11 @@ _SMEM_BYTES = 227 * 1024  # per block on Hopper
 _MAX_STAGES = 4
 # setmaxnreg budgets, indexed by "fp8 cache". The kernel launches 384 threads at 168 registers
 # (65536 / 384, rounded down to 8): 2 consumers + 1 producer must sum to 3 x 168 = 504, or an
-# increase waits forever for registers. The fp8 producer converts e4m3 in registers. Measured
-# alternatives: (232, 40) for bf16 375 vs 417 TFLOP/s; (224, 56) for fp8 290 vs 285 (noise level).
-_CONSUMER_REGS = (224, 216)
-_PRODUCER_REGS = (56, 72)
+# increase waits forever for registers. Measured (H200, same runs): (232, 40) for bf16 375 vs 417
+# TFLOP/s, (216, 72) for bf16 405 vs 420; fp8 at (224, 56) against (216, 72): prefill 310 vs 299,
+# decode 300 vs 292, outputs bit-identical (session 6, per-thread fp8 layout).
+_CONSUMER_REGS = (224, 224)
+_PRODUCER_REGS = (56, 56)
 
 
 def _swizzled(dtype, swizzle=None):
