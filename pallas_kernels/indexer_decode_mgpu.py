@@ -72,7 +72,8 @@ slots (`choose_decode_tiling`). Measured at B=1 C=128K and not
 kept: compute warpgroups taking steps in the order their keys land (barrier_test polling, a ring
 holding the chunk) +15% a call; the first two steps' page ids by plain loads, their keys issued
 before the table's TMA lands, +7%; the scales on a barrier of their own, waited after the keys'
-wgmmas, 7.38 us alone (B=32 C=32K 38.2 vs 37.7); one block per slot 7.41; a 32 KiB ring 8.61.
+wgmmas, 7.38 us alone (B=32 C=32K 38.2 vs 37.7); one block per slot 7.41 (12 slots), 7.36 / 7.26
+/ 7.68 (8 / 6 / 4 slots, against 6.98 for the chosen 4 slots of 2 blocks); a 32 KiB ring 8.61.
 Without key scales (a diagnostic) a call is 5.7% faster for 3% fewer bytes: the 2048 separate
 256-byte scale copies cost ~3% beyond their bytes, and the cache keeps the scales in an array of
 their own (fetching them with their keys needs a layout change). Pages in order instead of
