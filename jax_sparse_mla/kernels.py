@@ -3,16 +3,16 @@
 `kernels="xla"` runs each op's pure-jnp implementation and `"pallas"` every Pallas kernel
 (compiled on a GPU, in Pallas interpret mode elsewhere: slow, for tests). `"auto"` picks per op
 what measured fastest on the H200 (docs/benchmarks.md) and XLA off the GPU:
-  indexer logits: Pallas (Mosaic GPU on Hopper: prefill 580 TFLOP/s fp8 at T = S = 8K against the
-    Triton kernel's 246 and XLA's 12; decode 3340 GB/s at B = 32, C = 32K, 83% of a copy, against
-    the Triton kernel's 1363);
+  indexer logits: Pallas (Mosaic GPU on Hopper: prefill 578 TFLOP/s fp8 at T = S = 8K against the
+    Triton kernel's 252 and XLA's 12; decode 3340 GB/s at B = 32, C = 32K, 87% of a copy, against
+    the Triton kernel's 1367);
   top-k: Pallas (thresholds / counted writes / band select: 6.1x lax.top_k at 128 x 32K, 9.0x at
     1024 x 32K, 8.0x at 128 x 128K);
-  sparse MLA attention: Pallas (Mosaic GPU on Hopper: 423 TFLOP/s bf16 prefill at 4096 x 8K, 380
-    bf16 decode; the Triton kernel 164, XLA's gather + einsum 28);
-  dense MHA (short prefills): Pallas (Mosaic GPU over packed ragged sequences: 537 TFLOP/s at
-    4 x 2048 and 391 at 16 x 512, cuDNN 374 and 200 on padded batches; the only option that
-    takes the packed layout; XLA 53).
+  sparse MLA attention: Pallas (Mosaic GPU on Hopper: 420 TFLOP/s bf16 prefill at 4096 x 8K, 376
+    bf16 decode, 294 fp8 decode; the Triton kernel 164, XLA's gather + einsum 28-33);
+  dense MHA (short prefills): Pallas (Mosaic GPU over packed ragged sequences: 527 TFLOP/s at
+    4 x 2048 and 363 at 16 x 512, cuDNN 380 and 198 and tokamax 517 and 314 on padded batches;
+    the only option that takes the packed layout; XLA 53).
 """
 
 from __future__ import annotations
