@@ -116,13 +116,13 @@ _PRODUCER_THREADS = 128
 _LANE_ROWS = 8  # rows per 8 lanes of a producer warp (see _gather_block's units)
 _SMEM_BYTES = 227 * 1024  # per block on Hopper
 _MAX_STAGES = 4
-# setmaxnreg budgets, indexed by "fp8 cache". The kernel launches 384 threads at 168 registers
+# setmaxnreg budgets, both cache formats. The kernel launches 384 threads at 168 registers
 # (65536 / 384, rounded down to 8): 2 consumers + 1 producer must sum to 3 x 168 = 504, or an
 # increase waits forever for registers. Measured (H200, same runs): (232, 40) for bf16 375 vs 417
 # TFLOP/s, (216, 72) for bf16 405 vs 420; fp8 at (224, 56) against (216, 72): prefill 310 vs 299,
 # decode 300 vs 292, outputs bit-identical (session 6, per-thread fp8 layout).
-_CONSUMER_REGS = (224, 224)
-_PRODUCER_REGS = (56, 56)
+_CONSUMER_REGS = 224
+_PRODUCER_REGS = 56
 
 
 def _swizzled(dtype, swizzle=None):
@@ -353,7 +353,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 
     def consumer(w):
-        plgpu.set_max_registers(_CONSUMER_REGS[tile is not None], action="increase")
+        plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
         if w == 0:
             plgpu.copy_gmem_to_smem(q_gmem.at[row, pl.ds(h0, HEADS_PER_CTA)], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
@@ -441,7 +441,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
 
     @pl.when(wg == 2)
     def _producer():
-        plgpu.set_max_registers(_PRODUCER_REGS[tile is not None], action="decrease")
+        plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
         scalar = plgpu.Layout.WG_SPLAT(())
         gather = plgpu.inline_mgpu(
             arg_types=(plgpu.RefType(_swizzled(jnp.bfloat16)), plgpu.RefType(),
