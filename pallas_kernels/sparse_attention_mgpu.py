@@ -269,8 +269,8 @@ def _fp8_per_thread(latent_ptr, scale_ptr, copy_rope, slot_of, dst, gep, tid, *,
     tile_step = (8 // (_SWIZZLE // 16)) * 8 * _SWIZZLE
     bases = [[dst(j, arith.addi(arith.muli(octet, c32(2)), c32(h))) for h in range(2)] for j in rows]
     unit_at = lambda g, u, h, extra=0: gep(bases[g][h], c32(u * tile_step + extra), i8)
-    half = max(1, n_units * n_groups // _FP8_PARTS)
-    parts = [(g, range(u0, min(u0 + half, n_units))) for g in range(n_groups) for u0 in range(0, n_units, half)]
+    part_units = max(1, n_units * n_groups // _FP8_PARTS)  # a thread's units per cp.async group
+    parts = [(g, range(u0, min(u0 + part_units, n_units))) for g in range(n_groups) for u0 in range(0, n_units, part_units)]
 
     for g, us in parts:
         valid, safe = slots[g]
