@@ -208,36 +208,47 @@ def _kernel(*refs, tiling: DecodeTiling, swizzle, num_keys, scaled):
     def body(meta_smem, bt_smem, q_smem, w_smem, k_smem, ks_smem, o_smem, fill_smem,
              meta_bar, bt_bar, q_bar, k_bar, consumed_bar):
 
-        def memory():
-            # Everything that does not depend on the row metadata goes out at once: with one row
-            # per tile, its q, weights and the block-table slice of sequence `tile` (rows in
-            # sequence order, one per sequence: the usual decode batch), reloaded below if the
-            # row's sequence is another; else the tile's metadata and its table slice. Keys wait
-            # only for the table.
-            if br == 1:
-                guess = jnp.minimum(tile, bt_ref.shape[0] - 1)
-                plgpu.copy_gmem_to_smem(bt_ref.at[guess, pl.ds(first, chunk)], bt_smem, bt_bar)
-                plgpu.copy_gmem_to_smem(w_ref.at[tile], w_smem, q_bar)
-                plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem, q_bar)
-                seq = jnp.clip(row_seq_ref[tile], 0, bt_ref.shape[0] - 1)
-            else:
-                plgpu.copy_gmem_to_smem(meta_ref.at[tile], meta_smem, meta_bar)
-                plgpu.copy_gmem_to_smem(bt_ref.at[tile, pl.ds(first, chunk)], bt_smem, bt_bar)
+        def one_row_prologue():
+            """One row per tile: its q, weights and the block-table slice of sequence `tile` (rows in
+            sequence order, one per sequence: the usual decode batch) go out at once, the slice
+            reloaded if the row's sequence is another. -> (rows, stop, n_blocks, n_steps)."""
+            guess = jnp.minimum(tile, bt_ref.shape[0] - 1)
+            plgpu.copy_gmem_to_smem(bt_ref.at[guess, pl.ds(first, chunk)], bt_smem, bt_bar)
+            plgpu.copy_gmem_to_smem(w_ref.at[tile], w_smem, q_bar)
+            plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem, q_bar)
+            seq = jnp.clip(row_seq_ref[tile], 0, bt_ref.shape[0] - 1)
             rows, _, (stop, n_blocks, n_steps) = tile_header(meta_smem, meta_bar)
-            if br == 1:
-                @pl.when(n_steps == 0)  # no compute warpgroup waits for q then: drain it before exit
-                def _drain_q():
-                    plgpu.barrier_wait(q_bar)
-            else:
-                @pl.when(n_steps > 0)
-                def _():
-                    _load_tile_rows(meta_smem, q_ref, w_ref, q_smem, w_smem, q_bar, tile)
+
+            @pl.when(n_steps == 0)  # no compute warpgroup waits for q then: drain it before exit
+            def _drain_q():
+                plgpu.barrier_wait(q_bar)
+
             plgpu.barrier_wait(bt_bar)
-            if br == 1:
-                @pl.when((seq != guess) & (n_steps > 0))
-                def _reload_table():
-                    plgpu.copy_gmem_to_smem(bt_ref.at[seq, pl.ds(first, chunk)], bt_smem, bt_bar)
-                    plgpu.barrier_wait(bt_bar)
+
+            @pl.when((seq != guess) & (n_steps > 0))
+            def _reload_table():
+                plgpu.copy_gmem_to_smem(bt_ref.at[seq, pl.ds(first, chunk)], bt_smem, bt_bar)
+                plgpu.barrier_wait(bt_bar)
+
+            return rows, stop, n_blocks, n_steps
+
+        def mtp_prologue():
+            """Rows of one sequence per tile: the tile's metadata and table slice go out at once, its
+            rows' q and weights once the metadata is in. -> (rows, stop, n_blocks, n_steps)."""
+            plgpu.copy_gmem_to_smem(meta_ref.at[tile], meta_smem, meta_bar)
+            plgpu.copy_gmem_to_smem(bt_ref.at[tile, pl.ds(first, chunk)], bt_smem, bt_bar)
+            rows, _, (stop, n_blocks, n_steps) = tile_header(meta_smem, meta_bar)
+
+            @pl.when(n_steps > 0)
+            def _():
+                _load_tile_rows(meta_smem, q_ref, w_ref, q_smem, w_smem, q_bar, tile)
+
+            plgpu.barrier_wait(bt_bar)
+            return rows, stop, n_blocks, n_steps
+
+        def memory():
+            # Keys wait only for the chunk's table slice, held in SMEM: no page lookup waits on GMEM.
+            rows, stop, n_blocks, n_steps = one_row_prologue() if br == 1 else mtp_prologue()
 
             def load_keys(step, slot):
                 for b in range(sb):
