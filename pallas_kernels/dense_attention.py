@@ -4,59 +4,51 @@
 attention over a packed ragged batch of causal prefills. Mosaic GPU rather than Pallas-Triton:
 on the H200, Triton-lowered attention kernels ran ~3.4x slower than Mosaic GPU ones (tokamax
 139 vs 471 causal TFLOP/s at 4x2048, /work/shared/dsa-facts.md).
-Measured on the H200 (H=128, bf16, causal TFLOP/s; one probe run, median of 3 interleaved
-repetitions, first timing after compiling in brackets; the repetitions run slower as the GPU
-heats up): 4x2048 565 (574) vs tokamax's Mosaic flash attention 512 (577); 8x1024 479 (493) vs
-tokamax 408 (470) (session 5); 64x128 123 (124) vs tokamax 122 (121); 16x512 321 (380) vs
-tokamax 288 (342) (session 4). Other runs: 4x2048 576 vs tokamax 568 (first timings); 4x2048
-530 (587) vs 509 (575), 8x1024 450 (506) vs 412 (476), 16x512 353 (388). Session
-4's bench: 4x2048 521 vs tokamax 525 (tokamax's rounds 521-531), cuDNN via jax.nn (padded
-batches) 375; 4x1024 after 1024 cached 559 (tokamax 448, cuDNN 288). Session 6 (round B, median
-of 5 interleaved repetitions): 4x2048 538 (602) vs tokamax 501 (583), 64x128 125 vs 122;
-round B2 (7): 4x2048 507 (571) vs 494 (557), 16x512 350 (376) vs 287 (333).
+
+Measured on the H200 (H=128, bf16, causal TFLOP/s; medians of 5-7 interleaved repetitions in
+one run, first timing after compiling in brackets; repetitions slow down as the GPU heats up
+and runs differ by ~7%, so only numbers of one run are compared):
+  session 7, two probe runs of 7 repetitions: 4x2048 528 (593) and 523 (582) against tokamax's
+  Mosaic flash attention 505 (576) and 498 (570), ahead in all 14 repetitions (by 0.8-8.6%);
+  8x1024 439 (501) vs tokamax 407 (479); 16x512 337 (381).
+  session 6 bench, ours / tokamax / cuDNN (jax.nn, padded batches): 4x2048 527 / 517 / 380,
+  8x1024 474 / 424 / 292, 16x512 363 / 314 / 198, 64x128 121 / 121 / 66, 4x1024 after 1024
+  cached 558 / 448 / 297.
 ptxas: 168 registers at launch, no spills (as tokamax). The work schedule is computed by each
-warpgroup after its setmaxnreg: computed before it, ptxas kept two scalars on the stack (8 bytes
-stored, 44 loaded, reloaded once per item); without the spill 538 (602), with it 539 (598).
+warpgroup after its setmaxnreg (computed before it, ptxas kept two scalars on the stack).
 What bounds it: at 64x128 HBM: q, k, v are read once and out written once, 1.34 GB in 0.351 ms,
 3.8 TB/s, the copy ceiling measured through XLA (3.6-3.8). At 4x2048 the tensor cores and the
-softmax between them: ~530-580 TFLOP/s of tile products (masked halves included), near the
-600-690 of a large bf16 XLA matmul. 16x512 sits between (1.34 GB is 0.36 ms at 3.7 TB/s, its
-tile products 0.39 ms at the 4x2048 rate; measured 0.45-0.54 ms): ~62 items per SM of 2.5 key
-tiles on average, so each item's q load, output stores and pipeline refill weigh.
-How it got there (ratios within one probe run; runs vary ~7%): 128-key tiles x 2 stages beat
-64 x 3 (4x2048 481 vs 433, 16x512 309 vs 280, 64x128 115 vs 100, the last also from building the
-work table without a searchsorted loop); 64-column output pieces free the shared memory for
-them; storing whole 64-row pieces from a swizzled tile saved ~5% (1.82 vs 1.90 ms at 4x2048).
-Plain round-robin dealing of the items ran 4x1024+1024 with 8 padding rows at 353-357 (33 table
-rows per head, 132 = 4 * 33 programs: each program met the same block length every round; a load
-model gives 1.32x the mean, snake-order rounds 1.03x). Handing the turn over before an item's
-epilogue: 16x512 341 vs 327 and 335 vs 307 (two runs). The work table's argsort (longest blocks
-first) cost ~15 us, 4% at 64x128 (the kernel alone ran 126 vs 121 with the table); without it
-and with head-fastest dealing of one-block sequences, 64x128 123 vs 118. Half-width last tiles:
-16x512 355 vs 351 first timings, 313 vs 335 repeated (within the noise); the whole set: 4x2048
-511 vs 486. Not kept: issuing a step's PV product and the next QK product together (363 vs 449
-at 4x2048, 167 vs 307 at 16x512), turn-taking by hardware named barriers or one-way signals
-(474, 479 vs 481), TMA prefetches into L2 of the next item's q and first K/V tiles (64x128 84
-vs 120, 16x512 268 vs 327), dealing 4 heads at a time at 16x512 (232 vs 268). Session 5, at
-4x2048 against 565 (574): FA3-style pipelining inside each consumer in place of the turn-taking
-(tile j's QK product issued beside tile j-1's PV product, only the QK one waited for before tile
-j's softmax) 385 (484), with the turn-taking as well 359 (386); with the next item's q prefetch
-(a branch) moved out from between the products' issue and the PV wait, 562 first vs 576 in
-another run (a branch there likely makes ptxas serialise the products), still short. Items
-dealt longest first within groups of 16 heads (a load model of the snake deal: max/mean 1.029
--> 1.007) 509 (521): 16 heads' keys and values outgrow L2. Against 530 (587): the pipelined
-consumer with the last P kept live past its PV wait 512 (567); consumers at 240 registers and
-the producer at 24 (for the spills) 528 (590), 8x1024 455 vs 450, 16x512 347 vs 353: noise.
-Session 6, at 4x2048 against 516 (574): the pipelined consumers with FA3's ping-pong on top (a
-consumer syncs on its turn, issues tile j's QK and tile j-1's PV products, hands the turn over
-by a hardware named barrier; both take tiles + 1 turns an item) 509 (567), with 240/24
-registers 499 (573), handing over once QK is done 500 (572), turns by mbarriers 481 (551);
-8x1024 431 vs 443. Against 539 (598): q held in registers as the QK products' A operand (no
-re-reads of q from shared memory; 240/24 registers) spilled 392 bytes, 385 (420); only warp 0
-of the producer warpgroup streaming the tiles (plgpu.warp_map) 531 (608), 64x128 126.4 vs 125.0:
-noise. Against 507 (571), 7 repetitions: diagonal tiles masked by k <= q alone (the k >= 0 test
-kept for the first tile; ptxas then spilled 8 bytes) 511 (553), 16x512 339 vs 350; with the one
-producer warp as well 518 (580), 16x512 346 vs 350 (tokamax 494 (557) and 287): noise.
+softmax between them: ~600 TFLOP/s of tile products (masked halves included; a large bf16 XLA
+matmul: 600-690). In between, the items (128 rows of one head) weigh: a fit T = tiles * t +
+items * c over 4x2048 and 8x1024 first timings gives ~1.6 us per item and program (tokamax
+~3.5: it is not persistent and starts each block cold) and tokamax a 0-15% shorter time per
+key tile (one difference: it awaits the next K tile during the PV product; so do we
+now, below).
+Kept, each against the kernel before it in one run (4x2048 unless named):
+  - 128-key tiles x 2 stages over 64 x 3: 481 vs 433, 16x512 309 vs 280, 64x128 115 vs 100;
+    64-column output pieces free the shared memory for them; whole 64-row pieces stored from a
+    swizzled tile: 1.82 vs 1.90 ms.
+  - persistent programs dealing the items in snake-order rounds (plain round robin ran
+    4x1024+1024 with 8 padding rows at 353-357: each program met the same block length every
+    round; load model 1.32x the mean, snake 1.03x); no argsort of the work table (~15 us, 4% at
+    64x128); head-fastest dealing of one-block sequences (64x128 123 vs 118).
+  - the turn handed over before an item's epilogue: 16x512 341 vs 327, 335 vs 307.
+  - half-width last tiles: with the above, 511 vs 486.
+  - the next K tile awaited while the PV product runs, off the path from one step's PV product
+    to the next step's QK issue (with the slot as a bit-and): 528 vs 516 and 523 vs 509 (two
+    runs, outputs bit-identical); 8x1024 439 vs 442, 16x512 337 vs 338 (noise).
+Not kept (against the kernel of the day; "noise" = within the run-to-run spread): a step's PV
+and the next QK products issued together (363 vs 449; 16x512 167 vs 307); FA3-style pipelining
+inside each consumer (385 (484); without a branch between the issues and the PV wait 562 vs 576
+first; with P kept live 512 vs 530; with FA3's ping-pong of turns on top 509 vs 516, by
+mbarriers 481); turns by hardware named barriers or one-way signals (474, 479 vs 481); TMA
+prefetches into L2 of the next item's q and first K/V tiles (64x128 84 vs 120) or of its q alone
+(511 vs 516); dealing 4 heads at a time (16x512 232 vs 268) or longest first within 16 heads
+(509 vs 565: 16 heads' keys and values outgrow L2); q held in registers (392 bytes of spills,
+385); whole 64-row output blocks stored from registers to HBM (480 vs 523); 240/24 registers
+(528 vs 530); one producer warp (531 vs 539, 518 vs 507); diagonal tiles masked by k <= q alone
+(511 vs 507, 519 vs 523); the accumulator rescaled only in rows whose max moved (506 vs 523):
+noise.
 """
 
 from __future__ import annotations
@@ -240,7 +232,8 @@ def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpr
     causal range reaches and masks only the diagonal ones; a consumer whose rows end in the
     first half of their last key tile reads only that half (64 keys). The consumers take turns
     on the tensor cores (one's softmax overlaps the other's matmuls) and hand the turn over
-    before storing an item's output. The next item's q tile is loaded as soon as the last QK
+    before storing an item's output; each awaits a tile's K while the previous tile's PV
+    product runs. The next item's q tile is loaded as soon as the last QK
     product has read the current one. Output leaves in 64-column pieces
     through a 64 x 64 shared-memory tile per consumer: swizzled when all 64 rows are the
     sequence's, else plain rows stored with a ladder of power-of-two-row TMA stores so no other
@@ -343,6 +336,12 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                 jnp.int32)
             return num_items, item_info
 
+        def slot_of(tile):
+            # tile >= 0: a bit-and when num_stages is a power of two (no signed-remainder fix-up)
+            if num_stages & (num_stages - 1) == 0:
+                return tile & (num_stages - 1)
+            return lax.rem(tile, num_stages)
+
         def block_steps(info):
             return (info[_KV_END] + info[_KSHIFT] + block_kv - 1) // block_kv
 
@@ -376,14 +375,16 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                 rows = pl.ds(aligned_rows(info[_ROW0], wg * _WG_ROWS), _WG_ROWS)
                 plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_tile, q_ready.at[wg])
 
-            def kv_step(step, carry, *, tile0, wg_pos0, k_shift, masked, after_qk, keys=block_kv):
-                # reads the tile's first `keys` keys (< block_kv: see half_last)
+            def kv_step(step, carry, *, tile0, wg_pos0, k_shift, masked, after_qk, steps,
+                        keys=block_kv):
+                # Reads the tile's first `keys` keys (< block_kv: see half_last). Its K tile was
+                # awaited before the item's loops (step 0) or during the previous step's PV
+                # product.
                 acc, m_i, l_i = carry
-                slot = lax.rem(tile0 + step, num_stages)
+                slot = slot_of(tile0 + step)
                 k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
                 if keys < block_kv:
                     k_tile, v_tile = k_tile.at[pl.ds(0, keys)], v_tile.at[pl.ds(0, keys)]
-                plgpu.barrier_wait(k_ready.at[slot])
 
                 def qk_product(acc_ref):
                     plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
@@ -410,6 +411,14 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                 plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_wait(turn)
+
+                def await_next_k():
+                    # Off the path from this PV product's end to the next QK product's issue.
+                    # Each barrier phase is awaited exactly once: Mosaic flips a barrier's phase
+                    # bit on every wait, so a second wait would wait for the next phase.
+                    pl.when(step + 1 < steps)(
+                        lambda: plgpu.barrier_wait(k_ready.at[slot_of(tile0 + step + 1)]))
+
                 if interpret:
                     # The interpreter has no register operands or pre-initialised accumulators
                     # for wgmma: P goes through shared memory and the product is added.
@@ -422,11 +431,13 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
 
                     acc = acc + pl.run_scoped(pv_alone, plgpu.ACC((_WG_ROWS, d_v), jnp.float32))
                     l_i = l_i + p.sum(axis=1)
+                    await_next_k()
                 else:
                     def pv_then_sum(refs):
                         acc_ref, l_ref = refs
                         plgpu.wgmma(acc_ref, p16, v_tile)
                         l_ref[...] += p.sum(axis=1)  # while the tensor cores work
+                        await_next_k()
 
                     acc, l_i = pl.run_state(pv_then_sum)((plgpu.ACC.init(acc), l_i))
                 plgpu.barrier_arrive(v_free.at[slot])
@@ -435,7 +446,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
             def skip_step(step, _, *, tile0):
                 # A tile only the other consumer needs: release it once it has landed and keep
                 # the turn-taking in step.
-                slot = lax.rem(tile0 + step, num_stages)
+                slot = slot_of(tile0 + step)
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
                 take_turn(step)
@@ -467,6 +478,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                 first_full = jnp.minimum(jnp.where(k_shift > 0, 1, 0), steps)
                 end_full = jnp.clip((wg_pos0 + lo + 1 + k_shift) // block_kv, first_full, steps)
                 plgpu.barrier_wait(q_ready.at[wg])
+                pl.when(steps > 0)(lambda: plgpu.barrier_wait(k_ready.at[slot_of(tile0)]))
                 carry = (
                     plgpu.layout_cast(jnp.zeros((_WG_ROWS, d_v), jnp.float32), plgpu.Layout.WGMMA),
                     plgpu.layout_cast(jnp.full((_WG_ROWS,), -jnp.inf, jnp.float32), row_layout),
@@ -479,7 +491,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                     pl.when((step == steps - 1) & has_next)(lambda: load_q(next_head, next_info))
 
                 step_fn = functools.partial(kv_step, tile0=tile0, wg_pos0=wg_pos0, k_shift=k_shift,
-                                            after_qk=after_qk)
+                                            after_qk=after_qk, steps=steps)
                 carry = lax.fori_loop(0, first_full, functools.partial(step_fn, masked=True), carry)
                 carry = lax.fori_loop(first_full, end_full, functools.partial(step_fn, masked=False),
                                       carry)
@@ -558,7 +570,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                 @pl.loop(0, block_steps(info))
                 def _fetch(step):
                     tile = tile0 + step
-                    slot = lax.rem(tile, num_stages)
+                    slot = slot_of(tile)
                     keys = pl.ds(aligned_rows(info[_KROW0], step * block_kv), block_kv)
 
                     @pl.when(tile >= num_stages)
@@ -580,7 +592,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
             # Observe the last releases too: every barrier phase is waited on before exit.
             @pl.loop(jnp.maximum(tiles - num_stages, 0), tiles)
             def _drain(tile):
-                slot = lax.rem(tile, num_stages)
+                slot = slot_of(tile)
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
 
