@@ -8,9 +8,10 @@ on the H200, Triton-lowered attention kernels ran ~3.4x slower than Mosaic GPU o
 Measured on the H200 (H=128, bf16, causal TFLOP/s; medians of 5-7 interleaved repetitions in
 one run, first timing after compiling in brackets; repetitions slow down as the GPU heats up
 and runs differ by ~7%, so only numbers of one run are compared):
-  session 7, two probe runs of 7 repetitions: 4x2048 528 (593) and 523 (582) against tokamax's
-  Mosaic flash attention 505 (576) and 498 (570), ahead in all 14 repetitions (by 0.8-8.6%);
-  8x1024 439 (501) vs tokamax 407 (479); 16x512 337 (381).
+  session 7, three probe runs of 7 repetitions: 4x2048 528 (593), 523 (582), 514 (577)
+  against tokamax's Mosaic flash attention 505 (576), 498 (570), 504 (563), ahead in 19 of the
+  21 repetitions; 8x1024 439 (501) vs tokamax 407 (479); 16x512 337 (381); 64x128 121.7 vs
+  tokamax 121.0; 4x1024 after 1024 cached 540 (602).
   session 6 bench, ours / tokamax / cuDNN (jax.nn, padded batches): 4x2048 527 / 517 / 380,
   8x1024 474 / 424 / 292, 16x512 363 / 314 / 198, 64x128 121 / 121 / 66, 4x1024 after 1024
   cached 558 / 448 / 297.
@@ -36,7 +37,8 @@ Kept, each against the kernel before it in one run (4x2048 unless named):
   - half-width last tiles: with the above, 511 vs 486.
   - the next K tile awaited while the PV product runs, off the path from one step's PV product
     to the next step's QK issue (with the slot as a bit-and): 528 vs 516 and 523 vs 509 (two
-    runs, outputs bit-identical); 8x1024 439 vs 442, 16x512 337 vs 338 (noise).
+    runs, outputs bit-identical); 4x1024+1024 540 vs 531; 8x1024 439 vs 442, 16x512 337 vs 338
+    (noise).
 Not kept (against the kernel of the day; "noise" = within the run-to-run spread): a step's PV
 and the next QK products issued together (363 vs 449; 16x512 167 vs 307); FA3-style pipelining
 inside each consumer (385 (484); without a branch between the issues and the PV wait 562 vs 576
@@ -48,7 +50,8 @@ prefetches into L2 of the next item's q and first K/V tiles (64x128 84 vs 120) o
 385); whole 64-row output blocks stored from registers to HBM (480 vs 523); 240/24 registers
 (528 vs 530); one producer warp (531 vs 539, 518 vs 507); diagonal tiles masked by k <= q alone
 (511 vs 507, 519 vs 523); the accumulator rescaled only in rows whose max moved (506 vs 523):
-noise.
+noise. The unmasked steps unrolled by two (one step's PV wait and the next QK issue in one
+basic block): 459 vs 514.
 """
 
 from __future__ import annotations
