@@ -12,72 +12,57 @@ over the key cache and its speed is the bytes it keeps in flight. Layout of the 
     64-key blocks (the cache's pages; other page sizes are mapped to 64-key pages first) and
     into chunks of `chunk` blocks, one CTA per (tile, chunk), with `chunk` picked so the CTAs
     fill whole waves of the GPU's SMs;
-  * with one row per tile the kernel reads the row's sequence and end itself (row_seq, row_end:
-    no XLA op runs before it) and loads, at once, the chunk's slice of block-table row `tile`
-    (rows in sequence order, one per sequence: the usual decode batch), reloading it from the
-    row's own sequence when that is another; with two rows per tile (MTP) the wrapper's tile
-    schedule (XLA) gives the tile's metadata and gathers its sequence's table row. Either way a
-    memory warpgroup holds the chunk's table slice in SMEM, so no page lookup waits on GMEM,
-    and loads (one row per tile) the row's q and weights beside it: the first keys go out one
-    memory round trip after the start, not two. It then streams key blocks [64, D] and their scales by
-    TMA into a ring of `stages` SMEM slots of `step_blocks` blocks each (96 KiB of keys in
-    flight per SM; 64 KiB for a CTA of at most 8 steps), and writes -inf over the chunk's
-    blocks at or past the tile's last valid key;
+  * a memory warpgroup holds the chunk's block-table slice in SMEM, so no page lookup waits on
+    GMEM. With one row per tile the kernel reads the row's sequence and end itself (no XLA op
+    runs before it) and loads, at once, the row's q, weights and the table slice of sequence
+    `tile` (rows in sequence order, one per sequence: the usual decode batch), reloading the
+    slice when the row's sequence is another; with two rows per tile (MTP) the wrapper's tile
+    schedule (XLA) gives the tile's metadata and gathers its sequence's table row. It then
+    streams key blocks [64, D] and their scales by TMA into a ring of `stages` SMEM slots of
+    `step_blocks` blocks each (96 KiB of keys in flight per SM; 64 KiB for a CTA of at most 8
+    steps), and writes -inf over the chunk's blocks at or past the tile's last valid key;
   * two compute warpgroups take alternate slots: per block one wgmma [64 keys, D] x
     [D, block_rows * Hi] (the tile's q side by side, SMEM), then per row ReLU, the
     head-weighted sum as a row reduction of the WGMMA layout, key scales and the ragged mask;
-    64 logits per row and block go out by TMA from a double-buffered SMEM tile. At the end the
-    warpgroups wait only until their stores have read SMEM (the writes land by kernel end).
+    64 logits per row and block go out by TMA from a double-buffered SMEM tile.
 Nothing of size [rows, Hi, keys] exists outside registers.
 
-Why Mosaic GPU, and a kernel of its own (measured on the H200, fp8 keys + scales, 64 heads x
-128, pages of 64, 1 row per sequence, B=32 sequences of 32K keys, device time of 20 calls in
-one jit's fori_loop, whose per-iteration overhead this size hides: B=32 C=128K 153 us a call in
-the loop, 151 unrolled): 3291 GB/s of key bytes, 81% of the copy bandwidth measured in the same run (4040 GB/s;
-76% with one block per ring slot). The Triton-backend kernel reads 595 GB/s there (16%): one
-program per (row, chunk) gathering keys with vector loads and one block-table load per key. A
-decode tiling of the Mosaic prefill kernel read 521-555 GB/s: its producer reads each block's
-page id from GMEM just before that block's TMA, one memory latency per 8 KiB. Also measured
-(host-timed, GPU-bound): bf16 B=32 C=32K 3501 GB/s (87% of copy), fp8 B=128 C=32K 3303 (81%).
-Small batches are bound by per-call latency, not bandwidth. B=1, fp8 (scripts/bench_indexer.py:
-20 dependent calls unrolled in one jit over L2-cold copies of the cache, which XLA runs as one
-CUDA graph, the Mosaic custom calls included, 0.13 us between kernels; jax.profiler trace):
-C=128K 9.5-9.7 us a call = this kernel 7.9 us (17.3 MB at 2.2 TB/s; 6.0 us L2-warm) + one 1.0 us
-fusion (the wrapper's tile metadata and block-table gather, fused by XLA with the chain's
-dependency op) + two gaps; a copy of the same bytes (read + write) takes 9.6 us on the device,
-10.2 us a step in the same harness: 53-57% of the copy per call, the kernel alone at 61% of the
-copy kernel's 3.6 TB/s. Inside the kernel (Mosaic GPU profiler, one L2-cold call, medians / max
-over the 128 CTAs): all start within 0.2 us and initialise for 0.3; the tile's metadata and table land at
-0.9 / 1.0 us; the first ring slot's keys at 2.9 us (max 4.3: all CTAs request 12.6 MB at once);
-the last keys go out at 3.7 us and the last logits at 7.1 us (max 8.0). A compute step (2
-blocks) is 0.37 us of math and 0.19 of stores after 0.64 waiting for its keys: the kernel is
-memory-bound, its keys arriving at ~2.9 TB/s once requested (the copy moves 3.6), and nothing
-arrives in its first 2.9 us, which one sequence cannot hide. A ring that holds the whole B=1
-chunk (stages=8) was slower (9.70 vs 9.60 us; B=32 C=32K 43.7 vs 42.6).
-C=32K 7.8 us a call (58%; the Triton kernel 7.4). Without XLA command buffers each Mosaic launch
-costs ~8 us of host time (24 us a call). More or fewer CTAs are slower (B=1 C=128K: 64 CTAs
-11.0 us, 256 CTAs 9.6, the chosen 128 CTAs 7.5, warm).
-Session 6 (H200, same harness; the 70% target is read as the kernel alone against the copy fusion
-alone on the same bytes, both from profiler traces of their chains: scripts/bench_indexer.py says
-why). Reading the row metadata and the table row in the kernel (before, a 1.0 us XLA fusion built
-them) took B=1 C=128K from 9.67 to 8.87 us a call and the kernel alone from 7.87 to 7.25 us
-(outputs identical; B=32 C=32K 41.8 us a call either way); what the chain still runs outside the
-kernel is its own dependency fusion (0.93 us). The kernel alone, 7.30 us, is 66% of the copy
-fusion alone (3.56 TB/s). Its timeline: table in at 1.04 us, first keys requested at 1.25 and
-landed at 3.0 (max 4.3), last logits at 6.9 (max 7.8). A ring of 4 slots (64 KiB) instead of 6
-for a CTA of at most 8 steps: B=1 C=128K 7.26 -> 7.01 us alone (2469 GB/s, 68.7% of the copy
-alone, 3593 GB/s; outputs identical), while B=32 C=32K, B=32 C=128K and B=128 C=32K are 4.5-4.7%
-slower with it (38.3 vs 40.1, 144.9 vs 151.7, 145.0 vs 151.7 us alone), so long chunks keep 6
-slots (`choose_decode_tiling`). Measured at B=1 C=128K and not
-kept: compute warpgroups taking steps in the order their keys land (barrier_test polling, a ring
-holding the chunk) +15% a call; the first two steps' page ids by plain loads, their keys issued
-before the table's TMA lands, +7%; the scales on a barrier of their own, waited after the keys'
-wgmmas, 7.38 us alone (B=32 C=32K 38.2 vs 37.7); one block per slot 7.41 (12 slots), 7.36 / 7.26
-/ 7.68 (8 / 6 / 4 slots, against 6.98 for the chosen 4 slots of 2 blocks); a 32 KiB ring 8.61.
-Without key scales (a diagnostic) a call is 5.7% faster for 3% fewer bytes: the 2048 separate
-256-byte scale copies cost ~3% beyond their bytes, and the cache keeps the scales in an array of
-their own (fetching them with their keys needs a layout change). Pages in order instead of
-shuffled: -2.7%.
+Measured on the H200 (fp8 keys + scales, 64 heads x 128, shuffled pages of 64, one row per
+sequence; scripts/bench_indexer.py: 20 dependent calls unrolled in one jit over L2-cold copies of
+the cache, one CUDA graph with the Mosaic calls; "alone" = the kernel's own device time in a
+profiler trace of that chain, against the copy fusion alone on the same bytes, the like-for-like
+number the 70% target is read against; without XLA command buffers each Mosaic launch costs ~8 us
+of host time):
+  * Why Mosaic GPU: B=32 C=32K reads 3291 GB/s of key bytes a call (81% of the copy in the same
+    run); the Triton-backend kernel 595 GB/s (one program per (row, chunk), vector loads, one
+    table load per key); a decode tiling of the Mosaic prefill kernel 521-555 GB/s (its page id
+    read from GMEM just before each block's TMA). Alone (session 7): B=32 C=32K 38.1-38.6 us,
+    B=128 C=32K 145 us (3.6-3.8 TB/s, 87-90% of the copy alone).
+  * B=1 C=128K (17.3 MB) is latency-bound: alone 6.97-7.04 us, 68.8-70.0% of the copy alone
+    (3.55-3.58 TB/s) across session 7's runs. Its timeline (Mosaic GPU profiler, one L2-cold
+    call, medians / max over the 128 CTAs): table slice in at 0.9 us, first keys requested at
+    1.1 and landed at 2.8 (max 4.2: every CTA requests its ring at once), last keys requested at
+    4.9 (max 5.8), last logits at 6.7 (max 7.6); a compute step (2 blocks) is 0.38 us of math
+    and 0.14 of stores. More or fewer CTAs are slower (64: 11.0 us, 256: 9.6, 128: 7.5, warm L2).
+    Reading the row metadata and the table in the kernel (not in an XLA fusion before it) took
+    the kernel alone from 7.87 to 7.25 us.
+  * Tiling: 2 blocks per slot (B=32 C=32K 81% vs 76% of copy with 1); a CTA of at most 8 steps
+    keeps 4 slots in flight, not 6 (B=1 C=128K alone 7.01 vs 7.26 us), while long chunks need 6
+    (4 slots: B=32 C=32K, B=32 C=128K, B=128 C=32K 4.5-4.7% slower).
+  * The key scales (3% of the bytes, 2048 copies of 256 B at B=1 C=128K) cost their bytes and no
+    more: without them (a diagnostic) B=1 C=128K is 3.2% faster alone (6.82 vs 7.04 us); stored
+    right after their page's keys (a cache layout change, still a copy each) 7.01 (noise).
+  Measured and not kept (B=1 C=128K alone unless said; outputs identical to the kernel's): the
+  scales read by the compute warpgroups with plain loads from GMEM, one step ahead +8.6% (B=32
+  C=32K +9.5%) or issued with their step's keys +3.2% (B=32 +4.3%, B=128 +2.3%); the chunk's last
+  2 blocks as two 1-block steps, one per compute warpgroup, +3.2% (with page ids read before the
+  copies +3.9%, with one store per 2-block step +3.4%; B=32 +1.3%); the chunk's steps beyond the
+  ring prefetched into L2 (TMA prefetch) once its first keys landed +9.3%, at once +9.8%, with a
+  2-slot ring +30%; compute warpgroups taking steps in the order their keys land +15% a call;
+  the first steps' page ids by plain loads, their keys issued before the table's TMA lands +7%
+  a call; the scales on a barrier of their own 7.38 vs 7.30 us; one block per slot 7.41 / 7.36 /
+  7.26 / 7.68 us with 12 / 8 / 6 / 4 slots vs 6.98; a 32 KiB ring 8.61 us; a ring holding the
+  whole chunk +1% a call. Pages in order instead of shuffled: -2.7% a call.
 """
 
 from __future__ import annotations
