@@ -7,87 +7,75 @@ over the cache slots idx = slots[n, :] that are >= 0,
 with out = 0, lse = +inf for rows with no valid slot. Caches: bf16, or FlashMLA's fp8 layout
 (e4m3 latent + one f32 scale per 128 values + bf16 k_pe, as three arrays).
 
-One CTA = one query row x 64 heads x one split of the slot list, three warpgroups:
-  * a producer warpgroup gathers the selected cache rows, 64 per block, straight into
-    swizzled shared memory with per-thread 16-byte `cp.async` copies (Hopper's TMA cannot
-    gather rows, and one bulk copy per row would need 10 copies per row), zero-filling the rows
-    of -1 slots, into a ring of [64, R + P] bf16 tiles (2 at DeepSeek's shapes: q's [64, 576]
-    tile and the ring fill the 227 KiB). Eight consecutive lanes take eight rows, so a warp's
-    16-byte stores spread over all shared-memory banks (one row per warp: 2-4 way conflicts).
-    An fp8 latent is copied the same way, raw: each producer thread copies its 16-byte e4m3
-    chunks (and its rows' f32 scales) into the very stage bytes that its own conversion then
-    overwrites, in 4 cp.async groups (k_pe's last), and dequantises each group as soon as it has
-    landed (e4m3 -> f16 exactly, x the f32 scale, -> bf16, as FlashMLA does). No thread reads
-    what another one copied, so a block needs no barrier until it is whole; every copy is in
-    flight at once, where loading e4m3 through registers (72 of them) left few loads in flight.
-    The block's slot ids arrive by TMA one block ahead;
-  * two consumer warpgroups share each tile: warpgroup w scores its 32 slots of the block
-    against all 64 heads (S_w = Q . K_w^T, [64, 32], the 576-wide contraction in one wgmma
-    chain) and turns them into probabilities against its own running max m_w; it publishes
-    (m_w, P_w as f16) in shared memory, both meet at one named barrier (`bar.sync`), and each
-    takes the common max m = max(m_0, m_1), rescales its own P and the other's by 2^(m_w - m) in
-    registers and accumulates out[:, w-th half of R] += P . V over all 64 slots with P from
-    registers (V = the first R columns of the same tile). A second named barrier pair
-    (`bar.arrive` after reading, `bar.sync` before the next write) guards the exchange buffers.
-    One rendezvous per block instead of two (max, then P) and no P round trip through shared
-    memory for the wgmma. The accumulator, 64 x R/2 f32, is what fits in one warpgroup's
-    registers; the tile is read from shared memory by both.
-128 heads take two CTAs per row: a CTA over all 128 heads would need a 128 x 512 f32 accumulator,
-the whole register file. The grid runs heads fastest, so a row's two CTAs run side by side and
-the second one's gathers hit L2 (rows first, as before this session, put them ~a wave apart:
-beyond L2 at a 128K cache and in decode).
+One CTA = one query row x 64 heads x one split of the slot list; a ring of two [64, R + P] bf16
+stages beside q's [64, 576] tile fills the 227 KiB at DeepSeek's shapes. Three warpgroups:
+  * the producer gathers each block's 64 cache rows with per-thread 16-byte `cp.async` (TMA
+    cannot gather rows) into 64-byte-swizzled tiles, zero-filling -1 slots; eight consecutive
+    lanes take eight rows of one 16-byte unit (conflict-free shared stores; lanes along a row
+    issue slower, below). An fp8 latent is copied raw: each thread's e4m3 chunks and its rows'
+    f32 scales go into the stage bytes its own conversion then overwrites (e4m3 -> f16 exactly,
+    x the scale in f32, -> bf16, as FlashMLA does); no thread reads another's copies, so a
+    block needs no barrier until it is whole; 4 cp.async groups (then k_pe's), each converted
+    as soon as it lands. Slot ids come by TMA one block ahead;
+  * warpgroup 0 (scorer) computes S = Q . K^T [64, 64] for the whole block (q read from shared
+    memory once a block), the online softmax, and hands P (bf16) and the rows' rescale factor
+    to warpgroup 1 through shared memory (mbarriers p_ready / p_free); it accumulates
+    out[:, :R/2] += P . V with P from registers;
+  * warpgroup 1 rescales its accumulator and adds out[:, R/2:] += P . V, P read by the wgmma
+    from shared memory. Each accumulator, 64 x R/2 f32, is what one warpgroup's registers hold.
+128 heads take two CTAs per row; heads run fastest, so a row's two CTAs share their gathers in L2.
 
-Measured on H200 (FlashMLA's FLOP count, TFLOP/s; `scripts/bench_sparse_attention.py --quick`:
-prefill 4096 rows, decode 128 x 2 rows over 32K-slot caches; targets: prefill 400, decode 300).
-Session 5's final bench: bf16 prefill 423 at an 8K-slot cache, 383 at 128K, decode 380; fp8
-prefill 294 / 290, decode 275. Session 6 probe (same run, median of 3 interleaved rounds, 2048
-rows over 8K, decode 128 x 2): the per-thread fp8 layout above 296 vs 290 prefill, 289 vs 276
-decode against session 5's in-place one (raw e4m3 in the second half of each 8-row group's tiles,
-converted by the whole producer warpgroup 8 rows at a time behind 8 barriers a block).
+Measured on H200 (FlashMLA's FLOP count, TFLOP/s; targets: prefill 400, decode 300). Session 6's
+final bench (`scripts/bench_sparse_attention.py --quick`: prefill 4096 rows over 8K / 128K
+slots, decode 128 x 2 rows over 32K-slot caches), with the previous design (both consumer
+warpgroups scoring 32 slots of a block against all of q, exchanging maxima and P every block):
+bf16 420 / 384 / 376, fp8 309 / 298 / 294. This design against that one in the same runs
+(prefill 2048 rows; medians of 3 interleaved rounds; session 7 rounds A-B3):
+  bf16: 8K 469-481 vs 411-425, 128K 413-426 vs 370-389, decode 418 vs 383;
+  fp8:  8K 329-334 vs 308-310, 128K 329 vs 302, decode 313 vs 294.
+Outputs: as close to the float32 reference as before (16 rows: fp8 err 4.3e-3, bf16 5.7e-4),
+within 3.5e-4 of the previous kernel at the real shapes and 1.9e-4 at odd ones (20 / 128 heads,
+R 128, holes, empty rows, splits; P is now rounded once, to bf16, against the block's max over
+all 64 slots); every e4m3 code x scales 2e-7..1e3 dequantised within 2^-8.
+Where the time goes (session 7, %clock stamps per warpgroup at each step of every block; cycles
+of the 1.8 GHz SM clock per 64-slot block, medians over 4096 CTAs). Previous design:
+  fp8 8K: period 6050; producer: copies issued in 2640 (22 cp.async a thread), landed and
+    converted 2800 later; consumers waited 1100 / 800 for every block: producer-bound;
+  bf16 8K: period 4520; producer busy 4050 of it (36 cp.async a thread issued in 3580: the
+    issue stalls, ~20 bytes a cycle per SM); consumers QK 1090 / 1900, max and P exchange
+    990 / 540, softmax 950 / 660, PV 1130 / 1220;
+  bf16 128K: as 8K plus 900-1300 of landing (gathers leaving L2), consumers waited 460-680.
+This design's scorer (stamped in the 128-byte-swizzle variant below, same consumers): QK 1550,
+softmax 710, publishing P 370, PV 670, ~3300 a block, under the producer's ~4000 (bf16) and
+~5600 (fp8): the gathers bound both formats now, fp8 the most (its copies issue no faster per
+copy than bf16's, and converting follows landing within the block's stage).
 The Pallas Triton kernel (`sparse_attention.py`) reaches 164 / 134 / 119 (bf16 prefill 8K, bf16
-decode, fp8 prefill 8K; session 2's runs of the same bench): Mosaic GPU is the backend here for
-wgmma with warp-specialised, barrier-synchronised warpgroups.
-Tried and dropped (probes at 1024 x 8K unless said): an L2 bulk prefetch of the next block's rows
-(decode 359 -> 299); queueing QK of block i + 1 behind PV of block i in a persistent accumulator
-(342 vs 417); a 128-byte swizzle (421, no gain); e4m3 -> f32 by integer bit operations instead of
-conversions (231 vs 274); fp8 through registers as FlashMLA does it (each producer thread loads
-32-byte e4m3 pieces with ld.global, dequantises in registers and stores bf16 swizzle-tile rows;
-4 parts per block with the next 2 parts' loads in flight, across blocks; 88 producer registers):
-correct, but 233 vs 278 at 4096 x 8K (likely cause: ~16 KiB of gathers in flight per CTA, where
-cp.async puts a whole block's 42 KiB in flight at once; spills at 88 registers not ruled out).
-A row's two CTAs as a 2-CTA cluster, each gathering (and for fp8 dequantising) half of every
-block and bulk-copying it into the other's stage through distributed shared memory: correct, but
-no faster (fp8 prefill 276 vs 289, fp8 decode 257 vs 274, bf16 128K 369 vs 383). Each producer
-warp gathering and dequantising its own 8-row groups with warp syncs: 217 vs 285 (2048 x 8K).
-Session 6 (2048 x 8K / decode 128 x 2, same runs as above): e4m3 -> bf16 without conversion
-instructions (prmt puts each byte's sign and 7 exponent/mantissa bits into a bf16 = value x
-2^-120, exact for subnormals; x 2^120 and x the scale as bf16x2 multiplies: 10 SASS a 4 values
-against 12 with 4 F2FP) was correct (every e4m3 code within bf16 rounding) and no faster, in this
-layout (296 / 286) or the in-place one (297 / 286): the conversion's instruction mix does not
-bound fp8, and neither do the in-place layout's barriers. With the conversion skipped altogether
-(wrong results, timed) fp8 prefill ran 302 against 301: converting costs nothing measurable.
-Asking L2 for block i + 1's rows (prefetch.global.L2 per 128-byte line, slot ids two blocks
-ahead) while block i waits for its stage: correct, fp8 decode 254 vs 290 (as with the bulk
-prefetch before it, the extra requests cost more than the latency they hide). Two fp8 producer
-warpgroups (32 rows of every block each): correct at the odd shapes, but at R = 512 ptxas
-rejects the kernel: 512 threads leave 128 registers a thread and the consumer's code needs 158
-(it compiles the whole kernel to the launch's register count; setmaxnreg does not raise it).
-What bounds it: only two 64-row stages fit beside q's 72 KiB tile, so block i + 1's gather
-overlaps block i's math and nothing deeper (its copies can start only when a stage frees), and
-QK, softmax and PV of a block run in series; at 128K the gathers leave L2 (151 MB of bf16 cache
-against 50 MB; not profiled). fp8 holds at ~300 (8K, 128K and decode alike, so not the memory
-behind the gathers) against bf16's ~420, and not because of the conversion (skipping it changes
-nothing, above) nor the producer's amount of work (cluster): what is left between the two paths
-is their copies (three arrays, 656 bytes a row in 22 cp.async a thread against 36); the register
-split was part of it (fp8 at bf16's (224, 56): 310 / 300 against 299 / 292); not profiled.
-Between it and FlashMLA (640 prefill, 410 fp8 decode, on H800): the serial phases above (each
-consumer warpgroup also re-reads all of q from shared memory per block); an fp8 gather that is
-both deep and converted on the way in, which no variant here achieved.
+decode, fp8 prefill 8K; session 2): Mosaic GPU is the backend here for wgmma with warp-
+specialised, barrier-synchronised warpgroups.
+Tried and dropped (TFLOP/s, this against the kernel of the time, same runs):
+  * gathers: lanes along a row, whole 128-byte lines a warp request, 128-byte swizzle (fp8 213 vs
+    334, bf16 377 vs 481: the copies issue slower still); L2 prefetch of the next block, bulk
+    (decode 359 -> 299) or per line (fp8 decode 254 vs 290); cp.async .L2::256B with an
+    evict_last policy (bf16 128K 373-385 vs 379-389);
+  * fp8: through registers as FlashMLA (ld.global e4m3, dequantised stores; 233 vs 278); in
+    place, converted 8 rows at a time behind warpgroup barriers (290 vs 296); e4m3 -> bf16 by
+    bit operations (296 vs 296); the conversion skipped altogether (wrong results: 302 vs 301);
+    per-warp groups (217 vs 285); two producer warpgroups (ptxas: 128 registers a thread at 512
+    threads, the consumers need 158); a row's two CTAs as a cluster splitting the gathers (276
+    vs 289);
+  * consumers: QK of block i + 1 queued behind PV of block i (342 vs 417); a 64-byte swizzle
+    against 128 (no difference); register splits (232, 40) and (216, 72) for the old
+    symmetric consumers (375 and 405 vs 420 at (224, 56)); (232, 200, 72) here (fp8 decode
+    276 vs 313);
+  * persistent CTAs (one per SM looping over the work items, q of the next item loading during
+    the epilogue, out stored from registers; 357-361 vs 374-389 bf16 128K); an epilogue that
+    waits only for its TMA stores to read shared memory (381 vs 389).
 
 Tests: on a GPU, tests/test_sparse_attention_kernel.py (`gpu` marker) checks it against the
 reference; on CPU the kernel can only be lowered (inline PTX has no interpreter), which the
 CPU twin checks, and `sparse_attention.sparse_mla_attention` runs the Triton kernel.
 """
+
 
 from __future__ import annotations
 
@@ -107,8 +95,7 @@ from .slot_splits import auto_num_splits, combine_splits
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 HEADS_PER_CTA = 64  # wgmma's M
-BLOCK_K = 64  # slots per pipeline stage; each consumer warpgroup scores half of them
-_HALF_K = BLOCK_K // 2
+BLOCK_K = 64  # slots per pipeline stage
 _SWIZZLE = 64  # bytes: 32 bf16 columns per smem tile
 _COLS = _SWIZZLE // 2  # bf16 columns per swizzle tile
 _CHUNK = 8  # bf16 values per 16-byte cp.async
@@ -116,13 +103,12 @@ _PRODUCER_THREADS = 128
 _LANE_ROWS = 8  # rows per 8 lanes of a producer warp (see _gather_block's units)
 _SMEM_BYTES = 227 * 1024  # per block on Hopper
 _MAX_STAGES = 4
-# setmaxnreg budgets, both cache formats. The kernel launches 384 threads at 168 registers
-# (65536 / 384, rounded down to 8): 2 consumers + 1 producer must sum to 3 x 168 = 504, or an
-# increase waits forever for registers. Measured (H200, same runs): (232, 40) for bf16 375 vs 417
-# TFLOP/s, (216, 72) for bf16 405 vs 420; fp8 at (224, 56) against (216, 72): prefill 310 vs 299,
-# decode 300 vs 292, outputs bit-identical (session 6, per-thread fp8 layout).
-_CONSUMER_REGS = 224
+# setmaxnreg budgets. The kernel launches 384 threads at 168 registers (65536 / 384, rounded down
+# to 8): the three must sum to 3 x 168 = 504, or an increase waits forever for registers.
+_SCORER_REGS = 232  # warpgroup 0: its accumulator, S [64, 64] f32 and P
+_ACCUMULATOR_REGS = 216  # warpgroup 1: its accumulator
 _PRODUCER_REGS = 56
+_END = 15  # named barrier over the two consumer warpgroups (Mosaic itself uses 0 and 1 + warpgroup)
 
 
 def _swizzled(dtype, swizzle=None):
@@ -310,11 +296,6 @@ def _fp8_per_thread(latent_ptr, scale_ptr, copy_rope, slot_of, dst, gep, tid, *,
                 llvm.store(vec, unit_at(g, u, h), alignment=16)
 
 
-# Named barrier ids over the two consumer warpgroups (Mosaic itself uses 0 and 1 + warpgroup).
-_EXCHANGED = 15  # both warpgroups have published this block's row maxima and probabilities
-_BUFFER_FREE = (13, 14)  # the other warpgroup has read warpgroup w's exchange buffers
-
-
 def _finite_or_zero(x):
     return jnp.where(x == -jnp.inf, 0.0, x)
 
@@ -341,8 +322,9 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
     """refs: q [N, Hp, width] bf16, latent [S, R], (latent_scale [S, R / tile] f32 if fp8,)
     k_pe [S, P] bf16, slots [N, K_pad] i32; out [splits, N, Hp, R] f32, lse [splits, N, Hp] f32."""
     q_gmem, latent_gmem, *cache_gmem, slots_gmem, out_gmem, lse_gmem = refs
-    (q_smem, stage_mem, p_smem, x_smem, ids_smem), (q_bar, kv_ready, kv_free, ids_bar) = scoped
+    (q_smem, stage_mem, p_smem, x_smem, ids_smem), (q_bar, kv_ready, kv_free, ids_bar, p_ready, p_free) = scoped
     kv_smem, (o_smem, lse_smem) = stage_mem
+    a_smem, l_smem = x_smem.at[0], x_smem.at[1]  # block i's rescale factor; 1 / l at the end
     head_block, row, split = lax.axis_index("heads"), lax.axis_index("rows"), lax.axis_index("splits")
     wg = lax.axis_index("wg")
     h0 = head_block * HEADS_PER_CTA
@@ -352,92 +334,96 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 
-    def consumer(w):
-        plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
-        if w == 0:
-            plgpu.copy_gmem_to_smem(q_gmem.at[row, pl.ds(h0, HEADS_PER_CTA)], q_smem, q_bar)
+    def store_out(w, acc, inv_l):
+        # o_smem aliases the stage ring: safe once both warpgroups passed _END (every PV waited)
+        o_smem[w] = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[w], out_gmem.at[split, row, pl.ds(h0, HEADS_PER_CTA),
+                                                          pl.ds(w * half_r, half_r)])
+
+    @pl.when(wg == 0)
+    def _scorer():
+        plgpu.set_max_registers(_SCORER_REGS, action="increase")
+        plgpu.copy_gmem_to_smem(q_gmem.at[row, pl.ds(h0, HEADS_PER_CTA)], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
-
-        def softmax(i, s, idx, acc, m, l):
-            """Scores of block i -> (P [64, 64] bf16 over both halves, acc rescaled, m, l)."""
-            valid = lax.broadcast_in_dim(idx >= 0, s.shape, [1])
-            s = jnp.where(valid, s * qk_scale, -jnp.inf)
-
-            # Probabilities against this warpgroup's own new max (no exchange needed first).
-            # Until a row has seen a valid slot its max is -inf: shift by 0 then (exp2(-inf) = 0).
-            m_own = jnp.maximum(m, jnp.max(s, axis=1))
-            p_own = jnp.exp2(s - lax.broadcast_in_dim(_finite_or_zero(m_own), s.shape, [0]))
-
-            @pl.when(i > 0)
-            def _():
-                _named_barrier("sync", _BUFFER_FREE[w])  # the other read our previous block's
-
-            # Publish (max, P) as f16 (10-bit mantissa: rescaled once more by the reader).
-            x_smem[w] = m_own
-            p_smem[w] = p_own.astype(jnp.float16)
-            _named_barrier("sync", _EXCHANGED)
-            m_other = plgpu.load(x_smem.at[1 - w], layout=row_layout)
-            p_other = plgpu.load(p_smem.at[1 - w], layout=plgpu.Layout.WGMMA)
-            # Both warpgroups derive the same common max, hence the same scale for out and l.
-            m_new = jnp.maximum(m_own, m_other)
-            shift = _finite_or_zero(m_new)
-            alpha = jnp.exp2(m - shift)
-            factors = [jnp.exp2(x - shift) for x in (m_own, m_other)]  # <= 1; 0 for rows still -inf
-            p_own = p_own * lax.broadcast_in_dim(factors[0], s.shape, [0])
-            p_other = p_other.astype(jnp.float32) * lax.broadcast_in_dim(factors[1], s.shape, [0])
-            l = l * alpha + jnp.sum(p_own, axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            halves = [p_own.astype(jnp.bfloat16), p_other.astype(jnp.bfloat16)][::1 - 2 * w]
-            _named_barrier("arrive", _BUFFER_FREE[1 - w])  # its buffers are read (values in registers)
-            return jnp.concatenate(halves, axis=1), acc, m_new, l
 
         def step(i, carry):
             acc, m, l = carry  # acc [64, R/2] f32 (WGMMA); m, l [64] f32 (log2 units)
             stage = lax.rem(i, num_stages)
             # the slot ids (for the -1 mask) load while the block is still landing
-            idx = plgpu.load(slots_gmem.at[row, pl.ds((first + i) * BLOCK_K + w * _HALF_K, _HALF_K)],
+            idx = plgpu.load(slots_gmem.at[row, pl.ds((first + i) * BLOCK_K, BLOCK_K)],
                              layout=col_layout, optimized=False)
             plgpu.barrier_wait(kv_ready.at[stage])
 
-            def qk(s_ref):  # S_w = Q . K_w^T, [64, 32]
-                plgpu.wgmma(s_ref, q_smem, kv_smem.at[stage, pl.ds(w * _HALF_K, _HALF_K)].T)
+            def qk(s_ref):  # S = Q . K^T, [64, 64]
+                plgpu.wgmma(s_ref, q_smem, kv_smem.at[stage].T)
                 return s_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, _HALF_K), jnp.float32))
-            probs, acc, m, l = softmax(i, s, idx, acc, m, l)
+            s = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, BLOCK_K), jnp.float32))
+            valid = lax.broadcast_in_dim(idx >= 0, s.shape, [1])
+            s = jnp.where(valid, s * qk_scale, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            shift = _finite_or_zero(m_new)  # rows with no valid slot yet: exp2(-inf) = 0
+            p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
+            alpha = jnp.exp2(m - shift)
+            l = l * alpha + jnp.sum(p, axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            probs = p.astype(jnp.bfloat16)
 
-            def pv(acc_ref):  # out[:, w-th half of R] += P . V, P [64, 64] from registers
-                plgpu.wgmma(acc_ref, probs, kv_smem.at[stage, :, pl.ds(w * half_r, half_r)])
+            @pl.when(i > 0)
+            def _():
+                plgpu.barrier_wait(p_free)  # warpgroup 1 is done with block i - 1's P and alpha
+
+            p_smem[...] = probs
+            a_smem[...] = alpha
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(p_ready)
+
+            def pv(acc_ref):  # out[:, :R/2] += P . V, P from registers
+                plgpu.wgmma(acc_ref, probs, kv_smem.at[stage, :, pl.ds(0, half_r)])
 
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(kv_free.at[stage])
-            return acc, m, l
+            return acc, m_new, l
 
         acc = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, half_r), jnp.float32), plgpu.Layout.WGMMA)
         m = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), -jnp.inf, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), jnp.float32), row_layout)
         acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
-
-        # Each warpgroup summed p over its own slots: add the two halves of l.
-        _named_barrier("sync", _BUFFER_FREE[w])  # matches the other's last arrive
-        x_smem[w] = l
-        _named_barrier("sync", _EXCHANGED)
-        l = plgpu.load(x_smem.at[0], layout=row_layout) + plgpu.load(x_smem.at[1], layout=row_layout)
         empty = l == 0.0
         inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-        # o_smem aliases the stage ring: safe once both warpgroups passed the barrier above.
-        o_smem[w] = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-        if w == 0:
-            lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
+        l_smem[...] = inv_l
+        _named_barrier("sync", _END)  # both past their last PV: the ring is free for o_smem
+        store_out(0, acc, inv_l)
+        lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[w], out_gmem.at[split, row, pl.ds(h0, HEADS_PER_CTA),
-                                                          pl.ds(w * half_r, half_r)])
-        if w == 0:
-            plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[split, row, pl.ds(h0, HEADS_PER_CTA)])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[split, row, pl.ds(h0, HEADS_PER_CTA)])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.when(wg == 0)(lambda: consumer(0))
-    pl.when(wg == 1)(lambda: consumer(1))
+    @pl.when(wg == 1)
+    def _accumulator():
+        plgpu.set_max_registers(_ACCUMULATOR_REGS, action="increase")
+
+        def step(i, acc):
+            stage = lax.rem(i, num_stages)
+            plgpu.barrier_wait(kv_ready.at[stage])  # the producer's copies, seen by this warpgroup's wgmma
+            plgpu.barrier_wait(p_ready)
+            alpha = plgpu.load(a_smem, layout=row_layout)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+            def pv(acc_ref):  # out[:, R/2:] += P . V, P from shared memory
+                plgpu.wgmma(acc_ref, p_smem, kv_smem.at[stage, :, pl.ds(half_r, half_r)])
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(p_free)
+            plgpu.barrier_arrive(kv_free.at[stage])
+            return acc
+
+        acc = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, half_r), jnp.float32), plgpu.Layout.WGMMA)
+        acc = lax.fori_loop(0, count, step, acc)
+        _named_barrier("sync", _END)
+        store_out(1, acc, plgpu.load(l_smem, layout=row_layout))
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _producer():
@@ -533,7 +519,7 @@ def sparse_mla_attention_mgpu(q, latent, latent_scale, k_pe, slots, *, scale, nu
     # As many [64, width] stages as shared memory holds next to q, P and the small buffers (2 at
     # DeepSeek's shapes); the ring must also hold the f32 output tile that aliases it at the end.
     stage_bytes = BLOCK_K * width * 2
-    fixed_bytes = HEADS_PER_CTA * width * 2 + 2 * HEADS_PER_CTA * _HALF_K * 2 + 3 * 1024
+    fixed_bytes = HEADS_PER_CTA * width * 2 + HEADS_PER_CTA * BLOCK_K * 2 + 3 * 1024
     num_stages = min(_MAX_STAGES, (_SMEM_BYTES - fixed_bytes) // stage_bytes)
     num_stages = max(num_stages, pl.cdiv(HEADS_PER_CTA * rank * 4, stage_bytes))
     kernel = functools.partial(_kernel, rank=rank, rope=rope, width=width, tile=tile, num_blocks=num_blocks,
@@ -549,13 +535,15 @@ def sparse_mla_attention_mgpu(q, latent, latent_scale, k_pe, slots, *, scale, nu
                 (plgpu.SMEM((2, HEADS_PER_CTA, rank // 2), jnp.float32, transforms=_swizzled(jnp.float32, 128)),
                  plgpu.SMEM((HEADS_PER_CTA,), jnp.float32)),
             ),
-            plgpu.SMEM((2, HEADS_PER_CTA, _HALF_K), jnp.float16, transforms=_swizzled(jnp.float16, 64)),
+            plgpu.SMEM((HEADS_PER_CTA, BLOCK_K), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),
             plgpu.SMEM((2, HEADS_PER_CTA), jnp.float32),
             plgpu.SMEM((num_stages, BLOCK_K), jnp.int32),
             plgpu.Barrier(),
             plgpu.Barrier(num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
             plgpu.Barrier(num_barriers=num_stages),
+            plgpu.Barrier(),
+            plgpu.Barrier(),
             collective_axes="wg",
         )
 
