@@ -10,6 +10,9 @@ Options:
   cudnn          jax.nn.dot_product_attention(implementation="cudnn") on [B, L, H, D], V padded to
                  192 before timing (cuDNN wants one head dim); with context, q front-padded with C zero rows
                  (cuDNN's causal mask is top-left and it has no right window)
+  cudnn_packed   the lower-level cuDNN path (jax._src.cudnn.fused_attention_stablehlo), which takes
+                 packed sequences: [1, T, H, D] with per-sequence offsets and lengths, padding-causal
+                 mask; V padded and q front-padded as for cudnn
   tokamax        tokamax.dot_product_attention(implementation="mosaic") on [B, L, H, D] (skipped,
                  with the reason printed, when tokamax does not import); with context, a window
                  reaching C keys to the right (bottom-right causal)
@@ -43,6 +46,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from timing import median_ms  # noqa: E402
+from jax._src.cudnn.fused_attention_stablehlo import (  # noqa: E402 - cuDNN's packed (THD) path
+    MaskType as CudnnMask, dot_product_attention as cudnn_attention)
 from pallas_kernels.dense_attention import (  # noqa: E402
     causal_varlen_attention, causal_varlen_attention_reference)
 
@@ -59,7 +64,7 @@ FULL = [(4, 2048, 0), (8, 1024, 0), (16, 512, 0), (32, 256, 0), (64, 128, 0),
 # sessions 4-7: 4x2048 -0.8% to +10% (session 7 probes: +4.5%, +5.0%), 64x128 0 to +1% (both at
 # the HBM ceiling), 8x1024 +5% to +17%, 16x512 +11% to +22%, 4x1024+1024 +25%)
 QUICK = [(4, 2048, 0), (64, 128, 0), (8, 1024, 0), (16, 512, 0), (4, 1024, 1024)]
-QUICK_OPTIONS = ("mosaic_varlen", "cudnn", "tokamax")
+QUICK_OPTIONS = ("mosaic_varlen", "cudnn", "cudnn_packed", "tokamax")
 
 try:
     import tokamax
@@ -117,6 +122,21 @@ def options(batch, new, ctx):
             return out[..., :D_V].reshape(batch * new, HEADS, D_V)
         return fn
 
+    def cudnn_packed_prepare(q, k, v, q_start, k_start):
+        """Untimed: V padded to 192; with context, ctx zero query rows in front of each sequence
+        (as for "cudnn": its causal mask is top-left), so q's segments are k's."""
+        qb = jnp.pad(q.reshape(batch, new, HEADS, D_QK), ((0, 0), (ctx, 0), (0, 0), (0, 0)))
+        v192 = jnp.pad(v, ((0, 0), (0, 0), (0, D_QK - D_V)))
+        seq_len = jnp.full((1, batch), ctx + new, jnp.int32)
+        return (qb.reshape(1, batch * (ctx + new), HEADS, D_QK), k[None], v192[None], seq_len,
+                k_start[None])
+
+    def cudnn_packed(q1, k1, v1, seq_len, offsets):
+        out = cudnn_attention(q1, k1, v1, q_seqlen=seq_len, kv_seqlen=seq_len, q_offsets=offsets,
+                              kv_offsets=offsets, scale=SCALE, mask_type=CudnnMask.PADDING_CAUSAL)
+        out = out.reshape(batch, ctx + new, HEADS, D_QK)[:, ctx:, :, :D_V]
+        return out.reshape(batch * new, HEADS, D_V)
+
     def tokamax_fn(q, k, v, q_start, k_start):
         out = tokamax.dot_product_attention(*padded(q, k, v), scale=SCALE, implementation="mosaic",
                                             **window)
@@ -132,6 +152,7 @@ def options(batch, new, ctx):
     return {
         "mosaic_varlen": (mosaic, packed, None),
         "cudnn": (jax_nn("cudnn"), jax_nn_prepare("cudnn"), None),
+        "cudnn_packed": (cudnn_packed, cudnn_packed_prepare, None),
         "tokamax": (tokamax_fn, packed, None if tokamax else f"tokamax unavailable ({TOKAMAX_ERROR})"),
         "xla": (jax_nn("xla"), jax_nn_prepare("xla"), None),
         "reference": (reference, packed, None),
