@@ -300,14 +300,14 @@ def _finite_or_zero(x):
     return jnp.where(x == -jnp.inf, 0.0, x)
 
 
-def _named_barrier(op, barrier_id):
-    """`bar.sync` (wait) or `bar.arrive` (no wait) on a named barrier over the two consumer
-    warpgroups (256 threads). Both order this thread's earlier shared-memory accesses."""
+def _sync_consumers():
+    """`bar.sync` on named barrier _END over the two consumer warpgroups (256 threads): waits for
+    both and orders this thread's earlier shared-memory accesses."""
 
     @plgpu.inline_mgpu()
     def barrier(ctx):
         del ctx
-        mgpu_utils.inline_ptx(f"bar.{op} {barrier_id}, 256;", has_side_effects=True, convergent=True)
+        mgpu_utils.inline_ptx(f"bar.sync {_END}, 256;", has_side_effects=True, convergent=True)
 
     return barrier()
 
@@ -393,7 +393,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
         empty = l == 0.0
         inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
         l_smem[...] = inv_l
-        _named_barrier("sync", _END)  # both past their last PV: the ring is free for o_smem
+        _sync_consumers()  # both past their last PV: the ring is free for o_smem
         store_out(0, acc, inv_l)
         lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
         plgpu.commit_smem()
@@ -421,7 +421,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
 
         acc = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, half_r), jnp.float32), plgpu.Layout.WGMMA)
         acc = lax.fori_loop(0, count, step, acc)
-        _named_barrier("sync", _END)
+        _sync_consumers()
         store_out(1, acc, plgpu.load(l_smem, layout=row_layout))
         plgpu.wait_smem_to_gmem(0)
 
