@@ -123,13 +123,11 @@ def options(batch, new, ctx):
         return fn
 
     def cudnn_packed_prepare(q, k, v, q_start, k_start):
-        """Untimed: V padded to 192; with context, ctx zero query rows in front of each sequence
-        (as for "cudnn": its causal mask is top-left), so q's segments are k's."""
-        qb = jnp.pad(q.reshape(batch, new, HEADS, D_QK), ((0, 0), (ctx, 0), (0, 0), (0, 0)))
-        v192 = jnp.pad(v, ((0, 0), (0, 0), (0, D_QK - D_V)))
-        seq_len = jnp.full((1, batch), ctx + new, jnp.int32)
-        return (qb.reshape(1, batch * (ctx + new), HEADS, D_QK), k[None], v192[None], seq_len,
-                k_start[None])
+        """Untimed: cudnn's padded layout (V padded, q front-padded with ctx rows), packed into
+        one row of sequences: q's segments are then k's."""
+        packed_rows = lambda x: x.reshape(1, batch * (ctx + new), HEADS, D_QK)  # noqa: E731
+        qkv = [packed_rows(x) for x in jax_nn_prepare("cudnn")(q, k, v, q_start, k_start)]
+        return (*qkv, jnp.full((1, batch), ctx + new, jnp.int32), k_start[None])
 
     def cudnn_packed(q1, k1, v1, seq_len, offsets):
         out = cudnn_attention(q1, k1, v1, q_seqlen=seq_len, kv_seqlen=seq_len, q_offsets=offsets,
