@@ -49,6 +49,14 @@ This design's scorer (stamped in the 128-byte-swizzle variant below, same consum
 softmax 710, publishing P 370, PV 670, ~3300 a block, under the producer's ~4000 (bf16) and
 ~5600 (fp8): the gathers bound both formats now, fp8 the most (its copies issue no faster per
 copy than bf16's, and converting follows landing within the block's stage).
+fp8's 400 target is out of this data path's reach (session 8, parts removed from this kernel,
+wrong results, same runs; prefill 8K / decode 128 x 2): whole kernel 333 / 310; the conversion
+arithmetic replaced by moves (raw chunks still loaded and stored back) 378 / 328 (128K: 366);
+the in-place pass removed too (copies and waits only) 427 / 344, under bf16's whole kernel
+(457-474) though it moves 43% fewer bytes. So the per-thread cp.async of raw chunks bounds fp8
+at ~430, the shared-memory round trip costs ~50 of it and the arithmetic ~45; closing the gap
+needs another copy path (bulk copies of whole token rows by the TMA unit, say) and a cheaper
+dequantisation (FlashMLA's crossover: a row's two CTAs each convert half a block for both).
 The Pallas Triton kernel (`sparse_attention.py`) reaches 164 / 134 / 119 (bf16 prefill 8K, bf16
 decode, fp8 prefill 8K; session 2): Mosaic GPU is the backend here for wgmma with warp-
 specialised, barrier-synchronised warpgroups.
@@ -62,7 +70,13 @@ Tried and dropped (TFLOP/s, this against the kernel of the time, same runs):
     bit operations (296 vs 296); the conversion skipped altogether (wrong results: 302 vs 301);
     per-warp groups (217 vs 285); two producer warpgroups (ptxas: 128 registers a thread at 512
     threads, the consumers need 158); a row's two CTAs as a cluster splitting the gathers (276
-    vs 289);
+    vs 289); session 8: the conversion moved to warpgroup 1 (the producer only copies and
+    signals each landed part on an mbarrier; warpgroup 1 converts block i + 1's parts before
+    and after its P . V of block i: 262-302 vs 331 by placement, 407 with the conversion
+    skipped there: the hand-off costs what it frees); dequantising without f32 -> bf16
+    conversions (f16 bits shifted into bf16, the scale split into two bf16 parts, bf16x2
+    FMAs; within an ulp: 309 vs 331, more instructions in a latency-bound warp); producer
+    registers 64 or 72 (scorer 224 / 232, accumulator 208 / 216: within 1.5%);
   * consumers: QK of block i + 1 queued behind PV of block i (342 vs 417); a 64-byte swizzle
     against 128 (no difference); register splits (232, 40) and (216, 72) for the old
     symmetric consumers (375 and 405 vs 420 at (224, 56)); (232, 200, 72) here (fp8 decode
