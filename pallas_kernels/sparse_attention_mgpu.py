@@ -53,8 +53,9 @@ fp8's 400 target is out of this data path's reach (session 8, parts removed from
 wrong results, same runs; prefill 8K / decode 128 x 2): whole kernel 333 / 310; the conversion
 arithmetic replaced by moves (raw chunks still loaded and stored back) 378 / 328 (128K: 366);
 the in-place pass removed too (copies and waits only) 427 / 344, under bf16's whole kernel
-(457-474) though it moves 43% fewer bytes. So the per-thread cp.async of raw chunks bounds fp8
-at ~430, the shared-memory round trip costs ~50 of it and the arithmetic ~45; closing the gap
+(457-474) though it moves 43% fewer bytes; without the scale copies as well 452 / 383. So the
+per-thread cp.async of raw chunks bounds fp8 at ~430 (the scales' copies ~25 of that), the
+shared-memory round trip costs ~50 and the arithmetic ~45; closing the gap
 needs another copy path (bulk copies of whole token rows by the TMA unit, say) and a cheaper
 dequantisation (FlashMLA's crossover: a row's two CTAs each convert half a block for both).
 The Pallas Triton kernel (`sparse_attention.py`) reaches 164 / 134 / 119 (bf16 prefill 8K, bf16
@@ -76,7 +77,8 @@ Tried and dropped (TFLOP/s, this against the kernel of the time, same runs):
     skipped there: the hand-off costs what it frees); dequantising without f32 -> bf16
     conversions (f16 bits shifted into bf16, the scale split into two bf16 parts, bf16x2
     FMAs; within an ulp: 309 vs 331, more instructions in a latency-bound warp); producer
-    registers 64 or 72 (scorer 224 / 232, accumulator 208 / 216: within 1.5%);
+    registers 64 or 72 (scorer 224 / 232, accumulator 208 / 216: within 1.5%); the scales by
+    plain global loads at the block's start instead of cp.async (307 vs 329, decode 254 vs 318);
   * consumers: QK of block i + 1 queued behind PV of block i (342 vs 417); a 64-byte swizzle
     against 128 (no difference); register splits (232, 40) and (216, 72) for the old
     symmetric consumers (375 and 405 vs 420 at (224, 56)); (232, 200, 72) here (fp8 decode
