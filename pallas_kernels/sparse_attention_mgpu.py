@@ -55,9 +55,9 @@ arithmetic replaced by moves (raw chunks still loaded and stored back) 378 / 328
 the in-place pass removed too (copies and waits only) 427 / 344, under bf16's whole kernel
 (457-474) though it moves 43% fewer bytes; without the scale copies as well 452 / 383. So the
 per-thread cp.async of raw chunks bounds fp8 at ~430 (the scales' copies ~25 of that), the
-shared-memory round trip costs ~50 and the arithmetic ~45; closing the gap
-needs another copy path (bulk copies of whole token rows by the TMA unit, say) and a cheaper
-dequantisation (FlashMLA's crossover: a row's two CTAs each convert half a block for both).
+shared-memory round trip costs ~50 and the arithmetic ~45. Closing the gap needs another copy
+path (bulk copies of whole token rows by the TMA unit, say) and a cheaper dequantisation share
+per SM (FlashMLA's crossover: a row's two CTAs each convert half a block for both).
 The Pallas Triton kernel (`sparse_attention.py`) reaches 164 / 134 / 119 (bf16 prefill 8K, bf16
 decode, fp8 prefill 8K; session 2): Mosaic GPU is the backend here for wgmma with warp-
 specialised, barrier-synchronised warpgroups.
