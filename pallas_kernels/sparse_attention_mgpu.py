@@ -12,11 +12,12 @@ stages beside q's [64, 576] tile fills the 227 KiB at DeepSeek's shapes. Three w
   * the producer gathers each block's 64 cache rows with per-thread 16-byte `cp.async` (TMA
     cannot gather rows) into 64-byte-swizzled tiles, zero-filling -1 slots; eight consecutive
     lanes take eight rows of one 16-byte unit (conflict-free shared stores; lanes along a row
-    issue slower, below). An fp8 latent is copied raw: each thread's e4m3 chunks and its rows'
-    f32 scales go into the stage bytes its own conversion then overwrites (e4m3 -> f16 exactly,
-    x the scale in f32, -> bf16, as FlashMLA does); no thread reads another's copies, so a
-    block needs no barrier until it is whole; 4 cp.async groups (then k_pe's), each converted
-    as soon as it lands. Slot ids come by TMA one block ahead;
+    issue slower, below). An fp8 latent is copied raw: each thread's e4m3 chunks go into the
+    stage bytes its own conversion then overwrites (e4m3 -> f16 exactly, x the scale in f32,
+    -> bf16, as FlashMLA does), the rows' f32 scales in one copy a lane for its warp's rows;
+    past the scales no thread reads another's copies, so a block needs no warpgroup barrier
+    until it is whole; 4 cp.async groups (then k_pe's), each converted as soon as it lands.
+    Slot ids come by TMA one block ahead;
   * warpgroup 0 (scorer) computes S = Q . K^T [64, 64] for the whole block (q read from shared
     memory once a block), the online softmax, and hands P (bf16) and the rows' rescale factor
     to warpgroup 1 through shared memory (mbarriers p_ready / p_free); it accumulates
@@ -33,6 +34,9 @@ bf16 420 / 384 / 376, fp8 309 / 298 / 294. This design against that one in the s
 (prefill 2048 rows; medians of 3 interleaved rounds; session 7 rounds A-B3):
   bf16: 8K 469-481 vs 411-425, 128K 413-426 vs 370-389, decode 418 vs 383;
   fp8:  8K 329-334 vs 308-310, 128K 329 vs 302, decode 313 vs 294.
+Session 8: the warp's scales in one copy a lane (two a thread before), fp8 against the kernel
+before in one run (4096 rows): 8K 344 vs 335, 128K 330 vs 324, decode 318 vs 311; outputs
+bit-identical.
 Outputs: as close to the float32 reference as before (16 rows: fp8 err 4.3e-3, bf16 5.7e-4),
 within 3.5e-4 of the previous kernel at the real shapes and 1.9e-4 at odd ones (20 / 128 heads,
 R 128, holes, empty rows, splits; P is now rounded once, to bf16, against the block's max over
@@ -49,8 +53,9 @@ This design's scorer (stamped in the 128-byte-swizzle variant below, same consum
 softmax 710, publishing P 370, PV 670, ~3300 a block, under the producer's ~4000 (bf16) and
 ~5600 (fp8): the gathers bound both formats now, fp8 the most (its copies issue no faster per
 copy than bf16's, and converting follows landing within the block's stage).
-fp8's 400 target is out of this data path's reach (session 8, parts removed from this kernel,
-wrong results, same runs; prefill 8K / decode 128 x 2): whole kernel 333 / 310; the conversion
+fp8's 400 target is out of this data path's reach (session 8, before the shared scale copies;
+parts removed from the kernel, wrong results, same runs; prefill 8K / decode 128 x 2): whole
+kernel 333 / 310; the conversion
 arithmetic replaced by moves (raw chunks still loaded and stored back) 378 / 328 (128K: 366);
 the in-place pass removed too (copies and waits only) 427 / 344, under bf16's whole kernel
 (457-474) though it moves 43% fewer bytes; without the scale copies as well 452 / 383. So the
@@ -241,18 +246,22 @@ _FP8_PARTS = 4  # cp.async groups a thread's fp8 copies go out in (each converte
 
 
 def _fp8_per_thread(latent_ptr, scale_ptr, copy_rope, slot_of, dst, gep, tid, *, rank, tile):
-    """fp8 latent: each producer thread cp.asyncs raw e4m3 chunks and their rows' f32 scales into the
-    stage bytes that its own conversion overwrites, then dequantises them there. No thread reads
-    what another one copied, so a block needs no barrier until it is whole (each thread waits for
-    its own cp.async groups only).
+    """fp8 latent: each producer thread cp.asyncs raw e4m3 chunks into the stage bytes that its own
+    conversion overwrites, then dequantises them there. A warp's rows' f32 scales come in one copy
+    a lane; past that, no thread reads what another one copied, so a block needs no barrier until
+    it is whole (each thread waits for its own cp.async groups and its warp's).
 
     Thread t (lane r8 = t % 8, octet o = t / 8 % 4, warp w = t / 32) owns block rows 8 G + r8, G in
     (w, w + 4), and of each the 16-value chunks c = 4 u + o (u < rank / 64). Chunk c becomes bf16
     columns [16 c, 16 c + 16), 16-byte units 2 c and 2 c + 1 of `dst`: the raw chunk lands in unit
-    2 c + 1, the row's scales (rank / tile f32) in units 2 c of its first chunks. Eight lanes take
-    eight rows of one unit (conflict-free, as `units`); an octet's four lanes of a row read 64
-    consecutive bytes of it. The copies go out in _FP8_PARTS groups (then k_pe's, copy_rope), each
-    converted as soon as it has landed.
+    2 c + 1. Eight lanes take eight rows of one unit (conflict-free, as `units`); an octet's four
+    lanes of a row read 64 consecutive bytes of it. A row's scales (rank / tile f32; scale k at
+    bytes 4 (k % 4) of unit 8 (k / 4), octet 0's) are copied by the lanes of octets 2 G' and
+    2 G' + 1 of its row group G' (half each; 4 threads each copied them all before: session 8, one
+    copy a thread a block fewer), in the first group; each thread reads its rows' scales once that
+    group has landed and its warp has synced, and the warp syncs again before any unit is
+    overwritten. The copies go out in _FP8_PARTS groups (then k_pe's, copy_rope), each converted as
+    soon as it has landed.
     """
     i32, i64, i8 = (ir.IntegerType.get_signless(b) for b in (32, 64, 8))
     f32 = ir.F32Type.get()
@@ -273,17 +282,28 @@ def _fp8_per_thread(latent_ptr, scale_ptr, copy_rope, slot_of, dst, gep, tid, *,
     unit_at = lambda g, u, h, extra=0: gep(bases[g][h], c32(u * tile_step + extra), i8)
     part_units = max(1, n_units * n_groups // _FP8_PARTS)  # a thread's units per cp.async group
     parts = [(g, range(u0, min(u0 + part_units, n_units))) for g in range(n_groups) for u0 in range(0, n_units, part_units)]
+    scale_at = lambda j, k: gep(dst(j, c32(8 * (k // 4))), c32(4 * (k % 4)), i8)  # scale k of row j
+
+    # The scales of row group o / 2's row, pieces half, half + 2, ... (o = 2 G' + half): the same
+    # bytes twice where a row has one piece.
+    half, group = arith.remui(octet, c32(2)), arith.divui(octet, c32(2))
+    is_second = arith.cmpi(arith.CmpIPredicate.eq, group, c32(1))
+    valid = arith.select(is_second, slots[1][0], slots[0][0])
+    first = gep(scale_ptr, arith.muli(arith.select(is_second, slots[1][1], slots[0][1]),
+                                      arith.constant(i64, n_scales)), f32)
+    row = arith.select(is_second, rows[1], rows[0])
+    piece = 16 if n_scales % 4 == 0 else 4  # bytes
+    n_pieces = n_scales * 4 // piece
+    for i in range(-(-n_pieces // 2)):
+        k = arith.muli(arith.minui(arith.addi(half, c32(2 * i)), c32(n_pieces - 1)), c32(piece // 4))  # first scale
+        target = gep(dst(row, arith.muli(arith.divui(k, c32(4)), c32(8))), arith.muli(arith.remui(k, c32(4)), c32(4)), i8)
+        nvvm.cp_async_shared_global(target, gep(first, k, f32), piece,
+                                    nvvm.LoadCacheModifierKind.CG if piece == 16 else nvvm.LoadCacheModifierKind.CA,
+                                    cp_size=arith.select(valid, c32(piece), c32(0)))
 
     for g, us in parts:
         valid, safe = slots[g]
         size = lambda n: arith.select(valid, c32(n), c32(0))
-        if us.start == 0:  # the row's scales, into units 2 c of its first chunks
-            first = gep(scale_ptr, arith.muli(safe, arith.constant(i64, n_scales)), f32)
-            for k in range(n_scales * 4 // piece):
-                nvvm.cp_async_shared_global(
-                    unit_at(g, k * piece // 16, 0, k * piece % 16), gep(first, c32(k * piece // 4), f32), piece,
-                    nvvm.LoadCacheModifierKind.CG if piece == 16 else nvvm.LoadCacheModifierKind.CA,
-                    cp_size=size(piece))
         row_src = gep(latent_ptr, arith.addi(arith.muli(safe, arith.constant(i64, rank)),
                                              arith.extui(i64, arith.muli(octet, c32(16)))), i8)
         for u in us:  # chunk 4 u + o: 64 u bytes after chunk o
@@ -295,9 +315,12 @@ def _fp8_per_thread(latent_ptr, scale_ptr, copy_rope, slot_of, dst, gep, tid, *,
     scales = {}
     for p, (g, us) in enumerate(parts):
         nvvm.cp_async_wait_group(len(parts) - p)  # this thread's copies of part p have landed
-        if us.start == 0:  # every scale of the row into registers before unit 0 overwrites them
-            for k in range(n_scales):
-                scales[g, k] = llvm.load(f32, unit_at(g, k * 4 // 16, 0, k * 4 % 16), alignment=4)
+        if p == 0:  # the warp's scale copies (group 0) have landed: every scale into registers
+            _warp_sync()
+            for g2, j in enumerate(rows):
+                for k in range(n_scales):
+                    scales[g2, k] = llvm.load(f32, scale_at(j, k), alignment=4)
+            _warp_sync()  # before any unit holding scales is overwritten
         for u in us:
             s = scales[g, 4 * u // chunks_per_scale]  # chunks 4 u + o, o < 4: one scale tile (tile % 64 == 0)
             data = llvm.load(vec4, unit_at(g, u, 1), alignment=16)
@@ -310,6 +333,11 @@ def _fp8_per_thread(latent_ptr, scale_ptr, copy_rope, slot_of, dst, gep, tid, *,
                 for k in range(4):
                     vec = llvm.insertelement(vec, words[4 * h + k], arith.constant(i32, k))
                 llvm.store(vec, unit_at(g, u, h), alignment=16)
+
+
+def _warp_sync():
+    """bar.warp.sync over the whole warp: orders the lanes' earlier shared-memory accesses."""
+    mgpu_utils.inline_ptx("bar.warp.sync -1;", has_side_effects=True, convergent=True)
 
 
 def _finite_or_zero(x):
