@@ -8,8 +8,8 @@ what measured fastest on the H200 (docs/benchmarks.md) and XLA off the GPU:
     the Triton kernel's 1367);
   top-k: Pallas (thresholds / counted writes / band select: 6.1x lax.top_k at 128 x 32K, 9.0x at
     1024 x 32K, 8.0x at 128 x 128K);
-  sparse MLA attention: Pallas (Mosaic GPU on Hopper: 474 TFLOP/s bf16 prefill at 4096 x 8K, 405
-    bf16 decode, 316 fp8 decode; the Triton kernel 164, XLA's gather + einsum 27-33);
+  sparse MLA attention: Pallas (Mosaic GPU on Hopper: 484 TFLOP/s bf16 prefill at 4096 x 8K, 339
+    fp8, 401 bf16 decode, 323 fp8 decode; the Triton kernel 164, XLA's gather + einsum 27-33);
   dense MHA (short prefills): Pallas (Mosaic GPU over packed ragged sequences: 542 TFLOP/s at
     4 x 2048 and 351 at 16 x 512, cuDNN 373 and 203 and tokamax 517 and 315 on padded batches;
     the only option that takes the packed layout; XLA 53).
