@@ -75,7 +75,7 @@ Tried and dropped (TFLOP/s, this against the kernel of the time, same runs):
     place, converted 8 rows at a time behind warpgroup barriers (290 vs 296); e4m3 -> bf16 by
     bit operations (296 vs 296); the conversion skipped altogether (wrong results: 302 vs 301);
     per-warp groups (217 vs 285); two producer warpgroups (ptxas: 128 registers a thread at 512
-    threads, the consumers need 158); a row's two CTAs as a cluster splitting the gathers (276
+    threads, the consumers need 158; setmaxnreg does not lift that cap, session 8 again); a row's two CTAs as a cluster splitting the gathers (276
     vs 289); session 8: the conversion moved to warpgroup 1 (the producer only copies and
     signals each landed part on an mbarrier; warpgroup 1 converts block i + 1's parts before
     and after its P . V of block i: 262-302 vs 331 by placement, 407 with the conversion
