@@ -55,8 +55,8 @@ softmax 710, publishing P 370, PV 670, ~3300 a block, under the producer's ~4000
 copy than bf16's, and converting follows landing within the block's stage).
 fp8's 400 target is out of this data path's reach (session 8, before the shared scale copies;
 parts removed from the kernel, wrong results, same runs; prefill 8K / decode 128 x 2): whole
-kernel 333 / 310; the conversion
-arithmetic replaced by moves (raw chunks still loaded and stored back) 378 / 328 (128K: 366);
+kernel 333 / 310; the conversion arithmetic replaced by moves (raw chunks still loaded and
+stored back) 378 / 328 (128K: 366);
 the in-place pass removed too (copies and waits only) 427 / 344, under bf16's whole kernel
 (457-474) though it moves 43% fewer bytes; without the scale copies as well 452 / 383. So the
 per-thread cp.async of raw chunks bounds fp8 at ~430 (the scales' copies ~25 of that), the
@@ -75,15 +75,16 @@ Tried and dropped (TFLOP/s, this against the kernel of the time, same runs):
     place, converted 8 rows at a time behind warpgroup barriers (290 vs 296); e4m3 -> bf16 by
     bit operations (296 vs 296); the conversion skipped altogether (wrong results: 302 vs 301);
     per-warp groups (217 vs 285); two producer warpgroups (ptxas: 128 registers a thread at 512
-    threads, the consumers need 158; setmaxnreg does not lift that cap, session 8 again); a row's two CTAs as a cluster splitting the gathers (276
-    vs 289); session 8: the conversion moved to warpgroup 1 (the producer only copies and
-    signals each landed part on an mbarrier; warpgroup 1 converts block i + 1's parts before
-    and after its P . V of block i: 262-302 vs 331 by placement, 407 with the conversion
-    skipped there: the hand-off costs what it frees); dequantising without f32 -> bf16
-    conversions (f16 bits shifted into bf16, the scale split into two bf16 parts, bf16x2
-    FMAs; within an ulp: 309 vs 331, more instructions in a latency-bound warp); producer
-    registers 64 or 72 (scorer 224 / 232, accumulator 208 / 216: within 1.5%); the scales by
-    plain global loads at the block's start instead of cp.async (307 vs 329, decode 254 vs 318);
+    threads, the consumers need 158; setmaxnreg does not lift that cap, session 8 again); a
+    row's two CTAs as a cluster splitting the gathers (276 vs 289); session 8: the conversion
+    moved to warpgroup 1 (the producer only copies and signals each landed part on an mbarrier;
+    warpgroup 1 converts block i + 1's parts before and after its P . V of block i: 262-302 vs
+    331 by placement, 407 with the conversion skipped there: the hand-off costs what it
+    frees); dequantising without f32 -> bf16 conversions (f16 bits shifted into bf16, the
+    scale split into two bf16 parts, bf16x2 FMAs; within an ulp: 309 vs 331, more
+    instructions in a latency-bound warp); producer registers 64 or 72 (scorer 224 / 232,
+    accumulator 208 / 216: within 1.5%); the scales by plain global loads at the block's start
+    instead of cp.async (307 vs 329, decode 254 vs 318);
   * consumers: QK of block i + 1 queued behind PV of block i (342 vs 417); a 64-byte swizzle
     against 128 (no difference); register splits (232, 40) and (216, 72) for the old
     symmetric consumers (375 and 405 vs 420 at (224, 56)); (232, 200, 72) here (fp8 decode
