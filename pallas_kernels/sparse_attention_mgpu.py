@@ -258,8 +258,7 @@ def _fp8_per_thread(latent_ptr, scale_ptr, copy_rope, slot_of, dst, gep, tid, *,
     2 c + 1. Eight lanes take eight rows of one unit (conflict-free, as `units`); an octet's four
     lanes of a row read 64 consecutive bytes of it. A row's scales (rank / tile f32; scale k at
     bytes 4 (k % 4) of unit 8 (k / 4), octet 0's) are copied by the lanes of octets 2 G' and
-    2 G' + 1 of its row group G' (half each; 4 threads each copied them all before: session 8, one
-    copy a thread a block fewer), in the first group; each thread reads its rows' scales once that
+    2 G' + 1 of its row group G' (half each), in the first group; each thread reads its rows' scales once that
     group has landed and its warp has synced, and the warp syncs again before any unit is
     overwritten. The copies go out in _FP8_PARTS groups (then k_pe's, copy_rope), each converted as
     soon as it has landed.
@@ -283,22 +282,22 @@ def _fp8_per_thread(latent_ptr, scale_ptr, copy_rope, slot_of, dst, gep, tid, *,
     unit_at = lambda g, u, h, extra=0: gep(bases[g][h], c32(u * tile_step + extra), i8)
     part_units = max(1, n_units * n_groups // _FP8_PARTS)  # a thread's units per cp.async group
     parts = [(g, range(u0, min(u0 + part_units, n_units))) for g in range(n_groups) for u0 in range(0, n_units, part_units)]
-    scale_at = lambda j, k: gep(dst(j, c32(8 * (k // 4))), c32(4 * (k % 4)), i8)  # scale k of row j
+    def scale_at(j, k):  # scale k (i32) of row j: bytes 4 (k % 4) of octet 0's unit 8 (k / 4)
+        return gep(dst(j, arith.muli(arith.divui(k, c32(4)), c32(8))), arith.muli(arith.remui(k, c32(4)), c32(4)), i8)
 
     # The scales of row group o / 2's row, pieces half, half + 2, ... (o = 2 G' + half): the same
     # bytes twice where a row has one piece.
     half, group = arith.remui(octet, c32(2)), arith.divui(octet, c32(2))
     is_second = arith.cmpi(arith.CmpIPredicate.eq, group, c32(1))
     valid = arith.select(is_second, slots[1][0], slots[0][0])
-    first = gep(scale_ptr, arith.muli(arith.select(is_second, slots[1][1], slots[0][1]),
-                                      arith.constant(i64, n_scales)), f32)
+    row_scales = gep(scale_ptr, arith.muli(arith.select(is_second, slots[1][1], slots[0][1]),
+                                           arith.constant(i64, n_scales)), f32)
     row = arith.select(is_second, rows[1], rows[0])
     piece = 16 if n_scales % 4 == 0 else 4  # bytes
     n_pieces = n_scales * 4 // piece
     for i in range(-(-n_pieces // 2)):
         k = arith.muli(arith.minui(arith.addi(half, c32(2 * i)), c32(n_pieces - 1)), c32(piece // 4))  # first scale
-        target = gep(dst(row, arith.muli(arith.divui(k, c32(4)), c32(8))), arith.muli(arith.remui(k, c32(4)), c32(4)), i8)
-        nvvm.cp_async_shared_global(target, gep(first, k, f32), piece,
+        nvvm.cp_async_shared_global(scale_at(row, k), gep(row_scales, k, f32), piece,
                                     nvvm.LoadCacheModifierKind.CG if piece == 16 else nvvm.LoadCacheModifierKind.CA,
                                     cp_size=arith.select(valid, c32(piece), c32(0)))
 
@@ -320,7 +319,7 @@ def _fp8_per_thread(latent_ptr, scale_ptr, copy_rope, slot_of, dst, gep, tid, *,
             _warp_sync()
             for g2, j in enumerate(rows):
                 for k in range(n_scales):
-                    scales[g2, k] = llvm.load(f32, scale_at(j, k), alignment=4)
+                    scales[g2, k] = llvm.load(f32, scale_at(j, c32(k)), alignment=4)
             _warp_sync()  # before any unit holding scales is overwritten
         for u in us:
             s = scales[g, 4 * u // chunks_per_scale]  # chunks 4 u + o, o < 4: one scale tile (tile % 64 == 0)
