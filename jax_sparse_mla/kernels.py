@@ -8,8 +8,10 @@ what measured fastest on the H200 (docs/benchmarks.md) and XLA off the GPU:
     the Triton kernel's 1367);
   top-k: Pallas (thresholds / counted writes / band select: 6.1x lax.top_k at 128 x 32K, 9.0x at
     1024 x 32K, 8.0x at 128 x 128K);
-  sparse MLA attention: Pallas (Mosaic GPU on Hopper: 484 TFLOP/s bf16 prefill at 4096 x 8K, 339
-    fp8, 401 bf16 decode, 323 fp8 decode; the Triton kernel 164, XLA's gather + einsum 27-33);
+  sparse MLA attention: Pallas (Mosaic GPU on Hopper, 4096 x 8K / 4096 x 128K prefill, 128 x 2
+    decode: bf16 475 / 411 / 403 TFLOP/s; fp8 477 / 404 with prefill pages dequantised upfront
+    (340 / 326 in the kernel) and 326 decode in the kernel; the Triton kernel 164, XLA's gather +
+    einsum 27-33);
   dense MHA (short prefills): Pallas (Mosaic GPU over packed ragged sequences: 542 TFLOP/s at
     4 x 2048 and 351 at 16 x 512, cuDNN 373 and 203 and tokamax 517 and 315 on padded batches;
     the only option that takes the packed layout; XLA 53).
@@ -75,11 +77,14 @@ def topk_indices(logits, k: int, *, impl):
     return topk.topk_reference(logits, k)
 
 
-def sparse_mla(q, latent, latent_scale, k_pe, slots, *, scale, impl):
-    """(out [N, H, R] f32, lse [N, H]) of absorbed attention over cache slots (-1 skipped)."""
+def sparse_mla(q, latent, latent_scale, k_pe, slots, pages, *, scale, page_size, impl):
+    """(out [N, H, R] f32, lse [N, H]) of absorbed attention over cache slots (-1 skipped).
+
+    pages: the page ids (-1 ignored) holding every slot, e.g. the batch's block tables; with an
+    fp8 cache the Pallas route may dequantise those pages once ahead of the kernel (prefill)."""
     if impl == "pallas":
         return sparse_attention.sparse_mla_attention(q, latent, latent_scale, k_pe, slots, scale=scale,
-                                                     interpret=_interpret())
+                                                     pages=pages, page_size=page_size, interpret=_interpret())
     return sparse_attention.sparse_mla_reference(q, latent, latent_scale, k_pe, slots, scale=scale)
 
 

@@ -201,7 +201,8 @@ def _sparse_attention(step: _Step, rows, slots):
     q_lat = per_head("thn,hnr->thr", _pick(step.q_nope, rows), step.w_uk, c_)
     q_abs = jnp.concatenate([q_lat, _pick(step.q_pe, rows)], -1).astype(c_.jnp_dtype)
     out_lat, _ = kernel_ops.sparse_mla(q_abs, cache.flat("latent"), cache.flat("latent_scale"), cache.flat("k_pe"),
-                                       slots, scale=c_.softmax_scale, impl=step.impl["sparse_mla"])
+                                       slots, step.meta.block_tables, scale=c_.softmax_scale,
+                                       page_size=c_.page_size, impl=step.impl["sparse_mla"])
     return per_head("thr,hvr->thv", out_lat, step.w_uv, c_)
 
 

@@ -6,7 +6,9 @@ For each query row n and head h, over the cache slots idx = slots[n, :] that are
 Rows with no valid slot give out = 0 and lse = +inf (FlashMLA's convention).
 
 `sparse_mla_reference` is the jnp oracle (and the XLA path); `sparse_mla_attention` is the
-Pallas GPU kernel, same signature and results, with two backends:
+Pallas GPU kernel, same signature and results. An fp8 cache is dequantised either inside the
+kernel, per gathered row, or "upfront": the cache pages the rows can reach dequantised once into
+a bf16 copy that the bf16 kernel then reads (`dequantize=`, below). Two backends:
   * "mosaic" (the default on a Hopper GPU): `sparse_attention_mgpu`, Pallas Mosaic GPU with
     wgmma and a warp-specialised producer that gathers the selected rows with cp.async;
   * "triton": the Pallas Triton kernel below, for everything else (`interpret=True` runs it on
@@ -40,6 +42,58 @@ def dequantize_latent(latent, latent_scale):
     tile = latent.shape[-1] // latent_scale.shape[-1]
     shaped = values.reshape(values.shape[:-1] + (latent_scale.shape[-1], tile))
     return (shaped * latent_scale[..., None]).reshape(values.shape)
+
+
+DEQUANTIZE = ("auto", "kernel", "upfront")
+# Upfront dequantisation pays when the kernel would dequantise at least this many gathered rows
+# (rows x topk x 64-head programs) per row of the upfront copy. H200, Mosaic kernel, rows over one
+# 128K-slot sequence (docs/benchmarks.md, session 9), upfront time / in-kernel time: 4 uses a row
+# 1.33, 8 1.03, 16 0.92, 32 0.82; at 4096 rows (64 a row) 0.81: even at ~10.
+UPFRONT_MIN_USES = 12
+
+
+def dequantize_route(rows, heads, topk, copy_rows):
+    """"upfront" if the kernel would dequantise rows x topk x cdiv(heads, 64) gathered rows (one
+    64-head program each) >= UPFRONT_MIN_USES x copy_rows, the rows an upfront copy holds; else "kernel"."""
+    return "upfront" if rows * topk * pl.cdiv(heads, 64) >= UPFRONT_MIN_USES * copy_rows else "kernel"
+
+
+def copy_rows(num_slots, pages, page_size):
+    """Rows of `dequantize_pages`'s copy: pages.size * page_size, or num_slots for pages None."""
+    if pages is None:
+        return num_slots
+    if not isinstance(page_size, int) or page_size <= 0 or num_slots % page_size:
+        raise ValueError(f"page_size must be a positive int dividing the cache's {num_slots} slots, got {page_size!r}")
+    return pages.size * page_size
+
+
+def dequantize_pages(latent, latent_scale, k_pe, slots, pages, *, page_size, dtype):
+    """An fp8 cache's pages dequantised once, and slots renumbered into the copy.
+
+    latent: [num_slots, R] e4m3; latent_scale: [num_slots, R // tile] f32; k_pe: [num_slots, P];
+    slots: [N, K] int32 (-1 = skip); pages: int32 page ids, any shape (-1 entries ignored), or None
+    for the whole cache; slot s lies on page s // page_size.
+    Returns (latent [W, R] dtype, k_pe [W, P], slots [N, K] into them), W = pages.size * page_size
+    (num_slots for None). A slot whose page is not listed becomes -1: `pages` must hold every page
+    the slots name (a sequence's block table does).
+    """
+    copy_rows(latent.shape[0], pages, page_size)  # checks page_size
+    if pages is None:
+        return dequantize_latent(latent, latent_scale).astype(dtype), k_pe, slots
+    num_pages = latent.shape[0] // page_size
+    pages = pages.reshape(-1).astype(jnp.int32)
+    listed = pages >= 0
+
+    def rows_of(a):  # [num_slots, ...] -> the listed pages' rows [W, ...]
+        paged = a.reshape(num_pages, page_size, *a.shape[1:])
+        return paged[jnp.where(listed, pages, 0)].reshape(pages.size * page_size, *a.shape[1:])
+
+    copy_page = jnp.full((num_pages,), -1, jnp.int32).at[jnp.where(listed, pages, num_pages)].set(
+        jnp.arange(pages.size, dtype=jnp.int32), mode="drop")  # cache page -> its page in the copy
+    page = copy_page[jnp.clip(slots // page_size, 0, num_pages - 1)]
+    renumbered = jnp.where((slots >= 0) & (page >= 0), page * page_size + slots % page_size, -1)
+    return (dequantize_latent(rows_of(latent), rows_of(latent_scale)).astype(dtype), rows_of(k_pe),
+            renumbered.astype(jnp.int32))
 
 
 def sparse_mla_reference(q, latent, latent_scale, k_pe, slots, *, scale):
@@ -178,6 +232,7 @@ def _sparse_mla_kernel(q_ref, latent_ref, *rest, heads, rank, rope, topk, tile, 
 
 
 def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale, interpret=False, backend=None,
+                         dequantize="auto", pages=None, page_size=None,
                          block_h=64, block_k=32, num_splits=None, num_warps=None, num_stages=2):
     """Sparse MLA attention as a Pallas GPU kernel; same semantics as `sparse_mla_reference`.
 
@@ -190,6 +245,15 @@ def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale, interpr
     backend: "mosaic" (`sparse_attention_mgpu`, Hopper only, bf16 q; see there), "triton", or
     None = "mosaic" on a Hopper GPU when it takes the operands (`unsupported_reason`), else
     "triton". `num_splits` applies to both; the other knobs tune the Triton kernel only.
+
+    fp8 caches (`dequantize_pages`): pages [..] int32 (-1 ignored) lists every cache page the
+    slots may name (page_size slots each; e.g. the batch's block tables), None = the whole cache.
+    dequantize: "kernel" dequantises each gathered row inside the kernel; "upfront" dequantises
+    the listed pages once, to q's dtype (the kernel's rounding), and runs the kernel on that copy
+    (a transient [pages * page_size, R] buffer); "auto" = "upfront" when the kernel would
+    dequantise at least UPFRONT_MIN_USES rows per row of that copy (prefill: thousands of rows
+    over one sequence's pages), else "kernel" (decode). H200, fp8 prefill 4096 rows: see
+    docs/benchmarks.md (session 9).
 
     Keyword-only Triton tuning knobs (defaults are meant for H200 and the real model's shapes):
       block_h    heads per program (the M side of both matrix products), capped at next_pow2(H);
@@ -226,6 +290,17 @@ def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale, interpr
     Register budget at the defaults (H=128, R=512): acc 64 x 512 f32 = 128 KiB, i.e. 128
     registers per thread at 8 warps, plus the q tile, hence block_h 64 and block_k 32.
     """
+    if dequantize not in DEQUANTIZE:
+        raise ValueError(f"dequantize must be one of {DEQUANTIZE}, got {dequantize!r}")
+    if latent_scale is None and dequantize == "upfront":
+        raise ValueError("dequantize='upfront' needs an fp8 cache (latent_scale)")
+    if latent_scale is not None:
+        if dequantize == "auto":
+            dequantize = dequantize_route(*q.shape[:2], slots.shape[-1], copy_rows(latent.shape[0], pages, page_size))
+        if dequantize == "upfront":
+            latent, k_pe, slots = dequantize_pages(latent, latent_scale, k_pe, slots, pages,
+                                                   page_size=page_size, dtype=q.dtype)
+            latent_scale = None
     if backend is None:
         backend = "mosaic" if not interpret and on_hopper() and sparse_attention_mgpu.unsupported_reason(
             q, latent, latent_scale, k_pe) is None else "triton"

@@ -62,7 +62,9 @@ the in-place pass removed too (copies and waits only) 427 / 344, under bf16's wh
 per-thread cp.async of raw chunks bounds fp8 at ~430 (the scales' copies ~25 of that), the
 shared-memory round trip costs ~50 and the arithmetic ~45. Closing the gap needs another copy
 path (bulk copies of whole token rows by the TMA unit, say) and a cheaper dequantisation share
-per SM (FlashMLA's crossover: a row's two CTAs each convert half a block for both).
+per SM (FlashMLA's crossover: a row's two CTAs each convert half a block for both). Prefill does
+not take this path by default: `sparse_attention.sparse_mla_attention` dequantises a prefill's
+pages once upfront and runs the bf16 kernel (session 9: 4096 x 8K 477, x 128K 404 TFLOP/s).
 The Pallas Triton kernel (`sparse_attention.py`) reaches 164 / 134 / 119 (bf16 prefill 8K, bf16
 decode, fp8 prefill 8K; session 2): Mosaic GPU is the backend here for wgmma with warp-
 specialised, barrier-synchronised warpgroups.

@@ -10,6 +10,11 @@ Shapes are DeepSeek-V3.2's: 128 heads, latent rank 512, rope 64, topk 2048, bf16
   decode:  batch 1..128 x s_q 1..2 rows, each sequence selecting from its own 32K-token cache.
 Cache formats: bf16 (latent + rope, 1152 B/token) and fp8 (FlashMLA's layout: e4m3 latent with
 one f32 scale per 128 values, bf16 rope: 656 B/token).
+fp8 runs each dequantisation route of --dequantize: "kernel" (each gathered row dequantised in
+the kernel) and "upfront" (the problem's pages, its sequences' 64-slot pages, dequantised once
+to bf16 ahead of the kernel, inside the timed call); the record's "auto" names the route the
+library picks for the shape. The cache is one array sized for the largest config, as a serving
+engine's is: upfront copies only the pages a problem lists.
 Every config is first checked against the reference (relative error of out, lse), then timed (median of 7 batches of back-to-back calls, after warm-up).
 TFLOP/s follow FlashMLA's convention: 2 * rows * topk * heads * (d_qk + d_v), d_qk 576, d_v 512.
 GB/s counts the gathered cache bytes (rows * topk * bytes per token) plus q and out.
@@ -37,7 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from jax_sparse_mla.config import FP8_TILE  # noqa: E402
 from timing import median_ms  # noqa: E402
 from jax_sparse_mla.ops import quantize_tiles  # noqa: E402
-from pallas_kernels.sparse_attention import sparse_mla_attention, sparse_mla_reference  # noqa: E402
+from pallas_kernels.sparse_attention import dequantize_route, sparse_mla_attention, sparse_mla_reference  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
@@ -56,6 +61,8 @@ QUICK = {
     "decode": [(128, 2)],
 }
 DECODE_S_KV = 32768
+PAGE_SIZE = 64
+DEQUANTIZE = ("kernel", "upfront")  # fp8 routes (--dequantize)
 INTERPRET = {}  # {"interpret": True} under --smoke
 TILING_KEYS = ("block_h", "block_k", "num_warps", "num_stages")
 SWEEP = [  # TILING_KEYS
@@ -115,10 +122,11 @@ def rel_err(out, ref_out, lse, ref_lse, slots):
     return err, lse_err
 
 
-def kernel_fn(impl, tiling):
+def kernel_fn(impl, tiling, dequantize):
     """The jitted kernel of one backend ("triton", with an optional tiling, or "mosaic")."""
     kw = dict(INTERPRET) if tiling is None else dict(zip(TILING_KEYS, tiling), **INTERPRET)
-    return jax.jit(functools.partial(sparse_mla_attention, scale=SCALE, backend=impl, **kw))
+    return jax.jit(functools.partial(sparse_mla_attention, scale=SCALE, backend=impl, dequantize=dequantize,
+                                     page_size=PAGE_SIZE, **kw))
 
 
 def run_config(kind, fmt, a, b, num_slots, reference_fn, impls, tilings=(None,), time_reference=True):
@@ -127,7 +135,10 @@ def run_config(kind, fmt, a, b, num_slots, reference_fn, impls, tilings=(None,),
     rows = q.shape[0]
     flops = 2 * rows * TOPK * HEADS * (RANK + ROPE + RANK)
     moved = rows * TOPK * BYTES_PER_TOKEN[fmt] + q.size * 2 + rows * HEADS * RANK * 4
+    pages = jnp.arange(batch * s_kv // PAGE_SIZE, dtype=jnp.int32)  # the problem's sequences, from slot 0
     base = dict(kind=kind, cache=fmt, rows=rows, batch=batch, s_q=s_q, s_kv=s_kv, topk=TOPK, heads=HEADS)
+    if fmt == "fp8":
+        base["auto"] = dequantize_route(rows, HEADS, TOPK, pages.size * PAGE_SIZE)
     records = []
 
     def record(impl, tiling=None, **extra):
@@ -152,16 +163,19 @@ def run_config(kind, fmt, a, b, num_slots, reference_fn, impls, tilings=(None,),
 
     for impl in impls:
         for tiling in tilings if impl == "triton" else (None,):
-            try:
-                fn = kernel_fn(impl, tiling)
-                out, lse = jax.block_until_ready(fn(*args))
-                err, lse_err = rel_err(out, ref_out, lse, ref_lse, slots)
-                if not (err < OUT_TOL and lse_err < LSE_TOL[fmt]):
-                    raise AssertionError(f"mismatch vs reference: rel err {err:.3e}, lse err {lse_err:.3e}")
-                record(impl, tiling, seconds=median_ms(fn, *args) / 1e3, rel_err=err, lse_err=lse_err)
-            except Exception as e:  # noqa: BLE001 - a config that fails to compile must not end the run
-                record(impl, tiling, error=f"{type(e).__name__}: {e}"[:2000],
-                       traceback=traceback.format_exc()[-3000:])
+            for dequantize in DEQUANTIZE if fmt == "fp8" else ("auto",):
+                extra = dict(dequantize=dequantize) if fmt == "fp8" else {}
+                try:
+                    fn = kernel_fn(impl, tiling, dequantize)
+                    out, lse = jax.block_until_ready(fn(*args, pages=pages))
+                    err, lse_err = rel_err(out, ref_out, lse, ref_lse, slots)
+                    if not (err < OUT_TOL and lse_err < LSE_TOL[fmt]):
+                        raise AssertionError(f"mismatch vs reference: rel err {err:.3e}, lse err {lse_err:.3e}")
+                    record(impl, tiling, seconds=median_ms(functools.partial(fn, pages=pages), *args) / 1e3,
+                           rel_err=err, lse_err=lse_err, **extra)
+                except Exception as e:  # noqa: BLE001 - a config that fails to compile must not end the run
+                    record(impl, tiling, error=f"{type(e).__name__}: {e}"[:2000],
+                           traceback=traceback.format_exc()[-3000:], **extra)
     return records
 
 
@@ -170,6 +184,8 @@ def print_table(records):
     print("\n" + head + "\n" + "-" * len(head))
     for r in records:
         note = r.get("error", "")[:60] or (f"err {r['rel_err']:.1e}" if "rel_err" in r else "")
+        if "dequantize" in r:
+            note = f"dequantize {r['dequantize']}{' (auto)' if r['dequantize'] == r['auto'] else ''} " + note
         if "tiling" in r:
             note = f"{tuple(r['tiling'].values())} " + note
         ms = f"{r['ms']:9.3f}" if "ms" in r else f"{'-':>9}"
@@ -179,7 +195,7 @@ def print_table(records):
 
 
 def main():
-    global HEADS, RANK, ROPE, TOPK, DECODE_S_KV, FULL, QUICK, SWEEP, BYTES_PER_TOKEN
+    global HEADS, RANK, ROPE, TOPK, DECODE_S_KV, PAGE_SIZE, DEQUANTIZE, FULL, QUICK, SWEEP, BYTES_PER_TOKEN
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results.json")
     parser.add_argument("--quick", action="store_true", help="a few configs only")
@@ -187,16 +203,18 @@ def main():
     parser.add_argument("--formats", default="bf16,fp8", help="comma list of bf16, fp8")
     parser.add_argument("--kinds", default="prefill,decode", help="comma list of prefill, decode")
     parser.add_argument("--impls", default="triton,mosaic", help="comma list of triton, mosaic")
+    parser.add_argument("--dequantize", default=",".join(DEQUANTIZE), help="fp8 routes: comma list of kernel, upfront")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes in Pallas interpret mode: checks this script on a CPU")
     args = parser.parse_args()
     if args.smoke:  # the tiny test config; timings are meaningless
-        HEADS, RANK, ROPE, TOPK, DECODE_S_KV = 4, 128, 8, 16, 64
+        HEADS, RANK, ROPE, TOPK, DECODE_S_KV, PAGE_SIZE = 4, 128, 8, 16, 64, 16
         BYTES_PER_TOKEN = {"bf16": (RANK + ROPE) * 2, "fp8": RANK + 4 * RANK // 128 + 2 * ROPE}
         FULL = QUICK = {"prefill": [(8, 64)], "decode": [(2, 2)]}
         SWEEP = [(16, 16, 4, 1)]
         INTERPRET["interpret"] = True
 
+    DEQUANTIZE = tuple(args.dequantize.split(","))
     start = time.perf_counter()
     print(f"devices: {jax.devices()}", flush=True)
     reference_fn = jax.jit(lambda q, l, s, p, i: sparse_mla_reference(q, l, s, p, i, scale=SCALE))

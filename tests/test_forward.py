@@ -193,6 +193,34 @@ def test_pallas_kernels_through_forward(kv_cache_dtype, indexer_dtype):
     h.check(out, TOL_F32)
 
 
+def test_fp8_cache_dequantised_upfront_through_forward(monkeypatch):
+    """The layer hands the Pallas route its block tables: with upfront dequantisation forced (the
+    threshold at 0), the batch's pages are copied to bf16 and the slots renumbered into the copy,
+    and every route still matches the reference."""
+    from pallas_kernels import sparse_attention
+
+    copies = []
+
+    def spy(latent, latent_scale, k_pe, slots, pages, **kw):
+        copies.append(pages.shape)
+        return dequantize_pages(latent, latent_scale, k_pe, slots, pages, **kw)
+
+    dequantize_pages = sparse_attention.dequantize_pages
+    monkeypatch.setattr(sparse_attention, "UPFRONT_MIN_USES", 0)
+    monkeypatch.setattr(sparse_attention, "dequantize_pages", spy)
+    jax.clear_caches()  # retrace under the patched threshold
+    cfg = dataclasses.replace(TINY, kv_cache_dtype="fp8")
+    h = Harness(cfg, seed=13, kernels="pallas")
+    h.add(0, 38)
+    h.add(1, 33)
+    out, plan, _ = h.step([(0, 37), (1, 30)])
+    h.check(out, TOL_F32)
+    out, plan, _ = h.step([(0, 1), (1, 3)])  # a decode and a short chunk after 30 cached
+    h.check(out, TOL_F32)
+    assert copies and copies[-1] == (plan.num_seqs, plan.pages_per_seq)
+    jax.clear_caches()
+
+
 def test_dense_kernel_through_forward_matches_xla():
     """The dense route's Mosaic kernel (bf16 config; float32 configs run dense MHA on XLA) gives
     the XLA route's output: ragged prefills with and without context, beside a decode. On CPU the

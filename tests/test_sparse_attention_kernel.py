@@ -13,6 +13,8 @@ a <= 2^-9 relative rounding per value (far below e4m3's own 2^-4), which at the 
 On CPU the kernel runs in Pallas interpret mode; on a GPU it compiles through Triton.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,15 +126,113 @@ def test_large_scores_are_stable():
     check((q * 30.0, latent, latent_scale, k_pe, slots), scale=1.0, block_k=16, out_tol=1e-4, lse_tol=1e-3)
 
 
+def paged_inputs(seed, *, rows, heads, rank, rope, topk, page_size, cache_pages, seq_pages):
+    """An fp8 cache of cache_pages pages; one sequence of seq_pages shuffled pages (its block table,
+    -1 padded to a width of seq_pages + 3) whose rows select distinct slots on its pages, ~20% -1."""
+    q, latent, latent_scale, k_pe, _ = make_inputs(seed, rows=rows, heads=heads, rank=rank, rope=rope, topk=1,
+                                                   num_slots=cache_pages * page_size, cache="fp8", q_dtype=jnp.bfloat16)
+    keys = jax.random.split(jax.random.key(seed + 1), 3)
+    table = jax.random.permutation(keys[0], cache_pages)[:seq_pages].astype(jnp.int32)
+    positions = jax.vmap(lambda k: jax.random.permutation(k, seq_pages * page_size)[:topk])(
+        jax.random.split(keys[1], rows))
+    slots = table[positions // page_size] * page_size + positions % page_size
+    slots = jnp.where(jax.random.uniform(keys[2], (rows, topk)) < 0.2, -1, slots).astype(jnp.int32)
+    pages = jnp.concatenate([table, jnp.full((3,), -1, jnp.int32)])
+    return q, latent, latent_scale, k_pe, slots, pages
+
+
+def test_dequantize_pages_renumbers_slots():
+    """The copy holds the listed pages dequantised, -1 pages ignored, and each slot names the same
+    row there; slots on pages not listed become -1."""
+    from pallas_kernels.sparse_attention import dequantize_latent, dequantize_pages
+
+    _, latent, latent_scale, k_pe, slots, pages = paged_inputs(
+        7, rows=5, heads=4, rank=128, rope=8, topk=40, page_size=8, cache_pages=30, seq_pages=12)
+    stray = int(jnp.setdiff1d(jnp.arange(30), pages)[0]) * 8 + 3  # a slot on a page not listed
+    slots = slots.at[4, 0].set(stray)
+    copy, copy_pe, renumbered = dequantize_pages(latent, latent_scale, k_pe, slots, pages, page_size=8,
+                                                 dtype=jnp.float32)
+    assert copy.shape == (15 * 8, 128) and copy_pe.shape == (15 * 8, 8)
+    valid = np.asarray(slots) >= 0
+    valid[4, 0] = False
+    np.testing.assert_array_equal(np.asarray(renumbered) >= 0, valid)
+    want = dequantize_latent(latent, latent_scale)
+    got_rows, want_rows = np.asarray(renumbered)[valid], np.asarray(slots)[valid]
+    np.testing.assert_array_equal(np.asarray(copy)[got_rows], np.asarray(want)[want_rows])
+    np.testing.assert_array_equal(np.asarray(copy_pe)[got_rows], np.asarray(k_pe)[want_rows])
+
+
+@pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32])
+def test_fp8_upfront_equals_in_kernel(q_dtype):
+    """Dequantising the sequence's pages upfront gives the in-kernel route's results exactly (both
+    round e4m3 x scale to q's dtype), and both match the reference."""
+    q, latent, latent_scale, k_pe, slots, pages = paged_inputs(
+        8, rows=6, heads=4, rank=128, rope=8, topk=24, page_size=8, cache_pages=20, seq_pages=9)
+    q = q.astype(q_dtype)
+    tol = EXACT if q_dtype == jnp.float32 else FP8
+    kw = dict(pages=pages, page_size=8, **tol)
+    in_kernel = check((q, latent, latent_scale, k_pe, slots), scale=0.1, dequantize="kernel", **kw)
+    upfront = check((q, latent, latent_scale, k_pe, slots), scale=0.1, dequantize="upfront", **kw)
+    np.testing.assert_array_equal(upfront[0], in_kernel[0])
+    np.testing.assert_array_equal(upfront[1], in_kernel[1])
+
+
+def _kernel_latent_dtype(rows, *, whole_cache=False):
+    """The latent dtype the Pallas kernel receives under dequantize="auto" (traced, not run), for
+    `rows` rows of topk 32 and 128 heads over a sequence's 4 pages (+3 -1 entries) of 50."""
+    q, latent, latent_scale, k_pe, slots, pages = paged_inputs(
+        9, rows=rows, heads=128, rank=128, rope=8, topk=32, page_size=64, cache_pages=50, seq_pages=4)
+    fn = functools.partial(sparse_mla_attention, scale=0.1, interpret=INTERPRET, backend="triton", page_size=64)
+    jaxpr = jax.make_jaxpr(lambda *a: fn(*a, pages=None if whole_cache else pages))(q, latent, latent_scale, k_pe, slots)
+    (call,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    return call.invars[1].aval.dtype
+
+
+def test_auto_dequantizes_upfront_for_prefill_only():
+    """"auto": rows x topk x 64-head programs >= UPFRONT_MIN_USES x the copy's rows -> upfront."""
+    from pallas_kernels.sparse_attention import UPFRONT_MIN_USES
+
+    enough = UPFRONT_MIN_USES * 7 * 64 // (32 * 2)  # rows at exactly the threshold for the 7 listed pages
+    assert _kernel_latent_dtype(enough) == jnp.bfloat16
+    assert _kernel_latent_dtype(enough - 1) == jnp.float8_e4m3fn
+    assert _kernel_latent_dtype(enough, whole_cache=True) == jnp.float8_e4m3fn  # 50 pages to copy
+
+
+@pytest.mark.parametrize("bad", ["route", "bf16_upfront", "page_size"])
+def test_dequantize_rejects_bad_arguments(bad):
+    q, latent, latent_scale, k_pe, slots, pages = paged_inputs(
+        10, rows=2, heads=4, rank=128, rope=8, topk=8, page_size=8, cache_pages=6, seq_pages=3)
+    kw = {"route": dict(dequantize="in_kernel"),
+          "bf16_upfront": dict(dequantize="upfront"),
+          "page_size": dict(dequantize="upfront", pages=pages, page_size=7)}[bad]
+    if bad == "bf16_upfront":
+        latent, latent_scale = latent.astype(jnp.bfloat16), None
+    with pytest.raises(ValueError, match="dequantize|fp8|page_size"):
+        sparse_mla_attention(q, latent, latent_scale, k_pe, slots, scale=0.1, interpret=INTERPRET, **kw)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "mosaic"])
-@pytest.mark.parametrize("cache", ["bf16", "fp8"])
-def test_real_dimensions_gpu(cache, backend):
+@pytest.mark.parametrize("cache,dequantize", [("bf16", "auto"), ("fp8", "kernel"), ("fp8", "upfront")])
+def test_real_dimensions_gpu(cache, dequantize, backend):
     """DeepSeek-V3.2 shapes: H=128, R=512, P=64, topk 2048 over a 32K-token cache, 64 rows."""
     inputs = make_inputs(5, rows=64, heads=128, rank=512, rope=64, topk=2048, num_slots=32768,
                          cache=cache, q_dtype=jnp.bfloat16, hole_frac=0.1)
     scale = (128 + 64) ** -0.5 * (0.1 * np.log(40.0) + 1) ** 2
-    check(inputs, scale=scale, backend=backend, **(FP8 if cache == "fp8" else BF16))
+    check(inputs, scale=scale, backend=backend, dequantize=dequantize, **(FP8 if cache == "fp8" else BF16))
+
+
+@pytest.mark.gpu
+def test_mosaic_fp8_routes_agree_gpu():
+    """The Mosaic kernel's in-kernel dequantisation and the upfront copy (both e4m3 x scale in f32,
+    rounded to bf16) give the same attention, at the real shapes over a paged cache."""
+    q, latent, latent_scale, k_pe, slots, pages = paged_inputs(
+        11, rows=256, heads=128, rank=512, rope=64, topk=2048, page_size=64, cache_pages=640, seq_pages=300)
+    kw = dict(scale=0.06, backend="mosaic", pages=pages, page_size=64)
+    in_kernel = sparse_mla_attention(q, latent, latent_scale, k_pe, slots, dequantize="kernel", **kw)
+    upfront = sparse_mla_attention(q, latent, latent_scale, k_pe, slots, dequantize="upfront", **kw)
+    np.testing.assert_allclose(upfront[0], in_kernel[0], rtol=0, atol=1e-5 * float(jnp.abs(in_kernel[0]).max()))
+    np.testing.assert_allclose(upfront[1], in_kernel[1], rtol=0, atol=1e-5)
 
 
 @pytest.mark.gpu
@@ -148,7 +248,7 @@ def test_mosaic_odd_shapes_gpu(cache, heads, num_splits):
     slots = slots.at[1].set(jnp.full((200,), -1).at[150].set(7))
     slots = slots.at[2, :128].set(-1)
     check((q, latent, latent_scale, k_pe, slots), scale=0.2, backend="mosaic", num_splits=num_splits,
-          **(FP8 if cache == "fp8" else BF16))
+          dequantize="kernel" if cache == "fp8" else "auto", **(FP8 if cache == "fp8" else BF16))
 
 
 @pytest.mark.gpu
@@ -168,7 +268,8 @@ def test_mosaic_fp8_dequantisation_gpu():
     slots = np.full((rows, 64), -1, np.int32)
     slots[:, 37] = np.arange(rows)
     # (scores reach ~1e6 here, so lse is not compared: with one slot its weight is 1 regardless)
-    out, _ = sparse_mla_attention(q, latent, latent_scale, k_pe, jnp.asarray(slots), scale=0.1, backend="mosaic")
+    out, _ = sparse_mla_attention(q, latent, latent_scale, k_pe, jnp.asarray(slots), scale=0.1, backend="mosaic",
+                                  dequantize="kernel")
     out = np.asarray(out)
     want = (np.asarray(latent.astype(jnp.float32)).reshape(rows, -1, FP8_TILE)
             * np.asarray(latent_scale)[:, :, None]).reshape(rows, 1, rank)
