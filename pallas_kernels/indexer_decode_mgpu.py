@@ -62,7 +62,12 @@ of host time):
   the first steps' page ids by plain loads, their keys issued before the table's TMA lands +7%
   a call; the scales on a barrier of their own 7.38 vs 7.30 us; one block per slot 7.41 / 7.36 /
   7.26 / 7.68 us with 12 / 8 / 6 / 4 slots vs 6.98; a 32 KiB ring 8.61 us; a ring holding the
-  whole chunk +1% a call. Pages in order instead of shuffled: -2.7% a call.
+  whole chunk +1% a call. Pages in order instead of shuffled: -2.7% a call. Session 9: the scales
+  copied by the compute warpgroups' own cp.async (16 bytes a lane, 8 lanes a warp per step, two
+  own steps ahead into a 3-deep buffer, a warp sync before reading: no scale TMAs at all) +2.5%
+  at B=1 C=128K (7.15 vs 6.98 us), +2.3% at B=32 C=32K, +1.4% at B=128 C=128K; the same run
+  without scales (their bytes too) 6.82 us, 71% of the copy: the scales are not what holds B=1
+  below 70%.
 """
 
 from __future__ import annotations
@@ -182,16 +187,17 @@ def _kernel(*refs, tiling: DecodeTiling, swizzle, num_keys, scaled):
     def row_end():  # one row per tile: the tile is the row, its end read from GMEM (no barrier)
         return jnp.clip(row_end_ref[tile], 0, num_keys)
 
-    def tile_header(meta_smem, meta_bar):
+    def tile_header(meta):
         """(tile rows (-1 = none), their ends, `_chunk_blocks` of the tile's end)."""
         if br == 1:
             end = row_end()
             return [tile], [end], _chunk_blocks(end, first, chunk, sb)
+        meta_smem, meta_bar = meta
         blocks = _chunk_header(meta_smem, meta_bar, first, chunk, sb)
         return [meta_smem[2 + j] for j in range(br)], [meta_smem[2 + br + j] for j in range(br)], blocks
 
-    def body(meta_smem, bt_smem, q_smem, w_smem, k_smem, ks_smem, o_smem, fill_smem,
-             meta_bar, bt_bar, q_bar, k_bar, consumed_bar):
+    def body(meta, bt_smem, q_smem, w_smem, k_smem, ks_smem, o_smem, fill_smem, bt_bar, q_bar, k_bar, consumed_bar):
+        """meta: (meta_smem, meta_bar), the tile's metadata row and its barrier; None for one row a tile."""
 
         def one_row_prologue():
             """One row per tile: its q, weights and the block-table slice of sequence `tile` (rows in
@@ -202,7 +208,7 @@ def _kernel(*refs, tiling: DecodeTiling, swizzle, num_keys, scaled):
             plgpu.copy_gmem_to_smem(w_ref.at[tile], w_smem, q_bar)
             plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem, q_bar)
             seq = jnp.clip(row_seq_ref[tile], 0, bt_ref.shape[0] - 1)
-            rows, _, (stop, n_blocks, n_steps) = tile_header(meta_smem, meta_bar)
+            rows, _, (stop, n_blocks, n_steps) = tile_header(meta)
 
             @pl.when(n_steps == 0)  # no compute warpgroup waits for q then: drain it before exit
             def _drain_q():
@@ -220,9 +226,10 @@ def _kernel(*refs, tiling: DecodeTiling, swizzle, num_keys, scaled):
         def mtp_prologue():
             """Rows of one sequence per tile: the tile's metadata and table slice go out at once, its
             rows' q and weights once the metadata is in. -> (rows, stop, n_blocks, n_steps)."""
+            meta_smem, meta_bar = meta
             plgpu.copy_gmem_to_smem(meta_ref.at[tile], meta_smem, meta_bar)
             plgpu.copy_gmem_to_smem(bt_ref.at[tile, pl.ds(first, chunk)], bt_smem, bt_bar)
-            rows, _, (stop, n_blocks, n_steps) = tile_header(meta_smem, meta_bar)
+            rows, _, (stop, n_blocks, n_steps) = tile_header(meta)
 
             @pl.when(n_steps > 0)
             def _():
@@ -247,7 +254,7 @@ def _kernel(*refs, tiling: DecodeTiling, swizzle, num_keys, scaled):
             _fill_tail_and_drain(rows, fill_smem, stop, first, chunk, out_blocks, lambda row, b: out_ref.at[row, b])
 
         def compute(wg):
-            rows, ends, (_, n_blocks, n_steps) = tile_header(meta_smem, meta_bar)
+            rows, ends, (_, n_blocks, n_steps) = tile_header(meta)
 
             def row_weights():
                 return [plgpu.load(w_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
@@ -285,7 +292,7 @@ def _kernel(*refs, tiling: DecodeTiling, swizzle, num_keys, scaled):
 
     pl.run_scoped(
         body,
-        plgpu.SMEM((_meta_width(br),), jnp.int32),
+        None if br == 1 else (plgpu.SMEM((_meta_width(br),), jnp.int32), plgpu.Barrier(num_arrivals=1)),
         plgpu.SMEM((chunk,), jnp.int32),
         plgpu.SMEM((br * hi, d), q_ref.dtype, transforms=transforms),
         plgpu.SMEM((br, hi), jnp.float32),
@@ -293,7 +300,6 @@ def _kernel(*refs, tiling: DecodeTiling, swizzle, num_keys, scaled):
         plgpu.SMEM((stages, sb, bk), jnp.float32),
         plgpu.SMEM((_COMPUTE_WGS, 2, sb, br, bk), jnp.float32),
         plgpu.SMEM((2 * bk,), jnp.float32),  # -inf; splat stores need a multiple of 128 elements
-        plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=br + 1),
         plgpu.Barrier(num_arrivals=sb * (2 if scaled else 1), num_barriers=stages),
