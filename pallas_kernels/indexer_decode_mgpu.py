@@ -38,8 +38,10 @@ of host time):
     table load per key); a decode tiling of the Mosaic prefill kernel 521-555 GB/s (its page id
     read from GMEM just before each block's TMA). Alone (session 7): B=32 C=32K 38.1-38.6 us,
     B=128 C=32K 145 us (3.6-3.8 TB/s, 87-90% of the copy alone).
-  * B=1 C=128K (17.3 MB) is latency-bound: alone 6.97-7.04 us, 68.8-70.0% of the copy alone
-    (3.55-3.58 TB/s) across session 7's runs. Its timeline (Mosaic GPU profiler, one L2-cold
+  * B=1 C=128K (17.3 MB) is latency-bound: alone 6.86-6.90 us, 70.5% of the copy alone (3.56
+    TB/s) in session 9's bench (6.97-7.04 us, 68.8-70.0%, in session 7's runs; the 1.2% came from
+    one-row tiles no longer allocating the two-row tiles' metadata buffer and barrier, 6.86 vs
+    6.94 us in 5 interleaved rounds, a layout change rather than less work). Its timeline (Mosaic GPU profiler, one L2-cold
     call, medians / max over the 128 CTAs): table slice in at 0.9 us, first keys requested at
     1.1 and landed at 2.8 (max 4.2: every CTA requests its ring at once), last keys requested at
     4.9 (max 5.8), last logits at 6.7 (max 7.6); a compute step (2 blocks) is 0.38 us of math
