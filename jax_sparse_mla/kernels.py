@@ -9,9 +9,9 @@ what measured fastest on the H200 (docs/benchmarks.md) and XLA off the GPU:
   top-k: Pallas (thresholds / counted writes / band select: 6.1x lax.top_k at 128 x 32K, 9.0x at
     1024 x 32K, 8.0x at 128 x 128K);
   sparse MLA attention: Pallas (Mosaic GPU on Hopper, 4096 x 8K / 4096 x 128K prefill, 128 x 2
-    decode: bf16 475 / 411 / 403 TFLOP/s; fp8 477 / 404 with prefill pages dequantised upfront
-    (340 / 326 in the kernel) and 326 decode in the kernel; the Triton kernel 164, XLA's gather +
-    einsum 27-33);
+    decode: bf16 462-475 / 411-428 / 403 TFLOP/s; fp8 466-477 / 403-404 with the prefill's pages
+    dequantised upfront (336-340 / 326-339 in the kernel) and 326 decode in the kernel; the Triton
+    kernel 164, XLA's gather + einsum 27-33);
   dense MHA (short prefills): Pallas (Mosaic GPU over packed ragged sequences: 542 TFLOP/s at
     4 x 2048 and 351 at 16 x 512, cuDNN 373 and 203 and tokamax 517 and 315 on padded batches;
     the only option that takes the packed layout; XLA 53).
@@ -81,7 +81,10 @@ def sparse_mla(q, latent, latent_scale, k_pe, slots, pages, *, scale, page_size,
     """(out [N, H, R] f32, lse [N, H]) of absorbed attention over cache slots (-1 skipped).
 
     pages: the page ids (-1 ignored) holding every slot, e.g. the batch's block tables; with an
-    fp8 cache the Pallas route may dequantise those pages once ahead of the kernel (prefill)."""
+    fp8 cache the Pallas route may dequantise those pages once ahead of the kernel (prefill). The
+    copy has a row for every entry, -1 included: the layer's block tables [num_seqs, pages_per_seq]
+    are bucketed, so a lone 128K prefill (num_seqs padded to 4) copies 4x its pages (~0.3 ms more
+    against the kernel's ~5.7 ms on the H200)."""
     if impl == "pallas":
         return sparse_attention.sparse_mla_attention(q, latent, latent_scale, k_pe, slots, scale=scale,
                                                      pages=pages, page_size=page_size, interpret=_interpret())

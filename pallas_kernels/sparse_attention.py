@@ -74,7 +74,8 @@ def dequantize_pages(latent, latent_scale, k_pe, slots, pages, *, page_size, dty
     slots: [N, K] int32 (-1 = skip); pages: int32 page ids, any shape (-1 entries ignored), or None
     for the whole cache; slot s lies on page s // page_size.
     Returns (latent [W, R] dtype, k_pe [W, P], slots [N, K] into them), W = pages.size * page_size
-    (num_slots for None). A slot whose page is not listed becomes -1: `pages` must hold every page
+    (num_slots for None); a -1 entry's rows are a copy of page 0 that no slot names (static shapes:
+    they cost their copy). A slot whose page is not listed becomes -1: `pages` must hold every page
     the slots name (a sequence's block table does).
     """
     copy_rows(latent.shape[0], pages, page_size)  # checks page_size
