@@ -7,7 +7,8 @@ side by side in one run, through the serving loop (jax_sparse_mla.serving) over 
 (a) short prefills: input 1024 tokens (random range ratio 0.125), output 1, concurrency
     1..32: request throughput and TTFT, skip on vs off (vLLM reported +2.54% request throughput).
 (b) decode-heavy: input 1, output 1024, concurrency 1/8/32: median TPOT must not regress with the
-    skip (ratio on/off printed; > 1.03 is flagged).
+    skip (ratio on/off printed; > 1.03 is flagged, and only judged with two or more timed runs a
+    setting: one run's order and spread move it by several percent).
 (c) per-step breakdown on fixed batches: one step through all layers with the skip and without,
     and the indexer scoring alone (logits + top-k through jax_sparse_mla.kernels, per layer) on
     the same rows: the indexer's share of a step.
@@ -99,15 +100,17 @@ def parse_args(argv=None):
 
 # ------------------------------------------------------------------------------------------------
 
-def run_pair(engine: Engine, workload: Workload, args, label: str) -> dict:
-    """Warm up both settings, then `repeats` timed runs of each, alternating. -> {setting: summary}."""
+def run_pair(engine: Engine, workload: Workload, args, label: str, level: int) -> dict:
+    """Warm up both settings, then `repeats` timed runs of each, alternating; which setting runs
+    first also alternates with the sweep's `level` (with one repeat, not always the same one).
+    -> {setting: summary}."""
     t0 = time.perf_counter()
     compiled = {name: engine.warmup(workload, skip_indexer=skip) for name, skip in SETTINGS.items()}
     warm_s = time.perf_counter() - t0
     runs = {name: [] for name in SETTINGS}
     for rep in range(args.repeats):
         order = list(SETTINGS.items())
-        if rep % 2:
+        if (rep + level) % 2:
             order.reverse()
         for name, skip in order:
             gc.collect()
@@ -136,13 +139,13 @@ def run_pair(engine: Engine, workload: Workload, args, label: str) -> dict:
 
 def phase_prefill(engine, args, t_start) -> list[dict]:
     rows = []
-    for c in args.prefill_concurrency:
+    for level, c in enumerate(args.prefill_concurrency):
         if rows and time.perf_counter() - t_start > 0.5 * args.time_limit:  # leave time to (b), (c)
             print(f"  (a) concurrency {c}: skipped, past --time-limit", flush=True)
             continue
         w = Workload(num_requests=max(8, args.prefill_requests_per_concurrency * c), input_len=args.prefill_input_len,
                      input_range_ratio=args.prefill_range_ratio, output_len=1, concurrency=c, seed=args.seed)
-        r = run_pair(engine, w, args, f"(a) c={c}")
+        r = run_pair(engine, w, args, f"(a) c={c}", level)
         on, off = r["skip"], r["no_skip"]
         row = {"concurrency": c, "num_requests": w.num_requests, **r,
                "throughput_gain_pct": 100 * (on["request_throughput"] / off["request_throughput"] - 1)}
@@ -153,22 +156,26 @@ def phase_prefill(engine, args, t_start) -> list[dict]:
     return rows
 
 
+def _regression_note(regressed) -> str:
+    return {True: ", REGRESSED", False: "", None: ", one run: not judged"}[regressed]
+
+
 def phase_decode(engine, args, t_start) -> list[dict]:
     rows = []
-    for c in args.decode_concurrency:
+    for level, c in enumerate(args.decode_concurrency):
         if rows and time.perf_counter() - t_start > 0.85 * args.time_limit:
             print(f"  (b) concurrency {c}: skipped, past --time-limit", flush=True)
             continue
         w = Workload(num_requests=c * args.decode_waves, input_len=1, output_len=args.decode_output_len,
                      concurrency=c, seed=args.seed + 1)
-        r = run_pair(engine, w, args, f"(b) c={c}")
+        r = run_pair(engine, w, args, f"(b) c={c}", level)
         on, off = r["skip"], r["no_skip"]
         ratio = on["median_tpot_ms"] / off["median_tpot_ms"]
         row = {"concurrency": c, "num_requests": w.num_requests, **r, "tpot_ratio": ratio,
-               "regressed": ratio > 1.03}
+               "regressed": ratio > 1.03 if args.repeats > 1 else None}
         rows.append(row)
         print(f"  (b) c={c:>3}: median TPOT ms {on['median_tpot_ms']:.3f} vs {off['median_tpot_ms']:.3f} "
-              f"(ratio {ratio:.3f}{', REGRESSED' if row['regressed'] else ''})  [warm-up {r['warmup_s']:.0f}s]",
+              f"(ratio {ratio:.3f}{_regression_note(row['regressed'])})  [warm-up {r['warmup_s']:.0f}s]",
               flush=True)
     return rows
 
@@ -247,7 +254,7 @@ def markdown(results) -> str:
     for r in results["decode"]:
         lines.append(f"| {r['concurrency']} | {r['skip']['median_tpot_ms']:.3f} | "
                      f"{r['no_skip']['median_tpot_ms']:.3f} | "
-                     f"{r['tpot_ratio']:.3f}{' (regressed)' if r['regressed'] else ''} | "
+                     f"{r['tpot_ratio']:.3f}{_regression_note(r['regressed'])} | "
                      f"{r['skip']['output_throughput']:.0f} | {r['no_skip']['output_throughput']:.0f} |")
     lines += ["", f"(c) one step through {m['layers']} layers (median ms) and the indexer scoring alone "
               "(logits + top-k, per layer, same rows).", "",
