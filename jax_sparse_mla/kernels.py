@@ -80,11 +80,10 @@ def topk_indices(logits, k: int, *, impl):
 def sparse_mla(q, latent, latent_scale, k_pe, slots, pages, *, scale, page_size, impl):
     """(out [N, H, R] f32, lse [N, H]) of absorbed attention over cache slots (-1 skipped).
 
-    pages: the page ids (-1 ignored) holding every slot, e.g. the batch's block tables; with an
-    fp8 cache the Pallas route may dequantise those pages once ahead of the kernel (prefill). The
-    copy has a row for every entry, -1 included: the layer's block tables [num_seqs, pages_per_seq]
-    are bucketed, so a lone 128K prefill (num_seqs padded to 4) copies 4x its pages (~0.3 ms more
-    against the kernel's ~5.7 ms on the H200)."""
+    pages: the page ids (-1 ignored) holding every slot; with an fp8 cache the Pallas route may
+    dequantise those pages once ahead of the kernel, a copy with a row for every entry (-1
+    included). The layer passes its prefill rows' own pages under the plan's fp8 split
+    (BatchPlan.num_upfront_rows), else the block tables [num_seqs, pages_per_seq]."""
     if impl == "pallas":
         return sparse_attention.sparse_mla_attention(q, latent, latent_scale, k_pe, slots, scale=scale,
                                                      pages=pages, page_size=page_size, interpret=_interpret())
@@ -102,3 +101,4 @@ def causal_attention(q, k, v, q_start_loc, k_start_loc, *, scale, impl):
 gather_paged_rows = indexer_layout.gather_paged_rows
 dequantize_index_keys = indexer.dequantize_index_keys
 dequantize_latent = sparse_attention.dequantize_latent
+dequantize_route = sparse_attention.dequantize_route

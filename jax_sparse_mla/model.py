@@ -118,7 +118,9 @@ def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, confi
                 "query_start_loc": (plan.num_seqs + 1,), "seq_lens": (plan.num_seqs,),
                 "block_tables": (plan.num_seqs, plan.pages_per_seq), "sparse_rows": (plan.num_sparse_tokens,),
                 "dense_rows": (plan.num_tokens,), "dense_query_start": (plan.num_seqs + 1,),
-                "dense_key_slots": (plan.num_dense_keys,), "dense_key_start": (plan.num_seqs + 1,)}
+                "dense_key_slots": (plan.num_dense_keys,), "dense_key_start": (plan.num_seqs + 1,),
+                "upfront_rows": (plan.num_upfront_rows,), "kernel_rows": (plan.num_kernel_rows,),
+                "upfront_pages": (plan.num_upfront_pages,)}
     for name, shape in expected.items():
         got = getattr(meta, name)
         if got.shape != shape:
@@ -195,20 +197,47 @@ def _topk_slots(step: _Step, rows):
     return positions_to_slots(top_pos, meta.block_tables, _pick(meta.row_seq, rows), c_.page_size)
 
 
-def _sparse_attention(step: _Step, rows, slots):
-    """Absorbed sparse attention of `rows` (None: every row) over cache slots [N, topk] -> [N, H, v] f32."""
+def _sparse_attention(step: _Step, rows, slots, pages):
+    """Absorbed sparse attention of `rows` (None: every row) over cache slots [N, topk] on `pages`
+    (page ids, -1 ignored) -> [N, H, v] f32."""
     c_, cache = step.config, step.cache
     q_lat = per_head("thn,hnr->thr", _pick(step.q_nope, rows), step.w_uk, c_)
     q_abs = jnp.concatenate([q_lat, _pick(step.q_pe, rows)], -1).astype(c_.jnp_dtype)
     out_lat, _ = kernel_ops.sparse_mla(q_abs, cache.flat("latent"), cache.flat("latent_scale"), cache.flat("k_pe"),
-                                       slots, step.meta.block_tables, scale=c_.softmax_scale,
-                                       page_size=c_.page_size, impl=step.impl["sparse_mla"])
+                                       slots, pages, scale=c_.softmax_scale, page_size=c_.page_size,
+                                       impl=step.impl["sparse_mla"])
     return per_head("thr,hvr->thv", out_lat, step.w_uv, c_)
 
 
-def _sparse_program(step: _Step):
+def _sparse_groups(plan: BatchPlan, meta: BatchMeta, rows):
+    """The sparsely attending rows (`rows`; None: every row) as [(row ids, the pages their keys
+    lie on)]: with the plan's fp8 split, the prefill rows over their own pages (the copy
+    dequantised upfront covers only those) and the decode rows; else one group over every
+    sequence's pages."""
+    if not plan.num_upfront_rows:
+        return [(rows, meta.block_tables)]
+    groups = [(meta.upfront_rows, meta.upfront_pages)]
+    if plan.num_kernel_rows:
+        groups.append((meta.kernel_rows, meta.block_tables))
+    return groups
+
+
+def _attend_sparsely(step: _Step, plan: BatchPlan, out_heads, rows, all_slots=None):
+    """out_heads [T, H, v] with `rows` (None: every row) attended sparsely, group by group
+    (`_sparse_groups`); slots from all_slots [T, topk] when given (every row scored), else scored
+    here for the group's rows."""
+    for group, pages in _sparse_groups(plan, step.meta, rows):
+        slots = _topk_slots(step, group) if all_slots is None else _pick(all_slots, group)
+        out = _sparse_attention(step, group, slots, pages)
+        out_heads = out if group is None else _put_rows(out_heads, group, out)
+    return out_heads
+
+
+def _sparse_program(step: _Step, plan: BatchPlan):
     """Every row scored, top-k'd and attended sparsely -> [T, H, v] f32."""
-    return _sparse_attention(step, None, _topk_slots(step, None))
+    c_ = step.config
+    out_heads = jnp.zeros((plan.num_tokens, c_.num_attention_heads, c_.v_head_dim), jnp.float32)
+    return _attend_sparsely(step, plan, out_heads, None)
 
 
 def _dense_program(step: _Step, plan: BatchPlan):
@@ -222,9 +251,7 @@ def _dense_program(step: _Step, plan: BatchPlan):
     out_heads = _put_rows(out_heads, rows, dense_out)
     all_slots = None if plan.skip_indexer else _topk_slots(step, None)
     if plan.num_sparse_tokens:
-        rows = meta.sparse_rows
-        slots = _topk_slots(step, rows) if all_slots is None else _take_rows(all_slots, rows)
-        out_heads = _put_rows(out_heads, rows, _sparse_attention(step, rows, slots))
+        out_heads = _attend_sparsely(step, plan, out_heads, meta.sparse_rows, all_slots)
     if all_slots is not None:  # baseline: keep scoring that (mostly) no row reads
         out_heads = _depend_on(out_heads, all_slots)
     return out_heads
@@ -261,11 +288,12 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
                  w_uk=kv_b[:, : c_.qk_nope_head_dim], w_uv=kv_b[:, c_.qk_nope_head_dim:],  # [H, nope, R], [H, v, R]
                  config=c_, impl=impl, tensor_axis=tensor_axis)
     if plan.use_dense_mha is None:  # dispatch="cond": both programs, one runs
-        out_heads = jax.lax.cond(meta.dense_flag > 0, lambda: _dense_program(step, plan), lambda: _sparse_program(step))
+        out_heads = jax.lax.cond(meta.dense_flag > 0, lambda: _dense_program(step, plan),
+                                 lambda: _sparse_program(step, plan))
     elif plan.use_dense_mha:
         out_heads = _dense_program(step, plan)
     else:
-        out_heads = _sparse_program(step)
+        out_heads = _sparse_program(step, plan)
 
     out = linear(out_heads.reshape(T, H * c_.v_head_dim), params["o_proj.weight"], c_)
     if tensor_axis is not None:  # o_proj's columns are split by head: partial sums

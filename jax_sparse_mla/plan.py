@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from .config import MLAConfig
+from .kernels import dequantize_route
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,13 @@ class BatchPlan:
       baseline without the skip). Always True where it changes nothing (the sparse program).
     num_pages: the cache size the page ids were validated against (None: not validated);
       forward refuses a cache of another size.
+    num_upfront_rows, num_kernel_rows, num_upfront_pages: an fp8 latent cache's split of the
+      sparsely attending rows (static dispatch; all 0 otherwise). The prefill rows
+      (meta.upfront_rows) attend over a bf16 copy of their sequences' pages
+      (meta.upfront_pages, dequantised once), the decode rows (meta.kernel_rows) over the fp8
+      cache, dequantised in the kernel. Split when dequantising those pages upfront pays
+      (kernels.dequantize_route): a prefill gathers each row of its sequence many times. The
+      three sizes are power-of-two buckets, so an fp8 cache compiles more programs.
     In a cond plan, num_sparse_tokens is num_tokens and num_dense_keys num_seqs * index_topk
     (padded): sizes that fit any batch of the bucket.
     """
@@ -94,6 +102,9 @@ class BatchPlan:
     num_dense_keys: int
     skip_indexer: bool = True
     num_pages: int | None = None
+    num_upfront_rows: int = 0
+    num_kernel_rows: int = 0
+    num_upfront_pages: int = 0
 
     @property
     def num_scored_tokens(self) -> int | None:
@@ -132,6 +143,9 @@ class BatchMeta:
     dense_key_slots [num_dense_keys]: cache slots of those sequences' keys (positions 0 ..
       seq_len - 1), sequence after sequence (-1 padding).
     dense_key_start [S + 1]: where each sequence's keys start in dense_key_slots.
+    upfront_rows [num_upfront_rows], kernel_rows [num_kernel_rows]: the sparsely attending rows
+      of the fp8 split (prefills, then decodes; -1 padding); upfront_pages [num_upfront_pages]:
+      the prefills' pages, sequence after sequence (-1 padding). Empty without the split.
     dense_flag: int32 scalar, 1 when the cond program should take its dense branch
       (dispatch="cond" only; None otherwise).
     """
@@ -147,6 +161,9 @@ class BatchMeta:
     dense_query_start: jax.Array
     dense_key_slots: jax.Array
     dense_key_start: jax.Array
+    upfront_rows: jax.Array
+    kernel_rows: jax.Array
+    upfront_pages: jax.Array
     dense_flag: jax.Array | None = None
 
 
@@ -176,6 +193,30 @@ def _validate(config: MLAConfig, requests: Sequence[Request], num_pages: int | N
                 raise ValueError(f"request {i}: page {page} is written by this step more than once "
                                  f"(also by request {written[page]})")
             written[page] = i
+
+
+def _upfront_split(config: MLAConfig, requests: Sequence[Request], attends_sparsely, row_starts, buckets):
+    """(upfront rows, kernel rows, upfront pages) of the fp8 split (see BatchPlan), or None when
+    the cache is not fp8, no prefill attends sparsely, or dequantising its pages would not pay."""
+    if config.kv_cache_dtype != "fp8":
+        return None
+    page = config.page_size
+    upfront_rows, kernel_rows, pages = [], [], []
+    for i, r in enumerate(requests):
+        if not attends_sparsely[i]:
+            continue
+        rows = range(row_starts[i], row_starts[i] + r.query_len)
+        if r.is_decode:
+            kernel_rows.extend(rows)
+        else:
+            upfront_rows.extend(rows)
+            pages.extend(list(r.block_table)[: -(-r.total_len // page)])
+    if not upfront_rows:
+        return None
+    copy_rows = buckets.round_up(len(pages), buckets.min_pages_per_seq) * page
+    route = dequantize_route(buckets.round_up(len(upfront_rows), 1), config.num_attention_heads,
+                             config.index_topk, copy_rows)
+    return (upfront_rows, kernel_rows, pages) if route == "upfront" else None
 
 
 def pad_ids(values, size: int):
@@ -218,9 +259,10 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
     block_tables = np.full((num_seqs, width), -1, np.int32)
     dense_query_len = np.zeros(num_seqs, np.int32)
     dense_key_len = np.zeros(num_seqs, np.int32)
-    sparse_rows, dense_rows, dense_key_slots = [], [], []
+    sparse_rows, dense_rows, dense_key_slots, row_starts = [], [], [], []
     row = 0
     for i, r in enumerate(requests):
+        row_starts.append(row)
         pos = np.arange(r.context_len, r.total_len)
         table = np.asarray(list(r.block_table)[: -(-r.total_len // page)], np.int32)
         positions[row:row + r.query_len] = pos
@@ -246,9 +288,17 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
         use_dense = any(dense)
         num_sparse = buckets.round_up(len(sparse_rows), 1) if use_dense and sparse_rows else 0
         num_dense_keys = buckets.round_up(len(dense_key_slots), buckets.min_dense_keys) if use_dense else 0
+    split = None if dispatch == "cond" else _upfront_split(config, requests, [not d for d in dense], row_starts,
+                                                             buckets)
+    upfront_rows, kernel_rows, upfront_pages = split or ([], [], [])
+    num_upfront_rows = buckets.round_up(len(upfront_rows), 1) if split else 0
+    num_kernel_rows = buckets.round_up(len(kernel_rows), 1) if kernel_rows else 0
+    num_upfront_pages = buckets.round_up(len(upfront_pages), buckets.min_pages_per_seq) if split else 0
     plan = BatchPlan(num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=width, use_dense_mha=use_dense,
                      num_sparse_tokens=num_sparse, num_dense_keys=num_dense_keys,
-                     skip_indexer=skip_indexer or use_dense is False, num_pages=num_pages)
+                     skip_indexer=skip_indexer or use_dense is False, num_pages=num_pages,
+                     num_upfront_rows=num_upfront_rows, num_kernel_rows=num_kernel_rows,
+                     num_upfront_pages=num_upfront_pages)
     meta = BatchMeta(
         positions=positions, slot_mapping=slot_mapping, row_seq=row_seq,
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
@@ -257,5 +307,7 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
         dense_query_start=np.concatenate([[0], np.cumsum(dense_query_len)]).astype(np.int32),
         dense_key_slots=pad_ids(dense_key_slots, num_dense_keys),
         dense_key_start=np.concatenate([[0], np.cumsum(dense_key_len)]).astype(np.int32),
+        upfront_rows=pad_ids(upfront_rows, num_upfront_rows), kernel_rows=pad_ids(kernel_rows, num_kernel_rows),
+        upfront_pages=pad_ids(upfront_pages, num_upfront_pages),
         dense_flag=np.int32(any(dense)) if dispatch == "cond" else None)
     return plan, jax.tree.map(jax.numpy.asarray, meta)

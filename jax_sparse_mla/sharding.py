@@ -123,7 +123,8 @@ def _padding_meta(plan: BatchPlan) -> BatchMeta:
                      seq_lens=full(plan.num_seqs, 0), block_tables=full((plan.num_seqs, plan.pages_per_seq), -1),
                      sparse_rows=full(plan.num_sparse_tokens, -1), dense_rows=full(plan.num_tokens, -1),
                      dense_query_start=full(plan.num_seqs + 1, 0), dense_key_slots=full(plan.num_dense_keys, -1),
-                     dense_key_start=full(plan.num_seqs + 1, 0))
+                     dense_key_start=full(plan.num_seqs + 1, 0), upfront_rows=full(plan.num_upfront_rows, -1),
+                     kernel_rows=full(plan.num_kernel_rows, -1), upfront_pages=full(plan.num_upfront_pages, -1))
 
 
 def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *, pages_per_shard: int,
@@ -146,10 +147,14 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
         out = {}
         for d in active:
             try:
-                out[d] = plan_batch(config, shards[d], num_pages=pages_per_shard, force_sparse=force_sparse,
-                                    skip_indexer=skip_indexer, buckets=policy)
+                plan, meta = plan_batch(config, shards[d], num_pages=pages_per_shard, force_sparse=force_sparse,
+                                        skip_indexer=skip_indexer, buckets=policy)
             except ValueError as e:
                 raise ValueError(f"data shard {d}: {e}") from None
+            # One group of sparse rows per shard (no fp8 split: its sizes would differ by shard).
+            empty = jnp.zeros((0,), jnp.int32)
+            out[d] = (dataclasses.replace(plan, num_upfront_rows=0, num_kernel_rows=0, num_upfront_pages=0),
+                      dataclasses.replace(meta, upfront_rows=empty, kernel_rows=empty, upfront_pages=empty))
         return out
 
     plans = plan_all(buckets)

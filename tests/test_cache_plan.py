@@ -92,6 +92,33 @@ def test_cond_dispatch_plan_depends_on_buckets_only():
         plan_batch(TINY, [Request(0, 5, [0, 1])], dispatch="dynamic")
 
 
+def test_fp8_plan_splits_prefill_rows_from_decode_rows(monkeypatch):
+    """An fp8 latent cache: when dequantising upfront pays (threshold lowered so the tiny config's
+    prefill passes it), the sparsely attending prefill rows and their sequences' pages (only the
+    pages the sequence fills, not its whole table) are listed apart from the decode rows; not
+    with a bf16 cache, under cond dispatch, or when it does not pay."""
+    from pallas_kernels import sparse_attention
+
+    monkeypatch.setattr(sparse_attention, "UPFRONT_MIN_USES", 4)
+    fp8 = dataclasses.replace(TINY, kv_cache_dtype="fp8")
+    k = TINY.index_topk
+    requests = [Request(20, 1, [9, 8, 7, 6, 5, 4]),               # decode (row 0)
+                Request(0, 3, [3]),                               # short prefill: dense (rows 1-3)
+                Request(0, k + 1, [10, 11, 12, 13, 14, 15, 16])]  # long prefill (rows 4 .. k + 4) on 5 pages
+    plan, meta = plan_batch(fp8, requests)
+    assert plan.use_dense_mha and (plan.num_upfront_rows, plan.num_kernel_rows, plan.num_upfront_pages) == (32, 1, 8)
+    np.testing.assert_array_equal(meta.upfront_rows, list(range(4, k + 5)) + [-1] * (32 - k - 1))
+    np.testing.assert_array_equal(meta.kernel_rows, [0])
+    np.testing.assert_array_equal(meta.upfront_pages, [10, 11, 12, 13, 14, -1, -1, -1])
+    assert sorted(set(np.asarray(meta.sparse_rows)) - {-1}) == [0] + list(range(4, k + 5))
+    for config, kw in [(TINY, {}), (fp8, dict(dispatch="cond"))]:
+        other, other_meta = plan_batch(config, requests, **kw)
+        assert (other.num_upfront_rows, other.num_kernel_rows, other.num_upfront_pages) == (0, 0, 0)
+        assert other_meta.upfront_rows.shape == other_meta.kernel_rows.shape == (0,)
+    monkeypatch.setattr(sparse_attention, "UPFRONT_MIN_USES", 10 ** 9)
+    assert plan_batch(fp8, requests)[0].num_upfront_rows == 0
+
+
 def test_plan_meta_slots_positions_and_padding():
     plan, meta = plan_batch(TINY, [Request(2, 3, [7, 2]), Request(0, 2, [5])])
     np.testing.assert_array_equal(meta.positions[:6], [2, 3, 4, 0, 1, -1])

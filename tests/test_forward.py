@@ -193,10 +193,11 @@ def test_pallas_kernels_through_forward(kv_cache_dtype, indexer_dtype):
     h.check(out, TOL_F32)
 
 
-def test_fp8_cache_dequantised_upfront_through_forward(monkeypatch):
-    """The layer hands the Pallas route its block tables: with upfront dequantisation forced (the
-    threshold at 0), the batch's pages are copied to bf16 and the slots renumbered into the copy,
-    and every route still matches the reference."""
+def test_fp8_prefill_rows_dequantised_upfront_through_forward(monkeypatch):
+    """The plan's fp8 split through the Pallas route: the prefill rows attend over a copy of their
+    own pages dequantised upfront, the decode rows over the fp8 cache (dequantised in the
+    kernel), and every route still matches the reference. The threshold is lowered so that the
+    tiny config's prefills pass it (rows x topk a copied row) and its decodes do not."""
     from pallas_kernels import sparse_attention
 
     copies = []
@@ -206,18 +207,22 @@ def test_fp8_cache_dequantised_upfront_through_forward(monkeypatch):
         return dequantize_pages(latent, latent_scale, k_pe, slots, pages, **kw)
 
     dequantize_pages = sparse_attention.dequantize_pages
-    monkeypatch.setattr(sparse_attention, "UPFRONT_MIN_USES", 0)
+    monkeypatch.setattr(sparse_attention, "UPFRONT_MIN_USES", 4)
     monkeypatch.setattr(sparse_attention, "dequantize_pages", spy)
     jax.clear_caches()  # retrace under the patched threshold
     cfg = dataclasses.replace(TINY, kv_cache_dtype="fp8")
     h = Harness(cfg, seed=13, kernels="pallas")
     h.add(0, 38)
     h.add(1, 33)
-    out, plan, _ = h.step([(0, 37), (1, 30)])
+    h.add(2, 12)
+    out, plan, _ = h.step([(0, 37), (2, 11)])  # a long prefill (split) and a short one (dense)
+    assert plan.use_dense_mha and plan.num_upfront_rows == 64 and plan.num_kernel_rows == 0
+    assert copies == [(plan.num_upfront_pages,)]
     h.check(out, TOL_F32)
-    out, plan, _ = h.step([(0, 1), (1, 3)])  # a decode and a short chunk after 30 cached
+    out, plan, _ = h.step([(1, 30), (0, 1)])  # a long prefill and a decode: the all-sparse program
+    assert not plan.use_dense_mha and plan.num_upfront_rows == 32 and plan.num_kernel_rows == 1
+    assert copies[1:] == [(plan.num_upfront_pages,)]  # the decode row dequantises in the kernel
     h.check(out, TOL_F32)
-    assert copies and copies[-1] == (plan.num_seqs, plan.pages_per_seq)
     jax.clear_caches()
 
 

@@ -4,6 +4,7 @@ XLA_FLAGS must be set before jax starts, and conftest has started it with one de
 runs happen in a subprocess with 4 virtual devices (`_mesh_errors` below is what it runs).
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -139,7 +140,7 @@ def test_param_specs_split_heads():
         shard_config(TINY, 3)
 
 
-def test_plan_data_parallel_common_plan_and_errors():
+def test_plan_data_parallel_common_plan_and_errors(monkeypatch):
     short = [Request(0, 5, [0, 1])]
     decode = [Request(9, 1, [0, 1, 2]), Request(3, 1, [3])]
     plan, meta = plan_data_parallel(TINY, [short, decode, []], pages_per_shard=8)
@@ -152,6 +153,14 @@ def test_plan_data_parallel_common_plan_and_errors():
     plan, meta = plan_data_parallel(TINY, [short, long_], pages_per_shard=8)
     assert plan.route == "dense" and plan.num_sparse_tokens == 32  # the long prefill's rows attend sparsely
     assert plan_data_parallel(TINY, [long_, long_], pages_per_shard=8)[0].route == "sparse"
+    # fp8 cache: one group of sparse rows per shard, whatever plan_batch splits for one shard alone
+    fp8 = dataclasses.replace(TINY, kv_cache_dtype="fp8")
+    from pallas_kernels import sparse_attention
+    monkeypatch.setattr(sparse_attention, "UPFRONT_MIN_USES", 1)
+    assert plan_batch(fp8, long_)[0].num_upfront_rows == 32
+    plan, meta = plan_data_parallel(fp8, [short, long_], pages_per_shard=8)
+    assert (plan.num_upfront_rows, plan.num_kernel_rows, plan.num_upfront_pages) == (0, 0, 0)
+    assert meta.upfront_rows.shape == meta.upfront_pages.shape == (0,)
     with pytest.raises(ValueError, match="data shard 1: request 0: page id 9 is outside"):
         plan_data_parallel(TINY, [short, [Request(0, 3, [9])]], pages_per_shard=8)
     with pytest.raises(ValueError, match="at least one request"):
