@@ -127,6 +127,29 @@ def _padding_meta(plan: BatchPlan) -> BatchMeta:
                      kernel_rows=full(plan.num_kernel_rows, -1), upfront_pages=full(plan.num_upfront_pages, -1))
 
 
+def _merge_upfront_splits(plan: BatchPlan, plans: dict, sparse_rows: dict, buckets: BucketPolicy):
+    """The fp8 split (BatchPlan.num_upfront_rows) common to every shard: when some shard's own
+    plan split, every shard lists its split prefill rows and pages (none where its plan did not
+    split) and its other sparse rows `sparse_rows[d]` as kernel rows, padded to the largest
+    shard's buckets. -> (plan, {shard: (plan, meta)})."""
+    if not any(m.upfront_rows.shape[0] for _, m in plans.values()):  # (plans may hold the merged plan)
+        return plan, plans
+    def ids(a):  # the entries of a -1 padded id list
+        return [int(v) for v in np.asarray(a) if v >= 0]
+
+    upfront = {d: ids(m.upfront_rows) for d, (_, m) in plans.items()}
+    pages = {d: ids(m.upfront_pages) for d, (_, m) in plans.items()}
+    kernel = {d: [int(r) for r in sparse_rows[d] if int(r) not in set(upfront[d])] for d in plans}
+    plan = dataclasses.replace(
+        plan, num_upfront_rows=max(BucketPolicy.round_up(len(r), 1) for r in upfront.values()),
+        num_kernel_rows=max(BucketPolicy.round_up(len(r), 1) if r else 0 for r in kernel.values()),
+        num_upfront_pages=max(BucketPolicy.round_up(len(p), buckets.min_pages_per_seq) for p in pages.values()))
+    return plan, {d: (plan, dataclasses.replace(
+        m, upfront_rows=jnp.asarray(pad_ids(upfront[d], plan.num_upfront_rows)),
+        kernel_rows=jnp.asarray(pad_ids(kernel[d], plan.num_kernel_rows)),
+        upfront_pages=jnp.asarray(pad_ids(pages[d], plan.num_upfront_pages)))) for d, (_, m) in plans.items()}
+
+
 def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *, pages_per_shard: int,
                        force_sparse: bool = False, skip_indexer: bool = True,
                        buckets: BucketPolicy = BucketPolicy()) -> tuple[BatchPlan, BatchMeta]:
@@ -135,7 +158,9 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
     shards[d]: data shard d's requests (may be empty), block tables in local page ids
     [0, pages_per_shard). Sizes are padded to the largest shard's buckets. Route: the dense
     program when any shard has a short prefill (every other row of every shard, decodes and
-    long prefills alike, attends sparsely in it); otherwise the all-sparse program.
+    long prefills alike, attends sparsely in it); otherwise the all-sparse program. An fp8
+    cache's prefill / decode split (BatchPlan.num_upfront_rows) applies to every shard as soon
+    as one shard's own plan splits.
     Options as in plan_batch (dispatch is always "static" here). Raises ValueError naming the
     shard for invalid requests.
     """
@@ -151,10 +176,7 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
                                         skip_indexer=skip_indexer, buckets=policy)
             except ValueError as e:
                 raise ValueError(f"data shard {d}: {e}") from None
-            # One group of sparse rows per shard (no fp8 split: its sizes would differ by shard).
-            empty = jnp.zeros((0,), jnp.int32)
-            out[d] = (dataclasses.replace(plan, num_upfront_rows=0, num_kernel_rows=0, num_upfront_pages=0),
-                      dataclasses.replace(meta, upfront_rows=empty, kernel_rows=empty, upfront_pages=empty))
+            out[d] = (plan, meta)
         return out
 
     plans = plan_all(buckets)
@@ -166,11 +188,12 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
         min_dense_keys=max([buckets.min_dense_keys] + [p.num_dense_keys for p, _ in plans.values()]))
     plans = plan_all(common)
     base = next(iter(plans.values()))[0]
-    if any(p.use_dense_mha for p, _ in plans.values()):
-        # Each shard's sparse rows: plan_batch's for dense-routed shards, every real row otherwise.
-        rows = {d: (np.asarray(m.sparse_rows) if p.use_dense_mha else np.flatnonzero(np.asarray(m.positions) >= 0))
-                for d, (p, m) in plans.items()}
-        rows = {d: r[r >= 0] for d, r in rows.items()}
+    dense = any(p.use_dense_mha for p, _ in plans.values())
+    # Each shard's sparse rows: plan_batch's for dense-routed shards, every real row otherwise.
+    rows = {d: (np.asarray(m.sparse_rows) if p.use_dense_mha else np.flatnonzero(np.asarray(m.positions) >= 0))
+            for d, (p, m) in plans.items()}
+    rows = {d: r[r >= 0] for d, r in rows.items()}
+    if dense:
         num_sparse = max(BucketPolicy.round_up(len(r), 1) if len(r) else 0 for r in rows.values())
         plan = dataclasses.replace(base, use_dense_mha=True, num_sparse_tokens=num_sparse,
                                    num_dense_keys=common.min_dense_keys)
@@ -182,6 +205,7 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
         plan = base
     assert all(p.num_tokens == plan.num_tokens and p.pages_per_seq == plan.pages_per_seq
                for p, _ in plans.values())  # the common buckets make every size agree
+    plan, plans = _merge_upfront_splits(plan, plans, rows, common)
     metas = [plans[d][1] if d in plans else _padding_meta(plan) for d in range(len(shards))]
     return plan, jax.tree.map(lambda *fields: jnp.concatenate(fields), *metas)
 
