@@ -195,12 +195,12 @@ def _validate(config: MLAConfig, requests: Sequence[Request], num_pages: int | N
             written[page] = i
 
 
-def _upfront_split(config: MLAConfig, requests: Sequence[Request], attends_sparsely, row_starts, buckets):
-    """(upfront rows, kernel rows, upfront pages) of the fp8 split (see BatchPlan), or None when
-    the cache is not fp8, no prefill attends sparsely, or dequantising its pages would not pay."""
+def _upfront_split(config: MLAConfig, requests: Sequence[Request], attends_sparsely, row_starts, tables, buckets):
+    """(upfront rows, kernel rows, upfront pages, their bucketed sizes) of the fp8 split (see
+    BatchPlan), or None when the cache is not fp8, no prefill attends sparsely, or dequantising
+    its pages would not pay. tables[i]: request i's pages that its tokens fill."""
     if config.kv_cache_dtype != "fp8":
         return None
-    page = config.page_size
     upfront_rows, kernel_rows, pages = [], [], []
     for i, r in enumerate(requests):
         if not attends_sparsely[i]:
@@ -210,13 +210,13 @@ def _upfront_split(config: MLAConfig, requests: Sequence[Request], attends_spars
             kernel_rows.extend(rows)
         else:
             upfront_rows.extend(rows)
-            pages.extend(list(r.block_table)[: -(-r.total_len // page)])
+            pages.extend(tables[i].tolist())
     if not upfront_rows:
         return None
-    copy_rows = buckets.round_up(len(pages), buckets.min_pages_per_seq) * page
-    route = dequantize_route(buckets.round_up(len(upfront_rows), 1), config.num_attention_heads,
-                             config.index_topk, copy_rows)
-    return (upfront_rows, kernel_rows, pages) if route == "upfront" else None
+    sizes = (buckets.round_up(len(upfront_rows), 1), buckets.round_up(len(kernel_rows), 1) if kernel_rows else 0,
+             buckets.round_up(len(pages), buckets.min_pages_per_seq))
+    route = dequantize_route(sizes[0], config.num_attention_heads, config.index_topk, sizes[2] * config.page_size)
+    return (upfront_rows, kernel_rows, pages, sizes) if route == "upfront" else None
 
 
 def pad_ids(values, size: int):
@@ -259,12 +259,13 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
     block_tables = np.full((num_seqs, width), -1, np.int32)
     dense_query_len = np.zeros(num_seqs, np.int32)
     dense_key_len = np.zeros(num_seqs, np.int32)
-    sparse_rows, dense_rows, dense_key_slots, row_starts = [], [], [], []
+    sparse_rows, dense_rows, dense_key_slots, row_starts, tables = [], [], [], [], []
     row = 0
     for i, r in enumerate(requests):
-        row_starts.append(row)
         pos = np.arange(r.context_len, r.total_len)
         table = np.asarray(list(r.block_table)[: -(-r.total_len // page)], np.int32)
+        row_starts.append(row)
+        tables.append(table)
         positions[row:row + r.query_len] = pos
         slot_mapping[row:row + r.query_len] = table[pos // page] * page + pos % page
         row_seq[row:row + r.query_len] = i
@@ -289,11 +290,9 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
         num_sparse = buckets.round_up(len(sparse_rows), 1) if use_dense and sparse_rows else 0
         num_dense_keys = buckets.round_up(len(dense_key_slots), buckets.min_dense_keys) if use_dense else 0
     split = None if dispatch == "cond" else _upfront_split(config, requests, [not d for d in dense], row_starts,
-                                                             buckets)
-    upfront_rows, kernel_rows, upfront_pages = split or ([], [], [])
-    num_upfront_rows = buckets.round_up(len(upfront_rows), 1) if split else 0
-    num_kernel_rows = buckets.round_up(len(kernel_rows), 1) if kernel_rows else 0
-    num_upfront_pages = buckets.round_up(len(upfront_pages), buckets.min_pages_per_seq) if split else 0
+                                                             tables, buckets)
+    upfront_rows, kernel_rows, upfront_pages, (num_upfront_rows, num_kernel_rows, num_upfront_pages) = (
+        split or ([], [], [], (0, 0, 0)))
     plan = BatchPlan(num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=width, use_dense_mha=use_dense,
                      num_sparse_tokens=num_sparse, num_dense_keys=num_dense_keys,
                      skip_indexer=skip_indexer or use_dense is False, num_pages=num_pages,

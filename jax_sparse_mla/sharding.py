@@ -134,12 +134,16 @@ def _merge_upfront_splits(plan: BatchPlan, plans: dict, sparse_rows: dict, bucke
     shard's buckets. -> (plan, {shard: (plan, meta)})."""
     if not any(m.upfront_rows.shape[0] for _, m in plans.values()):  # (plans may hold the merged plan)
         return plan, plans
+
     def ids(a):  # the entries of a -1 padded id list
         return [int(v) for v in np.asarray(a) if v >= 0]
 
     upfront = {d: ids(m.upfront_rows) for d, (_, m) in plans.items()}
     pages = {d: ids(m.upfront_pages) for d, (_, m) in plans.items()}
-    kernel = {d: [int(r) for r in sparse_rows[d] if int(r) not in set(upfront[d])] for d in plans}
+    kernel = {}
+    for d in plans:  # the shard's other sparse rows
+        split_rows = set(upfront[d])
+        kernel[d] = [int(r) for r in sparse_rows[d] if int(r) not in split_rows]
     plan = dataclasses.replace(
         plan, num_upfront_rows=max(BucketPolicy.round_up(len(r), 1) for r in upfront.values()),
         num_kernel_rows=max(BucketPolicy.round_up(len(r), 1) if r else 0 for r in kernel.values()),
@@ -172,11 +176,10 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
         out = {}
         for d in active:
             try:
-                plan, meta = plan_batch(config, shards[d], num_pages=pages_per_shard, force_sparse=force_sparse,
-                                        skip_indexer=skip_indexer, buckets=policy)
+                out[d] = plan_batch(config, shards[d], num_pages=pages_per_shard, force_sparse=force_sparse,
+                                    skip_indexer=skip_indexer, buckets=policy)
             except ValueError as e:
                 raise ValueError(f"data shard {d}: {e}") from None
-            out[d] = (plan, meta)
         return out
 
     plans = plan_all(buckets)
