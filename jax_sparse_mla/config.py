@@ -50,6 +50,8 @@ class MLAConfig:
     indexer_dtype: indexer q/k arithmetic and key cache ("fp8": e4m3 with power-of-two scales,
       as DeepSeek's act_quant | "bfloat16" | "float32").
     page_size: tokens per page of both paged caches.
+    max_position_embeddings: the longest sequence (context + new tokens) a request may have;
+      plan_batch refuses longer ones.
     """
 
     hidden_size: int = 7168
@@ -65,6 +67,7 @@ class MLAConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = RopeScaling()
     rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 163840
     page_size: int = 64
     dtype: str = "bfloat16"
     kv_cache_dtype: str = "bfloat16"
@@ -77,7 +80,7 @@ class MLAConfig:
 
         for f in ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
                   "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
-                  "index_head_dim", "index_topk", "page_size"):
+                  "index_head_dim", "index_topk", "page_size", "max_position_embeddings"):
             need(isinstance(getattr(self, f), int) and getattr(self, f) > 0,
                  f"{f} must be a positive int, got {getattr(self, f)!r}")
         need(self.dtype in ACTIVATION_DTYPES, f"dtype must be one of {ACTIVATION_DTYPES}, got {self.dtype!r}")
