@@ -13,6 +13,9 @@ model.safetensors.index.json (`weight_map`: tensor name -> shard file) plus the 
 a single model.safetensors. Layer N's tensors are `model.layers.N.self_attn.<name>` with the
 names of params.param_shapes; fp8 weights come with `<name>_scale_inv` (one fp32 scale per
 128x128 block) and are dequantized to config.dtype (no kernel here takes fp8 weights).
+Every file the index names must stay inside the directory (no `..`, absolute paths or symlinks
+out of it, except the hub cache's snapshots/<rev>/ -> ../../blobs/ links); damaged files and
+wrongly typed config fields raise ValueError naming the file (and tensor or field).
 """
 
 from __future__ import annotations
@@ -44,10 +47,22 @@ def _config_to_json(config: MLAConfig) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
-def _config_from_json(d: Mapping[str, Any]) -> MLAConfig:
+def _config_from_json(d: Any) -> MLAConfig:
+    """The MLAConfig saved in meta; ValueError naming the field that is missing, unknown or wrong."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"saved config must be a JSON object, got {type(d).__name__}")
     d = dict(d)
-    if d.get("rope_scaling") is not None:
-        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    fields = {f.name for f in dataclasses.fields(MLAConfig)}
+    if set(d) != fields:
+        raise ValueError(f"saved config has fields missing {sorted(fields - set(d))} "
+                         f"and unknown {sorted(set(d) - fields, key=str)}")
+    rs = d["rope_scaling"]
+    if rs is not None:
+        rs_fields = {f.name for f in dataclasses.fields(RopeScaling)}
+        if not isinstance(rs, Mapping) or set(rs) != rs_fields:
+            raise ValueError(f"saved config's rope_scaling must be null or an object with {sorted(rs_fields)}, "
+                             f"got {rs!r}")
+        d["rope_scaling"] = RopeScaling(**rs)
     return MLAConfig(**d)
 
 
@@ -59,11 +74,13 @@ def save_checkpoint(directory, params: Mapping[str, jax.Array], cache: PagedCach
                     config: MLAConfig, overwrite: bool = False) -> None:
     """Saves params (HF-named dict) and optionally a PagedCache, with the config, to `directory`.
 
-    Arrays may be sharded (each host writes its shards). Raises ValueError naming a missing or
-    misshapen parameter, or a cache that does not match the config; FileExistsError if the
-    directory exists and overwrite is False.
+    Arrays may be sharded (each host writes its shards). Raises ValueError naming a missing,
+    non-float or misshapen parameter, or a cache that does not match the config; FileExistsError
+    if the directory exists and overwrite is False.
     """
     path = pathlib.Path(directory).absolute()
+    if not isinstance(config, MLAConfig):
+        raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
     check_params(params, config)
     if cache is not None:
         check_cache(cache, config)
@@ -79,42 +96,118 @@ def save_checkpoint(directory, params: Mapping[str, jax.Array], cache: PagedCach
         ckptr.save(path, args=ocp.args.Composite(**items), force=overwrite)
 
 
-def _sharding_for(shardings, name: str):
+def _sharding_for(shardings, name: str, what: str):
     if shardings is None:
         return jax.sharding.SingleDeviceSharding(jax.devices()[0])
     if isinstance(shardings, jax.sharding.Sharding):
         return shardings
-    return shardings[name] if isinstance(shardings, Mapping) else getattr(shardings, name)
+    if isinstance(shardings, Mapping):
+        if name not in shardings:
+            raise ValueError(f"{what} has no sharding for {name!r}")
+        got = shardings[name]
+    else:
+        got = getattr(shardings, name, None)
+    if not isinstance(got, jax.sharding.Sharding):
+        raise ValueError(f"{what} for {name!r} is {got!r}, not a jax.sharding.Sharding")
+    return got
 
 
-def restore_checkpoint(directory, *, param_shardings=None, cache_shardings=None
+def _fmt(dtype, shape) -> str:
+    return f"{np.dtype(dtype)}{list(shape)}"
+
+
+def _check_saved_arrays(path: pathlib.Path, item: str, expected: Mapping[str, tuple[tuple[int, ...], Any]]) -> None:
+    """Compares the arrays saved under path/item (orbax metadata, no data read) with {name: (shape, dtype)}."""
+    try:
+        saved = ocp.StandardCheckpointHandler().metadata(path / item).tree
+        saved = {name: (tuple(m.shape), np.dtype(m.dtype)) for name, m in dict(saved).items()}
+    except Exception as e:  # noqa: BLE001 (orbax raises assorted types for a missing or damaged item)
+        raise ValueError(f"{path}: the saved {item} are missing or damaged: {type(e).__name__}: {e}") from None
+    for name, (shape, dtype) in expected.items():
+        if name not in saved:
+            continue
+        got_shape, got_dtype = saved[name]
+        if got_shape != tuple(shape):
+            raise ValueError(f"{path}: {item}[{name!r}]: saved {list(got_shape)}, expected {list(shape)} "
+                             f"(from the saved config)")
+        if got_dtype != np.dtype(dtype):
+            raise ValueError(f"{path}: {item}[{name!r}]: saved dtype {got_dtype}, expected {np.dtype(dtype)}")
+    for name in sorted(set(expected) - set(saved)):
+        raise ValueError(f"{path}: {item}[{name!r}]: not saved, though the saved config expects it")
+    for name in sorted(set(saved) - set(expected), key=str):
+        raise ValueError(f"{path}: {item}[{name!r}]: saved, though the saved config has no such array")
+
+
+def restore_checkpoint(directory, *, param_shardings=None, cache_shardings=None, config: MLAConfig | None = None
                        ) -> tuple[MLAConfig, dict[str, jax.Array], PagedCache | None]:
     """Restores (config, params, cache or None) saved by save_checkpoint.
 
     param_shardings: one Sharding for every param, or {name: Sharding}
       (e.g. sharding.param_shardings(mesh, config)); default: the first device.
     cache_shardings: one Sharding, or a PagedCache of Shardings (sharding.cache_shardings).
+    config: if given, the saved config must equal it.
+    Every saved array's shape and dtype is checked against the saved config before any data is
+    read: a mismatch, or a missing or damaged meta / config, raises ValueError naming the array
+    or field (`params['q_a_proj.weight']: saved [..], expected [..]`); FileNotFoundError if there
+    is no directory.
     """
     path = pathlib.Path(directory).absolute()
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint directory {path}")
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-        meta = ckptr.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        try:
+            meta = ckptr.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"{path}: the saved meta (config) is missing or damaged: {type(e).__name__}: {e}") from None
+        if not isinstance(meta, Mapping):
+            raise ValueError(f"{path}: the saved meta is {type(meta).__name__}, not a JSON object")
         if meta.get("format") != FORMAT:
             raise ValueError(f"{path} is not a {FORMAT} checkpoint (format {meta.get('format')!r})")
-        config = _config_from_json(meta["config"])
-        params_target = {name: jax.ShapeDtypeStruct(shape, np.dtype(meta["param_dtypes"][name]),
-                                                    sharding=_sharding_for(param_shardings, name))
-                         for name, shape in param_shapes(config).items()}
+        for key in ("config", "num_pages", "param_dtypes"):
+            if key not in meta:
+                raise ValueError(f"{path}: the saved meta has no {key!r}")
+        try:
+            saved_config = _config_from_json(meta["config"])
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: the saved config is damaged: {e}") from None
+        if config is not None and saved_config != config:
+            diff = [f"{f.name}: saved {getattr(saved_config, f.name)!r}, expected {getattr(config, f.name)!r}"
+                    for f in dataclasses.fields(MLAConfig) if getattr(saved_config, f.name) != getattr(config, f.name)]
+            raise ValueError(f"{path}: the saved config differs from the expected one: " + "; ".join(diff))
+        config = saved_config
+        num_pages = meta["num_pages"]
+        if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1):
+            raise ValueError(f"{path}: the saved meta's num_pages is {num_pages!r}, not null or a positive int")
+        shapes = param_shapes(config)
+        dtypes = meta["param_dtypes"]
+        if not isinstance(dtypes, Mapping) or set(dtypes) != set(shapes):
+            raise ValueError(f"{path}: the saved meta's param_dtypes do not list exactly the params {sorted(shapes)}")
+        param_dtypes = {}
+        for name in shapes:
+            try:
+                dt = np.dtype(dtypes[name])
+            except TypeError:
+                dt = None
+            if dt is None or not jax.numpy.issubdtype(dt, jax.numpy.floating) or dt.name.startswith("float8"):
+                raise ValueError(f"{path}: the saved meta's param_dtypes[{name!r}] is {dtypes[name]!r}, not a float dtype")
+            param_dtypes[name] = dt
+        _check_saved_arrays(path, "params", {name: (shape, param_dtypes[name]) for name, shape in shapes.items()})
+        params_target = {name: jax.ShapeDtypeStruct(shape, param_dtypes[name],
+                                                    sharding=_sharding_for(param_shardings, name, "param_shardings"))
+                         for name, shape in shapes.items()}
         items = {"params": ocp.args.StandardRestore(params_target)}
-        if meta["num_pages"] is not None:
-            abstract = jax.eval_shape(lambda: init_cache(config, meta["num_pages"]))
+        if num_pages is not None:
+            abstract = _cache_fields(jax.eval_shape(lambda: init_cache(config, num_pages)))
+            _check_saved_arrays(path, "cache", {name: (a.shape, a.dtype) for name, a in abstract.items()})
             items["cache"] = ocp.args.StandardRestore(
-                {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_sharding_for(cache_shardings, name))
-                 for name, a in _cache_fields(abstract).items()})
-        restored = ckptr.restore(path, args=ocp.args.Composite(**items))
+                {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_sharding_for(cache_shardings, name, "cache_shardings"))
+                 for name, a in abstract.items()})
+        try:
+            restored = ckptr.restore(path, args=ocp.args.Composite(**items))
+        except Exception as e:  # noqa: BLE001 (e.g. a sharding that does not divide a shape, damaged data)
+            raise ValueError(f"{path}: restoring the arrays failed: {type(e).__name__}: {e}") from e
     cache = None
-    if meta["num_pages"] is not None:
+    if num_pages is not None:
         fields = dict(restored["cache"])
         cache = PagedCache(**{f.name: fields.get(f.name) for f in dataclasses.fields(PagedCache)})
     return config, dict(restored["params"]), cache
@@ -126,50 +219,125 @@ def restore_checkpoint(directory, *, param_shardings=None, cache_shardings=None
 # tensors are read from their byte range instead (the format: 8-byte header size, JSON header
 # with each tensor's dtype, shape and data_offsets, then the data).
 _RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # weights: these, or fp8 (_RAW_DTYPES) with a weight_scale_inv
+
+
+def _confined(directory: pathlib.Path, name: Any, source: str) -> pathlib.Path:
+    """directory / name, refused (ValueError) unless it stays inside directory once resolved.
+
+    `..`, absolute paths and symlinks out of the directory are refused; the one exception is the
+    Hugging Face hub cache, whose snapshots/<revision>/ files are symlinks into ../../blobs/.
+    """
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise ValueError(f"{source} in {directory} names the file {name!r}, which is not a file name")
+    parts = pathlib.PurePosixPath(name.replace("\\", "/")).parts
+    if pathlib.PurePosixPath(name).is_absolute() or pathlib.PureWindowsPath(name).is_absolute() or ".." in parts:
+        raise ValueError(f"{source} in {directory} names the file {name!r}, which is outside the checkpoint directory")
+    root = directory.resolve()
+    target = (directory / name).resolve()
+    hub_blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    if not (target.is_relative_to(root) or (hub_blobs is not None and target.parent == hub_blobs)):
+        raise ValueError(f"{source} in {directory} names the file {name!r}, which resolves to {target}, "
+                         f"outside the checkpoint directory (a symlink out of it?)")
+    return directory / name
+
+
+def _read_json(path: pathlib.Path) -> Any:
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def _open_safetensors(path: pathlib.Path, stack: contextlib.ExitStack):
+    if not path.is_file():
+        raise FileNotFoundError(f"safetensors file {path} is missing")
+    try:
+        f = stack.enter_context(safe_open(str(path), framework="np"))
+        return f, set(f.keys())
+    except Exception as e:  # noqa: BLE001 (SafetensorError for a cut file or a bad header, and others)
+        raise ValueError(f"{path} is not a valid safetensors file (cut short or bad header?): "
+                         f"{type(e).__name__}: {e}") from None
 
 
 class _ShardFile:
     """One opened safetensors file; tensors are read on request, one at a time."""
 
     def __init__(self, path: pathlib.Path, stack: contextlib.ExitStack):
-        if not path.is_file():
-            raise FileNotFoundError(f"safetensors file {path} is missing")
         self.path = path
-        self.file = stack.enter_context(safe_open(str(path), framework="np"))
-        self.names = set(self.file.keys())
+        self.file, self.names = _open_safetensors(path, stack)
         self._header = None
 
     def shape_and_dtype(self, name: str) -> tuple[tuple[int, ...], str]:
         if name not in self.names:
             raise ValueError(f"{self.path.name} has no tensor {name!r}, though the index lists it there")
-        s = self.file.get_slice(name)
-        return tuple(s.get_shape()), s.get_dtype()
+        try:
+            s = self.file.get_slice(name)
+            return tuple(s.get_shape()), s.get_dtype()
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"tensor {name!r} in {self.path} cannot be read: {type(e).__name__}: {e}") from None
 
     def read(self, name: str) -> np.ndarray:
         shape, dtype = self.shape_and_dtype(name)
-        if dtype not in _RAW_DTYPES:
-            return self.file.get_tensor(name)
-        if self._header is None:
-            with open(self.path, "rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                self._header = (8 + size, json.loads(f.read(size)))
-        data_start, header = self._header
-        begin, end = header[name]["data_offsets"]
-        raw = np.fromfile(self.path, dtype=np.uint8, count=end - begin, offset=data_start + begin)
-        return raw.view(_RAW_DTYPES[dtype]).reshape(shape)
+        try:
+            if dtype not in _RAW_DTYPES:
+                return self.file.get_tensor(name)
+            if self._header is None:
+                with open(self.path, "rb") as f:
+                    size = int.from_bytes(f.read(8), "little")
+                    self._header = (8 + size, json.loads(f.read(size)))
+            data_start, header = self._header
+            begin, end = header[name]["data_offsets"]
+            count = int(np.prod(shape, dtype=np.int64))
+            if end - begin != count:
+                raise ValueError(f"data_offsets {[begin, end]} hold {end - begin} bytes, the shape needs {count}")
+            raw = np.fromfile(self.path, dtype=np.uint8, count=count, offset=data_start + begin)
+            if raw.size != count:
+                raise ValueError(f"the file ends after {raw.size} of its {count} bytes")
+            return raw.view(_RAW_DTYPES[dtype]).reshape(shape)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"tensor {name!r} in {self.path} cannot be read: {type(e).__name__}: {e}") from None
 
 
 def _weight_map(directory: pathlib.Path) -> tuple[dict[str, str], str]:
-    """(tensor name -> file name, description of where the map came from)."""
+    """(tensor name -> file name, description of where the map came from).
+
+    Every file name is checked to stay inside `directory` (see _confined); a damaged index
+    (not JSON, no weight_map, not str -> str) raises ValueError naming it.
+    """
     index = directory / INDEX_FILE
     if index.is_file():
-        with open(index) as f:
-            return json.load(f)["weight_map"], INDEX_FILE
+        _confined(directory, INDEX_FILE, "the index")
+        data = _read_json(index)
+        if not isinstance(data, dict) or "weight_map" not in data:
+            raise ValueError(f"{index} has no 'weight_map' (a JSON object with one is expected)")
+        weight_map = data["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: weight_map must be an object (tensor name -> file name), "
+                             f"got {type(weight_map).__name__}")
+        for key, value in weight_map.items():
+            if not isinstance(value, str):
+                raise ValueError(f"{index}: weight_map[{key!r}] must be a file name (str), got {value!r}")
+        for file_name in sorted(set(weight_map.values())):
+            _confined(directory, file_name, INDEX_FILE)
+        return weight_map, INDEX_FILE
     single = directory / SINGLE_FILE
     if single.is_file():
-        with safe_open(str(single), framework="np") as f:
-            return dict.fromkeys(f.keys(), SINGLE_FILE), SINGLE_FILE
+        _confined(directory, SINGLE_FILE, "the checkpoint")
+        with contextlib.ExitStack() as stack:
+            _, names = _open_safetensors(single, stack)
+        return dict.fromkeys(names, SINGLE_FILE), SINGLE_FILE
     raise FileNotFoundError(f"{directory} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+
+
+def _optional_int(hf: Mapping[str, Any], key: str, default):
+    value = hf.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key} must be a non-negative int, got {value!r}")
+    return value
 
 
 def load_layer_from_safetensors(path, layer_idx: int, **config_overrides) -> tuple[MLAConfig, dict[str, jax.Array]]:
@@ -179,23 +347,36 @@ def load_layer_from_safetensors(path, layer_idx: int, **config_overrides) -> tup
     config_overrides: MLAConfig fields that config.json does not hold or that you want changed
       (page_size, dtype, kv_cache_dtype, indexer_dtype, ...).
     Only this layer's attention tensors are read, one at a time. Raises ValueError naming the
-    tensor (and the file) that is missing, misshapen, or whose weight_scale_inv is misshapen.
+    file (and the tensor) that is missing, misshapen, not floating point (fp8 needs its
+    weight_scale_inv), damaged (cut short, bad header, bad JSON, wrongly typed config fields), or
+    outside the directory (index entries with `..`, absolute paths, symlinks out of it).
     """
     directory = pathlib.Path(path)
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
+        raise ValueError(f"layer_idx must be an int, got {layer_idx!r}")
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} is missing")
-    with open(config_file) as f:
-        hf = json.load(f)
-    num_layers = hf.get("num_hidden_layers")
-    if num_layers is not None:
-        num_layers += hf.get("num_nextn_predict_layers", 0)  # DeepSeek's MTP layers come after the others
-        if not 0 <= layer_idx < num_layers:
-            raise ValueError(f"layer_idx {layer_idx} is out of range: {config_file} has {num_layers} layers")
-    block = (hf.get("quantization_config") or {}).get("weight_block_size")
-    if block is not None and list(block) != [FP8_WEIGHT_BLOCK, FP8_WEIGHT_BLOCK]:
-        raise ValueError(f"fp8 weight_block_size {block} is not supported (only [128, 128])")
-    config = MLAConfig.from_hf_config(hf, **config_overrides)
+    _confined(directory, "config.json", "the checkpoint")
+    hf = _read_json(config_file)
+    if not isinstance(hf, dict):
+        raise ValueError(f"{config_file} must hold a JSON object, got {type(hf).__name__}")
+    try:
+        num_layers = _optional_int(hf, "num_hidden_layers", None)
+        if num_layers is not None:
+            num_layers += _optional_int(hf, "num_nextn_predict_layers", 0)  # DeepSeek's MTP layers come after the others
+        quant = hf.get("quantization_config")
+        if quant is not None and not isinstance(quant, dict):
+            raise ValueError(f"quantization_config must be an object, got {quant!r}")
+        block = (quant or {}).get("weight_block_size")
+        if block is not None and (not isinstance(block, list) or block != [FP8_WEIGHT_BLOCK, FP8_WEIGHT_BLOCK]
+                                  or any(isinstance(b, bool) for b in block)):
+            raise ValueError(f"fp8 weight_block_size {block!r} is not supported (only [128, 128])")
+        config = MLAConfig.from_hf_config(hf, **config_overrides)
+    except ValueError as e:
+        raise ValueError(f"{config_file}: {e}") from None
+    if num_layers is not None and not 0 <= layer_idx < num_layers:
+        raise ValueError(f"layer_idx {layer_idx} is out of range: {config_file} has {num_layers} layers")
 
     weight_map, source = _weight_map(directory)
     prefix = f"model.layers.{layer_idx}.self_attn."
@@ -206,17 +387,36 @@ def load_layer_from_safetensors(path, layer_idx: int, **config_overrides) -> tup
             raise ValueError(f"{source} in {directory} has no tensor {full!r}")
         wanted[full] = shape
         if full + "_scale_inv" in weight_map:
+            if len(shape) != 2:
+                raise ValueError(f"{source} in {directory} lists {full}_scale_inv beside the {len(shape)}-D tensor "
+                                 f"{full!r}: only 2-D weights are fp8 with block scales")
             wanted[full + "_scale_inv"] = tuple(-(-n // FP8_WEIGHT_BLOCK) for n in shape)
 
     by_file: dict[str, list[str]] = {}
     for full in wanted:
         by_file.setdefault(weight_map[full], []).append(full)
     with contextlib.ExitStack() as stack:
-        files = {name: _ShardFile(directory / name, stack) for name in by_file}
-        for file_name, names in by_file.items():  # every shape is checked before any data is read
+        files = {name: _ShardFile(_confined(directory, name, source), stack) for name in by_file}
+        for file_name, names in by_file.items():  # every shape and dtype is checked before any data is read
             for full in names:
-                shape, _ = files[file_name].shape_and_dtype(full)
+                shape, dtype = files[file_name].shape_and_dtype(full)
                 if shape != wanted[full]:
                     raise ValueError(f"tensor {full!r} in {file_name} has shape {shape}, expected {wanted[full]}")
+                is_scale = full.endswith("_scale_inv")
+                local = full[len(prefix):]
+                if is_scale and dtype not in _FLOAT_DTYPES:
+                    raise ValueError(f"tensor {full!r} in {file_name} has dtype {dtype}, expected F32 "
+                                     f"(a weight_scale_inv must be {'/'.join(_FLOAT_DTYPES)})")
+                if not is_scale and dtype not in _FLOAT_DTYPES + tuple(_RAW_DTYPES):
+                    raise ValueError(f"tensor {full!r} in {file_name} has dtype {dtype}: weights must be floating "
+                                     f"point ({'/'.join(_FLOAT_DTYPES)}, or fp8 with a weight_scale_inv)")
+                if not is_scale and dtype in _RAW_DTYPES and full + "_scale_inv" not in wanted:
+                    raise ValueError(f"tensor {full!r} in {file_name}: {local!r} is fp8 but has no {local}_scale_inv")
+                if not is_scale and dtype not in _RAW_DTYPES and full + "_scale_inv" in wanted:
+                    raise ValueError(f"tensor {full!r} in {file_name} has dtype {dtype} but a weight_scale_inv: "
+                                     f"only fp8 weights have one")
         state = {full: files[file_name].read(full) for file_name, names in by_file.items() for full in names}
-    return config, params_from_hf(state, config)
+    try:
+        return config, params_from_hf(state, config)
+    except ValueError as e:
+        raise ValueError(f"layer {layer_idx} of {directory}: {e}") from None

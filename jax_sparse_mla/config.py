@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Mapping
 
 import jax.numpy as jnp
@@ -18,9 +19,41 @@ INDEXER_DTYPES = ("fp8", "bfloat16", "float32")
 FP8_TILE = 128  # values per fp32 scale in the fp8 latent cache (FlashMLA's layout)
 
 
+def _as_int(value, what: str, *, minimum: int | None = None) -> int:
+    """value as an int (Python or numpy integer, not bool); ValueError naming `what` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+    return value
+
+
+def _as_float(value, what: str, *, positive: bool = False, nonnegative: bool = False) -> float:
+    """value as a finite float (ints accepted, bools and strings not); ValueError naming `what` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{what} must be a real number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{what} must be finite, got {value}")
+    if positive and not value > 0:
+        raise ValueError(f"{what} must be positive, got {value}")
+    if nonnegative and not value >= 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+    return value
+
+
+# rope types of config.json's rope_scaling / rope_parameters: "yarn" is supported, "default" means none.
+ROPE_TYPES = ("yarn", "default")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """YaRN rope scaling (`rope_scaling` in config.json; only type "yarn" is supported)."""
+    """YaRN rope scaling (`rope_scaling` in config.json, or transformers 5's `rope_parameters`).
+
+    Only type "yarn" is supported. `mscale` is accepted and not used: the softmax scale takes
+    mscale_all_dim only (DeepSeek's reference), and the rotation is not scaled.
+    """
 
     factor: float = 40.0
     original_max_position_embeddings: int = 4096
@@ -29,15 +62,59 @@ class RopeScaling:
     mscale: float = 1.0
     mscale_all_dim: float = 1.0
 
+    def __post_init__(self):
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        try:
+            put("factor", _as_float(self.factor, "factor", positive=True))
+            put("original_max_position_embeddings",
+                _as_int(self.original_max_position_embeddings, "original_max_position_embeddings", minimum=1))
+            put("beta_fast", _as_float(self.beta_fast, "beta_fast", positive=True))
+            put("beta_slow", _as_float(self.beta_slow, "beta_slow", positive=True))
+            put("mscale", _as_float(self.mscale, "mscale", nonnegative=True))
+            put("mscale_all_dim", _as_float(self.mscale_all_dim, "mscale_all_dim", nonnegative=True))
+        except ValueError as e:
+            raise ValueError(f"invalid rope_scaling: {e}") from None
+        if self.beta_fast < self.beta_slow:
+            raise ValueError(f"invalid rope_scaling: beta_fast ({self.beta_fast}) must be >= beta_slow ({self.beta_slow})")
+
     @classmethod
-    def from_hf(cls, d: Mapping[str, Any] | None) -> RopeScaling | None:
+    def from_hf(cls, d: Mapping[str, Any] | None, *, what: str = "rope_scaling") -> RopeScaling | None:
+        """A config.json rope dict -> RopeScaling, or None for no dict / rope type "default".
+
+        Known keys are type-checked; other keys (HF extras such as `rope_theta`, `truncate`) are
+        ignored, except `attention_factor`, which must be absent, null or 1 (no rotation scaling
+        here). Raises ValueError naming the key (and `what`, the config.json field).
+        """
         if d is None:
             return None
-        kind = d.get("type", d.get("rope_type"))
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{what} must be a JSON object, got {type(d).__name__} {d!r}")
+        kinds = {k: d[k] for k in ("type", "rope_type") if k in d}
+        if len(set(map(repr, kinds.values()))) > 1:
+            raise ValueError(f"{what} has type {kinds.get('type')!r} and rope_type {kinds.get('rope_type')!r}")
+        kind = next(iter(kinds.values()), None)
+        if kind == "default":
+            return None
         if kind != "yarn":
-            raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'yarn')")
+            raise ValueError(f"{what} type {kind!r} is not supported (only 'yarn', or 'default' for none)")
+        attention_factor = d.get("attention_factor")
+        if attention_factor is not None and _as_float(attention_factor, f"{what}.attention_factor") != 1.0:
+            raise ValueError(f"{what}.attention_factor={attention_factor!r} is not supported (only 1)")
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        kw = {k: v for k, v in d.items() if k in names}
+        try:
+            return cls(**kw)
+        except ValueError as e:
+            raise ValueError(str(e).replace("invalid rope_scaling: ", f"invalid {what}: ", 1)) from None
+
+
+_INT_FIELDS = ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+               "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk",
+               "max_position_embeddings", "page_size")
+_FLOAT_FIELDS = ("rope_theta", "rms_norm_eps")
+_CHOICE_FIELDS = {"dtype": ACTIVATION_DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "indexer_dtype": INDEXER_DTYPES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +123,8 @@ class MLAConfig:
 
     dtype: parameters and activations ("bfloat16" | "float32").
     kv_cache_dtype: latent cache storage ("bfloat16" | "float32" | "fp8": 512 e4m3 values with
-      one fp32 scale per 128, plus bf16 rope values, FlashMLA's 656 bytes per token).
+      one fp32 power-of-two scale per 128 as DeepSeek's act_quant, plus bf16 rope values,
+      FlashMLA's 656 bytes per token).
     indexer_dtype: indexer q/k arithmetic and key cache ("fp8": e4m3 with power-of-two scales,
       as DeepSeek's act_quant | "bfloat16" | "float32").
     page_size: tokens per page of both paged caches.
@@ -78,16 +156,22 @@ class MLAConfig:
             if not ok:
                 raise ValueError(f"invalid MLAConfig: {msg}")
 
-        for f in ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
-                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
-                  "index_head_dim", "index_topk", "page_size", "max_position_embeddings"):
-            need(isinstance(getattr(self, f), int) and getattr(self, f) > 0,
-                 f"{f} must be a positive int, got {getattr(self, f)!r}")
-        need(self.dtype in ACTIVATION_DTYPES, f"dtype must be one of {ACTIVATION_DTYPES}, got {self.dtype!r}")
-        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
-             f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        need(self.indexer_dtype in INDEXER_DTYPES,
-             f"indexer_dtype must be one of {INDEXER_DTYPES}, got {self.indexer_dtype!r}")
+        def put(name, convert):
+            try:
+                object.__setattr__(self, name, convert(getattr(self, name), name))
+            except ValueError as e:
+                raise ValueError(f"invalid MLAConfig: {e}") from None
+
+        for f in _INT_FIELDS:
+            put(f, lambda v, name: _as_int(v, name, minimum=1))
+        for f in _FLOAT_FIELDS:
+            put(f, lambda v, name: _as_float(v, name, positive=True))
+        for f, choices in _CHOICE_FIELDS.items():
+            v = getattr(self, f)
+            need(isinstance(v, str) and v in choices, f"{f} must be one of {choices}, got {v!r}")
+        need(self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling),
+             "rope_scaling must be a RopeScaling or None (use MLAConfig.from_hf_config for a dict), "
+             f"got {type(self.rope_scaling).__name__}")
         need(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim must be even (rope rotates pairs)")
         need(self.qk_rope_head_dim <= self.index_head_dim,
              "the indexer applies rope to its first qk_rope_head_dim dims: index_head_dim must be >= qk_rope_head_dim")
@@ -95,18 +179,49 @@ class MLAConfig:
              f"index_head_dim must be a power of two (Hadamard transform), got {self.index_head_dim}")
         need(self.kv_cache_dtype != "fp8" or self.kv_lora_rank % FP8_TILE == 0,
              f"kv_cache_dtype='fp8' needs kv_lora_rank to be a multiple of {FP8_TILE}, got {self.kv_lora_rank}")
-        need(self.rope_theta > 0 and self.rms_norm_eps > 0, "rope_theta and rms_norm_eps must be positive")
-        need(self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling),
-             "rope_scaling must be a RopeScaling (use MLAConfig.from_hf_config for a dict)")
+        need(self.rope_scaling is None or self.rope_theta > 1,
+             f"rope_theta must be > 1 with YaRN rope_scaling (it divides by log(rope_theta)), got {self.rope_theta}")
 
     # ---- constructors -------------------------------------------------------------------
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], **overrides) -> MLAConfig:
-        """Reads a Hugging Face config.json dict; unknown keys are ignored."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"rope_scaling"}
+        """Reads a Hugging Face config.json dict; unknown keys are ignored.
+
+        Rope: `rope_scaling` (+ top-level `rope_theta`), or transformers 5's `rope_parameters`
+        (`rope_theta`, `rope_type` and the YaRN fields in one dict; rope_type "default", or none,
+        means no scaling). Both may be given if they agree; without either, MLAConfig's defaults
+        apply.
+        Raises ValueError naming the field that is wrongly typed, out of range or unsupported.
+        """
+        if not isinstance(hf, Mapping):
+            raise ValueError(f"a Hugging Face config must be a JSON object, got {type(hf).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)} - {"rope_scaling", "rope_theta"}
         kw = {k: hf[k] for k in names if k in hf}
+        theta = {}  # spelling -> value
+        scaling = {}
+        if "rope_theta" in hf:
+            theta["rope_theta"] = hf["rope_theta"]
         if "rope_scaling" in hf:
-            kw["rope_scaling"] = RopeScaling.from_hf(hf["rope_scaling"])
+            scaling["rope_scaling"] = RopeScaling.from_hf(hf["rope_scaling"], what="rope_scaling")
+        params = hf.get("rope_parameters")
+        if params is not None:
+            if not isinstance(params, Mapping):
+                raise ValueError(f"rope_parameters must be a JSON object, got {type(params).__name__} {params!r}")
+            if "rope_theta" in params:
+                theta["rope_parameters.rope_theta"] = params["rope_theta"]
+            if not {"type", "rope_type"} & set(params):  # transformers' default: no scaling
+                params = {**params, "rope_type": "default"}
+            scaling["rope_parameters"] = RopeScaling.from_hf(params, what="rope_parameters")
+        if theta:
+            values = {k: _as_float(v, k, positive=True) for k, v in theta.items()}
+            if len(set(values.values())) > 1:
+                raise ValueError(f"rope_theta and rope_parameters.rope_theta disagree: {values}")
+            kw["rope_theta"] = next(iter(values.values()))
+        if scaling:
+            if len(set(scaling.values())) > 1:
+                raise ValueError(f"rope_scaling and rope_parameters disagree: {scaling['rope_scaling']} "
+                                 f"vs {scaling['rope_parameters']}")
+            kw["rope_scaling"] = next(iter(scaling.values()))
         kw.update(overrides)
         return cls(**kw)
 

@@ -33,15 +33,42 @@ def param_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
+def _dtype_of(value) -> np.dtype | None:
+    """The dtype of an array-like with a shape (numpy, jax, ShapeDtypeStruct, tracer), else None."""
+    if not (hasattr(value, "shape") and hasattr(value, "dtype")) or isinstance(value, (str, bytes)):
+        return None
+    try:
+        return np.dtype(value.dtype)
+    except TypeError:
+        return None
+
+
+def is_fp8(dtype) -> bool:
+    return np.dtype(dtype).name.startswith("float8")
+
+
 def check_params(params: Mapping[str, Any], config: MLAConfig) -> None:
-    """Raises ValueError naming the first missing, misshapen or unexpected parameter."""
+    """Raises ValueError naming the first missing, non-array, non-float, misshapen or unexpected parameter.
+
+    Each parameter must be an array (numpy, jax, or a ShapeDtypeStruct / tracer) of float16,
+    bfloat16, float32 or float64; fp8 weights are dequantized by params_from_hf, not taken here.
+    """
+    if not isinstance(params, Mapping):
+        raise ValueError(f"params must be a dict of arrays, got {type(params).__name__}")
     shapes = param_shapes(config)
     for name, shape in shapes.items():
         if name not in params:
             raise ValueError(f"params has no {name!r}")
-        if tuple(params[name].shape) != shape:
-            raise ValueError(f"params[{name!r}] has shape {tuple(params[name].shape)}, expected {shape}")
-    unexpected = sorted(set(params) - set(shapes))
+        value = params[name]
+        dtype = _dtype_of(value)
+        if dtype is None:
+            raise ValueError(f"params[{name!r}] is a {type(value).__name__}, not an array")
+        if not jnp.issubdtype(dtype, jnp.floating) or is_fp8(dtype):
+            raise ValueError(f"params[{name!r}] has dtype {dtype}, expected a floating dtype "
+                             f"(float16, bfloat16, float32 or float64; fp8 weights go through params_from_hf)")
+        if tuple(value.shape) != shape:
+            raise ValueError(f"params[{name!r}] has shape {tuple(value.shape)}, expected {shape}")
+    unexpected = sorted(set(params) - set(shapes), key=str)
     if unexpected:
         raise ValueError(f"unexpected params: {unexpected}")
 
@@ -63,14 +90,33 @@ def init_params(config: MLAConfig, key: jax.Array) -> dict[str, jax.Array]:
     return params
 
 
-def dequantize_fp8_weight(weight, scale_inv) -> np.ndarray:
-    """fp8 weight [out, in] with one fp32 scale per 128x128 block -> float32 (w * scale)."""
-    w = np.asarray(weight).astype(np.float32)
-    s = np.asarray(scale_inv, dtype=np.float32)
-    rows, cols = w.shape
+def _check_scale(name: str, weight_shape: tuple[int, ...], scale) -> np.ndarray:
+    """weight_scale_inv as float32 [ceil(out/128), ceil(in/128)]; ValueError naming `name` otherwise."""
+    if len(weight_shape) != 2:
+        raise ValueError(f"tensor {name!r} has a weight_scale_inv but is {len(weight_shape)}-D "
+                         f"(shape {tuple(weight_shape)}); only 2-D weights are fp8 with block scales")
+    dtype = _dtype_of(scale)
+    if dtype is None:
+        raise ValueError(f"tensor {name}_scale_inv is a {type(scale).__name__}, not an array")
+    if not jnp.issubdtype(dtype, jnp.floating) or is_fp8(dtype):
+        raise ValueError(f"tensor {name}_scale_inv has dtype {dtype}, expected float32 (or another non-fp8 float)")
+    rows, cols = weight_shape
     expected = (-(-rows // FP8_WEIGHT_BLOCK), -(-cols // FP8_WEIGHT_BLOCK))
-    if s.shape != expected:
-        raise ValueError(f"weight_scale_inv has shape {s.shape}, expected {expected} for a weight of shape {w.shape}")
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"tensor {name}_scale_inv has shape {tuple(scale.shape)}, expected {expected} "
+                         f"for a weight of shape {tuple(weight_shape)}")
+    s = np.asarray(scale, dtype=np.float32)
+    if not np.all(np.isfinite(s)) or np.any(s < 0):  # 0 is an all-zero block's scale
+        raise ValueError(f"tensor {name}_scale_inv has non-finite or negative scales")
+    return s
+
+
+def dequantize_fp8_weight(weight, scale_inv, name: str = "weight") -> np.ndarray:
+    """fp8 weight [out, in] with one fp32 scale per 128x128 block -> float32 (w * scale)."""
+    shape = tuple(np.shape(weight))
+    s = _check_scale(name, shape, scale_inv)
+    w = np.asarray(weight).astype(np.float32)
+    rows, cols = shape
     full = np.repeat(np.repeat(s, FP8_WEIGHT_BLOCK, 0), FP8_WEIGHT_BLOCK, 1)[:rows, :cols]
     return w * full
 
@@ -79,11 +125,14 @@ def params_from_hf(state_dict: Mapping[str, Any], config: MLAConfig) -> dict[str
     """Builds params from a Hugging Face state dict of one attention module.
 
     Keys may carry a `model.layers.N.self_attn.` prefix. fp8 weights come with a
-    `<name>_scale_inv` tensor (`q_a_proj.weight_scale_inv`) and are dequantized. Missing, misshapen
-    or unexpected tensors raise ValueError naming them.
+    `<name>_scale_inv` tensor (`q_a_proj.weight_scale_inv`, finite, >= 0, float) and are
+    dequantized; other tensors must be float16 / bfloat16 / float32 / float64. Missing, misshapen,
+    non-float or unexpected tensors raise ValueError naming them.
     """
     local = {}
     for key, value in state_dict.items():
+        if not isinstance(key, str):
+            raise ValueError(f"state dict key {key!r} is not a str")
         name = key.split(HF_PREFIX_MARK, 1)[1] if HF_PREFIX_MARK in key else key
         if name in local:
             raise ValueError(f"tensor {name!r} appears twice in the state dict")
@@ -98,11 +147,25 @@ def params_from_hf(state_dict: Mapping[str, Any], config: MLAConfig) -> dict[str
     params = {}
     for name, shape in shapes.items():
         value = local[name]
-        if name + "_scale_inv" in local:
-            value = dequantize_fp8_weight(value, local[name + "_scale_inv"])
-        elif str(getattr(value, "dtype", "")).startswith("float8"):
-            raise ValueError(f"tensor {name!r} is fp8 but has no {name}_scale_inv")
+        dtype = _dtype_of(value)
+        if dtype is None:
+            raise ValueError(f"tensor {name!r} is a {type(value).__name__}, not an array")
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"tensor {name!r} has dtype {dtype}: weights must be floating point "
+                             "(float16, bfloat16, float32, float64, or fp8 with a weight_scale_inv)")
         if tuple(value.shape) != shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {shape}")
-        params[name] = jnp.asarray(np.asarray(value, dtype=np.float32)).astype(config.jnp_dtype)
+        if name + "_scale_inv" in local:
+            if len(shape) != 2:
+                raise ValueError(f"tensor {name!r} has a {name}_scale_inv but is {len(shape)}-D (shape {shape}); "
+                                 "only 2-D weights are fp8 with block scales")
+            if not is_fp8(dtype):
+                raise ValueError(f"tensor {name!r} has a {name}_scale_inv but is {dtype}, not fp8")
+            value = dequantize_fp8_weight(value, local[name + "_scale_inv"], name)
+        elif is_fp8(dtype):
+            raise ValueError(f"tensor {name!r} is fp8 but has no {name}_scale_inv")
+        value = np.asarray(value, dtype=np.float32)
+        if not np.all(np.isfinite(value)):
+            raise ValueError(f"tensor {name!r} has non-finite values")
+        params[name] = jnp.asarray(value).astype(config.jnp_dtype)
     return params

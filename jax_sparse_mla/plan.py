@@ -20,6 +20,7 @@ single captured program per shape.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 from typing import Sequence
 
@@ -57,12 +58,43 @@ class BucketPolicy:
     min_pages_per_seq: int = 4
     min_dense_keys: int = 16
 
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not _is_int(value) or not 1 <= value <= INT32_MAX:
+                raise ValueError(f"invalid BucketPolicy: {f.name} must be a positive int below 2**31, got {value!r}")
+            object.__setattr__(self, f.name, int(value))  # numpy integers -> int (hashing, bit_length)
+
     @staticmethod
     def round_up(n: int, minimum: int) -> int:
-        return max(minimum, 1 << max(n - 1, 0).bit_length())
+        return max(minimum, 1 << int(max(n - 1, 0)).bit_length())
 
 
 DISPATCH_MODES = ("static", "cond")
+INT32_MAX = 2 ** 31 - 1
+
+
+def _is_int(value) -> bool:
+    """A Python or numpy integer; bool is not one here."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """The MLAConfig fields a plan depends on (BatchPlan.config): page_size (every slot number),
+    index_topk (the routes; a cond plan's num_dense_keys), kv_cache_dtype and num_attention_heads
+    (the fp8 split), max_position_embeddings (the bound its lengths were validated against).
+    forward refuses a plan whose fields differ from its config's."""
+
+    page_size: int
+    index_topk: int
+    kv_cache_dtype: str
+    num_attention_heads: int
+    max_position_embeddings: int
+
+    @classmethod
+    def of(cls, config: MLAConfig) -> PlanConfig:
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +115,8 @@ class BatchPlan:
       baseline without the skip). Always True where it changes nothing (the sparse program).
     num_pages: the cache size the page ids were validated against (None: not validated);
       forward refuses a cache of another size.
+    config: the fields of the MLAConfig it was planned for that it depends on (PlanConfig);
+      forward refuses a config that differs in one (check_config). Keyword-only.
     num_upfront_rows, num_kernel_rows, num_upfront_pages: an fp8 latent cache's split of the
       sparsely attending rows (static dispatch; all 0 otherwise). The prefill rows
       (meta.upfront_rows) attend over a bf16 copy of their sequences' pages
@@ -105,6 +139,19 @@ class BatchPlan:
     num_upfront_rows: int = 0
     num_kernel_rows: int = 0
     num_upfront_pages: int = 0
+    config: PlanConfig = dataclasses.field(kw_only=True)
+
+    def check_config(self, config: MLAConfig) -> None:
+        """Raises ValueError naming each field in which `config` differs from the one planned for."""
+        if not isinstance(config, MLAConfig):
+            raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
+        if not isinstance(self.config, PlanConfig):
+            raise ValueError(f"plan.config must be a PlanConfig (make plans with plan_batch), got {self.config!r}")
+        diff = [f"{f.name}={getattr(self.config, f.name)!r} (the config has {getattr(config, f.name)!r})"
+                for f in dataclasses.fields(PlanConfig) if getattr(self.config, f.name) != getattr(config, f.name)]
+        if diff:
+            raise ValueError(f"the plan was made for a config with {', '.join(diff)}: plan the batch with the "
+                             "config it runs under")
 
     @property
     def num_scored_tokens(self) -> int | None:
@@ -167,32 +214,163 @@ class BatchMeta:
     dense_flag: jax.Array | None = None
 
 
-def _validate(config: MLAConfig, requests: Sequence[Request], num_pages: int | None) -> None:
+def _length(i: int, name: str, value, minimum: int) -> int:
+    if not _is_int(value):
+        raise ValueError(f"request {i}: {name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"request {i}: {name} must be >= {minimum}, got {value}")
+    if value > INT32_MAX:
+        raise ValueError(f"request {i}: {name} must be < 2**31 (int32), got {value}")
+    return int(value)
+
+
+def _page_ids(i: int, table) -> list[int]:
+    """Request i's block table as a list of Python ints, each in int32 range."""
+    where = f"request {i}: block_table"
+    if isinstance(table, np.ndarray):
+        if table.ndim != 1:
+            raise ValueError(f"{where} must be 1-D, got a numpy array of shape {table.shape}")
+        if table.dtype.kind not in "iu":
+            raise ValueError(f"{where} must hold integer page ids, got a numpy array of dtype {table.dtype}")
+        values = table.tolist()
+    elif isinstance(table, (str, bytes)) or not isinstance(table, collections.abc.Sequence):
+        raise ValueError(f"{where} must be a list, tuple or 1-D numpy integer array of page ids (on the host), "
+                         f"got {type(table).__name__}")
+    else:
+        values = list(table)
+        if not all(type(v) is int for v in values):  # (fast path: plain ints)
+            for k, v in enumerate(values):
+                if not _is_int(v):
+                    raise ValueError(f"{where}[{k}] must be an integer page id, got {v!r} ({type(v).__name__})")
+            values = [int(v) for v in values]
+    if values and (min(values) < -INT32_MAX - 1 or max(values) > INT32_MAX):
+        k = next(k for k, v in enumerate(values) if not -INT32_MAX - 1 <= v <= INT32_MAX)
+        raise ValueError(f"{where}[{k}] = {values[k]} is outside int32")
+    return values
+
+
+def _alias_error(i: int, k: int, writes: bool, page: int, j: int, kj: int, j_writes: bool) -> ValueError:
+    """Request i's block_table[k] names `page`, which request j (maybe i) already holds as its
+    block_table[kj]; `writes`, `j_writes`: whether this step writes that entry's page."""
+    if j == i:
+        if writes and j_writes:
+            what = f"is written by this step more than once (block_table[{kj}] and block_table[{k}])"
+        elif writes:
+            what = f"is written by this step (block_table[{k}]) and is also its context page block_table[{kj}]"
+        else:
+            what = f"holds two ranges of its context (block_table[{kj}] and block_table[{k}])"
+        return ValueError(f"request {i}: page {page} {what}: the pages a request's tokens occupy must be distinct")
+    if writes and j_writes:
+        return ValueError(f"request {i}: page {page} is written by this step more than once (block_table[{k}]; "
+                          f"also by request {j}, its block_table[{kj}])")
+    if writes:
+        return ValueError(f"request {i}: page {page} is written by this step (block_table[{k}]), but request {j} "
+                          f"reads it as context (its block_table[{kj}])")
+    return ValueError(f"request {i}: page {page} is read as context (block_table[{k}]), but request {j} writes it "
+                      f"in this step (its block_table[{kj}])")
+
+
+def _scan_pages(requests: Sequence[Request], limit: int, bound: str, page_size: int) -> None:
+    """Raises for the first page (in request, then table order) outside [0, limit) or aliased
+    (see plan_batch); requests hold Python int lengths and list tables of enough pages."""
+    owner: dict[int, tuple[int, int, bool]] = {}  # page -> (request, table index, written this step)
+    for i, r in enumerate(requests):
+        first_written = r.context_len // page_size  # pages first_written .. needed - 1 are written
+        mine: dict[int, tuple[int, bool]] = {}
+        for k in range(-(-r.total_len // page_size)):
+            page, writes = r.block_table[k], k >= first_written
+            if not 0 <= page < limit:
+                raise ValueError(f"request {i}: page id {page} is outside {bound} (block_table[{k}])")
+            if page in mine:
+                raise _alias_error(i, k, writes, page, i, *mine[page])
+            mine[page] = (k, writes)
+            if page in owner:
+                j, kj, j_writes = owner[page]
+                if writes or j_writes:  # (two readers: a shared prefix page, fine)
+                    raise _alias_error(i, k, writes, page, j, kj, j_writes)
+            else:
+                owner[page] = (i, k, writes)
+
+
+def _pages_ok(requests: Sequence[Request], limit: int, page_size: int) -> bool:
+    """Whether _scan_pages would pass, vectorised: every occupied page in [0, limit), and a page
+    held twice only by two different requests that both read it."""
+    if not requests:
+        return True
+    needed = [-(-r.total_len // page_size) for r in requests]
+    pages = np.concatenate([np.asarray(r.block_table[:n], np.int64) for r, n in zip(requests, needed)])
+    if pages.size and (pages.min() < 0 or pages.max() >= limit):
+        return False
+    owner = np.repeat(np.arange(len(requests)), needed)
+    writes = np.concatenate([np.arange(n) >= r.context_len // page_size for r, n in zip(requests, needed)])
+    order = np.argsort(pages, kind="stable")  # a page's holders in request order
+    pages, owner, writes = pages[order], owner[order], writes[order]
+    again = pages[1:] == pages[:-1]
+    return not np.any(again & (writes[1:] | writes[:-1] | (owner[1:] == owner[:-1])))
+
+
+def _validate(config: MLAConfig, requests, num_pages: int | None) -> list[Request]:
+    """Checks the batch (see plan_batch) and returns it with Python int lengths and list tables.
+    Raises for the first problem in request order."""
     if len(requests) == 0:
         raise ValueError("empty batch: plan_batch needs at least one request")
-    written: dict[int, int] = {}
+    ps = config.page_size
+    slot_pages = (INT32_MAX + 1) // ps  # pages whose slot numbers page * page_size + offset fit int32
+    limit = slot_pages if num_pages is None else num_pages
+    bound = (f"[0, {num_pages})" if num_pages is not None else
+             f"[0, {slot_pages}), the pages of {ps} tokens whose slot numbers fit int32")
+    max_len = min(config.max_position_embeddings, INT32_MAX)
+    out: list[Request] = []
+
+    def refuse(message: str):  # a problem of request len(out); an earlier request's pages come first
+        if not _pages_ok(out, limit, ps):
+            _scan_pages(out, limit, bound, ps)
+        raise ValueError(message)
+
     for i, r in enumerate(requests):
         if not isinstance(r, Request):
-            raise ValueError(f"request {i}: expected a Request, got {type(r).__name__}")
-        if r.context_len < 0:
-            raise ValueError(f"request {i}: context_len must be >= 0, got {r.context_len}")
-        if r.query_len < 1:
-            raise ValueError(f"request {i}: query_len must be >= 1, got {r.query_len}")
-        needed = -(-r.total_len // config.page_size)
-        table = list(r.block_table)
+            refuse(f"request {i}: expected a Request, got {type(r).__name__}")
+        try:
+            context_len = _length(i, "context_len", r.context_len, 0)
+            query_len = _length(i, "query_len", r.query_len, 1)
+            table = _page_ids(i, r.block_table)
+        except ValueError as e:
+            refuse(str(e))
+        total = context_len + query_len
+        if total > max_len:
+            refuse(f"request {i}: context_len + query_len = {total} tokens exceeds max_position_embeddings "
+                   f"= {config.max_position_embeddings}")
+        needed = -(-total // ps)
         if len(table) < needed:
-            raise ValueError(f"request {i}: block_table has {len(table)} pages, but context_len + query_len = "
-                             f"{r.total_len} tokens need {needed} pages of {config.page_size}")
-        for page in table[:needed]:
-            if page < 0 or (num_pages is not None and page >= num_pages):
-                bound = f"[0, {num_pages})" if num_pages is not None else ">= 0"
-                raise ValueError(f"request {i}: page id {page} is outside {bound}")
-        first, last = r.context_len // config.page_size, (r.total_len - 1) // config.page_size
-        for page in table[first:last + 1]:  # pages this step writes: sharing one would corrupt it
-            if page in written:
-                raise ValueError(f"request {i}: page {page} is written by this step more than once "
-                                 f"(also by request {written[page]})")
-            written[page] = i
+            refuse(f"request {i}: block_table has {len(table)} pages, but context_len + query_len = "
+                   f"{total} tokens need {needed} pages of {ps}")
+        out.append(Request(context_len, query_len, table))
+    if not _pages_ok(out, limit, ps):
+        _scan_pages(out, limit, bound, ps)
+        raise AssertionError("_pages_ok and _scan_pages disagree")  # unreachable
+    return out
+
+
+def _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch) -> int | None:
+    """Checks plan_batch's arguments other than the requests; returns num_pages as an int (or None)."""
+    if not isinstance(config, MLAConfig):
+        raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
+    if not isinstance(dispatch, str) or dispatch not in DISPATCH_MODES:
+        raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
+    for name, value in (("force_sparse", force_sparse), ("skip_indexer", skip_indexer)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
+    if not isinstance(buckets, BucketPolicy):
+        raise ValueError(f"buckets must be a BucketPolicy, got {type(buckets).__name__}")
+    if num_pages is None:
+        return None
+    if not _is_int(num_pages) or num_pages < 1:
+        raise ValueError(f"num_pages must be a positive int or None, got {num_pages!r}")
+    slot_pages = (INT32_MAX + 1) // config.page_size
+    if num_pages > slot_pages:
+        raise ValueError(f"num_pages = {num_pages} pages of {config.page_size} tokens: slot numbers would overflow "
+                         f"int32 (at most {slot_pages} pages)")
+    return int(num_pages)
 
 
 def _upfront_split(config: MLAConfig, requests: Sequence[Request], attends_sparsely, row_starts, tables, buckets):
@@ -234,15 +412,23 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
     force_sparse: route short prefills through the indexer and sparse attention too.
     skip_indexer: score only the rows that attend sparsely (False: every row, the baseline).
     num_pages: the cache's page count; page ids outside [0, num_pages) are rejected. Without
-      it page ids are only checked to be >= 0 (an id past the cache would read clamped slots and
-      write nowhere), so engines should pass it.
+      it page ids are only checked to be >= 0 and to have int32 slot numbers (an id past the
+      cache would read clamped slots and write nowhere), so engines should pass it.
+    requests: context_len, query_len and page ids are Python or numpy integers (not bool);
+      block tables are lists, tuples or 1-D numpy integer arrays (entries past the
+      ceil(total_len / page_size) pages a request's tokens occupy are ignored). Those pages
+      must be distinct within a request, and a page this step writes (from the one holding
+      position context_len on) must not be read or written by another request; two requests
+      may read one page (a shared prefix). context_len + query_len <= max_position_embeddings.
     dispatch: "static" (the route is in the plan) or "cond" (in meta.dense_flag; the plan's
       sizes then depend on the shape buckets only).
     Raises ValueError naming the request and the problem before anything touches a device.
     """
-    if dispatch not in DISPATCH_MODES:
-        raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
-    _validate(config, requests, num_pages)
+    num_pages = _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch)
+    force_sparse, skip_indexer = bool(force_sparse), bool(skip_indexer)
+    if isinstance(requests, (str, bytes, Request)) or not isinstance(requests, collections.abc.Iterable):
+        raise ValueError(f"requests must be a sequence of Requests, got {type(requests).__name__}")
+    requests = _validate(config, list(requests), num_pages)
     page = config.page_size
     dense = [not force_sparse and not r.is_decode and r.total_len <= config.index_topk for r in requests]
 
@@ -297,7 +483,7 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
                      num_sparse_tokens=num_sparse, num_dense_keys=num_dense_keys,
                      skip_indexer=skip_indexer or use_dense is False, num_pages=num_pages,
                      num_upfront_rows=num_upfront_rows, num_kernel_rows=num_kernel_rows,
-                     num_upfront_pages=num_upfront_pages)
+                     num_upfront_pages=num_upfront_pages, config=PlanConfig.of(config))
     meta = BatchMeta(
         positions=positions, slot_mapping=slot_mapping, row_seq=row_seq,
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,

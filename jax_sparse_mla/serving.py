@@ -38,9 +38,33 @@ import numpy as np
 
 from .cache import init_cache
 from .config import MLAConfig
+from .kernels import CHOICES as KERNEL_CHOICES
 from .model import jit_forward
 from .params import init_params
-from .plan import BucketPolicy, Request, plan_batch
+from .plan import DISPATCH_MODES, INT32_MAX, BucketPolicy, Request, _is_int, plan_batch
+
+
+def _int(value, what: str, minimum: int) -> int:
+    """value (a Python or numpy integer, not bool, in [minimum, 2**31)) as an int; ValueError naming `what`."""
+    if not _is_int(value):
+        raise ValueError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
+    if not minimum <= value <= INT32_MAX:
+        raise ValueError(f"{what} must be >= {minimum}" + (", got " if value < minimum else " and < 2**31, got ")
+                         + str(value))
+    return int(value)
+
+
+def _real(value, what: str) -> float:
+    """value (an int or float, numpy's too, not bool) as a float; ValueError naming `what`."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{what} must be a real number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def _bool(value, what: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{what} must be a bool, got {value!r}")
+    return bool(value)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -59,11 +83,18 @@ class RequestSpec:
     arrival_s: float = 0.0
 
     def __post_init__(self):
-        if self.input_len < 1 or self.output_len < 1:
-            raise ValueError(f"request {self.id}: input_len and output_len must be >= 1, "
-                             f"got {self.input_len}, {self.output_len}")
-        if self.arrival_s < 0:
-            raise ValueError(f"request {self.id}: arrival_s must be >= 0, got {self.arrival_s}")
+        if not _is_int(self.id) or not 0 <= self.id <= INT32_MAX:  # (it seeds the request's tokens)
+            raise ValueError(f"request id must be an integer in [0, 2**31), got {self.id!r}")
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (numpy -> Python)
+        put("id", int(self.id))
+        put("input_len", _int(self.input_len, f"request {self.id}: input_len", 1))
+        put("output_len", _int(self.output_len, f"request {self.id}: output_len", 1))
+        if self.cache_len > INT32_MAX:
+            raise ValueError(f"request {self.id}: input_len + output_len - 1 = {self.cache_len} must be < 2**31")
+        arrival = _real(self.arrival_s, f"request {self.id}: arrival_s")
+        if not 0 <= arrival < math.inf:
+            raise ValueError(f"request {self.id}: arrival_s must be finite and >= 0, got {self.arrival_s}")
+        put("arrival_s", arrival)
 
     @property
     def cache_len(self) -> int:
@@ -96,17 +127,25 @@ class Workload:
     seed: int = 0
 
     def __post_init__(self):
-        if self.num_requests < 1:
-            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
-        if self.input_len < 1 or self.output_len < 1:
-            raise ValueError(f"input_len and output_len must be >= 1, got {self.input_len}, {self.output_len}")
+        def put(name, value):  # numpy scalars -> Python (hashing, equality, seeding)
+            object.__setattr__(self, name, value)
+
+        for name in ("num_requests", "input_len", "output_len"):
+            put(name, _int(getattr(self, name), name, 1))
         for name in ("input_range_ratio", "output_range_ratio"):
-            if not 0 <= getattr(self, name) < 1:
+            value = _real(getattr(self, name), name)
+            if not 0 <= value < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1 or None, got {self.concurrency}")
-        if not self.request_rate > 0:
+            put(name, value)
+        if self.concurrency is not None:
+            put("concurrency", _int(self.concurrency, "concurrency (or None)", 1))
+        rate = _real(self.request_rate, "request_rate")
+        if not rate > 0:  # (NaN too)
             raise ValueError(f"request_rate must be > 0 (inf: all at once), got {self.request_rate}")
+        put("request_rate", rate)
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        put("seed", int(self.seed))
 
     def requests(self) -> list[RequestSpec]:
         rng = np.random.default_rng(self.seed)
@@ -132,9 +171,7 @@ class PageAllocator:
     """A free list over page ids [0, num_pages)."""
 
     def __init__(self, num_pages: int):
-        if num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        self.num_pages = num_pages
+        self.num_pages = _int(num_pages, "num_pages", 1)
         self._free = deque(range(num_pages))
         self._used: set[int] = set()
 
@@ -300,8 +337,27 @@ class EngineOptions:
     buckets: BucketPolicy = BucketPolicy()
 
     def __post_init__(self):
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            put(name, _int(getattr(self, name), name, 1))
+        for name in ("skip_indexer", "force_sparse"):
+            put(name, _bool(getattr(self, name), name))
+        if not isinstance(self.dispatch, str) or self.dispatch not in DISPATCH_MODES:
+            raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {self.dispatch!r}")
+        if not isinstance(self.kernels, str) or self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
+        if not isinstance(self.buckets, BucketPolicy):
+            raise ValueError(f"buckets must be a BucketPolicy, got {type(self.buckets).__name__}")
+
+    def with_overrides(self, overrides: dict) -> EngineOptions:
+        """These options with `overrides` (EngineOptions fields, checked); ValueError naming an unknown one."""
+        names = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(overrides) - set(names))
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}: EngineOptions has {names}")
+        return dataclasses.replace(self, **overrides)
 
     def plan_kwargs(self) -> dict:
         return dict(skip_indexer=self.skip_indexer, force_sparse=self.force_sparse, buckets=self.buckets,
@@ -338,10 +394,17 @@ class Engine:
 
     def __init__(self, config: MLAConfig, *, num_layers: int = 2, num_pages: int = 1024, seed: int = 0,
                  pool_size: int = 4096, params: Sequence[dict] | None = None, **options):
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-        self.config, self.num_pages, self.seed, self.pool_size = config, num_pages, seed, pool_size
-        self.options = EngineOptions(**options)
+        if not isinstance(config, MLAConfig):
+            raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
+        num_layers = _int(num_layers, "num_layers", 1)
+        num_pages, pool_size = _int(num_pages, "num_pages", 1), _int(pool_size, "pool_size", 1)
+        if num_pages * config.page_size - 1 > INT32_MAX:
+            raise ValueError(f"num_pages = {num_pages} pages of {config.page_size} tokens: slot numbers would "
+                             "overflow int32")
+        if not _is_int(seed) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        self.config, self.num_pages, self.seed, self.pool_size = config, num_pages, int(seed), pool_size
+        self.options = EngineOptions().with_overrides(options)
         key = jax.random.key(seed)
         if params is None:
             params = [init_params(config, jax.random.fold_in(key, layer)) for layer in range(num_layers)]
@@ -379,7 +442,7 @@ class Engine:
         gather and residual adds) by running it through the layers on zero hidden states. Writes
         junk into the cache slots named by the batches' block tables: harmless, a request writes
         every slot before reading it. Returns the number of executables jit_forward compiled."""
-        opts = dataclasses.replace(self.options, **overrides)
+        opts = self.options.with_overrides(overrides)
         before, seen = jit_forward._cache_size(), set()
         for requests in batches:
             plan, meta = plan_batch(self.config, list(requests), num_pages=self.num_pages, **opts.plan_kwargs())
@@ -394,7 +457,7 @@ class Engine:
         """One batch through the layer stack outside the scheduler (benchmarks: time it, repeat it;
         a repeat rewrites the same slots with the same values). Token hidden states are pool rows
         picked by position. Returns (x [plan.num_tokens, hidden] after the last layer, plan)."""
-        opts = dataclasses.replace(self.options, **overrides)
+        opts = self.options.with_overrides(overrides)
         plan, meta = plan_batch(self.config, list(requests), num_pages=self.num_pages, **opts.plan_kwargs())
         rows = np.full(plan.num_tokens, self.pool_size, np.int32)
         n = sum(r.query_len for r in requests)
@@ -420,11 +483,17 @@ class Engine:
           token order; costs a device->host copy per step).
         Raises PoolTooSmallError when a request can never fit the cache.
         """
-        opts = dataclasses.replace(self.options, **overrides)
+        opts = self.options.with_overrides(overrides)
+        if max_steps is not None:
+            max_steps = _int(max_steps, "max_steps (or None)", 0)
+        progress, collect_outputs = _bool(progress, "progress"), _bool(collect_outputs, "collect_outputs")
         concurrency = workload.concurrency if isinstance(workload, Workload) else None
-        specs = workload.requests() if isinstance(workload, Workload) else list(workload)
+        specs = workload.requests() if isinstance(workload, Workload) else _specs(workload)
         page = self.config.page_size
         for s in specs:  # fail before any work
+            if s.cache_len > self.config.max_position_embeddings:
+                raise ValueError(f"request {s.id}: input_len + output_len - 1 = {s.cache_len} tokens exceeds "
+                                 f"max_position_embeddings = {self.config.max_position_embeddings}")
             if -(-s.cache_len // page) > self.num_pages:
                 raise PoolTooSmallError(f"request {s.id} ({s.input_len} in + {s.output_len} out) needs "
                                         f"{-(-s.cache_len // page)} pages of {page} tokens, the cache has "
@@ -533,6 +602,21 @@ class Engine:
             work.append((r, n))
             budget -= n
         return work
+
+
+def _specs(workload) -> list[RequestSpec]:
+    """A sequence of RequestSpecs as a list; ValueError for another entry or a repeated id."""
+    if isinstance(workload, (str, bytes)) or not isinstance(workload, Iterable):
+        raise ValueError(f"workload must be a Workload or a sequence of RequestSpecs, got {type(workload).__name__}")
+    specs, seen = list(workload), {}
+    for k, s in enumerate(specs):
+        if not isinstance(s, RequestSpec):
+            raise ValueError(f"workload entry {k}: expected a RequestSpec, got {type(s).__name__}")
+        if s.id in seen:
+            raise ValueError(f"request {s.id}: the id is used twice (workload entries {seen[s.id]} and {k}); "
+                             "request ids must be unique")
+        seen[s.id] = k
+    return specs
 
 
 def _branch(plan, meta) -> str:

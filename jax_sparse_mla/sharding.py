@@ -49,7 +49,7 @@ from .cache import PagedCache, init_cache
 from .config import MLAConfig
 from .model import forward
 from .params import param_shapes
-from .plan import BatchMeta, BatchPlan, BucketPolicy, Request, pad_ids, plan_batch
+from .plan import BatchMeta, BatchPlan, BucketPolicy, PlanConfig, Request, pad_ids, plan_batch
 
 DATA = "data"
 TENSOR = "tensor"
@@ -168,6 +168,14 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
     Options as in plan_batch (dispatch is always "static" here). Raises ValueError naming the
     shard for invalid requests.
     """
+    if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence):
+        raise ValueError(f"shards must be a sequence of request lists (one per data shard), "
+                         f"got {type(shards).__name__}")
+    for d, reqs in enumerate(shards):
+        if isinstance(reqs, (str, bytes, Request)) or not isinstance(reqs, Sequence):
+            raise ValueError(f"data shard {d}: expected a sequence of Requests, got {type(reqs).__name__}")
+    if isinstance(pages_per_shard, bool) or not isinstance(pages_per_shard, (int, np.integer)) or pages_per_shard < 1:
+        raise ValueError(f"pages_per_shard must be a positive int, got {pages_per_shard!r}")
     active = [d for d, reqs in enumerate(shards) if len(reqs)]
     if not active:
         raise ValueError("empty batch: plan_data_parallel needs at least one request in some shard")
@@ -222,10 +230,17 @@ def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh:
     params: full HF-named dict (sharded as param_specs, or placed there by jit);
     hidden: [dp * plan.num_tokens, hidden_size]; cache: PagedCache of dp * pages_per_shard pages;
     meta: from plan_data_parallel. Returns (out [dp * plan.num_tokens, hidden_size], new cache).
+    plan: planned with this (full) config, which is checked (BatchPlan.check_config); each shard's
+    forward checks its per-shard config against the plan's record with the same replacement.
     Jit with mesh, plan, config and kernels static (`jit_sharded_forward`).
     """
     dp, tp = _axis_sizes(mesh)
+    if not isinstance(plan, BatchPlan):
+        raise ValueError(f"plan must be a BatchPlan (from plan_data_parallel), got {type(plan).__name__}")
+    plan.check_config(config)  # planned with the full config
     local = shard_config(config, tp)
+    # what each shard's forward checks its per-shard config against (the same plan otherwise)
+    local_plan = dataclasses.replace(plan, config=PlanConfig.of(local))
     if hidden.shape != (dp * plan.num_tokens, config.hidden_size):
         raise ValueError(f"hidden has shape {hidden.shape}, expected [data * plan.num_tokens, hidden_size] = "
                          f"{[dp * plan.num_tokens, config.hidden_size]}")
@@ -236,7 +251,7 @@ def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh:
                          "make meta with plan_data_parallel for this mesh's data axis")
 
     def per_shard(params, hidden, cache, meta):
-        return forward(params, hidden, cache, meta, plan=plan, config=local, kernels=kernels,
+        return forward(params, hidden, cache, meta, plan=local_plan, config=local, kernels=kernels,
                        tensor_axis=TENSOR if tp > 1 else None)
 
     # check_vma=False: the Pallas kernels inside forward carry no varying-axes annotations. The

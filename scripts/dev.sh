@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
 # Creates (or reuses) .venv with a Python >= 3.12 found on this machine, installs the project,
-# then runs: `demo [args]` (python -m jax_sparse_mla demo) or `test [pytest args]`.
+# then runs:
+#   demo [args]                   python -m jax_sparse_mla demo
+#   test [pytest args]            the suite on the CPU (Pallas kernels in interpret mode)
+#   test --gpu [pytest args]      the cuda extra (CUDA_EXTRA=cuda13 or cuda12), then every test,
+#                                 `gpu`-marked ones included; fails if jax sees no GPU
+# --no-install (after the command) skips .venv and pip: the Python found runs as it is, for a
+# machine whose environment already holds the dependencies (an offline GPU runner, an engine's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,20 +29,43 @@ find_python() {
   return 1
 }
 
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
-  rm -rf .venv
-  "$(find_python)" -m venv .venv
-fi
-stamp=.venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)
-if [ ! -f "$stamp" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[test]"
-  rm -f .venv/.installed-*; touch "$stamp"
+cmd=${1:-}; shift || true
+gpu=0; install=1; args=()
+for a in "$@"; do
+  case "$a" in
+    --gpu) gpu=1 ;;
+    --no-install) install=0 ;;
+    *) args+=("$a") ;;
+  esac
+done
+[ "$gpu" = 1 ] && [ "$cmd" != test ] && { echo "--gpu goes with test" >&2; exit 2; }
+
+if [ "$install" = 1 ]; then
+  if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
+    rm -rf .venv
+    "$(find_python)" -m venv .venv
+  fi
+  extras=test
+  [ "$gpu" = 1 ] && extras="${CUDA_EXTRA:-cuda13},test"
+  stamp=.venv/.installed-$(cat pyproject.toml <(echo "$extras") | sha1sum | cut -c1-12)
+  if [ ! -f "$stamp" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q -e ".[$extras]"
+    rm -f .venv/.installed-*; touch "$stamp"
+  fi
+  py=.venv/bin/python
+else
+  py=$(find_python)
 fi
 
-cmd=${1:-}; shift || true
 case "$cmd" in
-  demo) exec .venv/bin/python -m jax_sparse_mla demo "$@" ;;
-  test) exec .venv/bin/python -m pytest -q "$@" ;;
-  *) echo "usage: scripts/dev.sh demo [--config tiny|deepseek_v32] | test [pytest args]" >&2; exit 2 ;;
+  demo) exec "$py" -m jax_sparse_mla demo "${args[@]}" ;;
+  test)
+    if [ "$gpu" = 1 ]; then
+      "$py" -c 'import jax, sys; b = jax.default_backend(); print("jax", jax.__version__, "backend", b, jax.devices()); sys.exit(b != "gpu")' \
+        || { echo "test --gpu: jax sees no GPU (is the cuda extra's driver/toolkit usable here?)" >&2; exit 1; }
+      exec "$py" -m pytest -q -m "gpu or not gpu" "${args[@]}"
+    fi
+    exec "$py" -m pytest -q "${args[@]}" ;;
+  *) echo "usage: scripts/dev.sh demo [--config tiny|deepseek_v32] | test [--gpu] [pytest args]   (--no-install: use the Python found as is)" >&2; exit 2 ;;
 esac

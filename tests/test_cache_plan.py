@@ -174,3 +174,191 @@ def test_sparse_plans_ignore_skip_indexer():
     """skip_indexer only matters where a dense program exists: no duplicate sparse programs."""
     long_ = [Request(0, 20, list(range(5)))]
     assert plan_batch(TINY, long_, skip_indexer=False)[0] == plan_batch(TINY, long_)[0]
+
+
+# --- host-side refusal of bad input (before anything touches a device) ----------------------------
+
+@pytest.mark.parametrize("requests,message", [
+    # a table whose new tokens write over one of its own context pages
+    ([Request(4, 4, [3, 3])], r"request 0: page 3 is written by this step \(block_table\[1\]\) and is also its "
+                              r"context page block_table\[0\]"),
+    # request 1 writes a page request 0 reads as context, and the other way round
+    ([Request(4, 1, [0, 1]), Request(0, 3, [0])], r"request 1: page 0 is written by this step \(block_table\[0\]\), "
+                                                  r"but request 0 reads it as context"),
+    ([Request(0, 3, [0]), Request(4, 1, [0, 1])], r"request 1: page 0 is read as context \(block_table\[0\]\), but "
+                                                  r"request 0 writes it in this step"),
+    # a partly filled page is written too: its free slots get this step's tokens
+    ([Request(2, 1, [5]), Request(4, 1, [5, 6])], "request 1: page 5 is read as context .* request 0 writes it"),
+    # two context ranges on one page
+    ([Request(8, 1, [0, 0, 1])], r"request 0: page 0 holds two ranges of its context \(block_table\[0\] and "
+                                 r"block_table\[1\]\)"),
+    ([Request(0, 3, [1]), Request(9, 1, [2, 1, 3])], "request 1: page 1 is read as context .* request 0 writes it"),
+])
+def test_plan_refuses_pages_read_and_written_in_one_step(requests, message):
+    with pytest.raises(ValueError, match=message):
+        plan_batch(TINY, requests, num_pages=8)
+
+
+def test_table_entries_past_the_occupied_pages_are_not_aliasing():
+    """Only the ceil(total_len / page_size) first entries hold tokens: repeats past them are fine,
+    and so are context pages read by several requests."""
+    plan, meta = plan_batch(TINY, [Request(0, 3, [0, 0, 0]), Request(4, 1, [1, 2, 0]), Request(4, 2, [1, 3])])
+    np.testing.assert_array_equal(meta.block_tables[:3, :2], [[0, -1], [1, 2], [1, 3]])
+
+
+OTHER_CONFIGS = [("page_size", 8), ("index_topk", 32), ("kv_cache_dtype", "fp8"), ("num_attention_heads", 8),
+                 ("max_position_embeddings", 64)]
+
+
+@pytest.mark.parametrize("field,value", OTHER_CONFIGS)
+def test_forward_refuses_a_plan_made_for_another_config(field, value):
+    from jax_sparse_mla import init_params
+    from jax_sparse_mla.model import forward
+    plan, meta = plan_batch(TINY, [Request(0, 5, [0, 1])], num_pages=8)
+    assert plan.config.page_size == 4 and plan.config.index_topk == TINY.index_topk
+    other = dataclasses.replace(TINY, **{field: value})
+    x = jnp.ones((plan.num_tokens, TINY.hidden_size))
+    with pytest.raises(ValueError, match=f"the plan was made for a config with {field}={getattr(TINY, field)!r} "
+                                         rf"\(the config has {value!r}\)"):
+        forward(init_params(other, jax.random.key(0)), x, init_cache(other, 8), meta, plan=plan, config=other)
+
+
+def test_plans_record_their_config_and_stay_hashable():
+    reqs = [Request(0, 5, [0, 1])]
+    plan = plan_batch(TINY, reqs)[0]
+    assert hash(plan) == hash(plan_batch(TINY, reqs)[0]) and plan == plan_batch(TINY, reqs)[0]
+    assert {plan, plan_batch(dataclasses.replace(TINY, page_size=8), reqs)[0]} != {plan}  # another program
+    assert plan_batch(dataclasses.replace(TINY, dtype="bfloat16"), reqs)[0] == plan  # not a plan field
+
+
+def test_sharded_forward_refuses_a_plan_made_for_another_config():
+    """sharded_forward checks the plan against the full config (its shards run per-shard configs)."""
+    from jax_sparse_mla import init_params
+    from jax_sparse_mla.sharding import jit_sharded_forward, make_mesh, plan_data_parallel
+    mesh = make_mesh(1, 1)
+    plan, meta = plan_data_parallel(TINY, [[Request(0, 5, [0, 1])]], pages_per_shard=8)
+    other = dataclasses.replace(TINY, index_topk=32)
+    x = jnp.ones((plan.num_tokens, TINY.hidden_size))
+    with pytest.raises(ValueError, match=r"made for a config with index_topk=16 \(the config has 32\)"):
+        jit_sharded_forward(init_params(other, jax.random.key(0)), x, init_cache(other, 8), meta, mesh=mesh,
+                            plan=plan, config=other)
+    with pytest.raises(ValueError, match="pages_per_shard must be a positive int, got 2.5"):
+        plan_data_parallel(TINY, [[Request(0, 5, [0, 1])]], pages_per_shard=2.5)
+    with pytest.raises(ValueError, match="data shard 0: expected a sequence of Requests, got Request"):
+        plan_data_parallel(TINY, [Request(0, 5, [0, 1])], pages_per_shard=8)
+
+
+@pytest.mark.parametrize("request_,message", [
+    (Request(0, 3, [1.5]), r"request 0: block_table\[0\] must be an integer page id, got 1.5"),
+    (Request(0, 3, [np.float32(2)]), r"request 0: block_table\[0\] must be an integer page id"),
+    (Request(0, 3, [True]), r"request 0: block_table\[0\] must be an integer page id, got True"),
+    (Request(0, 3, [None]), r"request 0: block_table\[0\] must be an integer page id, got None"),
+    (Request(0, 5, [0, "1"]), r"request 0: block_table\[1\] must be an integer page id, got '1'"),
+    # slot number 2**30 + 3 pages * 4 overflows int32 (it wrapped onto page 3's slots)
+    (Request(0, 3, [2 ** 30 + 3]), r"request 0: page id 1073741827 is outside \[0, 536870912\), the pages of 4 "
+                                   r"tokens whose slot numbers fit int32 \(block_table\[0\]\)"),
+    (Request(0, 3, [0, 2 ** 40]), r"request 0: block_table\[1\] = 1099511627776 is outside int32"),
+    (Request(0, 3, "0"), "request 0: block_table must be a list, tuple or 1-D numpy integer array .* got str"),
+    (Request(0, 3, None), "request 0: block_table must be a list, tuple .* got NoneType"),
+    (Request(0, 3, 7), "request 0: block_table must be a list, tuple .* got int"),
+    (Request(0, 3, np.zeros((1, 1), np.int32)),
+     r"request 0: block_table must be 1-D, got a numpy array of shape \(1, 1\)"),
+    (Request(0, 3, np.zeros(1, np.float32)),
+     "request 0: block_table must hold integer page ids, got a numpy array of dtype float32"),
+    (Request(0, 3, jnp.zeros(1, jnp.int32)), "request 0: block_table must be a list, tuple .*on the host"),
+    (Request(0, 3, [[0]]), r"request 0: block_table\[0\] must be an integer page id, got \[0\]"),
+    (Request(0.5, 3, [0]), "request 0: context_len must be an integer, got 0.5"),
+    (Request(0, 3.0, [0]), "request 0: query_len must be an integer, got 3.0"),
+    (Request(0, np.float64(3), [0]), "request 0: query_len must be an integer"),
+    (Request(False, 3, [0]), "request 0: context_len must be an integer, got False"),
+    (Request(None, 3, [0]), "request 0: context_len must be an integer, got None"),
+    (Request(0, "3", [0]), "request 0: query_len must be an integer, got '3'"),
+    (Request(2 ** 31, 1, [0]), r"request 0: context_len must be < 2\*\*31"),
+    (Request(TINY.max_position_embeddings, 1, list(range(40961))),
+     "request 0: context_len \\+ query_len = 163841 tokens exceeds max_position_embeddings = 163840"),
+])
+def test_plan_refuses_ids_and_lengths_that_are_not_int32_integers(request_, message):
+    with pytest.raises(ValueError, match=message):
+        plan_batch(TINY, [Request(0, 2, [9]), request_][1:])  # request 0
+    with pytest.raises(ValueError, match=message.replace("request 0", "request 1")):
+        plan_batch(TINY, [Request(0, 2, [9]), request_])
+
+
+def test_max_position_embeddings_bounds_a_request():
+    short = dataclasses.replace(TINY, max_position_embeddings=8)
+    plan_batch(short, [Request(4, 4, [0, 1])])
+    with pytest.raises(ValueError, match="request 0: context_len \\+ query_len = 9 tokens exceeds "
+                                         "max_position_embeddings = 8"):
+        plan_batch(short, [Request(8, 1, [0, 1, 2])])
+
+
+def test_numpy_integers_plan_like_python_ints():
+    plan, meta = plan_batch(TINY, [Request(2, 3, [7, 2]), Request(0, 2, (5,))], num_pages=8)
+    np_plan, np_meta = plan_batch(TINY, [Request(np.int64(2), np.int32(3), np.array([7, 2], np.int64)),
+                                         Request(np.uint8(0), np.int16(2), [np.int32(5)])], num_pages=np.int64(8))
+    assert np_plan == plan and hash(np_plan) == hash(plan) and type(np_plan.num_pages) is int
+    for a, b in zip(jax.tree.leaves(meta), jax.tree.leaves(np_meta)):
+        np.testing.assert_array_equal(a, b)
+    assert plan_batch(TINY, [Request(0, 5, [0, 1])], buckets=BucketPolicy(min_tokens=np.int64(8)))[0].num_tokens == 8
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_pages=0), "num_pages must be a positive int or None, got 0"),
+    (dict(num_pages=2.5), "num_pages must be a positive int or None, got 2.5"),
+    (dict(num_pages="64"), "num_pages must be a positive int or None, got '64'"),
+    (dict(num_pages=True), "num_pages must be a positive int or None, got True"),
+    (dict(num_pages=2 ** 29 + 1), r"num_pages = 536870913 pages of 4 tokens: slot numbers would overflow int32"),
+    (dict(force_sparse=1), "force_sparse must be a bool, got 1"),
+    (dict(skip_indexer=None), "skip_indexer must be a bool, got None"),
+    (dict(buckets=None), "buckets must be a BucketPolicy, got NoneType"),
+    (dict(buckets=dict(min_tokens=8)), "buckets must be a BucketPolicy, got dict"),
+    (dict(dispatch=None), "dispatch must be one of"),
+    (dict(dispatch=["static"]), "dispatch must be one of"),
+])
+def test_plan_batch_refuses_bad_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan_batch(TINY, [Request(0, 5, [0, 1])], **kwargs)
+
+
+def test_plan_batch_refuses_what_is_not_a_list_of_requests():
+    for requests, message in [(None, "requests must be a sequence of Requests, got NoneType"),
+                              (Request(0, 5, [0, 1]), "requests must be a sequence of Requests, got Request"),
+                              ([(0, 5, [0, 1])], "request 0: expected a Request, got tuple")]:
+        with pytest.raises(ValueError, match=message):
+            plan_batch(TINY, requests)
+    with pytest.raises(ValueError, match="config must be an MLAConfig, got dict"):
+        plan_batch({}, [Request(0, 5, [0, 1])])
+    assert plan_batch(TINY, (r for r in [Request(0, 5, [0, 1])]))[0] == plan_batch(TINY, [Request(0, 5, [0, 1])])[0]
+
+
+@pytest.mark.parametrize("field,value", [("min_tokens", 0), ("min_seqs", -4), ("min_pages_per_seq", 2.0),
+                                         ("min_dense_keys", True), ("min_tokens", "16"), ("min_seqs", 2 ** 31),
+                                         ("min_tokens", None)])
+def test_bucket_policy_fields_must_be_positive_ints(field, value):
+    with pytest.raises(ValueError, match=f"invalid BucketPolicy: {field} must be a positive int"):
+        BucketPolicy(**{field: value})
+
+
+def test_page_checks_agree_with_the_sequential_rule_on_random_batches():
+    """The vectorised page check (the fast path) accepts exactly the batches the per-page scan
+    (which words the error) accepts, and plan_batch reports the first problem in request order."""
+    from jax_sparse_mla import plan as plan_lib
+    rng = np.random.default_rng(0)
+    accepted = 0
+    for _ in range(400):
+        reqs = []
+        for _ in range(rng.integers(1, 4)):
+            ctx, q = int(rng.integers(0, 9)), int(rng.integers(1, 6))
+            reqs.append(Request(ctx, q, [int(p) for p in rng.integers(-1, 7, size=-(-(ctx + q) // 4))]))
+        try:
+            plan_lib._scan_pages(reqs, 6, "[0, 6)", 4)
+            ok = True
+        except ValueError:
+            ok = False
+        assert plan_lib._pages_ok(reqs, 6, 4) == ok, reqs
+        accepted += ok
+    assert 20 < accepted < 380
+    with pytest.raises(ValueError, match="request 0: page id 9"):
+        plan_batch(TINY, [Request(0, 3, [9]), Request(0, 3, [1.5])], num_pages=8)
+    with pytest.raises(ValueError, match="request 1: page 0 is written"):
+        plan_batch(TINY, [Request(0, 3, [0]), Request(0, 3, [0]), Request(0, 3, [1.5])], num_pages=8)

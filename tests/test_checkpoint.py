@@ -104,9 +104,11 @@ OVERRIDES = dict(page_size=4, dtype="float32")
 FP8_WEIGHTS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "indexer.wq_b", "indexer.wk")
 
 
-def _write_fake_checkpoint(directory, *, shapes_override=None, bad_scale=None, drop=(), index=True):
+def _write_fake_checkpoint(directory, *, shapes_override=None, bad_scale=None, drop=(), index=True,
+                           replace=None, extra=None):
     """Layers 0 and 1 (+ unrelated tensors) over two shard files plus the index, like the real release.
 
+    replace: {tensor: array} written instead of the tensor; extra: {tensor: array} added to the first file.
     Returns {layer: {name: expected float32 param}}.
     """
     directory.mkdir(parents=True, exist_ok=True)
@@ -141,7 +143,9 @@ def _write_fake_checkpoint(directory, *, shapes_override=None, bad_scale=None, d
             else:
                 target[full] = w
                 expected[layer][name] = w
-    files = {name: {k: v for k, v in tensors.items() if k not in drop} for name, tensors in files.items()}
+    files = {name: {k: (replace or {}).get(k, v) for k, v in tensors.items() if k not in drop}
+             for name, tensors in files.items()}
+    files[names[0]].update(extra or {})
     if not index:
         save_file({k: v for tensors in files.values() for k, v in tensors.items()}, str(directory / "model.safetensors"))
         return expected
@@ -209,3 +213,262 @@ def test_load_errors_name_the_tensor(tmp_path):
     _write_fake_checkpoint(tmp_path / "noscale", drop=(scale,))
     with pytest.raises(ValueError, match="'o_proj.weight' is fp8 but has no o_proj.weight_scale_inv"):
         load_layer_from_safetensors(tmp_path / "noscale", 1, **OVERRIDES)
+
+
+# ---- refusing bad weights, damaged files and paths out of the directory ---------------------------
+
+L0 = "model.layers.0.self_attn."
+
+
+@pytest.mark.parametrize("replace,extra,message", [
+    ({L0 + "kv_a_layernorm.weight": np.ones(128, np.int8)}, {},
+     rf"tensor '{L0}kv_a_layernorm.weight' in model-0000\d-of-00002.safetensors has dtype I8: weights must be floating"),
+    ({L0 + "indexer.k_norm.bias": np.zeros(16, bool)}, {}, rf"tensor '{L0}indexer.k_norm.bias' in .* has dtype BOOL"),
+    ({L0 + "o_proj.weight": np.ones((160, 64), np.int8)}, {}, rf"tensor '{L0}o_proj.weight' in .* has dtype I8"),
+    ({L0 + "o_proj.weight_scale_inv": np.ones((2, 1), np.int32)}, {},
+     rf"tensor '{L0}o_proj.weight_scale_inv' in .* has dtype I32, expected F32"),
+    ({L0 + "o_proj.weight_scale_inv": np.array([[1.0], [np.nan]], np.float32)}, {},
+     "layer 0 of .*o_proj.weight_scale_inv has non-finite or negative scales"),
+    ({}, {L0 + "kv_a_layernorm.weight_scale_inv": np.ones(1, np.float32)},
+     rf"lists {L0}kv_a_layernorm.weight_scale_inv beside the 1-D tensor '{L0}kv_a_layernorm.weight'"),
+    ({}, {L0 + "indexer.weights_proj.weight_scale_inv": np.ones((1, 2), np.float32)},
+     rf"tensor '{L0}indexer.weights_proj.weight' in .* has dtype BF16 but a weight_scale_inv"),
+])
+def test_load_refuses_non_float_weights_and_bad_scales(tmp_path, replace, extra, message):
+    _write_fake_checkpoint(tmp_path, replace=replace, extra=extra)
+    with pytest.raises(ValueError, match=message):
+        load_layer_from_safetensors(tmp_path, 0, **OVERRIDES)
+
+
+def _planted_outside(tmp_path):
+    """A complete checkpoint in tmp_path/ckpt whose index can be pointed at tmp_path/evil.safetensors."""
+    _write_fake_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "model-00001-of-00002.safetensors").rename(tmp_path / "evil.safetensors")
+    index = tmp_path / "ckpt" / "model.safetensors.index.json"
+    return json.loads(index.read_text()), index
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink", "subdir-dotdot"])
+def test_load_refuses_shard_paths_outside_the_directory(tmp_path, how):
+    data, index = _planted_outside(tmp_path)
+    target = {"dotdot": "../evil.safetensors", "absolute": str(tmp_path / "evil.safetensors"),
+              "symlink": "link.safetensors", "subdir-dotdot": "sub/../../evil.safetensors"}[how]
+    if how == "symlink":
+        (tmp_path / "ckpt" / "link.safetensors").symlink_to(tmp_path / "evil.safetensors")
+    data["weight_map"] = {k: target if v == "model-00001-of-00002.safetensors" else v for k, v in data["weight_map"].items()}
+    index.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"names the file '{target}', which .*outside the checkpoint directory"):
+        load_layer_from_safetensors(tmp_path / "ckpt", 0, **OVERRIDES)
+
+
+def test_load_follows_symlinks_inside_the_directory_and_into_hub_blobs(tmp_path):
+    # a symlink to another file of the directory is fine
+    _write_fake_checkpoint(tmp_path / "ckpt")
+    shard = tmp_path / "ckpt" / "model-00001-of-00002.safetensors"
+    shard.rename(tmp_path / "ckpt" / "real.safetensors")
+    shard.symlink_to("real.safetensors")
+    load_layer_from_safetensors(tmp_path / "ckpt", 0, **OVERRIDES)
+    # the Hugging Face hub cache: snapshots/<rev>/<file> -> ../../blobs/<hash>
+    repo = tmp_path / "models--x--y"
+    snap, blobs = repo / "snapshots" / "abc", repo / "blobs"
+    _write_fake_checkpoint(snap)
+    blobs.mkdir()
+    for i, f in enumerate(sorted(snap.iterdir())):
+        f.rename(blobs / f"blob{i}")
+        f.symlink_to(f"../../blobs/blob{i}")
+    load_layer_from_safetensors(snap, 1, **OVERRIDES)
+
+
+def _damage(directory, what):
+    shard = directory / "model-00001-of-00002.safetensors"
+    index = directory / "model.safetensors.index.json"
+    config = directory / "config.json"
+    if what == "cut shard":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif what == "bad header":
+        b = shard.read_bytes()
+        shard.write_bytes(b[:8] + b"{not json" + b[17:])
+    elif what == "huge header size":
+        b = shard.read_bytes()
+        shard.write_bytes((10 ** 12).to_bytes(8, "little") + b[8:])
+    elif what == "empty shard":
+        shard.write_bytes(b"")
+    elif what == "index not json":
+        index.write_text("{weight_map: ")
+    elif what == "index not utf-8":
+        index.write_bytes(b"\xff\xfe\x00")
+    elif what == "index without weight_map":
+        index.write_text(json.dumps({"metadata": {}}))
+    elif what == "index is a list":
+        index.write_text(json.dumps([1, 2]))
+    elif what == "weight_map is a list":
+        index.write_text(json.dumps({"weight_map": ["model-00001-of-00002.safetensors"]}))
+    elif what == "weight_map value not str":
+        data = json.loads(index.read_text())
+        data["weight_map"][L0 + "o_proj.weight"] = 1
+        index.write_text(json.dumps(data))
+    elif what == "config not json":
+        config.write_text("{")
+    elif what == "config is a list":
+        config.write_text("[]")
+    elif what == "listed but missing in shard":
+        data = json.loads(index.read_text())
+        data["weight_map"][L0 + "o_proj.weight"] = "model-00002-of-00002.safetensors" if data["weight_map"][
+            L0 + "o_proj.weight"] == shard.name else shard.name
+        index.write_text(json.dumps(data))
+
+
+DAMAGE = {
+    "cut shard": r"model-00001-of-00002.safetensors is not a valid safetensors file \(cut short or bad header\?\)",
+    "bad header": "model-00001-of-00002.safetensors is not a valid safetensors file",
+    "huge header size": "model-00001-of-00002.safetensors is not a valid safetensors file",
+    "empty shard": "model-00001-of-00002.safetensors is not a valid safetensors file",
+    "index not json": "model.safetensors.index.json is not valid JSON",
+    "index not utf-8": "model.safetensors.index.json is not valid JSON",
+    "index without weight_map": "model.safetensors.index.json has no 'weight_map'",
+    "index is a list": "model.safetensors.index.json has no 'weight_map'",
+    "weight_map is a list": "model.safetensors.index.json: weight_map must be an object",
+    "weight_map value not str": rf"weight_map\['{L0}o_proj.weight'\] must be a file name \(str\), got 1",
+    "config not json": "config.json is not valid JSON",
+    "config is a list": "config.json must hold a JSON object, got list",
+    "listed but missing in shard": rf"model-0000\d-of-00002.safetensors has no tensor '{L0}o_proj.weight', though the index",
+}
+
+
+@pytest.mark.parametrize("what", list(DAMAGE))
+def test_load_damaged_files_raise_value_error_naming_the_file(tmp_path, what):
+    _write_fake_checkpoint(tmp_path)
+    _damage(tmp_path, what)
+    with pytest.raises(ValueError, match=DAMAGE[what]):
+        load_layer_from_safetensors(tmp_path, 0, **OVERRIDES)
+
+
+def test_load_damaged_single_file(tmp_path):
+    _write_fake_checkpoint(tmp_path, index=False)
+    single = tmp_path / "model.safetensors"
+    single.write_bytes(single.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="model.safetensors is not a valid safetensors file"):
+        load_layer_from_safetensors(tmp_path, 0, **OVERRIDES)
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("hidden_size", "7168", "hidden_size must be an int, got str"),
+    ("hidden_size", 160.0, "hidden_size must be an int, got float"),
+    ("hidden_size", True, "hidden_size must be an int, got bool"),
+    ("hidden_size", None, "hidden_size must be an int, got NoneType"),
+    ("rope_theta", "x", "rope_theta must be a real number"),
+    ("num_hidden_layers", "2", "num_hidden_layers must be a non-negative int"),
+    ("num_nextn_predict_layers", 1.5, "num_nextn_predict_layers must be a non-negative int"),
+    ("quantization_config", "fp8", "quantization_config must be an object"),
+    ("rope_scaling", {"type": "yarn", "factor": "4"}, "invalid rope_scaling: factor must be a real number"),
+    ("rope_parameters", {"rope_type": "longrope"}, "rope_parameters type 'longrope' is not supported"),
+])
+def test_load_refuses_wrongly_typed_config_fields(tmp_path, key, value, message):
+    (tmp_path / "config.json").write_text(json.dumps({**HF_CONFIG, key: value}))
+    with pytest.raises(ValueError, match=f"config.json: .*{message}"):
+        load_layer_from_safetensors(tmp_path, 0, **OVERRIDES)  # refused before any safetensors is looked for
+
+
+def test_load_reads_rope_parameters(tmp_path):
+    _write_fake_checkpoint(tmp_path)
+    hf = {k: v for k, v in HF_CONFIG.items() if k not in ("rope_scaling", "rope_theta")}
+    hf["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, **{k: v for k, v in HF_CONFIG["rope_scaling"].items()
+                                                                          if k != "type"}}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    config, _ = load_layer_from_safetensors(tmp_path, 0, **OVERRIDES)
+    assert config == MLAConfig.from_hf_config(HF_CONFIG, **OVERRIDES)
+    with pytest.raises(ValueError, match="layer_idx must be an int"):
+        load_layer_from_safetensors(tmp_path, True, **OVERRIDES)
+
+
+# ---- orbax: restoring into mismatched configs, damaged meta ---------------------------------------
+
+def _meta_file(path):
+    return path / "meta" / "metadata"
+
+
+def _edit_meta(path, edit):
+    meta = json.loads(_meta_file(path).read_text())
+    edit(meta)
+    _meta_file(path).write_text(json.dumps(meta))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("orbax") / "ckpt"
+    save_checkpoint(path, init_params(TINY, jax.random.key(0)), init_cache(TINY, 4), config=TINY)
+    return path
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda m: m["config"].update(q_lora_rank=16),
+     r"params\['q_a_layernorm.weight'\]: saved \[32\], expected \[16\]|params\['q_a_proj.weight'\]: saved \[32, 64\], expected \[16, 64\]"),
+    (lambda m: m["config"].update(hidden_size=32), r"params\['.*'\]: saved \[\d+, 64\], expected \[\d+, 32\]"),
+    (lambda m: m.update(num_pages=8), r"cache\['\w+'\]: saved \[4, .*\], expected \[8, .*\]"),
+    (lambda m: m["config"].update(kv_cache_dtype="fp8"), r"cache\['latent'\]: saved dtype bfloat16, expected float8_e4m3fn"),
+    (lambda m: m["param_dtypes"].update({"o_proj.weight": "bfloat16"}), r"params\['o_proj.weight'\]: saved dtype float32, expected bfloat16"),
+    (lambda m: m["param_dtypes"].update({"o_proj.weight": "int8"}), r"param_dtypes\['o_proj.weight'\] is 'int8', not a float dtype"),
+    (lambda m: m["param_dtypes"].update({"o_proj.weight": "nonsense"}), r"param_dtypes\['o_proj.weight'\] is 'nonsense'"),
+    (lambda m: m["config"].update(hidden_size="64"), "saved config is damaged: .*hidden_size must be an int"),
+    (lambda m: m["config"].pop("page_size"), r"saved config has fields missing \['page_size'\]"),
+    (lambda m: m["config"].update(extra=1), r"unknown \['extra'\]"),
+    (lambda m: m["config"].update(rope_scaling={"factor": 4.0}), "rope_scaling must be null or an object with"),
+    (lambda m: m["config"].update(rope_scaling={**dataclasses.asdict(TINY.rope_scaling), "factor": -1}),
+     "saved config is damaged: invalid rope_scaling: factor must be positive"),
+    (lambda m: m.update(config=[1]), "saved config is damaged: saved config must be a JSON object"),
+    (lambda m: m.pop("param_dtypes"), "the saved meta has no 'param_dtypes'"),
+    (lambda m: m.update(num_pages="4"), "num_pages is '4', not null or a positive int"),
+])
+def test_restore_refuses_meta_that_does_not_match_the_arrays(saved, tmp_path, edit, message):
+    import shutil
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved, path)
+    _edit_meta(path, edit)
+    with pytest.raises(ValueError, match=message):
+        restore_checkpoint(path)
+
+
+def test_restore_refuses_missing_or_damaged_meta_and_mismatched_arguments(saved, tmp_path):
+    import shutil
+    with pytest.raises(ValueError, match="q_lora_rank: saved 32, expected 16"):
+        restore_checkpoint(saved, config=MLAConfig.tiny(q_lora_rank=16))
+    assert restore_checkpoint(saved, config=TINY)[0] == TINY
+    with pytest.raises(ValueError, match="param_shardings has no sharding for 'q_a_layernorm.weight'"):
+        restore_checkpoint(saved, param_shardings={"q_a_proj.weight": jax.sharding.SingleDeviceSharding(jax.devices()[0])})
+    for damage, message in [("meta not json", "saved meta .* is missing or damaged"),
+                            ("meta missing", "saved meta .* is missing or damaged"),
+                            ("params missing", "saved params are missing or damaged"),
+                            ("cache missing", "saved cache are missing or damaged")]:
+        path = tmp_path / damage.replace(" ", "_")
+        shutil.copytree(saved, path)
+        if damage == "meta not json":
+            _meta_file(path).write_text("{")
+        else:
+            shutil.rmtree(path / damage.split()[0])
+        with pytest.raises(ValueError, match=message):
+            restore_checkpoint(path)
+
+
+def test_restore_refuses_cache_dtypes_other_than_the_saved_configs(saved, tmp_path):
+    import shutil
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved, path)
+    _edit_meta(path, lambda m: m["config"].update(kv_cache_dtype="float32", indexer_dtype="bfloat16"))
+    with pytest.raises(ValueError, match=r"cache\['latent'\]: saved dtype bfloat16, expected float32"):
+        restore_checkpoint(path)
+    config = MLAConfig.tiny(kv_cache_dtype="fp8")
+    path = tmp_path / "fp8"
+    save_checkpoint(path, init_params(config, jax.random.key(0)), init_cache(config, 4), config=config)
+    _edit_meta(path, lambda m: m["config"].update(kv_cache_dtype="bfloat16", indexer_dtype="fp8"))
+    with pytest.raises(ValueError, match=r"cache\['latent'\]: saved dtype float8_e4m3fn, expected bfloat16"):
+        restore_checkpoint(path)
+
+
+def test_load_refuses_config_and_index_symlinked_out_of_the_directory(tmp_path):
+    _write_fake_checkpoint(tmp_path / "ckpt")
+    for name in ("model.safetensors.index.json", "config.json"):
+        real = tmp_path / "ckpt" / name
+        real.rename(tmp_path / name)
+        real.symlink_to(tmp_path / name)
+        with pytest.raises(ValueError, match=f"names the file '{name}', which resolves to .*outside the checkpoint"):
+            load_layer_from_safetensors(tmp_path / "ckpt", 0, **OVERRIDES)

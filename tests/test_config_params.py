@@ -91,3 +91,178 @@ def test_params_from_hf_errors_name_the_tensor(mutate, message):
     mutate(state)
     with pytest.raises(ValueError, match=message):
         params_from_hf(state, TINY)
+
+
+# ---- refusing wrongly typed weights and configs -------------------------------------------------
+
+@pytest.mark.parametrize("value,message", [
+    (np.zeros((64, 64), np.int8), "has dtype int8, expected a floating dtype"),
+    (np.zeros((64, 64), bool), "has dtype bool, expected a floating dtype"),
+    (np.zeros((64, 64), np.complex64), "has dtype complex64"),
+    (jnp.zeros((64, 64), jnp.float8_e4m3fn), "has dtype float8_e4m3fn.*params_from_hf"),
+    ([[0.0] * 64] * 64, "is a list, not an array"),
+    (1.0, "is a float, not an array"),
+    ("weights", "is a str, not an array"),
+])
+def test_check_params_refuses_non_float_and_non_arrays(value, message):
+    from jax_sparse_mla.params import check_params
+    params = dict(init_params(TINY, jax.random.key(0)))
+    check_params(params, TINY)
+    check_params({k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in params.items()}, TINY)  # abstract is fine
+    params["o_proj.weight"] = value
+    with pytest.raises(ValueError, match=r"params\['o_proj.weight'\] " + message):
+        check_params(params, TINY)
+
+
+def _hf_state():
+    return {k: np.asarray(v) for k, v in init_params(TINY, jax.random.key(0)).items()}
+
+
+def _fp8(name):
+    w, s = quantize_fp8_blocks(np.asarray(init_params(TINY, jax.random.key(0))[name], np.float32))
+    return {name: w, name + "_scale_inv": s}
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda s: s.update({"o_proj.weight": np.ones((64, 64), np.int8)}), "'o_proj.weight' has dtype int8: weights must be floating"),
+    (lambda s: s.update({"kv_a_layernorm.weight": np.ones(128, bool)}), "'kv_a_layernorm.weight' has dtype bool"),
+    (lambda s: s.update({"o_proj.weight": np.ones((64, 64), np.int32),
+                         "o_proj.weight_scale_inv": np.ones((1, 1), np.float32)}), "'o_proj.weight' has dtype int32"),
+    (lambda s: s.update({"o_proj.weight": [[1.0]]}), "'o_proj.weight' is a list, not an array"),
+    (lambda s: s.update({"indexer.k_norm.bias": np.full(16, np.nan, np.float32)}), "'indexer.k_norm.bias' has non-finite"),
+    # weight_scale_inv: beside a 1-D tensor, beside a non-fp8 weight, not float, not finite, negative, misshapen
+    (lambda s: s.update({"q_a_layernorm.weight_scale_inv": np.ones((1,), np.float32)}),
+     "'q_a_layernorm.weight' has a q_a_layernorm.weight_scale_inv but is 1-D"),
+    (lambda s: s.update({"o_proj.weight_scale_inv": np.ones((1, 1), np.float32)}),
+     "'o_proj.weight' has a o_proj.weight_scale_inv but is float32, not fp8"),
+    (lambda s: s.update({**_fp8("o_proj.weight"), "o_proj.weight_scale_inv": np.ones((1, 1), np.int32)}),
+     "o_proj.weight_scale_inv has dtype int32"),
+    (lambda s: s.update({**_fp8("o_proj.weight"), "o_proj.weight_scale_inv": np.full((1, 1), np.inf, np.float32)}),
+     "o_proj.weight_scale_inv has non-finite or negative"),
+    (lambda s: s.update({**_fp8("o_proj.weight"), "o_proj.weight_scale_inv": -np.ones((1, 1), np.float32)}),
+     "o_proj.weight_scale_inv has non-finite or negative"),
+    (lambda s: s.update({**_fp8("o_proj.weight"), "o_proj.weight_scale_inv": np.ones((1, 2), np.float32)}),
+     r"o_proj.weight_scale_inv has shape \(1, 2\), expected \(1, 1\)"),
+])
+def test_params_from_hf_refuses_non_float_weights_and_bad_scales(mutate, message):
+    state = _hf_state()
+    mutate(state)
+    with pytest.raises(ValueError, match=message):
+        params_from_hf(state, TINY)
+
+
+INT_FIELDS = ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+              "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk",
+              "max_position_embeddings", "page_size")
+
+
+def test_every_config_field_is_type_checked():
+    assert {f.name for f in dataclasses.fields(MLAConfig)} == set(INT_FIELDS) | {
+        "rope_theta", "rms_norm_eps", "rope_scaling", "dtype", "kv_cache_dtype", "indexer_dtype"}
+    for field in INT_FIELDS:
+        good = getattr(TINY, field)
+        for bad in (str(good), float(good), True, None, [good]):
+            with pytest.raises(ValueError, match=f"{field} must be an int"):
+                dataclasses.replace(TINY, **{field: bad})
+        assert getattr(dataclasses.replace(TINY, **{field: np.int64(good)}), field) == good  # numpy ints are ints
+    for field in ("rope_theta", "rms_norm_eps"):
+        for bad, message in (("1e4", "must be a real number"), (True, "must be a real number"), (None, "must be a real number"),
+                             (float("nan"), "must be finite"), (float("inf"), "must be finite"), (-1.0, "must be positive")):
+            with pytest.raises(ValueError, match=f"{field} {message}"):
+                dataclasses.replace(TINY, **{field: bad})
+    c = dataclasses.replace(TINY, rope_theta=10000)
+    assert type(c.rope_theta) is float and c == dataclasses.replace(TINY, rope_theta=10000.0)
+    for field in ("dtype", "kv_cache_dtype", "indexer_dtype"):
+        for bad in (None, 1, jnp.float32, ["float32"]):
+            with pytest.raises(ValueError, match=f"{field} must be one of"):
+                dataclasses.replace(TINY, **{field: bad})
+    with pytest.raises(ValueError, match="rope_scaling must be a RopeScaling"):
+        dataclasses.replace(TINY, rope_scaling={"type": "yarn", "factor": 4.0})
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("hidden_size", "7168", "hidden_size must be an int, got str"),
+    ("hidden_size", 7168.0, "hidden_size must be an int, got float"),
+    ("hidden_size", True, "hidden_size must be an int, got bool"),
+    ("hidden_size", None, "hidden_size must be an int, got NoneType"),
+    ("rope_theta", "x", "rope_theta must be a real number"),
+    ("max_position_embeddings", "163840", "max_position_embeddings must be an int"),
+    ("rms_norm_eps", -1e-6, "rms_norm_eps must be positive"),
+])
+def test_from_hf_config_refuses_wrongly_typed_fields(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        MLAConfig.from_hf_config({field: value})
+
+
+YARN = {"factor": 8, "original_max_position_embeddings": 2048, "beta_fast": 16, "beta_slow": 2, "mscale": 0.5,
+        "mscale_all_dim": 0.75}
+
+
+def test_from_hf_config_reads_rope_parameters():
+    c = MLAConfig.from_hf_config({"rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, **YARN}})
+    assert c.rope_theta == 50000.0 and c.rope_scaling == RopeScaling(**YARN)
+    assert c.rope_scaling.factor == 8.0 and c.rope_scaling.original_max_position_embeddings == 2048
+    # the old spelling gives the same config; both may be given when they agree
+    old = {"rope_theta": 50000, "rope_scaling": {"type": "yarn", **YARN}}
+    assert MLAConfig.from_hf_config(old) == c
+    assert MLAConfig.from_hf_config({**old, "rope_parameters": {"rope_type": "yarn", "rope_theta": 5e4, **YARN}}) == c
+    # "default" (or no rope_type) means no scaling
+    c = MLAConfig.from_hf_config({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    assert c.rope_theta == 1e6 and c.rope_scaling is None
+    assert MLAConfig.from_hf_config({"rope_parameters": {"rope_theta": 1e6}}).rope_scaling is None
+    assert MLAConfig.from_hf_config({"rope_scaling": None}).rope_scaling is None
+    # harmless HF extras are ignored
+    extras = {"rope_type": "yarn", **YARN, "truncate": True, "attention_factor": None, "low_freq_factor": 1}
+    assert MLAConfig.from_hf_config({"rope_scaling": extras}).rope_scaling == RopeScaling(**YARN)
+
+
+@pytest.mark.parametrize("hf,message", [
+    ({"rope_theta": 10000.0, "rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, **YARN}},
+     "rope_theta and rope_parameters.rope_theta disagree"),
+    ({"rope_scaling": {"type": "yarn", **YARN}, "rope_parameters": {"rope_type": "yarn", **YARN, "factor": 4}},
+     "rope_scaling and rope_parameters disagree"),
+    ({"rope_scaling": {"type": "yarn", **YARN}, "rope_parameters": {"rope_type": "default"}},
+     "rope_scaling and rope_parameters disagree"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8}}, "rope_parameters type 'llama3' is not supported"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 8}}, "rope_parameters type 'dynamic'"),
+    ({"rope_scaling": {"factor": 8}}, "rope_scaling type None is not supported"),
+    ({"rope_scaling": {"type": "yarn", "rope_type": "linear", **YARN}}, "has type 'yarn' and rope_type 'linear'"),
+    ({"rope_parameters": "yarn"}, "rope_parameters must be a JSON object"),
+    ({"rope_scaling": ["yarn"]}, "rope_scaling must be a JSON object"),
+    ({"rope_scaling": {"type": "yarn", **YARN, "attention_factor": 2.0}}, "attention_factor=2.0 is not supported"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": "1e4", **YARN}}, "rope_parameters.rope_theta must be a real"),
+])
+def test_from_hf_config_refuses_bad_or_conflicting_rope(hf, message):
+    with pytest.raises(ValueError, match=message):
+        MLAConfig.from_hf_config(hf)
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("factor", "4", "factor must be a real number"),
+    ("factor", 0, "factor must be positive"),
+    ("factor", float("nan"), "factor must be finite"),
+    ("original_max_position_embeddings", 4096.0, "original_max_position_embeddings must be an int"),
+    ("original_max_position_embeddings", True, "original_max_position_embeddings must be an int"),
+    ("original_max_position_embeddings", 0, "original_max_position_embeddings must be >= 1"),
+    ("beta_fast", None, "beta_fast must be a real number"),
+    ("beta_slow", -1, "beta_slow must be positive"),
+    ("beta_slow", 64, "beta_fast .* must be >= beta_slow"),
+    ("mscale", "1.0", "mscale must be a real number"),
+    ("mscale_all_dim", float("inf"), "mscale_all_dim must be finite"),
+])
+def test_rope_scaling_fields_are_type_checked(key, value, message):
+    with pytest.raises(ValueError, match=f"invalid rope_scaling: {message}"):
+        RopeScaling.from_hf({"type": "yarn", **YARN, key: value})
+    with pytest.raises(ValueError, match=f"invalid rope_parameters: {message}"):
+        MLAConfig.from_hf_config({"rope_parameters": {"rope_type": "yarn", **YARN, key: value}})
+    with pytest.raises(ValueError, match=message):
+        RopeScaling(**{**YARN, key: value})
+
+
+def test_softmax_scale_uses_mscale_all_dim_only():
+    base = MLAConfig.tiny(rope_scaling=RopeScaling(factor=40.0, mscale=1.0, mscale_all_dim=1.0))
+    m = 0.1 * 1.0 * np.log(40.0) + 1.0
+    assert base.softmax_scale == pytest.approx(base.qk_head_dim ** -0.5 * m * m)
+    other = MLAConfig.tiny(rope_scaling=RopeScaling(factor=40.0, mscale=0.707, mscale_all_dim=1.0))
+    assert other.softmax_scale == base.softmax_scale
+    assert MLAConfig.tiny(rope_scaling=None).softmax_scale == base.qk_head_dim ** -0.5

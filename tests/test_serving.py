@@ -153,3 +153,125 @@ def test_no_compilation_after_warmup_over_1000_random_steps():
     plans = {s.plan for s in steps}
     assert {p.route for p in plans} == {"dense", "sparse"} and len(plans) >= 6, plans
     assert all(p.num_tokens == BUDGET and p.pages_per_seq == 8 for p in plans)
+
+
+# --- host-side refusal of bad input (before any device work) ------------------------------------
+
+@pytest.mark.parametrize("args,message", [
+    ((0, 2.5, 1), "request 0: input_len must be an integer, got 2.5"),
+    ((1, 3, 0), "request 1: output_len must be >= 1, got 0"),
+    ((2, 3, 1.0), "request 2: output_len must be an integer, got 1.0"),
+    ((3, True, 1), "request 3: input_len must be an integer, got True"),
+    ((4, "3", 1), "request 4: input_len must be an integer, got '3'"),
+    ((5, 2 ** 31, 1), r"request 5: input_len must be >= 1 and < 2\*\*31"),
+    ((6, 3, 1, math.nan), "request 6: arrival_s must be finite and >= 0, got nan"),
+    ((7, 3, 1, math.inf), "request 7: arrival_s must be finite and >= 0, got inf"),
+    ((8, 3, 1, -1.0), "request 8: arrival_s must be finite and >= 0, got -1.0"),
+    ((9, 3, 1, "0"), "request 9: arrival_s must be a real number, got '0'"),
+    ((10, 3, 1, None), "request 10: arrival_s must be a real number, got None"),
+    ((-1, 3, 1), r"request id must be an integer in \[0, 2\*\*31\), got -1"),
+    ((1.5, 3, 1), r"request id must be an integer in \[0, 2\*\*31\), got 1.5"),
+    ((True, 3, 1), r"request id must be an integer in \[0, 2\*\*31\), got True"),
+    (("a", 3, 1), r"request id must be an integer in \[0, 2\*\*31\), got 'a'"),
+])
+def test_request_spec_fields_are_checked_at_construction(args, message):
+    with pytest.raises(ValueError, match=message):
+        RequestSpec(*args)
+
+
+def test_numpy_scalars_are_accepted_as_request_fields():
+    spec = RequestSpec(np.int64(3), np.int64(5), np.int32(2), np.float32(0.5))
+    assert spec == RequestSpec(3, 5, 2, 0.5) and hash(spec) == hash(RequestSpec(3, 5, 2, 0.5))
+    assert [type(v) for v in (spec.id, spec.input_len, spec.output_len, spec.arrival_s)] == [int, int, int, float]
+    engine = Engine(TINY, num_layers=1, num_pages=np.int64(8), max_num_batched_tokens=np.int32(16))
+    result = engine.run([spec], progress=False)  # (numpy lengths crashed in the bucket arithmetic)
+    assert result.requests[0].finished and result.requests[0].output_tokens == 2
+    w = Workload(np.int64(3), np.int64(10), np.int32(2), input_range_ratio=np.float64(0.5), concurrency=np.int8(2),
+                 seed=np.int64(1))
+    assert w == Workload(3, 10, 2, input_range_ratio=0.5, concurrency=2, seed=1)
+    assert w.requests() == Workload(3, 10, 2, input_range_ratio=0.5, concurrency=2, seed=1).requests()
+
+
+def test_duplicate_request_ids_are_refused_before_any_work():
+    engine = Engine(TINY, num_layers=1, num_pages=8)
+    with pytest.raises(ValueError, match=r"request 7: the id is used twice \(workload entries 0 and 2\)"):
+        engine.run([RequestSpec(7, 3, 2), RequestSpec(1, 3, 2), RequestSpec(7, 4, 2)], progress=False)
+    with pytest.raises(ValueError, match="workload entry 1: expected a RequestSpec, got tuple"):
+        engine.run([RequestSpec(0, 3, 2), (1, 3, 2)], progress=False)
+    with pytest.raises(ValueError, match="workload must be a Workload or a sequence of RequestSpecs, got int"):
+        engine.run(5, progress=False)
+
+
+def test_requests_longer_than_max_position_embeddings_are_refused_before_any_work():
+    config = TINY.__class__.tiny(max_position_embeddings=16)
+    engine = Engine(config, num_layers=1, num_pages=16)
+    with pytest.raises(ValueError, match="request 3: input_len \\+ output_len - 1 = 17 tokens exceeds "
+                                         "max_position_embeddings = 16"):
+        engine.run([RequestSpec(0, 4, 2), RequestSpec(3, 14, 4)], progress=False)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_requests=0), "num_requests must be >= 1, got 0"),
+    (dict(num_requests=2.5), "num_requests must be an integer, got 2.5"),
+    (dict(num_requests=True), "num_requests must be an integer, got True"),
+    (dict(input_len="10"), "input_len must be an integer, got '10'"),
+    (dict(output_len=0), "output_len must be >= 1, got 0"),
+    (dict(input_range_ratio=math.nan), "input_range_ratio must be in \\[0, 1\\), got nan"),
+    (dict(output_range_ratio="0.5"), "output_range_ratio must be a real number, got '0.5'"),
+    (dict(concurrency=0), "concurrency \\(or None\\) must be >= 1, got 0"),
+    (dict(concurrency=1.5), "concurrency \\(or None\\) must be an integer, got 1.5"),
+    (dict(request_rate=math.nan), "request_rate must be > 0"),
+    (dict(request_rate=0), "request_rate must be > 0"),
+    (dict(request_rate="fast"), "request_rate must be a real number, got 'fast'"),
+    (dict(seed=-1), "seed must be a non-negative integer, got -1"),
+    (dict(seed=1.5), "seed must be a non-negative integer, got 1.5"),
+])
+def test_workload_fields_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Workload(**{**dict(num_requests=4, input_len=10, output_len=2), **kwargs})
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1, got 0"),
+    (dict(max_num_batched_tokens=1.5), "max_num_batched_tokens must be an integer, got 1.5"),
+    (dict(max_num_seqs=True), "max_num_seqs must be an integer, got True"),
+    (dict(skip_indexer="yes"), "skip_indexer must be a bool, got 'yes'"),
+    (dict(force_sparse=0), "force_sparse must be a bool, got 0"),
+    (dict(dispatch="dynamic"), "dispatch must be one of"),
+    (dict(kernels="cuda"), "kernels must be one of"),
+    (dict(buckets=None), "buckets must be a BucketPolicy, got NoneType"),
+    (dict(bogus=1), r"unknown engine option\(s\) \['bogus'\]"),
+])
+def test_engine_options_are_checked_at_construction_and_per_run(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(TINY, num_layers=1, num_pages=8, **kwargs)
+    engine = Engine(TINY, num_layers=1, num_pages=8)
+    before = [np.asarray(c.latent) for c in engine.caches]
+    with pytest.raises(ValueError, match=message):
+        engine.run([RequestSpec(0, 3, 2)], progress=False, **kwargs)
+    assert all(np.array_equal(a, np.asarray(c.latent)) for a, c in zip(before, engine.caches))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_layers=0), "num_layers must be >= 1, got 0"),
+    (dict(num_pages=0), "num_pages must be >= 1, got 0"),
+    (dict(num_pages=2.5), "num_pages must be an integer, got 2.5"),
+    (dict(num_pages=2 ** 29 + 1), "slot numbers would overflow int32"),
+    (dict(pool_size=0), "pool_size must be >= 1, got 0"),
+    (dict(seed=-3), "seed must be a non-negative integer, got -3"),
+])
+def test_engine_arguments_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(TINY, **{**dict(num_layers=1, num_pages=8), **kwargs})
+
+
+def test_run_arguments_are_checked():
+    engine = Engine(TINY, num_layers=1, num_pages=8)
+    for kwargs, message in [(dict(max_steps=-1), "max_steps \\(or None\\) must be >= 0, got -1"),
+                            (dict(max_steps=1.5), "max_steps \\(or None\\) must be an integer, got 1.5"),
+                            (dict(progress="no"), "progress must be a bool, got 'no'"),
+                            (dict(collect_outputs=None), "collect_outputs must be a bool, got None")]:
+        with pytest.raises(ValueError, match=message):
+            engine.run([RequestSpec(0, 3, 2)], **{"progress": False, **kwargs})
+    with pytest.raises(ValueError, match="num_pages must be an integer, got 2.5"):
+        PageAllocator(2.5)
