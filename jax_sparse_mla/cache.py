@@ -4,7 +4,9 @@ Both hold `num_pages` pages of `page_size` tokens. Token slot = page * page_size
 Latent cache per token: c (kv_lora_rank) and rope(k_pe) (qk_rope_head_dim), stored as
   bfloat16 / float32: `latent` [P, page, R] and `k_pe` [P, page, rope] in that dtype;
   fp8 (FlashMLA's 656 bytes per token for R=512): `latent` e4m3 [P, page, R],
-    `latent_scale` f32 [P, page, R // 128], `k_pe` bf16 [P, page, rope].
+    `latent_scale` f32 [P, page, R // 128], `k_pe` bf16 [P, page, rope]; each 128-value tile is
+    quantised as DeepSeek's act_quant (ops.quantize_tiles): a power-of-two (ue8m0) scale,
+    max(amax, 1e-4) / 448 rounded up, and values clamp(c / scale, +-448) in e4m3.
 Indexer key cache per token: `index_k` [P, page, D] in the indexer dtype, plus
   `index_k_scale` f32 [P, page] on the fp8 path (132 bytes per token for D=128).
 """

@@ -105,27 +105,38 @@ def hadamard(x):
                       precision=jax.lax.Precision.HIGHEST)
 
 
+def power_of_two_scale(amax):
+    """DeepSeek's ue8m0 fp8 scale: max(amax, 1e-4) / 448 rounded UP to a power of two (float32).
+
+    Exact: frexp/ldexp, not exp2(ceil(log2())), which is approximate on CPU. An amax of exactly
+    448 * 2^k gives 2^k; anything above it 2^(k + 1).
+    """
+    amax = jnp.maximum(amax.astype(jnp.float32), 1e-4)
+    mantissa, exponent = jnp.frexp(amax / FP8_MAX)  # value = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return jnp.ldexp(jnp.ones_like(amax), jnp.where(mantissa == 0.5, exponent - 1, exponent))
+
+
 def act_quant(x):
     """DeepSeek's fp8 act_quant over the last axis with power-of-two (ue8m0) scales.
 
-    Returns (e4m3 values [..., D], fp32 scales [...]) with x ~= values * scale.
+    Returns (e4m3 values [..., D], fp32 scales [...]) with x ~= values * scale: scale =
+    power_of_two_scale(amax of the row), values = clamp(x / scale, +-448) cast to e4m3 (x / scale is
+    exact, a power-of-two division, so the cast is the only rounding).
     """
     x = x.astype(jnp.float32)
-    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1), 1e-4)
-    # Round amax / 448 up to a power of two exactly (exp2(ceil(log2())) is approximate on CPU).
-    mantissa, exponent = jnp.frexp(amax / FP8_MAX)  # value = mantissa * 2^exponent, mantissa in [0.5, 1)
-    scale = jnp.ldexp(jnp.ones_like(amax), jnp.where(mantissa == 0.5, exponent - 1, exponent))
+    scale = power_of_two_scale(jnp.max(jnp.abs(x), axis=-1))
     values = cast_rounded(jnp.clip(x / scale[..., None], -FP8_MAX, FP8_MAX), FP8_DTYPE)
     return values, scale
 
 
 def quantize_tiles(x, tile: int):
-    """Per-tile fp8 quantization of the last axis (FlashMLA's latent cache: plain amax / 448 scales).
+    """Per-tile fp8 quantization of the last axis: act_quant over each run of `tile` values.
 
+    The fp8 latent cache's format (FlashMLA's 656-byte layout for R=512; DeepSeek-V3.2-Exp's
+    reference and FlashMLA's tests quantise it this way): each tile gets its own power-of-two (ue8m0)
+    scale, max(amax, 1e-4) / 448 rounded up, and values clamp(x / scale, +-448) in e4m3.
     x: [..., D] with D % tile == 0 -> (e4m3 [..., D], fp32 scales [..., D // tile]).
     """
     x = x.astype(jnp.float32)
-    tiles = x.reshape(x.shape[:-1] + (x.shape[-1] // tile, tile))
-    scale = jnp.maximum(jnp.max(jnp.abs(tiles), axis=-1), 1e-4) / FP8_MAX
-    values = cast_rounded(jnp.clip(tiles / scale[..., None], -FP8_MAX, FP8_MAX), FP8_DTYPE)
+    values, scale = act_quant(x.reshape(x.shape[:-1] + (x.shape[-1] // tile, tile)))
     return values.reshape(x.shape), scale

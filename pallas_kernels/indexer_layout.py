@@ -9,10 +9,14 @@ FP8_E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 
 
 def gather_paged_rows(cache, block_tables, page_size):
-    """cache: [num_slots, ...], block_tables: [S, W] -> [S, W * page_size, ...] (entries < 0 read slot 0)."""
-    pages = jnp.maximum(block_tables, 0)
+    """cache: [num_slots, ...], block_tables: [S, W] -> [S, W * page_size, ...]; entries < 0 give
+    zero rows (selected, not multiplied: page 0, which they address, may hold another request's NaN)."""
+    listed = block_tables >= 0
+    pages = jnp.where(listed, block_tables, 0)
     slots = (pages[:, :, None] * page_size + jnp.arange(page_size)).reshape(block_tables.shape[0], -1)
-    return cache[slots]
+    rows = cache[slots]
+    listed = jnp.repeat(listed, page_size, axis=1).reshape(listed.shape[0], -1, *(1,) * (rows.ndim - 2))
+    return jnp.where(listed, rows, jnp.zeros((), rows.dtype))
 
 
 def _max_tiles(num_rows, num_seqs, block_rows):

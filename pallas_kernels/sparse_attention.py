@@ -3,7 +3,10 @@
 For each query row n and head h, over the cache slots idx = slots[n, :] that are >= 0:
     score[j] = scale * (q[n, h, :R] . c[idx_j] + q[n, h, R:] . k_pe[idx_j])
     out[n, h] = softmax(score) @ c[idx],   lse[n, h] = logsumexp(score)
-Rows with no valid slot give out = 0 and lse = +inf (FlashMLA's convention).
+Rows with no valid slot give out = 0 and lse = +inf (FlashMLA's convention). A -1 slot adds
+nothing whatever the cache holds (slot 0, which it addresses, may hold another request's NaN):
+its gathered row is zero by select (the reference), masked loads (Triton) or zero-filled copies
+(Mosaic GPU), never by a 0 probability times its values (0 * NaN = NaN).
 
 `sparse_mla_reference` is the jnp oracle (and the XLA path); `sparse_mla_attention` is the
 Pallas GPU kernel, same signature and results. An fp8 cache is dequantised either inside the
@@ -74,9 +77,10 @@ def dequantize_pages(latent, latent_scale, k_pe, slots, pages, *, page_size, dty
     slots: [N, K] int32 (-1 = skip); pages: int32 page ids, any shape (-1 entries ignored), or None
     for the whole cache; slot s lies on page s // page_size.
     Returns (latent [W, R] dtype, k_pe [W, P], slots [N, K] into them), W = pages.size * page_size
-    (num_slots for None); a -1 entry's rows are a copy of page 0 that no slot names (static shapes:
-    they cost their copy). A slot whose page is not listed becomes -1: `pages` must hold every page
-    the slots name (a sequence's block table does).
+    (num_slots for None); a -1 entry's rows are zeros that no slot names (static shapes: they
+    cost their copy; zeros rather than a copy of page 0, whose NaN would then reach a kernel that
+    masks by multiplying). A slot whose page is not listed becomes -1: `pages` must hold every
+    page the slots name (a sequence's block table does).
     """
     copy_rows(latent.shape[0], pages, page_size)  # checks page_size
     if pages is None:
@@ -85,9 +89,11 @@ def dequantize_pages(latent, latent_scale, k_pe, slots, pages, *, page_size, dty
     pages = pages.reshape(-1).astype(jnp.int32)
     listed = pages >= 0
 
-    def rows_of(a):  # [num_slots, ...] -> the listed pages' rows [W, ...]
+    def rows_of(a):  # [num_slots, ...] -> the listed pages' rows [W, ...]; zeros for -1 entries
         paged = a.reshape(num_pages, page_size, *a.shape[1:])
-        return paged[jnp.where(listed, pages, 0)].reshape(pages.size * page_size, *a.shape[1:])
+        rows = paged[jnp.where(listed, pages, 0)]
+        rows = jnp.where(listed.reshape((-1,) + (1,) * (rows.ndim - 1)), rows, jnp.zeros((), rows.dtype))
+        return rows.reshape(pages.size * page_size, *a.shape[1:])
 
     copy_page = jnp.full((num_pages,), -1, jnp.int32).at[jnp.where(listed, pages, num_pages)].set(
         jnp.arange(pages.size, dtype=jnp.int32), mode="drop")  # cache page -> its page in the copy
@@ -109,8 +115,11 @@ def sparse_mla_reference(q, latent, latent_scale, k_pe, slots, *, scale):
         q_n, idx = args
         valid = idx >= 0
         safe = jnp.where(valid, idx, 0)
-        c = dequantize_latent(latent[safe], None if latent_scale is None else latent_scale[safe])  # [K, R]
-        pe = k_pe[safe].astype(jnp.float32)  # [K, P]
+        # A -1 slot reads slot 0 (static shapes), which may hold another request's NaN / inf:
+        # its rows are zeroed by select, never by the p = 0 product below (0 * NaN = NaN).
+        c = jnp.where(valid[:, None], dequantize_latent(
+            latent[safe], None if latent_scale is None else latent_scale[safe]), 0.0)  # [K, R]
+        pe = jnp.where(valid[:, None], k_pe[safe].astype(jnp.float32), 0.0)  # [K, P]
         q_n = q_n.astype(jnp.float32)
         hi = jax.lax.Precision.HIGHEST
         s = (jnp.einsum("hr,kr->hk", q_n[:, :rank], c, precision=hi)

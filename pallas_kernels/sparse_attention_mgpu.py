@@ -5,7 +5,8 @@ over the cache slots idx = slots[n, :] that are >= 0,
     score[j] = scale * (q[n, h, :R] . c[idx_j] + q[n, h, R:] . k_pe[idx_j])
     out[n, h] = softmax(score) @ c[idx],   lse[n, h] = logsumexp(score)
 with out = 0, lse = +inf for rows with no valid slot. Caches: bf16, or FlashMLA's fp8 layout
-(e4m3 latent + one f32 scale per 128 values + bf16 k_pe, as three arrays).
+(e4m3 latent + one f32 scale per 128 values + bf16 k_pe, as three arrays; the cache writes
+power-of-two scales, ops.quantize_tiles, but any finite f32 scale dequantises as value * scale).
 
 One CTA = one query row x 64 heads x one split of the slot list; a ring of two [64, R + P] bf16
 stages beside q's [64, 576] tile fills the 227 KiB at DeepSeek's shapes. Three warpgroups:

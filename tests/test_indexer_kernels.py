@@ -82,6 +82,96 @@ def check_logits(out, ref, tol):
         assert err <= tol, err
 
 
+# fp8 logits on the GPU. The products q_d * k_d of e4m3 values are exact (4-bit significands), and
+# so is the CPU interpreter's f32 sum of them, so there the tight norm tolerance holds. Hopper's fp8
+# tensor cores (wgmma with e4m3 operands: the Mosaic GPU kernels; the Triton kernel's fp8 dot with
+# max_num_imprecise_acc = 128) do not add them in f32: the accumulator keeps about 14 significant
+# bits (DeepSeek-V3 technical report, section 3.3.2: FP8 GEMM accumulation on H800 "limited to
+# retaining around 14 bits"; an e8m13 accumulator whose results are truncated, not rounded), so an
+# operand aligned to magnitude M loses up to 2^-13 M. One instruction adds K = 32 products to the
+# accumulator: D values take S = ceil(D / 32) steps acc_j = acc_(j-1) + g_j, g_j the step's sum of
+# products, and counting both operands of each step as truncated at max(|acc_(j-1)|, |g_j|)
+# <= sum_(d < 32 j) |p_d| (p_d = q_d k_d),
+#     |err(q . k)| <= FP8_ACC_TRUNCATIONS * 2^-13 * sum_j sum_(d < 32 j) |p_d|
+#                   = FP8_ACC_TRUNCATIONS * 2^-13 * sum_d (S - d // 32) |p_d|,   FP8_ACC_TRUNCATIONS = 2.
+# ReLU is 1-Lipschitz and the rest is f32 (x w, a sum over heads, x k_scale), so per logit
+#     |err(I[n, s])| <= 2 * 2^-13 * B[n, s] + (D + 2 Hi + 4) * 2^-24 * B0[n, s],
+#     B[n, s] = |k_scale[s]| * sum_h |w[n, h]| * sum_d (S - d // 32) |q[n, h, d] k[s, d]|, B0 the same with
+# weights 1 (the 2^-24 term: the f32 sums of kernel and reference). Both are computed in numpy,
+# float64, from the same quantised inputs. Measured on the H200 (jax 0.11.2, every fp8 comparison
+# of this file, `-m "gpu or not gpu"`): the worst |err| was 0.23 of the bound at the tiny dims
+# (D = 16, S = 1) and 0.04 at Hi = 64, D = 128 (norm-relative errors 2.5e-5..5e-5 and 1.0e-4..1.3e-4);
+# _hopper_fp8_logits, a numpy model of that accumulator, gives 0.16 and 0.01 (norm-relative 3.1e-5
+# and 8.9e-5), while a missing head or one wrong key is 16-2000x past the bound
+# (test_fp8_logit_bound_rejects_wrong_logits).
+HOPPER_FP8_ACC_ULP = 2.0 ** -13  # 13 fraction bits kept by the fp8 MMA accumulator, truncated
+FP8_MMA_K = 32  # e4m3 products per wgmma instruction (k of m64nNk32)
+FP8_ACC_TRUNCATIONS = 2  # truncated operands per accumulation step (accumulator, step's products)
+F32_ULP = 2.0 ** -24
+
+
+def fp8_logit_magnitude(args, page_size, depth_weights=None):
+    """sum_h |w[n, h]| * sum_d c_d |q[n, h, d] k[s, d]| * |k_scale[s]| over each row's sequence, float64
+    [N, W * page_size] (numpy; c_d = depth_weights or 1; sum_h and sum_d commute, all terms >= 0)."""
+    q, w, k, k_scale, tables, row_seq, _ = args
+    f64 = lambda a: np.abs(np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64))
+    qw = np.einsum("nh,nhd->nd", f64(w), f64(q))  # [N, D]
+    if depth_weights is not None:
+        qw = qw * depth_weights
+    tables = np.asarray(tables)
+    slots = (np.maximum(tables, 0)[:, :, None] * page_size + np.arange(page_size)).reshape(tables.shape[0], -1)
+    listed = np.repeat(tables >= 0, page_size, axis=1)
+    k_abs = f64(k)
+    ks = np.ones(k_abs.shape[0]) if k_scale is None else f64(k_scale)
+    row_seq = np.asarray(row_seq)
+    out = np.zeros((len(row_seq), slots.shape[1]))
+    for seq in np.unique(row_seq):
+        rows = row_seq == seq
+        keys = k_abs[slots[seq]] * (ks[slots[seq]] * listed[seq])[:, None]  # [L, D]
+        out[rows] = qw[rows] @ keys.T
+    return out
+
+
+def fp8_logit_bound(args, page_size):
+    """Elementwise bound on |kernel - reference| for fp8 logits compiled for Hopper (see above)."""
+    hi, d = args[0].shape[1], args[0].shape[2]
+    steps_left = -(-d // FP8_MMA_K) - np.arange(d) // FP8_MMA_K  # S - d // 32: steps whose operands hold p_d
+    return (FP8_ACC_TRUNCATIONS * HOPPER_FP8_ACC_ULP * fp8_logit_magnitude(args, page_size, steps_left)
+            + (d + 2 * hi + 4) * F32_ULP * fp8_logit_magnitude(args, page_size))
+
+
+def check_logits_within(out, ref, bound):
+    """As check_logits, with |out - ref| <= bound elementwise where ref is finite."""
+    out, ref = np.asarray(out), np.asarray(ref)
+    assert out.shape == ref.shape and out.dtype == np.float32
+    fin = np.isfinite(ref)
+    np.testing.assert_array_equal(np.isfinite(out), fin)
+    np.testing.assert_array_equal(out[~fin], ref[~fin])  # -inf exactly
+    err = np.abs(out[fin].astype(np.float64) - ref[fin])
+    over = err > bound[fin]
+    if over.any():
+        ratio = err / np.maximum(bound[fin], 1e-300)
+        raise AssertionError(f"{over.sum()} of {fin.sum()} logits past the fp8 accumulation bound; "
+                             f"worst |err| / bound = {ratio.max():.3g}")
+
+
+def check_fp8_logits(out, ref, args, page_size, *, on_gpu=not INTERPRET):
+    """fp8 logits against the f32 reference, per backend: interpreted on CPU (exact products, f32
+    sums) within the tight 1e-5 norm tolerance; compiled for the GPU within fp8_logit_bound."""
+    if on_gpu:
+        check_logits_within(out, ref, fp8_logit_bound(args, page_size))
+    else:
+        check_logits(out, ref, 1e-5)
+
+
+def check_indexer_logits(out, ref, args, page_size, tol):
+    """fp8 inputs: check_fp8_logits (per backend); bf16 / f32: norm-relative tol."""
+    if args[0].dtype == FP8:
+        check_fp8_logits(out, ref, args, page_size)
+    else:
+        check_logits(out, ref, tol)
+
+
 def check_topk(out, logits, k):
     """Per row: distinct valid indices, min(k, #(> -inf)) of them, -1 after, and the multiset of
     their values equal to the reference's (any choice among ties is fine)."""
@@ -123,7 +213,7 @@ def test_indexer_logits_ragged(dtype, scaled, tiling):
                                    lengths=[37, 1, 90, 12], rows_per_seq=[5, 1, 7, 3])
     out = indexer_logits(*args, page_size=page, interpret=INTERPRET, **tiling)
     ref = indexer_logits_reference(*args, page_size=page)
-    check_logits(out, ref, 1e-5)
+    check_indexer_logits(out, ref, args, page, 1e-5)
 
 
 def test_indexer_logits_prefill_causal_fp8_unscaled():
@@ -132,7 +222,7 @@ def test_indexer_logits_prefill_causal_fp8_unscaled():
                                    lengths=[45], rows_per_seq=[45])
     out = indexer_logits(*args, page_size=page, interpret=INTERPRET)
     ref = indexer_logits_reference(*args, page_size=page)
-    check_logits(out, ref, 1e-5)
+    check_indexer_logits(out, ref, args, page, 1e-5)
 
 
 _MGPU_PREFILL_CASES = [
@@ -177,7 +267,71 @@ def test_indexer_logits_mosaic_kernels(kernel, dtype, scaled, page, lengths, row
                                    lengths=lengths, rows_per_seq=rows)
     out = kernel(*args, page_size=page, interpret=INTERPRET, **tiling)
     ref = indexer_logits_reference(*args, page_size=page)
-    check_logits(out, ref, 1e-5)
+    check_indexer_logits(out, ref, args, page, 1e-5)
+
+
+def _hopper_fp8_logits(args, page_size):
+    """numpy model of the fp8 kernels on Hopper: per (row, head, key), 32-product steps added to the
+    accumulator with both operands truncated to 13 fraction bits at their common alignment and the
+    result to 14 significant bits; then f32 ReLU, x w, head sum, x k_scale (as the kernels)."""
+    q, w, k, k_scale, tables, row_seq, row_end = (np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
+                                                  if a is not None else None for a in args)
+    tables, row_seq, row_end = tables.astype(int), row_seq.astype(int), row_end.astype(int)
+    slots = (np.maximum(tables, 0)[:, :, None] * page_size + np.arange(page_size)).reshape(tables.shape[0], -1)
+    listed = np.repeat(tables >= 0, page_size, axis=1)
+
+    def trunc(x, exp, bits):  # x toward zero to a multiple of 2^(exp - bits)
+        step = np.ldexp(1.0, exp - bits)
+        return np.trunc(x / step) * step
+
+    def exponent(x):  # floor(log2 |x|), 0 for 0
+        return np.frexp(x)[1] - 1
+
+    out = np.full((len(row_seq), slots.shape[1]), -np.inf, np.float32)
+    for n in range(len(row_seq)):
+        keys = k[slots[row_seq[n]]] * listed[row_seq[n]][:, None]  # [L, D]
+        acc = np.zeros((q.shape[1], keys.shape[0]))
+        for j in range(0, q.shape[2], FP8_MMA_K):
+            g = q[n, :, j:j + FP8_MMA_K] @ keys[:, j:j + FP8_MMA_K].T  # exact: e4m3 products, f64 sum
+            e = exponent(np.maximum(np.abs(acc), np.abs(g)))
+            acc = trunc(trunc(acc, e, 13) + trunc(g, e, 13), exponent(acc + g), 13)
+        scores = np.maximum(acc.astype(np.float32), np.float32(0))
+        logit = np.sum(scores * w[n].astype(np.float32)[:, None], axis=0, dtype=np.float32)
+        if k_scale is not None:
+            logit = logit * k_scale[slots[row_seq[n]]].astype(np.float32)
+        valid = np.arange(len(logit)) < row_end[n]
+        out[n, valid] = logit[valid]
+    return out
+
+
+@pytest.mark.parametrize("hi,d,page,lengths,rows", [
+    (4, 16, 4, [37, 1, 90, 12], [5, 1, 7, 3]),   # the CPU tests' tiny dims (one 32-product step)
+    (64, 128, 64, [300, 130, 1], [4, 2, 1]),     # DeepSeek-V3.2's dims (four steps)
+])
+def test_fp8_logit_bound_rejects_wrong_logits(hi, d, page, lengths, rows):
+    """The GPU tolerance for fp8 logits (fp8_logit_bound), checked on CPU: the exact reference and a
+    numpy model of Hopper's truncating accumulator pass, the model within a quarter of the bound;
+    a missing head, one wrong key or a missing k_scale fail."""
+    args, page = make_indexer_case(11, dtype=FP8, scaled=True, hi=hi, d=d, page=page, lengths=lengths,
+                                   rows_per_seq=rows)
+    ref = np.asarray(indexer_logits_reference(*args, page_size=page))
+    check = functools.partial(check_fp8_logits, ref=ref, args=args, page_size=page, on_gpu=True)
+    check(ref)
+    modelled = _hopper_fp8_logits(args, page)
+    check(modelled)
+    fin = np.isfinite(ref)
+    worst = (np.abs(modelled[fin] - ref[fin].astype(np.float64)) / fp8_logit_bound(args, page)[fin]).max()
+    assert 0 < worst < 0.25, worst
+
+    q, w, k, k_scale, tables, row_seq, row_end = args
+    missing_head = indexer_logits_reference(q, w.at[:, hi // 2].set(0.0), *args[2:], page_size=page)
+    key_0, key_1 = np.asarray(tables)[0, 0] * page + 1, np.asarray(tables)[0, 0] * page + 2  # sequence 0's
+    wrong_key = indexer_logits_reference(q, w, k.at[key_0].set(k[key_1]), *args[3:], page_size=page)
+    no_scale = indexer_logits_reference(q, w, k, None, *args[4:], page_size=page)
+    for wrong in (missing_head, wrong_key, no_scale):
+        assert not np.array_equal(np.asarray(wrong), ref)
+        with pytest.raises(AssertionError, match="past the fp8 accumulation bound"):
+            check(wrong)
 
 
 @pytest.mark.parametrize("num_rows,num_seqs,key_blocks,want", [
@@ -209,7 +363,7 @@ def test_indexer_logits_decode_mgpu_rows_in_sequence_order():
                                    rows_per_seq=[1, 1, 1], interleave_rows=False)
     assert np.array_equal(np.asarray(args[5]), np.arange(3))
     out = indexer_logits_decode_mgpu(*args, page_size=page, interpret=INTERPRET, chunk=4, stages=2)
-    check_logits(out, indexer_logits_reference(*args, page_size=page), 1e-5)
+    check_indexer_logits(out, indexer_logits_reference(*args, page_size=page), args, page, 1e-5)
 
 
 def test_indexer_logits_decode_mgpu_rejects_mixed_dtypes():
@@ -317,7 +471,7 @@ def test_indexer_logits_gpu(dtype, scaled, layout):
                                    lengths=lengths, rows_per_seq=rows)
     out = jax.jit(functools.partial(indexer_logits, page_size=page))(*args)
     ref = jax.jit(functools.partial(indexer_logits_reference, page_size=page))(*args)
-    check_logits(out, ref, 2e-3 if dtype == FP8 else 1e-4)
+    check_indexer_logits(out, ref, args, page, 1e-4)
 
 
 @pytest.mark.gpu
@@ -330,7 +484,7 @@ def test_indexer_logits_prefill_kernels_gpu(kernel, dtype, scaled):
                                    lengths=[3001, 1100, 70], rows_per_seq=[1203, 1100, 33])
     out = jax.jit(functools.partial(kernel, page_size=page))(*args)
     ref = jax.jit(functools.partial(indexer_logits_reference, page_size=page))(*args)
-    check_logits(out, ref, 2e-3 if dtype == FP8 else 1e-4)
+    check_indexer_logits(out, ref, args, page, 1e-4)
 
 
 @pytest.mark.gpu
@@ -347,7 +501,7 @@ def test_indexer_logits_decode_kernels_gpu(kernel, rows, dtype, scaled):
                                    lengths=[33001, 700, 1, 20000, 4097, 64], rows_per_seq=rows)
     out = jax.jit(functools.partial(kernel, page_size=page))(*args)
     ref = jax.jit(functools.partial(indexer_logits_reference, page_size=page))(*args)
-    check_logits(out, ref, 2e-3 if dtype == FP8 else 1e-4)
+    check_indexer_logits(out, ref, args, page, 1e-4)
 
 
 @pytest.mark.gpu

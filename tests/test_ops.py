@@ -1,6 +1,9 @@
 """The elementwise math against independent numpy formulations."""
 
+import math
+
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from jax_sparse_mla import MLAConfig, ops
@@ -60,11 +63,71 @@ def test_act_quant_power_of_two_scales_and_reconstruction():
     assert np.all(np.abs(recon - x)[big] <= 0.07 * np.abs(x)[big] + scale[big, None] * 2 ** -9)
 
 
+def deepseek_tile_quant(x, tile):
+    """DeepSeek's ue8m0 act_quant of each `tile` values, re-implemented in numpy / float64.
+
+    scale = 2^ceil(log2(max(amax, 1e-4) / 448)) (exact, through math.frexp), values =
+    clip(x / scale, -448, 448) in e4m3. Independent of ops (no jax).
+    """
+    tiles = np.asarray(x, np.float64).reshape(x.shape[:-1] + (x.shape[-1] // tile, tile))
+    amax = np.maximum(np.abs(tiles).max(-1), 1e-4) / 448.0
+    scale = np.empty(amax.shape, np.float64)
+    for i, a in np.ndenumerate(amax):
+        m, e = math.frexp(a)  # a = m * 2^e, m in [0.5, 1): a power of two iff m == 0.5
+        scale[i] = math.ldexp(1.0, e - 1 if m == 0.5 else e)
+    values = np.clip(tiles / scale[..., None], -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn)
+    return values.reshape(x.shape), scale.astype(np.float32)
+
+
+def _hard_tiles(rng, tile):
+    """Rows of 2 tiles: random magnitudes over 1e-9..1e5, and the edge cases."""
+    t = np.finfo(np.float32)
+    rows = [rng.standard_normal((64, 2 * tile)) * np.exp(rng.uniform(np.log(1e-9), np.log(1e5), (64, 2 * tile)))]
+    rows.append(rng.standard_normal((16, 2 * tile)) * 10.0 ** rng.integers(-8, 6, (16, 1)))  # one magnitude a row
+    edge = np.zeros((12, 2 * tile))  # row 0: all-zero tiles
+    edge[1] = rng.standard_normal(2 * tile) * 1e-7  # tiny: under the 1e-4 amax floor
+    edge[2] = rng.standard_normal(2 * tile) * 1e-30
+    for r, k in zip(range(3, 7), (-3, 0, 1, 7)):  # amax exactly 448 * 2^k (scale 2^k, not 2^(k+1))
+        edge[r] = rng.uniform(-1, 1, 2 * tile) * 448 * 2.0 ** k
+        edge[r, 5] = -448 * 2.0 ** k
+        edge[r, tile + 9] = 448 * 2.0 ** k
+    edge[7] = 448 * np.nextafter(np.float32(1), np.float32(2)) * np.sign(rng.standard_normal(2 * tile))  # just above
+    edge[8] = rng.uniform(440, 448, 2 * tile) * np.sign(rng.standard_normal(2 * tile))  # near the clamp
+    edge[9] = -np.abs(rng.standard_normal(2 * tile)) * 3.0  # all negative
+    edge[10, :tile] = 1e-4  # exactly the floor
+    edge[10, tile:] = t.tiny  # smallest normal f32
+    edge[11] = np.where(rng.random(2 * tile) < 0.5, 1e4, -1e-6)  # wide range inside a tile
+    rows.append(edge)
+    return np.concatenate(rows).astype(np.float32)
+
+
+def test_quantize_tiles_is_deepseeks_ue8m0_act_quant_byte_exact():
+    """The fp8 latent cache's format: same e4m3 bytes and fp32 scales as the numpy quantiser."""
+    rng = np.random.default_rng(4)
+    x = _hard_tiles(rng, 128)
+    values, scale = ops.quantize_tiles(jnp.asarray(x), 128)
+    want_values, want_scale = deepseek_tile_quant(x, 128)
+    assert values.dtype == jnp.float8_e4m3fn and scale.dtype == jnp.float32 and scale.shape == (len(x), 2)
+    np.testing.assert_array_equal(np.asarray(scale).view(np.uint32), want_scale.view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(values).view(np.uint8), want_values.view(np.uint8))
+    # the edge rows: exact powers of two times 448 keep scale 2^k; the all-zero tile the floor's
+    k_rows = len(x) - 12 + np.arange(3, 7)
+    np.testing.assert_array_equal(np.asarray(scale)[k_rows], np.repeat(2.0 ** np.array([-3, 0, 1, 7]), 2).reshape(4, 2))
+    assert np.all(np.asarray(scale)[len(x) - 12] == 2.0 ** -22)  # 1e-4 / 448 = 2^-22.09 -> 2^-22
+    # and act_quant is the same quantiser over a whole row
+    rv, rs = ops.act_quant(jnp.asarray(x[:, :128]))
+    np.testing.assert_array_equal(np.asarray(rs), want_scale[:, 0])
+    np.testing.assert_array_equal(np.asarray(rv).view(np.uint8), want_values[:, :128].view(np.uint8))
+
+
 def test_quantize_tiles_round_trip_and_scale_per_tile():
     rng = np.random.default_rng(3)
     x = rng.standard_normal((5, 256)).astype(np.float32)
     x[:, 128:] *= 100
     v, s = ops.quantize_tiles(jnp.asarray(x), 128)
-    assert s.shape == (5, 2) and np.all(np.asarray(s[:, 1]) > 50 * np.asarray(s[:, 0]))
+    s = np.asarray(s)
+    assert s.shape == (5, 2) and np.all(s[:, 1] > 25 * s[:, 0])  # its own scale per tile (x100, to within 2x)
+    amax = np.abs(x.reshape(5, 2, 128)).max(-1)
+    assert np.all(s >= amax / 448) and np.all(s < 2 * amax / 448)  # rounded up to a power of two, not further
     recon = np.asarray(dequantize_latent(v, s))
     assert np.linalg.norm(recon - x) / np.linalg.norm(x) < 0.05
