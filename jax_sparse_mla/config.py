@@ -51,8 +51,12 @@ ROPE_TYPES = ("yarn", "default")
 class RopeScaling:
     """YaRN rope scaling (`rope_scaling` in config.json, or transformers 5's `rope_parameters`).
 
-    Only type "yarn" is supported. `mscale` is accepted and not used: the softmax scale takes
-    mscale_all_dim only (DeepSeek's reference), and the rotation is not scaled.
+    Only type "yarn" is supported. The softmax scale takes mscale_all_dim (DeepSeek's reference:
+    qk_head_dim^-0.5 * (0.1 * mscale_all_dim * ln(factor) + 1)^2), and the rotation is not
+    scaled: Hugging Face's DeepSeek rope multiplies cos and sin by
+    get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim), which is 1 only when
+    mscale == mscale_all_dim (DeepSeek-V3.2: both 1.0). A config with mscale != mscale_all_dim is
+    therefore refused (ValueError) rather than served with a different rotation.
     """
 
     factor: float = 40.0
@@ -78,6 +82,10 @@ class RopeScaling:
             raise ValueError(f"invalid rope_scaling: {e}") from None
         if self.beta_fast < self.beta_slow:
             raise ValueError(f"invalid rope_scaling: beta_fast ({self.beta_fast}) must be >= beta_slow ({self.beta_slow})")
+        if self.mscale != self.mscale_all_dim:
+            raise ValueError(f"invalid rope_scaling: mscale={self.mscale} != mscale_all_dim={self.mscale_all_dim} is "
+                             "not supported: the rotation would be scaled by their YaRN mscale ratio (only "
+                             "mscale == mscale_all_dim, as in DeepSeek-V3.2)")
 
     @classmethod
     def from_hf(cls, d: Mapping[str, Any] | None, *, what: str = "rope_scaling") -> RopeScaling | None:

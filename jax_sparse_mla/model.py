@@ -82,15 +82,19 @@ def indexer_queries(params, x, qr, positions, config: MLAConfig, *, total_index_
 
 
 def positions_to_slots(key_positions, block_tables, row_seq, page_size: int):
-    """key_positions: [N, K] (-1 padded), block_tables: [S, W], row_seq: [N] -> cache slots [N, K] (-1 kept)."""
+    """key_positions: [N, K] (-1 padded), block_tables: [S, W], row_seq: [N] -> cache slots [N, K]
+    (-1 kept, and -1 for a position on a -1 page: never a negative slot that names another page)."""
     safe = jnp.maximum(key_positions, 0)
     pages = block_tables[row_seq[:, None], safe // page_size]
-    return jnp.where(key_positions >= 0, pages * page_size + safe % page_size, -1)
+    return jnp.where((key_positions >= 0) & (pages >= 0), pages * page_size + safe % page_size, -1)
 
 
 def _take_rows(a, rows):
-    """a[rows] with rows -1 padded (padding rows read row 0; their results are dropped)."""
-    return a[jnp.maximum(rows, 0)]
+    """a[rows] with rows -1 padded: padding rows are zeros, selected (row 0, which they read, may
+    hold another request's NaN, and 0 * NaN = NaN wherever a padding row is masked by a product)."""
+    taken = a[jnp.maximum(rows, 0)]
+    return jnp.where((rows >= 0).reshape(rows.shape + (1,) * (taken.ndim - rows.ndim)), taken,
+                     jnp.zeros((), taken.dtype))
 
 
 def _put_rows(a, rows, values):
@@ -106,6 +110,11 @@ def _depend_on(x, unused):
 
 
 def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, config: MLAConfig):
+    if not isinstance(plan, BatchPlan):
+        raise ValueError(f"plan must be a BatchPlan (from plan_batch), got {type(plan).__name__}")
+    if not isinstance(meta, BatchMeta):
+        raise ValueError(f"meta must be a BatchMeta (from plan_batch), got {type(meta).__name__}")
+    plan.check_config(config)  # slots, routes and the fp8 split were computed for that config
     if hidden.ndim != 2 or hidden.shape != (plan.num_tokens, config.hidden_size):
         raise ValueError(f"hidden has shape {hidden.shape}, expected [plan.num_tokens, hidden_size] = "
                          f"{[plan.num_tokens, config.hidden_size]}")
@@ -114,16 +123,9 @@ def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, confi
     cache_lib.check_cache(cache, config)
     if plan.num_pages is not None and plan.num_pages != cache.num_pages:
         raise ValueError(f"the plan was validated for {plan.num_pages} pages, the cache has {cache.num_pages}")
-    expected = {"positions": (plan.num_tokens,), "slot_mapping": (plan.num_tokens,), "row_seq": (plan.num_tokens,),
-                "query_start_loc": (plan.num_seqs + 1,), "seq_lens": (plan.num_seqs,),
-                "block_tables": (plan.num_seqs, plan.pages_per_seq), "sparse_rows": (plan.num_sparse_tokens,),
-                "dense_rows": (plan.num_tokens,), "dense_query_start": (plan.num_seqs + 1,),
-                "dense_key_slots": (plan.num_dense_keys,), "dense_key_start": (plan.num_seqs + 1,),
-                "upfront_rows": (plan.num_upfront_rows,), "kernel_rows": (plan.num_kernel_rows,),
-                "upfront_pages": (plan.num_upfront_pages,)}
-    for name, shape in expected.items():
+    for name, shape in BatchMeta.shapes(plan).items():
         got = getattr(meta, name)
-        if got.shape != shape:
+        if got is not None and got.shape != shape:  # (a missing dense_flag: below)
             raise ValueError(f"meta.{name} has shape {got.shape}, expected {shape} for this plan (was it made by plan_batch?)")
     if (meta.dense_flag is None) != (plan.use_dense_mha is not None):
         raise ValueError("meta.dense_flag must be set exactly for dispatch='cond' plans (use_dense_mha None)")

@@ -29,6 +29,7 @@ import numpy as np
 
 from .config import MLAConfig
 from .kernels import dequantize_route
+from .validate import INT32_MAX, as_bool, is_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +62,7 @@ class BucketPolicy:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if not _is_int(value) or not 1 <= value <= INT32_MAX:
+            if not is_int(value) or not 1 <= value <= INT32_MAX:
                 raise ValueError(f"invalid BucketPolicy: {f.name} must be a positive int below 2**31, got {value!r}")
             object.__setattr__(self, f.name, int(value))  # numpy integers -> int (hashing, bit_length)
 
@@ -71,12 +72,6 @@ class BucketPolicy:
 
 
 DISPATCH_MODES = ("static", "cond")
-INT32_MAX = 2 ** 31 - 1
-
-
-def _is_int(value) -> bool:
-    """A Python or numpy integer; bool is not one here."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,45 +172,57 @@ class BatchPlan:
 class BatchMeta:
     """Per-token and per-sequence int32 arrays of one batch (traced).
 
-    positions [T]: position of each row in its sequence (-1 for padding rows).
-    slot_mapping [T]: cache slot each row writes (-1: writes nowhere).
-    row_seq [T]: sequence index of each row (0 for padding rows, whose position is -1).
-    query_start_loc [S + 1]: first row of each sequence (padding sequences are empty).
-    seq_lens [S]: context + query length (0 for padding sequences).
-    block_tables [S, W]: page ids (-1 past each sequence's pages).
-    sparse_rows [num_sparse_tokens]: rows that attend sparsely in the dense program (-1 padding).
-    dense_rows [T]: rows of the sequences run as dense MHA, sequence after sequence (-1 padding).
-    dense_query_start [S + 1]: where each sequence's rows start in dense_rows (a sequence that is
-      not run dense owns none).
-    dense_key_slots [num_dense_keys]: cache slots of those sequences' keys (positions 0 ..
-      seq_len - 1), sequence after sequence (-1 padding).
-    dense_key_start [S + 1]: where each sequence's keys start in dense_key_slots.
-    upfront_rows [num_upfront_rows], kernel_rows [num_kernel_rows]: the sparsely attending rows
-      of the fp8 split (prefills, then decodes; -1 padding); upfront_pages [num_upfront_pages]:
-      the prefills' pages, sequence after sequence (-1 padding). Empty without the split.
-    dense_flag: int32 scalar, 1 when the cond program should take its dense branch
-      (dispatch="cond" only; None otherwise).
+    Shapes in terms of the BatchPlan (T = num_tokens, S = num_seqs, W = pages_per_seq) are on
+    each field below and in `BatchMeta.shapes(plan)`, the one statement of them that forward
+    and the sharding code check against; padding values in brackets (`BatchMeta.empty(plan)`:
+    a batch whose rows and sequences are all padding).
     """
 
-    positions: jax.Array
-    slot_mapping: jax.Array
-    row_seq: jax.Array
-    query_start_loc: jax.Array
-    seq_lens: jax.Array
-    block_tables: jax.Array
-    sparse_rows: jax.Array
-    dense_rows: jax.Array
+    positions: jax.Array  # [T]: position of each row in its sequence [-1]
+    slot_mapping: jax.Array  # [T]: cache slot each row writes [-1: writes nowhere]
+    row_seq: jax.Array  # [T]: sequence index of each row [0; a padding row's position is -1]
+    block_tables: jax.Array  # [S, W]: page ids [-1 past each sequence's pages]
+    sparse_rows: jax.Array  # [num_sparse_tokens]: rows that attend sparsely in the dense program [-1]
+    dense_rows: jax.Array  # [T]: rows of the sequences run as dense MHA, sequence after sequence [-1]
+    # [S + 1]: where each sequence's rows start in dense_rows (a sequence not run dense owns none) [0]
     dense_query_start: jax.Array
+    # [num_dense_keys]: cache slots of the dense sequences' keys (positions 0 .. seq_len - 1),
+    # sequence after sequence [-1]
     dense_key_slots: jax.Array
-    dense_key_start: jax.Array
-    upfront_rows: jax.Array
-    kernel_rows: jax.Array
-    upfront_pages: jax.Array
+    dense_key_start: jax.Array  # [S + 1]: where each sequence's keys start in dense_key_slots [0]
+    # The fp8 split (BatchPlan.num_upfront_rows; empty without it): the sparsely attending rows,
+    # prefills then decodes, and the prefills' pages, sequence after sequence [-1].
+    upfront_rows: jax.Array  # [num_upfront_rows]
+    kernel_rows: jax.Array  # [num_kernel_rows]
+    upfront_pages: jax.Array  # [num_upfront_pages]
+    # []: 1 when the cond program should take its dense branch; None unless dispatch="cond"
+    # (plan.use_dense_mha is None).
     dense_flag: jax.Array | None = None
+
+    @staticmethod
+    def shapes(plan: BatchPlan) -> dict[str, tuple[int, ...]]:
+        """The shape of each field for `plan` (dense_flag only for a cond plan; None otherwise)."""
+        T, S = plan.num_tokens, plan.num_seqs
+        shapes = {"positions": (T,), "slot_mapping": (T,), "row_seq": (T,), "block_tables": (S, plan.pages_per_seq),
+                  "sparse_rows": (plan.num_sparse_tokens,), "dense_rows": (T,), "dense_query_start": (S + 1,),
+                  "dense_key_slots": (plan.num_dense_keys,), "dense_key_start": (S + 1,),
+                  "upfront_rows": (plan.num_upfront_rows,), "kernel_rows": (plan.num_kernel_rows,),
+                  "upfront_pages": (plan.num_upfront_pages,)}
+        if plan.use_dense_mha is None:
+            shapes["dense_flag"] = ()
+        return shapes
+
+    @staticmethod
+    def empty(plan: BatchPlan) -> BatchMeta:
+        """Host (numpy) metadata of a batch with no work for `plan`: every row padding, every
+        sequence empty (the padding values above; a cond plan's dense_flag 0)."""
+        zero = ("row_seq", "dense_query_start", "dense_key_start", "dense_flag")
+        return BatchMeta(**{name: np.full(shape, 0 if name in zero else -1, np.int32)
+                            for name, shape in BatchMeta.shapes(plan).items()})
 
 
 def _length(i: int, name: str, value, minimum: int) -> int:
-    if not _is_int(value):
+    if not is_int(value):
         raise ValueError(f"request {i}: {name} must be an integer, got {value!r} ({type(value).__name__})")
     if value < minimum:
         raise ValueError(f"request {i}: {name} must be >= {minimum}, got {value}")
@@ -240,7 +247,7 @@ def _page_ids(i: int, table) -> list[int]:
         values = list(table)
         if not all(type(v) is int for v in values):  # (fast path: plain ints)
             for k, v in enumerate(values):
-                if not _is_int(v):
+                if not is_int(v):
                     raise ValueError(f"{where}[{k}] must be an integer page id, got {v!r} ({type(v).__name__})")
             values = [int(v) for v in values]
     if values and (min(values) < -INT32_MAX - 1 or max(values) > INT32_MAX):
@@ -358,13 +365,12 @@ def _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispa
     if not isinstance(dispatch, str) or dispatch not in DISPATCH_MODES:
         raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
     for name, value in (("force_sparse", force_sparse), ("skip_indexer", skip_indexer)):
-        if not isinstance(value, (bool, np.bool_)):
-            raise ValueError(f"{name} must be a bool, got {value!r}")
+        as_bool(value, name)
     if not isinstance(buckets, BucketPolicy):
         raise ValueError(f"buckets must be a BucketPolicy, got {type(buckets).__name__}")
     if num_pages is None:
         return None
-    if not _is_int(num_pages) or num_pages < 1:
+    if not is_int(num_pages) or num_pages < 1:
         raise ValueError(f"num_pages must be a positive int or None, got {num_pages!r}")
     slot_pages = (INT32_MAX + 1) // config.page_size
     if num_pages > slot_pages:
@@ -424,24 +430,47 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
       sizes then depend on the shape buckets only).
     Raises ValueError naming the request and the problem before anything touches a device.
     """
+    requests, num_pages = _checked(config, requests, num_pages, force_sparse, skip_indexer, buckets, dispatch)
+    plan, meta = _plan_host(config, requests, num_pages=num_pages, force_sparse=bool(force_sparse),
+                            skip_indexer=bool(skip_indexer), buckets=buckets, dispatch=dispatch)
+    return plan, jax.tree.map(jax.numpy.asarray, meta)
+
+
+def _checked(config, requests, num_pages, force_sparse, skip_indexer, buckets, dispatch):
+    """plan_batch's checks: -> (the requests with Python int lengths and list tables, num_pages as
+    an int or None). Raises ValueError for the first problem."""
     num_pages = _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch)
-    force_sparse, skip_indexer = bool(force_sparse), bool(skip_indexer)
     if isinstance(requests, (str, bytes, Request)) or not isinstance(requests, collections.abc.Iterable):
         raise ValueError(f"requests must be a sequence of Requests, got {type(requests).__name__}")
-    requests = _validate(config, list(requests), num_pages)
-    page = config.page_size
-    dense = [not force_sparse and not r.is_decode and r.total_len <= config.index_topk for r in requests]
+    return _validate(config, list(requests), num_pages), num_pages
 
-    n_real = sum(r.query_len for r in requests)
-    num_tokens = buckets.round_up(n_real, buckets.min_tokens)
-    num_seqs = buckets.round_up(len(requests), buckets.min_seqs)
-    width = buckets.round_up(max(-(-r.total_len // page) for r in requests), buckets.min_pages_per_seq)
+
+def _dense_routes(config: MLAConfig, requests: Sequence[Request], force_sparse: bool) -> list[bool]:
+    """Whether each request runs as dense MHA in the dense program (a short prefill)."""
+    return [not force_sparse and not r.is_decode and r.total_len <= config.index_topk for r in requests]
+
+
+def _padded_sizes(config: MLAConfig, requests: Sequence[Request], force_sparse: bool,
+                  buckets: BucketPolicy) -> tuple[int, int, int, int]:
+    """(num_tokens, num_seqs, pages_per_seq, num_dense_keys) of a static plan of the requests."""
+    page, dense = config.page_size, _dense_routes(config, requests, force_sparse)
+    dense_keys = sum(r.total_len for r, d in zip(requests, dense) if d)
+    return (buckets.round_up(sum(r.query_len for r in requests), buckets.min_tokens),
+            buckets.round_up(len(requests), buckets.min_seqs),
+            buckets.round_up(max(-(-r.total_len // page) for r in requests), buckets.min_pages_per_seq),
+            buckets.round_up(dense_keys, buckets.min_dense_keys) if any(dense) else 0)
+
+
+def _plan_host(config: MLAConfig, requests: Sequence[Request], *, num_pages: int | None, force_sparse: bool,
+               skip_indexer: bool, buckets: BucketPolicy, dispatch: str) -> tuple[BatchPlan, BatchMeta]:
+    """plan_batch for requests and options that passed `_checked`; the metadata is numpy, on the host."""
+    page = config.page_size
+    dense = _dense_routes(config, requests, force_sparse)
+    num_tokens, num_seqs, width, static_dense_keys = _padded_sizes(config, requests, force_sparse, buckets)
 
     positions = np.full(num_tokens, -1, np.int32)
     slot_mapping = np.full(num_tokens, -1, np.int32)
     row_seq = np.zeros(num_tokens, np.int32)
-    query_start_loc = np.full(num_seqs + 1, n_real, np.int32)
-    seq_lens = np.zeros(num_seqs, np.int32)
     block_tables = np.full((num_seqs, width), -1, np.int32)
     dense_query_len = np.zeros(num_seqs, np.int32)
     dense_key_len = np.zeros(num_seqs, np.int32)
@@ -455,8 +484,6 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
         positions[row:row + r.query_len] = pos
         slot_mapping[row:row + r.query_len] = table[pos // page] * page + pos % page
         row_seq[row:row + r.query_len] = i
-        query_start_loc[i] = row
-        seq_lens[i] = r.total_len
         block_tables[i, :len(table)] = table
         if dense[i]:
             dense_query_len[i], dense_key_len[i] = r.query_len, r.total_len
@@ -474,7 +501,7 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
     else:
         use_dense = any(dense)
         num_sparse = buckets.round_up(len(sparse_rows), 1) if use_dense and sparse_rows else 0
-        num_dense_keys = buckets.round_up(len(dense_key_slots), buckets.min_dense_keys) if use_dense else 0
+        num_dense_keys = static_dense_keys
     split = None if dispatch == "cond" else _upfront_split(config, requests, [not d for d in dense], row_starts,
                                                              tables, buckets)
     upfront_rows, kernel_rows, upfront_pages, (num_upfront_rows, num_kernel_rows, num_upfront_pages) = (
@@ -485,8 +512,7 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
                      num_upfront_rows=num_upfront_rows, num_kernel_rows=num_kernel_rows,
                      num_upfront_pages=num_upfront_pages, config=PlanConfig.of(config))
     meta = BatchMeta(
-        positions=positions, slot_mapping=slot_mapping, row_seq=row_seq,
-        query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
+        positions=positions, slot_mapping=slot_mapping, row_seq=row_seq, block_tables=block_tables,
         sparse_rows=pad_ids(sparse_rows if num_sparse else [], num_sparse),  # unused by the sparse program
         dense_rows=pad_ids(dense_rows, num_tokens),
         dense_query_start=np.concatenate([[0], np.cumsum(dense_query_len)]).astype(np.int32),
@@ -495,4 +521,4 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
         upfront_rows=pad_ids(upfront_rows, num_upfront_rows), kernel_rows=pad_ids(kernel_rows, num_kernel_rows),
         upfront_pages=pad_ids(upfront_pages, num_upfront_pages),
         dense_flag=np.int32(any(dense)) if dispatch == "cond" else None)
-    return plan, jax.tree.map(jax.numpy.asarray, meta)
+    return plan, meta

@@ -31,7 +31,8 @@ Placement (`shard_params`, `cache_shardings`, `init_sharded_cache`):
   hidden and out: [dp * T, hidden_size], rows [d * T, (d + 1) * T) belong to data shard d;
     split over "data", replicated over "tensor".
   meta: each BatchMeta field is the concatenation of the shards' fields along its first axis
-    (positions [dp * T], query_start_loc [dp * (S + 1)], block_tables [dp * S, W], ...).
+    (positions [dp * T], block_tables [dp * S, W], dense_key_start [dp * (S + 1)], ...; the
+    per-shard shapes are BatchMeta.shapes(plan)).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ from .cache import PagedCache, init_cache
 from .config import MLAConfig
 from .model import forward
 from .params import param_shapes
-from .plan import BatchMeta, BatchPlan, BucketPolicy, PlanConfig, Request, pad_ids, plan_batch
+from .plan import (BatchMeta, BatchPlan, BucketPolicy, PlanConfig, Request, _checked, _padded_sizes, _plan_host,
+                   pad_ids)
 
 DATA = "data"
 TENSOR = "tensor"
@@ -114,29 +116,16 @@ def init_sharded_cache(config: MLAConfig, mesh: Mesh, pages_per_shard: int) -> P
 
 # ---- data-parallel plans -----------------------------------------------------------------------
 
-def _padding_meta(plan: BatchPlan) -> BatchMeta:
-    """Metadata of a data shard with no work: every row padding, every sequence empty."""
-    def full(shape, value):
-        return jnp.full(shape, value, jnp.int32)
-    return BatchMeta(positions=full(plan.num_tokens, -1), slot_mapping=full(plan.num_tokens, -1),
-                     row_seq=full(plan.num_tokens, 0), query_start_loc=full(plan.num_seqs + 1, 0),
-                     seq_lens=full(plan.num_seqs, 0), block_tables=full((plan.num_seqs, plan.pages_per_seq), -1),
-                     sparse_rows=full(plan.num_sparse_tokens, -1), dense_rows=full(plan.num_tokens, -1),
-                     dense_query_start=full(plan.num_seqs + 1, 0), dense_key_slots=full(plan.num_dense_keys, -1),
-                     dense_key_start=full(plan.num_seqs + 1, 0), upfront_rows=full(plan.num_upfront_rows, -1),
-                     kernel_rows=full(plan.num_kernel_rows, -1), upfront_pages=full(plan.num_upfront_pages, -1))
-
-
 def _merge_upfront_splits(plan: BatchPlan, plans: dict, sparse_rows: dict, buckets: BucketPolicy):
     """The fp8 split (BatchPlan.num_upfront_rows) common to every shard: when some shard's own
     plan split, every shard lists its split prefill rows and pages (none where its plan did not
     split) and its other sparse rows `sparse_rows[d]` as kernel rows, padded to the largest
-    shard's buckets. -> (plan, {shard: (plan, meta)})."""
+    shard's buckets. plans: {shard: (plan, host meta)} -> (plan, {shard: (plan, host meta)})."""
     if not any(m.upfront_rows.shape[0] for _, m in plans.values()):  # (plans may hold the merged plan)
         return plan, plans
 
     def ids(a):  # the entries of a -1 padded id list
-        return [int(v) for v in np.asarray(a) if v >= 0]
+        return [int(v) for v in a if v >= 0]
 
     upfront = {d: ids(m.upfront_rows) for d, (_, m) in plans.items()}
     pages = {d: ids(m.upfront_pages) for d, (_, m) in plans.items()}
@@ -149,9 +138,9 @@ def _merge_upfront_splits(plan: BatchPlan, plans: dict, sparse_rows: dict, bucke
         num_kernel_rows=max(BucketPolicy.round_up(len(r), 1) if r else 0 for r in kernel.values()),
         num_upfront_pages=max(BucketPolicy.round_up(len(p), buckets.min_pages_per_seq) for p in pages.values()))
     return plan, {d: (plan, dataclasses.replace(
-        m, upfront_rows=jnp.asarray(pad_ids(upfront[d], plan.num_upfront_rows)),
-        kernel_rows=jnp.asarray(pad_ids(kernel[d], plan.num_kernel_rows)),
-        upfront_pages=jnp.asarray(pad_ids(pages[d], plan.num_upfront_pages)))) for d, (_, m) in plans.items()}
+        m, upfront_rows=pad_ids(upfront[d], plan.num_upfront_rows),
+        kernel_rows=pad_ids(kernel[d], plan.num_kernel_rows),
+        upfront_pages=pad_ids(pages[d], plan.num_upfront_pages))) for d, (_, m) in plans.items()}
 
 
 def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *, pages_per_shard: int,
@@ -166,7 +155,8 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
     cache's prefill / decode split (BatchPlan.num_upfront_rows) applies to every shard as soon
     as one shard's own plan splits.
     Options as in plan_batch (dispatch is always "static" here). Raises ValueError naming the
-    shard for invalid requests.
+    shard for invalid requests. Each shard is planned once, on the host; the merged metadata
+    goes to the device once, at the end.
     """
     if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence):
         raise ValueError(f"shards must be a sequence of request lists (one per data shard), "
@@ -180,45 +170,44 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
     if not active:
         raise ValueError("empty batch: plan_data_parallel needs at least one request in some shard")
 
-    def plan_all(policy):
-        out = {}
-        for d in active:
-            try:
-                out[d] = plan_batch(config, shards[d], num_pages=pages_per_shard, force_sparse=force_sparse,
-                                    skip_indexer=skip_indexer, buckets=policy)
-            except ValueError as e:
-                raise ValueError(f"data shard {d}: {e}") from None
-        return out
-
-    plans = plan_all(buckets)
+    checked = {}
+    for d in active:
+        try:
+            checked[d], num_pages = _checked(config, shards[d], pages_per_shard, force_sparse, skip_indexer,
+                                             buckets, "static")
+        except ValueError as e:
+            raise ValueError(f"data shard {d}: {e}") from None
+    force_sparse, skip_indexer = bool(force_sparse), bool(skip_indexer)
+    # every shard's sizes padded to the largest shard's buckets
+    sizes = [_padded_sizes(config, reqs, force_sparse, buckets) for reqs in checked.values()]
     common = dataclasses.replace(
-        buckets,
-        min_tokens=max(p.num_tokens for p, _ in plans.values()),
-        min_seqs=max(p.num_seqs for p, _ in plans.values()),
-        min_pages_per_seq=max(p.pages_per_seq for p, _ in plans.values()),
-        min_dense_keys=max([buckets.min_dense_keys] + [p.num_dense_keys for p, _ in plans.values()]))
-    plans = plan_all(common)
+        buckets, min_tokens=max(s[0] for s in sizes), min_seqs=max(s[1] for s in sizes),
+        min_pages_per_seq=max(s[2] for s in sizes), min_dense_keys=max([buckets.min_dense_keys] + [s[3] for s in sizes]))
+    plans = {d: _plan_host(config, reqs, num_pages=num_pages, force_sparse=force_sparse, skip_indexer=skip_indexer,
+                           buckets=common, dispatch="static") for d, reqs in checked.items()}
     base = next(iter(plans.values()))[0]
     dense = any(p.use_dense_mha for p, _ in plans.values())
     # Each shard's sparse rows: plan_batch's for dense-routed shards, every real row otherwise.
-    rows = {d: (np.asarray(m.sparse_rows) if p.use_dense_mha else np.flatnonzero(np.asarray(m.positions) >= 0))
-            for d, (p, m) in plans.items()}
+    rows = {d: (m.sparse_rows if p.use_dense_mha else np.flatnonzero(m.positions >= 0)) for d, (p, m) in plans.items()}
     rows = {d: r[r >= 0] for d, r in rows.items()}
     if dense:
         num_sparse = max(BucketPolicy.round_up(len(r), 1) if len(r) else 0 for r in rows.values())
         plan = dataclasses.replace(base, use_dense_mha=True, num_sparse_tokens=num_sparse,
                                    num_dense_keys=common.min_dense_keys)
-        for d, (p, m) in plans.items():
-            key_slots = np.asarray(m.dense_key_slots)  # empty for a shard planned all-sparse
-            plans[d] = (plan, dataclasses.replace(m, sparse_rows=jnp.asarray(pad_ids(rows[d], num_sparse)),
-                                                  dense_key_slots=jnp.asarray(pad_ids(key_slots, plan.num_dense_keys))))
+        for d, (p, m) in plans.items():  # (dense_key_slots is empty for a shard planned all-sparse)
+            plans[d] = (plan, dataclasses.replace(m, sparse_rows=pad_ids(rows[d], num_sparse),
+                                                  dense_key_slots=pad_ids(m.dense_key_slots, plan.num_dense_keys)))
     else:
         plan = base
     assert all(p.num_tokens == plan.num_tokens and p.pages_per_seq == plan.pages_per_seq
                for p, _ in plans.values())  # the common buckets make every size agree
     plan, plans = _merge_upfront_splits(plan, plans, rows, common)
-    metas = [plans[d][1] if d in plans else _padding_meta(plan) for d in range(len(shards))]
-    return plan, jax.tree.map(lambda *fields: jnp.concatenate(fields), *metas)
+    metas = [plans[d][1] if d in plans else BatchMeta.empty(plan) for d in range(len(shards))]
+    for m in metas:
+        for name, shape in BatchMeta.shapes(plan).items():
+            assert getattr(m, name).shape == shape, (name, getattr(m, name).shape, shape)
+    merged = jax.tree.map(lambda *fields: np.concatenate(fields), *metas)
+    return plan, jax.tree.map(jnp.asarray, merged)
 
 
 # ---- the sharded step ----------------------------------------------------------------------------

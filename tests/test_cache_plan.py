@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_sparse_mla import (BucketPolicy, MLAConfig, Request, init_cache, plan_batch, read_indexer_keys,
+from jax_sparse_mla import (BatchMeta, BucketPolicy, MLAConfig, Request, init_cache, plan_batch, read_indexer_keys,
                             read_latent)
 from jax_sparse_mla import cache as cache_lib
 
@@ -124,11 +124,15 @@ def test_plan_meta_slots_positions_and_padding():
     np.testing.assert_array_equal(meta.positions[:6], [2, 3, 4, 0, 1, -1])
     np.testing.assert_array_equal(meta.slot_mapping[:6], [30, 31, 8, 20, 21, -1])
     np.testing.assert_array_equal(meta.row_seq[:5], [0, 0, 0, 1, 1])
-    np.testing.assert_array_equal(meta.query_start_loc, [0, 3, 5, 5, 5])
-    np.testing.assert_array_equal(meta.seq_lens, [5, 2, 0, 0])
     np.testing.assert_array_equal(meta.block_tables[:2, :2], [[7, 2], [5, -1]])
     assert plan.num_tokens == 16 and np.all(np.asarray(meta.slot_mapping[5:]) == -1)
     assert all(a.dtype == jnp.int32 for a in jax.tree.leaves(meta))
+    assert {name: getattr(meta, name).shape for name in BatchMeta.shapes(plan)} == BatchMeta.shapes(plan)
+    cond, cond_meta = plan_batch(TINY, [Request(2, 3, [7, 2])], dispatch="cond")
+    assert BatchMeta.shapes(cond)["dense_flag"] == () and cond_meta.dense_flag.shape == ()
+    empty = BatchMeta.empty(plan)  # a batch of padding: what a data shard with no work gets
+    assert np.all(empty.positions == -1) and np.all(empty.row_seq == 0) and np.all(empty.dense_key_start == 0)
+    assert {f.name for f in dataclasses.fields(BatchMeta)} == set(BatchMeta.shapes(cond))
 
 
 def test_bucket_policy_pads_to_powers_of_two():

@@ -1,0 +1,32 @@
+"""A continuous-batching serving loop over a stack of sparse-MLA layers, with latency metrics.
+
+Pieces (each usable alone; modules workload, engine, metrics):
+  `Workload`    a vLLM-style random workload: input/output lengths uniform in
+                [len * (1 - ratio), len * (1 + ratio)], arrival times (all at once, or Poisson at
+                `request_rate`), and a client-side `concurrency` cap -> `RequestSpec`s.
+  `PageAllocator` a free list of cache pages; a request reserves every page it will ever need
+                when it is admitted and frees them when it finishes (no preemption needed).
+  `Engine`      N layers (random weights, one PagedCache each) served step by step: vLLM's
+                scheduling policy (running decodes first, then prefill chunks under a per-step
+                token budget `max_num_batched_tokens`, at most `max_num_seqs` running), one
+                `plan_batch` per step shared by every layer, hidden flowing layer to layer as
+                x = x + attn(x).
+  `ServeResult` per-request metrics (TTFT, TPOT), per-step records, and a summary.
+
+Time. The loop keeps a clock that starts at 0 and advances by each step's measured wall time
+(scheduling + planning + every layer, up to block_until_ready); when nothing is running it jumps
+to the next arrival instead of sleeping. A request arrives at max(its arrival time, the moment the
+client's concurrency cap lets it be sent). TTFT = end of the step that finished its prefill (which
+produces its first output token) - arrival; TPOT = mean time between its output tokens.
+
+Tokens are synthetic: every token's hidden state (a prompt token, or the "next token" a decode
+step feeds back) is a row of a seeded random pool kept on the device, picked by a seeded
+per-request index sequence, so a step's input is one gather and runs are reproducible.
+"""
+
+from .engine import Engine, EngineOptions, PageAllocator, PoolTooSmallError, reference_outputs
+from .metrics import RequestMetrics, ServeResult, StepRecord
+from .workload import RequestSpec, Workload
+
+__all__ = ["Engine", "EngineOptions", "PageAllocator", "PoolTooSmallError", "RequestMetrics", "RequestSpec",
+           "ServeResult", "StepRecord", "Workload", "reference_outputs"]

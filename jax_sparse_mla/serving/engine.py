@@ -1,0 +1,370 @@
+"""The engine: N sparse-MLA layers and their paged caches served by a continuous-batching loop
+(`Engine`), its options (`EngineOptions`), the page free list (`PageAllocator`) and the oracle
+of one request served alone (`reference_outputs`). See the package docstring for the loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from typing import Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..cache import init_cache
+from ..config import MLAConfig
+from ..kernels import CHOICES as KERNEL_CHOICES
+from ..model import jit_forward
+from ..params import init_params
+from ..plan import DISPATCH_MODES, BucketPolicy, Request, plan_batch
+from ..validate import INT32_MAX, as_bool, as_int, is_int
+from .metrics import RequestMetrics, ServeResult, StepRecord
+from .workload import RequestSpec, Workload, specs_of
+
+
+class PoolTooSmallError(ValueError):
+    """A request needs more pages than the whole cache holds."""
+
+
+class PageAllocator:
+    """A free list over page ids [0, num_pages)."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = as_int(num_pages, "num_pages", 1)
+        self._free = deque(range(num_pages))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n page ids, or None when fewer than n are free (PoolTooSmallError if n > num_pages)."""
+        if n > self.num_pages:
+            raise PoolTooSmallError(f"a request needs {n} pages but the cache has only {self.num_pages} "
+                                    "(raise num_pages or shorten the requests)")
+        if n > len(self._free):
+            return None
+        pages = [self._free.popleft() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        for p in pages:
+            if p not in self._used:
+                raise ValueError(f"page {p} is freed but was not allocated")
+            self._used.remove(p)
+            self._free.append(p)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """Scheduling and program options. Any of them can be overridden per run (Engine.run(**kw)).
+
+    max_num_batched_tokens: token budget of one step (decode tokens + prefill chunk tokens).
+    max_num_seqs: most requests running (holding pages and being scheduled) at once.
+    skip_indexer, force_sparse, buckets, dispatch: passed to plan_batch; kernels: to jit_forward.
+    """
+
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    skip_indexer: bool = True
+    force_sparse: bool = False
+    dispatch: str = "static"
+    kernels: str = "auto"
+    buckets: BucketPolicy = BucketPolicy()
+
+    def __post_init__(self):
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            put(name, as_int(getattr(self, name), name, 1))
+        for name in ("skip_indexer", "force_sparse"):
+            put(name, as_bool(getattr(self, name), name))
+        if not isinstance(self.dispatch, str) or self.dispatch not in DISPATCH_MODES:
+            raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {self.dispatch!r}")
+        if not isinstance(self.kernels, str) or self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
+        if not isinstance(self.buckets, BucketPolicy):
+            raise ValueError(f"buckets must be a BucketPolicy, got {type(self.buckets).__name__}")
+
+    def with_overrides(self, overrides: dict) -> EngineOptions:
+        """These options with `overrides` (EngineOptions fields, checked); ValueError naming an unknown one."""
+        names = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(overrides) - set(names))
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}: EngineOptions has {names}")
+        return dataclasses.replace(self, **overrides)
+
+    def plan_kwargs(self) -> dict:
+        return dict(skip_indexer=self.skip_indexer, force_sparse=self.force_sparse, buckets=self.buckets,
+                    dispatch=self.dispatch)
+
+
+@dataclasses.dataclass
+class _Running:
+    """A request admitted to the engine (holding its pages) until it finishes."""
+
+    spec: RequestSpec
+    pages: list[int]
+    token_rows: np.ndarray  # [cache_len] pool row of each token this request feeds
+    metrics: RequestMetrics
+    computed: int = 0  # tokens in the cache
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.spec.input_len
+
+
+@jax.jit
+def _gather_rows(pool, rows):
+    """pool [P + 1, hidden] (last row zeros), rows [T] int32 -> [T, hidden]."""
+    return pool[rows]
+
+
+class Engine:
+    """N sparse-MLA layers with their paged caches, served by a continuous-batching loop.
+
+    params: list of N per-layer param dicts (default: init_params with keys fold_in(seed, layer)).
+    caches: one PagedCache of num_pages pages per layer (donated and replaced every step).
+    pool: [pool_size + 1, hidden_size] seeded random token hidden states (the last row is zeros,
+      used for padding rows).
+    """
+
+    def __init__(self, config: MLAConfig, *, num_layers: int = 2, num_pages: int = 1024, seed: int = 0,
+                 pool_size: int = 4096, params: Sequence[dict] | None = None, **options):
+        if not isinstance(config, MLAConfig):
+            raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
+        num_layers = as_int(num_layers, "num_layers", 1)
+        num_pages, pool_size = as_int(num_pages, "num_pages", 1), as_int(pool_size, "pool_size", 1)
+        if num_pages * config.page_size - 1 > INT32_MAX:
+            raise ValueError(f"num_pages = {num_pages} pages of {config.page_size} tokens: slot numbers would "
+                             "overflow int32")
+        if not is_int(seed) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        self.config, self.num_pages, self.seed, self.pool_size = config, num_pages, int(seed), pool_size
+        self.options = EngineOptions().with_overrides(options)
+        key = jax.random.key(seed)
+        if params is None:
+            params = [init_params(config, jax.random.fold_in(key, layer)) for layer in range(num_layers)]
+        elif len(params) != num_layers:
+            raise ValueError(f"got {len(params)} layers of params for num_layers={num_layers}")
+        self.params = list(params)
+        self.caches = [init_cache(config, num_pages) for _ in range(num_layers)]
+        pool = jax.random.normal(jax.random.fold_in(key, 1 << 20), (pool_size, config.hidden_size), jnp.float32)
+        self.pool = jnp.concatenate([pool, jnp.zeros((1, config.hidden_size))]).astype(config.jnp_dtype)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.params)
+
+    # ---- tokens ---------------------------------------------------------------------------
+    def token_rows(self, spec: RequestSpec) -> np.ndarray:
+        """[cache_len] pool rows of a request's tokens (seeded by engine seed and request id)."""
+        return np.random.default_rng([self.seed, spec.id]).integers(self.pool_size, size=spec.cache_len)
+
+    def token_hidden(self, spec: RequestSpec) -> np.ndarray:
+        """[cache_len, hidden_size] float32: the hidden states a request feeds the first layer."""
+        return np.asarray(self.pool[self.token_rows(spec)].astype(jnp.float32))
+
+    # ---- one step -------------------------------------------------------------------------
+    def _forward(self, plan, meta, x, kernels: str):
+        """x [plan.num_tokens, hidden] through every layer (residual) -> x, caches updated."""
+        for layer, params in enumerate(self.params):
+            out, self.caches[layer] = jit_forward(params, x, self.caches[layer], meta, plan=plan,
+                                                  config=self.config, kernels=kernels)
+            x = x + out
+        return x
+
+    def compile_batches(self, batches: Iterable[Sequence[Request]], **overrides) -> int:
+        """Compiles the program of each batch's plan (once per distinct plan, with the step's
+        gather and residual adds) by running it through the layers on zero hidden states. Writes
+        junk into the cache slots named by the batches' block tables: harmless, a request writes
+        every slot before reading it. Returns the number of executables jit_forward compiled."""
+        opts = self.options.with_overrides(overrides)
+        before, seen = jit_forward._cache_size(), set()
+        for requests in batches:
+            plan, meta = plan_batch(self.config, list(requests), num_pages=self.num_pages, **opts.plan_kwargs())
+            if plan in seen:
+                continue
+            seen.add(plan)
+            rows = jnp.full((plan.num_tokens,), self.pool_size, jnp.int32)  # the zero row
+            self._forward(plan, meta, _gather_rows(self.pool, rows), opts.kernels).block_until_ready()
+        return jit_forward._cache_size() - before
+
+    def forward_batch(self, requests: Sequence[Request], **overrides):
+        """One batch through the layer stack outside the scheduler (benchmarks: time it, repeat it;
+        a repeat rewrites the same slots with the same values). Token hidden states are pool rows
+        picked by position. Returns (x [plan.num_tokens, hidden] after the last layer, plan)."""
+        opts = self.options.with_overrides(overrides)
+        plan, meta = plan_batch(self.config, list(requests), num_pages=self.num_pages, **opts.plan_kwargs())
+        rows = np.full(plan.num_tokens, self.pool_size, np.int32)
+        n = sum(r.query_len for r in requests)
+        rows[:n] = np.arange(n) % self.pool_size
+        return self._forward(plan, meta, _gather_rows(self.pool, jnp.asarray(rows)), opts.kernels), plan
+
+    def warmup(self, workload: Workload | Sequence[RequestSpec], **overrides) -> int:
+        """Compiles every program a run of this workload will need: a dry run of the scheduler
+        (no device work, zero step times) collects the batches, then compile_batches. Exact when
+        arrivals do not depend on timing (request_rate=inf); otherwise best effort."""
+        batches: list[list[Request]] = []
+        self.run(workload, progress=False, _dry_run=batches, **overrides)
+        return self.compile_batches(batches, **overrides)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def run(self, workload: Workload | Sequence[RequestSpec], *, max_steps: int | None = None,
+            progress: bool = True, collect_outputs: bool = False, desc: str = "serving",
+            _dry_run: list | None = None, **overrides) -> ServeResult:
+        """Serves a workload to completion (or max_steps) and returns its metrics.
+
+        overrides: EngineOptions fields for this run (e.g. skip_indexer=False).
+        collect_outputs: keep each request's last-layer x rows ([cache_len, hidden] float32 in
+          token order; costs a device->host copy per step).
+        Raises PoolTooSmallError when a request can never fit the cache.
+        """
+        opts = self.options.with_overrides(overrides)
+        if max_steps is not None:
+            max_steps = as_int(max_steps, "max_steps (or None)", 0)
+        progress, collect_outputs = as_bool(progress, "progress"), as_bool(collect_outputs, "collect_outputs")
+        concurrency = workload.concurrency if isinstance(workload, Workload) else None
+        specs = specs_of(workload)
+        page = self.config.page_size
+        for s in specs:  # fail before any work
+            if s.cache_len > self.config.max_position_embeddings:
+                raise ValueError(f"request {s.id}: input_len + output_len - 1 = {s.cache_len} tokens exceeds "
+                                 f"max_position_embeddings = {self.config.max_position_embeddings}")
+            if -(-s.cache_len // page) > self.num_pages:
+                raise PoolTooSmallError(f"request {s.id} ({s.input_len} in + {s.output_len} out) needs "
+                                        f"{-(-s.cache_len // page)} pages of {page} tokens, the cache has "
+                                        f"{self.num_pages}")
+        dry = _dry_run is not None
+        pending = deque(sorted(specs, key=lambda s: (s.arrival_s, s.id)))
+        waiting: deque[tuple[RequestSpec, RequestMetrics]] = deque()  # sent, not yet admitted
+        running: list[_Running] = []
+        allocator = PageAllocator(self.num_pages)
+        metrics: list[RequestMetrics] = []
+        steps: list[StepRecord] = []
+        outputs = {} if collect_outputs else None
+        clock, wall0 = 0.0, time.perf_counter()
+        bar = tqdm(total=max_steps, desc=desc, unit="step", leave=False, disable=not progress or dry)
+        try:
+            while pending or waiting or running:
+                if max_steps is not None and len(steps) >= max_steps:
+                    break
+                # client: send what has arrived, under the concurrency cap
+                if not waiting and not running and pending and pending[0].arrival_s > clock:
+                    clock = pending[0].arrival_s  # idle: jump to the next arrival
+                while pending and pending[0].arrival_s <= clock and (
+                        concurrency is None or len(waiting) + len(running) < concurrency):
+                    s = pending.popleft()
+                    m = RequestMetrics(s.id, s.input_len, s.output_len, arrival_s=clock)
+                    metrics.append(m)
+                    waiting.append((s, m))
+                t0 = time.perf_counter()
+                work = _schedule(running, waiting, allocator, budget=opts.max_num_batched_tokens,
+                                 max_num_seqs=opts.max_num_seqs, page_size=page, token_rows=self.token_rows)
+                if not work:
+                    raise RuntimeError("scheduler made no progress (this is a bug)")
+                requests = [Request(r.computed, n, r.pages) for r, n in work]
+                plan, meta = plan_batch(self.config, requests, num_pages=self.num_pages, **opts.plan_kwargs())
+                n_real = sum(n for _, n in work)
+                before = 0 if dry else jit_forward._cache_size()
+                if dry:
+                    _dry_run.append(requests)
+                    t_fwd = t1 = t0
+                else:
+                    rows = np.full(plan.num_tokens, self.pool_size, np.int32)
+                    rows[:n_real] = np.concatenate([r.token_rows[r.computed:r.computed + n] for r, n in work])
+                    t_fwd = time.perf_counter()
+                    x = self._forward(plan, meta, _gather_rows(self.pool, jnp.asarray(rows)), opts.kernels)
+                    x.block_until_ready()
+                    t1 = time.perf_counter()
+                    if collect_outputs:
+                        host = np.asarray(x.astype(jnp.float32))
+                        row = 0
+                        for r, n in work:
+                            outputs.setdefault(r.spec.id, []).append(host[row:row + n])
+                            row += n
+                clock += t1 - t0
+                n_dec = sum(1 for r, n in work if not r.prefilling)
+                steps.append(StepRecord(
+                    index=len(steps), start_s=clock - (t1 - t0), duration_s=t1 - t0, forward_s=t1 - t_fwd,
+                    route=plan.route, branch=_branch(plan.route, meta.dense_flag), has_indexer_scoring=bool(plan.has_indexer_scoring),
+                    num_scored_tokens=plan.num_scored_tokens, num_tokens=n_real,
+                    padded_tokens=plan.num_tokens, num_decodes=n_dec, num_prefills=len(work) - n_dec,
+                    prefill_tokens=sum(n for r, n in work if r.prefilling),
+                    new_programs=0 if dry else jit_forward._cache_size() - before, plan=plan))
+                for r, n in work:  # advance; a finished prefill or a decode yields one output token
+                    r.computed += n
+                    if not r.prefilling:
+                        r.metrics.token_times_s.append(clock)
+                    if r.metrics.finished:
+                        allocator.free(r.pages)
+                        running.remove(r)
+                bar.update(1)
+                if len(steps) % 16 == 0:
+                    bar.set_postfix(done=sum(m.finished for m in metrics), running=len(running), refresh=False)
+        finally:
+            bar.close()
+        if outputs is not None:
+            outputs = {k: np.concatenate(v) for k, v in outputs.items()}
+        return ServeResult(requests=sorted(metrics, key=lambda m: m.id), steps=steps, duration_s=clock,
+                           wall_s=time.perf_counter() - wall0, outputs=outputs)
+
+
+def _schedule(running: list[_Running], waiting: deque[tuple[RequestSpec, RequestMetrics]],
+              allocator: PageAllocator, *, budget: int, max_num_seqs: int, page_size: int,
+              token_rows: Callable[[RequestSpec], np.ndarray]) -> list[tuple[_Running, int]]:
+    """vLLM's policy: one token per running decode, then prefill chunks of running requests
+    (admission order), then newly admitted requests, all within the token budget (`budget`
+    tokens; at most max_num_seqs running). Admitting a request moves it from `waiting` to
+    `running` with its pages from `allocator`. -> [(request, tokens this step)]."""
+    work = []
+    for r in running:
+        if not r.prefilling and budget > 0:
+            work.append((r, 1))
+            budget -= 1
+    for r in running:
+        if r.prefilling and budget > 0:
+            n = min(r.spec.input_len - r.computed, budget)
+            work.append((r, n))
+            budget -= n
+    while waiting and budget > 0 and len(running) < max_num_seqs:
+        spec, m = waiting[0]
+        pages = allocator.allocate(-(-spec.cache_len // page_size))
+        if pages is None:  # wait for a running request to free its pages
+            if not running:
+                raise PoolTooSmallError(f"request {spec.id} does not fit an empty cache")  # unreachable
+            break
+        waiting.popleft()
+        r = _Running(spec, pages, token_rows(spec), m)
+        running.append(r)
+        n = min(spec.input_len, budget)
+        work.append((r, n))
+        budget -= n
+    return work
+
+
+def _branch(route: str, dense_flag) -> str:
+    """The program a step ran: its plan's route, or for a cond plan the branch dense_flag picks."""
+    if route != "cond":
+        return route
+    return "dense" if int(np.asarray(dense_flag)) else "sparse"
+
+
+def reference_outputs(engine: Engine, spec: RequestSpec) -> tuple[np.ndarray, np.ndarray]:
+    """The oracle for one request served alone: its tokens through every layer of
+    `reference.sequence_forward` with the residual. Returns (x [cache_len, hidden] float32 after the
+    last layer, ambiguous [cache_len] bool: a row whose top-k set hinged on a near-tie in any layer)."""
+    from .. import reference
+    x = engine.token_hidden(spec)
+    ambiguous = np.zeros(len(x), bool)
+    for params in engine.params:
+        out, amb = reference.sequence_forward(params, x, engine.config)
+        x, ambiguous = x + out, ambiguous | amb
+    return x, ambiguous
+
