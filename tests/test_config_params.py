@@ -194,7 +194,7 @@ def test_from_hf_config_refuses_wrongly_typed_fields(field, value, message):
         MLAConfig.from_hf_config({field: value})
 
 
-YARN = {"factor": 8, "original_max_position_embeddings": 2048, "beta_fast": 16, "beta_slow": 2, "mscale": 0.5,
+YARN = {"factor": 8, "original_max_position_embeddings": 2048, "beta_fast": 16, "beta_slow": 2, "mscale": 0.75,
         "mscale_all_dim": 0.75}
 
 
@@ -259,10 +259,22 @@ def test_rope_scaling_fields_are_type_checked(key, value, message):
         RopeScaling(**{**YARN, key: value})
 
 
-def test_softmax_scale_uses_mscale_all_dim_only():
+def test_softmax_scale_uses_mscale_all_dim():
     base = MLAConfig.tiny(rope_scaling=RopeScaling(factor=40.0, mscale=1.0, mscale_all_dim=1.0))
     m = 0.1 * 1.0 * np.log(40.0) + 1.0
     assert base.softmax_scale == pytest.approx(base.qk_head_dim ** -0.5 * m * m)
-    other = MLAConfig.tiny(rope_scaling=RopeScaling(factor=40.0, mscale=0.707, mscale_all_dim=1.0))
-    assert other.softmax_scale == base.softmax_scale
+    half = MLAConfig.tiny(rope_scaling=RopeScaling(factor=40.0, mscale=0.5, mscale_all_dim=0.5))
+    m = 0.1 * 0.5 * np.log(40.0) + 1.0
+    assert half.softmax_scale == pytest.approx(half.qk_head_dim ** -0.5 * m * m)
     assert MLAConfig.tiny(rope_scaling=None).softmax_scale == base.qk_head_dim ** -0.5
+
+
+def test_rope_scaling_refuses_mscale_other_than_mscale_all_dim():
+    """HF's DeepSeek rope scales cos / sin by get_mscale(factor, mscale) / get_mscale(factor,
+    mscale_all_dim); the rotation here is unscaled, so the two must agree."""
+    with pytest.raises(ValueError, match=r"mscale=0.707 != mscale_all_dim=1.0 is not supported"):
+        RopeScaling(factor=40.0, mscale=0.707, mscale_all_dim=1.0)
+    with pytest.raises(ValueError, match=r"invalid rope_parameters: mscale=0.5 != mscale_all_dim=0.75 is not supported"):
+        MLAConfig.from_hf_config({"rope_parameters": {"rope_type": "yarn", **YARN, "mscale": 0.5}})
+    with pytest.raises(ValueError, match=r"invalid rope_scaling: mscale=1.0 != mscale_all_dim=0.0"):
+        MLAConfig.from_hf_config({"rope_scaling": {"type": "yarn", **YARN, "mscale": 1, "mscale_all_dim": 0}})
