@@ -39,6 +39,11 @@ Kept, each against the kernel before it in one run (4x2048 unless named):
     to the next step's QK issue (with the slot as a bit-and): 528 vs 516 and 523 vs 509 (two
     runs, outputs bit-identical); 4x1024+1024 540 vs 531; 8x1024 439 vs 442, 16x512 337 vs 338
     (noise).
+  - (a fix, not a speed-up) other sequences' V rows in a key tile zeroed in shared memory before
+    the P.V product, in masked steps (0 * NaN leaked them): outputs bit-identical on finite inputs
+    at the shapes below; two interleaved A/B runs, new / old time: 4x2048 1.010, 1.032; 8x1024
+    1.018, 1.018; 16x512 1.010, 1.012; 64x128 1.003, 1.005; 4x1024+1024 0.998, 1.018; 5x333+77
+    (unaligned: tiles zeroed) 1.052, 1.047. 168 registers, no spills.
 Not kept (against the kernel of the day; "noise" = within the run-to-run spread): a step's PV
 and the next QK products issued together (363 vs 449; 16x512 167 vs 307); FA3-style pipelining
 inside each consumer (385 (484); without a branch between the issues and the PV wait 562 vs 576
@@ -133,6 +138,10 @@ def causal_varlen_attention_reference(q, k, v, q_start_loc, k_start_loc, *, scal
     k_start_loc: [S+1] int32. Query i of sequence s sits at position kv_len_s - q_len_s + i and
     attends that sequence's keys 0..position. Returns [T, H, Dv] float32; rows no sequence owns
     are 0. Memory stays bounded: query blocks of at most max_scores scores ([Bq, H, Tk]) each.
+    Rows no sequence owns and other sequences' rows never reach a row's output (masked scores
+    and values are selected away, never multiplied by 0: NaN / inf there do not leak); a
+    sequence's own non-finite values reach its own rows: non-finite q or k through the scores,
+    a non-finite v value of a key a query sees makes that query's head all NaN.
     """
     _check_inputs(q, k, v, q_start_loc, k_start_loc, (jnp.bfloat16, jnp.float16, jnp.float32))
     num_rows, heads, d_qk = q.shape
@@ -150,6 +159,13 @@ def causal_varlen_attention_reference(q, k, v, q_start_loc, k_start_loc, *, scal
     seq_blocks = jnp.pad(q_seq, (0, pad), constant_values=-1).reshape(num_blocks, block)
     pos_blocks = jnp.pad(q_pos, (0, pad)).reshape(num_blocks, block)
     k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+    # No 0 * NaN: the P.V product runs on v with its non-finite values zeroed, and a row that
+    # sees (causally, in its own sequence) a key whose v has any non-finite value in a head gets
+    # NaN in that head (a count of such keys per row: a product [Bq, Tk] x [Tk, H], 1 / Dv of
+    # the P.V product's work).
+    v_bad = ~jnp.isfinite(v32)
+    v32 = jnp.where(v_bad, 0.0, v32)
+    key_bad = jnp.any(v_bad, axis=2).astype(jnp.float32)  # [Tk, H]
     hi = lax.Precision.HIGHEST
 
     def attend(blk):
@@ -162,7 +178,9 @@ def causal_varlen_attention_reference(q, k, v, q_start_loc, k_start_loc, *, scal
         p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
         denom = jnp.sum(p, axis=-1, keepdims=True)
         p = p / jnp.where(denom > 0, denom, 1.0)
-        return jnp.einsum("qhk,khd->qhd", p, v32, precision=hi)
+        seen_bad = jnp.einsum("qk,kh->qh", visible.astype(jnp.float32), key_bad, precision=hi)
+        out = jnp.einsum("qhk,khd->qhd", p, v32, precision=hi)
+        return jnp.where(seen_bad[:, :, None] > 0, jnp.nan, out)
 
     out = lax.map(attend, (q_blocks, seq_blocks, pos_blocks))
     return out.reshape(num_blocks * block, heads, d_v)[:num_rows]
@@ -221,6 +239,10 @@ def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpr
     kv_len_s >= q_len_s. Query i of sequence s sits at position ctx_s + i (ctx_s = kv_len_s -
     q_len_s, the cached context) and attends keys 0..ctx_s + i of its own sequence.
     Returns [T, H, Dv] in q.dtype; rows q_start_loc[S].. (padding) are 0.
+    Rows no sequence owns and other sequences' rows never reach a row's output (NaN / inf there
+    included); a sequence's own non-finite values reach its own rows (a non-finite v of a key
+    in a diagonal key tile also reaches the sequence's earlier queries in that tile: P = 0
+    times it).
     dtypes: bf16 or f16 (wgmma operands), f32 softmax. Dqk and Dv: multiples of 64, <= 256.
 
     Work items are (block of 128 packed q rows, 8-row aligned, holding queries of one sequence,
@@ -242,8 +264,12 @@ def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpr
     sequence's, else plain rows stored with a ladder of power-of-two-row TMA stores so no other
     sequence's rows are touched.
     TMA into swizzled shared memory needs 8-row aligned starts: query tiles start at the
-    sequence's first row rounded down to 8 and key tiles likewise (the causal mask drops the
-    other sequence's keys). T or Tk not a multiple of 8 costs a padded copy of q or of k and v.
+    sequence's first row rounded down to 8 and key tiles likewise, and an item's last key tile
+    runs past its last key. The mask of the scores drops those other sequences' (or no
+    sequence's) keys; their V rows, which P = 0 would multiply (0 * NaN = NaN), are zeroed in
+    shared memory before the first P.V product that reads the tile (only in masked steps whose
+    tile holds such rows: none where keys start on the 8-row grid and end on a key tile
+    boundary, e.g. 4 x 2048); other sequences' query rows are computed and not stored. T or Tk not a multiple of 8 costs a padded copy of q or of k and v.
     interpret=True runs the same kernel in Mosaic GPU interpret mode (CPU).
     """
     _check_inputs(q, k, v, q_start_loc, k_start_loc, KERNEL_DTYPES)
@@ -378,8 +404,37 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                 rows = pl.ds(aligned_rows(info[_ROW0], wg * _WG_ROWS), _WG_ROWS)
                 plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_tile, q_ready.at[wg])
 
+            # 64-row pieces covering a V tile (the last one overlaps the one before it where
+            # block_kv is not a multiple of 64), 64 columns at a time
+            v_pieces = sorted({*range(0, block_kv - _WG_ROWS + 1, _WG_ROWS), block_kv - _WG_ROWS})
+
+            def zero_foreign_values(v_tile, key0, kv_end):
+                # Zeroes the rows of a landed V tile whose keys (key0 + row) lie outside
+                # [0, kv_end): other sequences' rows or rows no sequence owns, which the P.V
+                # product would multiply by P = 0 (NaN or inf there would leak into every row).
+                # Keys kv_end.. of the item's own sequence are zeroed too: no stored row sees
+                # them. Only pieces holding such rows are rewritten.
+                for n, r0 in enumerate(v_pieces):
+                    if n and r0 < v_pieces[n - 1] + _WG_ROWS:
+                        plgpu.commit_smem()  # overlap: the piece before's stores land first
+
+                    @pl.when((key0 + r0 < 0) | (key0 + r0 + _WG_ROWS > kv_end))
+                    def _(r0=r0):
+                        cols = min(64, d_v)
+                        keys = key0 + r0 + plgpu.broadcasted_iota(
+                            jnp.int32, (_WG_ROWS, cols), 0, layout=plgpu.Layout.WGMMA)
+                        keep = (keys >= 0) & (keys < kv_end)
+                        for c0 in range(0, d_v, cols):
+                            piece = v_tile.at[pl.ds(r0, _WG_ROWS), pl.ds(c0, cols)]
+                            piece[...] = jnp.where(
+                                keep, plgpu.load(piece, layout=plgpu.Layout.WGMMA), 0)
+                # generic-proxy stores before any wgmma (async proxy) read of the tile: this
+                # warpgroup's after the fence and barrier, the other consumer's after the
+                # release / acquire of the turn barrier that orders its P.V product after ours
+                plgpu.commit_smem()
+
             def kv_step(step, carry, *, tile0, wg_pos0, k_shift, masked, after_qk, steps,
-                        keys=block_kv):
+                        kv_end=None, zero_from=None, keys=block_kv):
                 # Reads the tile's first `keys` keys (< block_kv: see half_last). Its K tile was
                 # awaited before the item's loops (step 0) or during the previous step's PV
                 # product.
@@ -388,6 +443,21 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                 k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
                 if keys < block_kv:
                     k_tile, v_tile = k_tile.at[pl.ds(0, keys)], v_tile.at[pl.ds(0, keys)]
+                zeroes = None
+                if masked:
+                    # Only masked steps read rows of other sequences (or none's): the first tile
+                    # starts k_shift keys early, the item's last tile runs past its last key.
+                    # Their V rows are zeroed in shared memory before the first P.V product that
+                    # reads the tile, by the consumer that runs it first: warpgroup 0, or 1 on
+                    # the tiles after warpgroup 0's last (zero_from: the first step this
+                    # consumer zeroes). Whole tile: the other consumer may read past a half step.
+                    key0 = step * block_kv - k_shift
+                    zeroes = (step >= zero_from) & ((key0 < 0) | (key0 + block_kv > kv_end))
+
+                    @pl.when(zeroes)
+                    def _():
+                        plgpu.barrier_wait(v_ready.at[slot])
+                        zero_foreign_values(v_smem.at[slot], key0, kv_end)
 
                 def qk_product(acc_ref):
                     plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
@@ -409,10 +479,17 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                 p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 alpha = jnp.exp2(m_i - m_new)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i = l_i * alpha  # + p's row sums, added while the tensor cores work
+                if zeroes is None:
+                    l_i = l_i * alpha  # + p's row sums, added while the tensor cores work
                 p16 = p.astype(dtype)
                 plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(v_ready.at[slot])
+                if zeroes is None:
+                    plgpu.barrier_wait(v_ready.at[slot])
+                else:
+                    pl.when(~zeroes)(lambda: plgpu.barrier_wait(v_ready.at[slot]))
+                    # after the branch, in the basic block of the row sums' addition: one FMA,
+                    # as before the branch existed (the outputs stay bit-identical)
+                    l_i = l_i * alpha
                 plgpu.barrier_wait(turn)
 
                 def await_next_k():
@@ -480,6 +557,11 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                 # and entirely at or before the position of query row lo.
                 first_full = jnp.minimum(jnp.where(k_shift > 0, 1, 0), steps)
                 end_full = jnp.clip((wg_pos0 + lo + 1 + k_shift) // block_kv, first_full, steps)
+                # warpgroup 1 zeroes the foreign V rows of the tiles after warpgroup 0's last
+                # (warpgroup 0 holds rows of every block in use: _LO < 8)
+                hi0 = jnp.clip(info[_HI], 0, _WG_ROWS)
+                steps0 = (info[_POS0] + hi0 + k_shift + block_kv - 1) // block_kv
+                zero_from = jnp.where(wg == 0, 0, steps0)
                 plgpu.barrier_wait(q_ready.at[wg])
                 pl.when(steps > 0)(lambda: plgpu.barrier_wait(k_ready.at[slot_of(tile0)]))
                 carry = (
@@ -494,7 +576,8 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                     pl.when((step == steps - 1) & has_next)(lambda: load_q(next_head, next_info))
 
                 step_fn = functools.partial(kv_step, tile0=tile0, wg_pos0=wg_pos0, k_shift=k_shift,
-                                            after_qk=after_qk, steps=steps)
+                                            after_qk=after_qk, steps=steps,
+                                            kv_end=info[_KV_END], zero_from=zero_from)
                 carry = lax.fori_loop(0, first_full, functools.partial(step_fn, masked=True), carry)
                 carry = lax.fori_loop(first_full, end_full, functools.partial(step_fn, masked=False),
                                       carry)

@@ -5,7 +5,9 @@ computation. Kernel errors are relative, ||out - ref|| / ||ref|| over the rows s
 tolerance 1e-2 for bf16/f16 inputs: the kernel rounds the softmax probabilities to the input
 dtype before the P.V product (as flash attention does) and rounds its output to it; observed
 errors are ~2e-3. Rows no sequence owns must be exactly 0, and rows outside every sequence are
-poisoned with large values in q, k and v so that reading them would show.
+poisoned with large values in q, k and v so that reading them would show. The isolation tests
+plant NaN / inf in other sequences' rows and unowned rows: a row's output depends on its own
+sequence alone (no 0 * NaN through masked probabilities), and its own non-finite values show.
 On CPU the kernel runs in Mosaic GPU interpret mode; the `gpu` twin compiles it at real sizes.
 Small num_programs make each persistent program walk several (block, head) items.
 """
@@ -175,3 +177,103 @@ def test_kernel_lowers_for_the_gpu_at_real_dims(d_qk, d_v):
             sd((6144, 128, d_v), jnp.bfloat16), sd((5,), jnp.int32), sd((5,), jnp.int32))
     fn = jax.jit(lambda *a: causal_varlen_attention(*a, scale=0.07))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+# Isolation: sequences whose first keys sit off the 8-row grid (key tiles start k_shift = 1..7
+# keys early, on the previous sequence's keys), contexts > 0, a query-less sequence (keys only),
+# 8 padding query rows and 9 unowned key rows. Sequence 1 (70 queries): warpgroup 0 reads its
+# last key tile as a half step, warpgroup 1 the whole tile; sequence 4 (100 queries after 30
+# cached): its last key tile is warpgroup 1's alone. Tiles past each sequence's last key run
+# into the next sequence's keys or into the unowned rows.
+ISOLATION = dict(q_lens=[5, 70, 3, 0, 100, 9], ctx_lens=[3, 0, 61, 4, 30, 1])
+NONFINITE = np.array([np.nan, np.inf, -np.inf], np.float32)
+
+
+def poison_except(x, start_loc, keep):
+    """x with every row not owned by a sequence of `keep` (other sequences' rows, rows no sequence
+    owns) set to NaN, inf or -inf (by row)."""
+    x = np.array(x, np.float32)
+    start_loc = np.asarray(start_loc)
+    owned = np.zeros(x.shape[0], bool)
+    for s in keep:
+        owned[start_loc[s]:start_loc[s + 1]] = True
+    rows = np.flatnonzero(~owned)
+    x[rows] = NONFINITE[rows % 3][:, None, None]
+    return x
+
+
+def seq_rows(start_loc, seqs):
+    start_loc = np.asarray(start_loc)
+    return np.concatenate([np.arange(start_loc[s], start_loc[s + 1]) for s in seqs])
+
+
+def check_isolation(run, q, k, v, q_start, k_start, *, clean):
+    """run(q, k, v) with all but half the sequences poisoned (each half once): the kept
+    sequences' rows stay finite and equal to `clean` (run on unpoisoned inputs)."""
+    num_seqs = len(q_start) - 1
+    for keep in (range(0, num_seqs, 2), range(1, num_seqs, 2)):
+        poisoned = [jnp.asarray(poison_except(x, loc, keep), x.dtype)
+                    for x, loc in ((q, q_start), (k, k_start), (v, k_start))]
+        out = np.asarray(run(*poisoned), np.float32)
+        rows = seq_rows(q_start, keep)
+        assert np.isfinite(out[rows]).all(), f"sequences {list(keep)}: non-finite outputs"
+        yield out[rows], clean[rows]
+
+
+@pytest.mark.parametrize("max_scores", [1 << 27, 7 * 2 * 300])  # one query block; blocks of 7
+def test_reference_rows_see_only_their_sequence(max_scores):
+    """NaN / inf in other sequences' q, k, v rows and in rows no sequence owns never reach a
+    sequence's outputs (no 0 * NaN through the masked probabilities)."""
+    q, k, v, q_start, k_start = make_batch(8, **ISOLATION, heads=2, d_qk=16, d_v=8, pad_q=8,
+                                           pad_k=9, dtype=jnp.float32)
+    run = lambda q, k, v: causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=0.3,
+                                                            max_scores=max_scores)
+    clean = np.asarray(run(q, k, v))
+    np.testing.assert_allclose(clean, naive(q, k, v, q_start, k_start, 0.3), rtol=1e-5, atol=1e-5)
+    for out, expected in check_isolation(run, q, k, v, q_start, k_start, clean=clean):
+        assert rel_err(out, expected, len(out)) < 1e-6
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's NaN products
+@pytest.mark.parametrize("block_kv", [128, 96])  # 96: 64-row pieces of the V tile overlap
+def test_kernel_rows_see_only_their_sequence(block_kv):
+    """As above for the kernel, whose key tiles start up to 7 keys before a sequence's first key
+    and run past its last one: the kept sequences' rows are bit-identical to the clean run."""
+    q, k, v, q_start, k_start = make_batch(9, **ISOLATION, heads=2, d_qk=64, d_v=64, pad_q=8,
+                                           pad_k=9)
+    run = lambda q, k, v: causal_varlen_attention(q, k, v, q_start, k_start, scale=0.2,
+                                                  interpret=INTERPRET, block_kv=block_kv,
+                                                  num_stages=2, num_programs=2)
+    clean = np.asarray(run(q, k, v), np.float32)
+    ref = causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=0.2)
+    owned = int(q_start[-1])
+    assert rel_err(clean, ref, owned) < TOL
+    np.testing.assert_array_equal(clean[owned:], 0.0)
+    for out, expected in check_isolation(run, q, k, v, q_start, k_start, clean=clean):
+        np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+@pytest.mark.parametrize("impl", ["reference", "kernel"])
+def test_own_nonfinite_values_reach_own_rows(impl):
+    """A sequence's own NaN / inf is not hidden: NaN in its key 0's v reaches all its rows, inf in
+    one of its queries reaches that row; the other rows are unchanged."""
+    q, k, v, q_start, k_start = make_batch(10, **ISOLATION, heads=2, d_qk=64, d_v=64, pad_q=8,
+                                           pad_k=9)
+    if impl == "reference":
+        run = lambda q, v: causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=0.2)
+    else:
+        run = lambda q, v: causal_varlen_attention(q, k, v, q_start, k_start, scale=0.2,
+                                                   interpret=INTERPRET, num_programs=2)
+    clean = np.asarray(run(q, v), np.float32)
+    bad_seq, bad_row = 4, int(q_start[1]) + 30  # all of sequence 4; one query of sequence 1
+    out = np.asarray(run(q.at[bad_row, 1, 3].set(jnp.inf), v.at[k_start[bad_seq], 0, 5].set(jnp.nan)),
+                     np.float32)
+    bad = seq_rows(q_start, [bad_seq])
+    assert (~np.isfinite(out[bad, 0])).any(axis=-1).all()  # head 0 of every row of sequence 4
+    assert (~np.isfinite(out[bad_row, 1])).any()  # head 1 of the poisoned query
+    # everything else: the other head of those rows, and the other rows
+    np.testing.assert_array_equal(out[bad, 1], clean[bad, 1])
+    np.testing.assert_array_equal(out[bad_row, 0], clean[bad_row, 0])
+    rest = np.setdiff1d(np.arange(q.shape[0]), np.append(bad, bad_row))
+    np.testing.assert_array_equal(out[rest], clean[rest])
