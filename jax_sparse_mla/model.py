@@ -173,8 +173,8 @@ def _dense_prefill(step: _Step):
     rows = meta.dense_rows
     q = jnp.concatenate([_take_rows(step.q_nope, rows), _take_rows(step.q_pe, rows)], -1)  # [T, H, qk]
     dt = c_.jnp_dtype
-    out = kernel_ops.causal_attention(q.astype(dt), k.astype(dt), v.astype(dt), meta.dense_query_start,
-                                      meta.dense_key_start, scale=c_.softmax_scale, impl=step.impl["dense_mha"])
+    out = kernel_ops.dense_mha(q.astype(dt), k.astype(dt), v.astype(dt), meta.dense_query_start,
+                               meta.dense_key_start, scale=c_.softmax_scale, impl=step.impl["dense_mha"])
     return rows, out.astype(jnp.float32)
 
 
@@ -195,7 +195,7 @@ def _topk_slots(step: _Step, rows):
         if step.tensor_axis is not None:  # every shard holds some index heads: top-k needs their sum
             logits = jax.lax.psum(logits, step.tensor_axis)
     with jax.named_scope("indexer_topk"):
-        top_pos = kernel_ops.topk_indices(logits, c_.index_topk, impl=step.impl["topk"])
+        top_pos = kernel_ops.topk(logits, c_.index_topk, impl=step.impl["topk"])
     return positions_to_slots(top_pos, meta.block_tables, _pick(meta.row_seq, rows), c_.page_size)
 
 

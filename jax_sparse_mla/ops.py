@@ -1,7 +1,7 @@
 """Elementwise math of the layer, shared by the fast path and the reference.
 
-Each function follows DeepSeek-V3.2's inference code (see ../shared/dsa-facts.md); computation
-is in float32 whatever the input dtype.
+Each function follows DeepSeek-V3.2's reference inference code; computation is in float32
+whatever the input dtype.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """GPU kernels of DeepSeek-V3.2 sparse attention, each beside its pure-jnp reference.
 
-The kernels know nothing of layers: they take arrays and static sizes. The references are the
-XLA path (CPU, and the baseline on GPU) and the oracles the kernels are tested against.
+One folder per op, named as its dispatch key and its public function: `indexer_logits`, `topk`,
+`sparse_mla`, `dense_mha`; each holds `api` (the public function and its input checks),
+`reference` (the jnp oracle) and one module per backend (`triton`, `mosaic*`), and `device`
+holds the device facts they share. The kernels know nothing of layers: they take arrays and
+static sizes. The references are the XLA path (CPU, and the baseline on GPU) and the oracles
+the kernels are tested against.
 """

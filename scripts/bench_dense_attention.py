@@ -6,7 +6,7 @@ against cuDNN, tokamax's Mosaic GPU flash attention and XLA.
 Shapes are DeepSeek-V3.2's MHA form: 128 heads, q/k head dim 192 (128 nope + 64 rope), v head
 dim 128, bf16. Batches of B prefills of L new tokens after C cached ones (C = 0: plain prefill).
 Options:
-  mosaic_varlen  causal_varlen_attention on the packed [T, H, D] layout (this project's kernel)
+  mosaic_varlen  dense_mha on the packed [T, H, D] layout (this project's kernel)
   cudnn          jax.nn.dot_product_attention(implementation="cudnn") on [B, L, H, D], V padded to
                  192 before timing (cuDNN wants one head dim); with context, q front-padded with C zero rows
                  (cuDNN's causal mask is top-left and it has no right window)
@@ -18,7 +18,7 @@ Options:
                  reaching C keys to the right (bottom-right causal)
   xla            jax.nn.dot_product_attention(implementation="xla") on [B, L, H, D], V padded;
                  with context, the same right window
-  reference      causal_varlen_attention_reference (float32; the model's XLA path)
+  reference      dense_mha_reference (float32; the model's XLA path)
 --quick runs QUICK_OPTIONS on QUICK's cases (the kernel and the two it must beat)
 Every option is first checked against the float32 reference on 8 heads (relative error < 2e-2);
 an option that fails or mismatches is reported and left out of the ranking.
@@ -48,8 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from timing import median_ms  # noqa: E402
 from jax._src.cudnn.fused_attention_stablehlo import (  # noqa: E402 - cuDNN's packed (THD) path
     MaskType as CudnnMask, dot_product_attention as cudnn_attention)
-from pallas_kernels.dense_attention import (  # noqa: E402
-    causal_varlen_attention, causal_varlen_attention_reference)
+from pallas_kernels.dense_mha import dense_mha, dense_mha_reference  # noqa: E402
 
 HEADS, D_QK, D_V = 128, 192, 128
 SCALE = D_QK ** -0.5
@@ -60,9 +59,9 @@ TOL = 2e-2  # bf16 inputs and outputs; the kernels round probabilities to bf16 (
 # (batch, new tokens per sequence, cached context per sequence)
 FULL = [(4, 2048, 0), (8, 1024, 0), (16, 512, 0), (32, 256, 0), (64, 128, 0),
         (4, 1024, 1024), (8, 512, 512), (16, 256, 768)]
-# ~1 min on the H200; the closest contests with tokamax first (this kernel's margins over it in
-# sessions 4-7: 4x2048 -0.8% to +10% (session 7 probes: +4.5%, +5.0%), 64x128 0 to +1% (both at
-# the HBM ceiling), 8x1024 +5% to +17%, 16x512 +11% to +22%, 4x1024+1024 +25%)
+# ~1 min on the H200; the closest contests with tokamax first (this kernel's margins over it on
+# 2026-11-29..30: 4x2048 -0.8% to +10% (2026-11-30 probes: +4.5%, +5.0%), 64x128 0 to +1% (both
+# at the HBM ceiling), 8x1024 +5% to +17%, 16x512 +11% to +22%, 4x1024+1024 +25%)
 QUICK = [(4, 2048, 0), (64, 128, 0), (8, 1024, 0), (16, 512, 0), (4, 1024, 1024)]
 QUICK_OPTIONS = ("mosaic_varlen", "cudnn", "cudnn_packed", "tokamax")
 
@@ -141,10 +140,10 @@ def options(batch, new, ctx):
         return out.reshape(batch * new, HEADS, D_V)
 
     def mosaic(q, k, v, q_start, k_start):
-        return causal_varlen_attention(q, k, v, q_start, k_start, scale=SCALE)
+        return dense_mha(q, k, v, q_start, k_start, scale=SCALE)
 
     def reference(q, k, v, q_start, k_start):
-        return causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=SCALE)
+        return dense_mha_reference(q, k, v, q_start, k_start, scale=SCALE)
 
     packed = lambda *args: args  # noqa: E731 - the packed inputs as they are
     return {
@@ -161,8 +160,8 @@ def run_case(batch, new, ctx, option_names):
     name = f"{batch}x{new}" + (f"+ctx{ctx}" if ctx else "")
     q, k, v, q_start, k_start = make_case(batch, new, ctx)
     heads = slice(0, CHECK_HEADS)
-    expected = np.asarray(causal_varlen_attention_reference(q[:, heads], k[:, heads], v[:, heads],
-                                                            q_start, k_start, scale=SCALE))
+    expected = np.asarray(dense_mha_reference(q[:, heads], k[:, heads], v[:, heads],
+                                              q_start, k_start, scale=SCALE))
     flops = causal_flops(batch, new, ctx)
     results = []
     timed = {}  # option -> (jitted, args, row): checked, timed once, then in the rounds below

@@ -22,7 +22,7 @@
   fusion (row_end + a compare on the previous output, 0.93 us at B=1 on the H200), which the
   copy's chain (an optimization_barrier, no kernel) does not pay, while the decode call itself
   runs no op outside its kernel (in a model: the kernel plus a ~0.13 us CUDA-graph gap).
-  `copy_fraction` stays beside it (the session 1-5 numbers are that one).
+  `copy_fraction` stays beside it (docs/benchmarks.md's numbers before 2026-11-29 are that one).
 * top-k (k=2048) of [rows, L] f32 logits: pallas_kernels.topk (sampled thresholds + band select) vs
   lax.top_k on the same inputs, both timed on the device (`chain_ms`: 20 dependent calls in one
   jit; the host-timed call is recorded as `host_ms`). `--only topk` runs just that (~1 minute).
@@ -53,9 +53,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pallas_kernels.indexer import indexer_logits, indexer_logits_reference, indexer_logits_triton  # noqa: E402
-from pallas_kernels.indexer_decode_mgpu import indexer_logits_decode_mgpu  # noqa: E402
-from pallas_kernels.indexer_mgpu import indexer_logits_mgpu  # noqa: E402
+from pallas_kernels.indexer_logits import indexer_logits, indexer_logits_reference  # noqa: E402
+from pallas_kernels.indexer_logits.mosaic_decode import indexer_logits_mosaic_decode  # noqa: E402
+from pallas_kernels.indexer_logits.mosaic_prefill import indexer_logits_mosaic_prefill  # noqa: E402
+from pallas_kernels.indexer_logits.triton import indexer_logits_triton  # noqa: E402
 from pallas_kernels.topk import topk, topk_reference  # noqa: E402
 from timing import median_ms  # noqa: E402
 
@@ -292,7 +293,7 @@ def bench_prefill(quick, tiling=None, sizes=None, dtypes=(FP8, jnp.bfloat16), ta
     """The Mosaic GPU kernel (`kernel`, with `tiling`); with `compare`, beside the Triton kernel
     (`triton`, default tiling) and XLA on the same inputs."""
     sizes = sizes or ([1024, 2048, 4096, 8192] + ([] if quick else [16384, 32768]))
-    kern = jax.jit(functools.partial(indexer_logits_mgpu, page_size=PAGE, **(tiling or {})))
+    kern = jax.jit(functools.partial(indexer_logits_mosaic_prefill, page_size=PAGE, **(tiling or {})))
     others = {"triton": jax.jit(functools.partial(indexer_logits_triton, page_size=PAGE))} if compare else {}
     xla = jax.jit(functools.partial(indexer_logits_reference, page_size=PAGE))
     for dtype in dtypes:
@@ -315,7 +316,7 @@ def bench_decode(quick, tiling=None, batches=None, contexts=None, dtypes=(FP8, j
     kernel (default: full mode, or the B=32 C=32K config)."""
     batches = batches or ([1, 32, 128] if quick else [1, 8, 32, 64, 128])
     contexts = contexts or ([131072, 32768] if quick else [4096, 16384, 32768, 65536, 131072])  # quick: 128K first
-    kern = functools.partial(indexer_logits_decode_mgpu if tiling else indexer_logits, page_size=PAGE,
+    kern = functools.partial(indexer_logits_mosaic_decode if tiling else indexer_logits, page_size=PAGE,
                              **(tiling or {}))
     triton = functools.partial(indexer_logits_triton, page_size=PAGE)
     copies = {}

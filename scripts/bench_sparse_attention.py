@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from jax_sparse_mla.config import FP8_TILE  # noqa: E402
 from timing import median_ms  # noqa: E402
 from jax_sparse_mla.ops import quantize_tiles  # noqa: E402
-from pallas_kernels.sparse_attention import dequantize_route, sparse_mla_attention, sparse_mla_reference  # noqa: E402
+from pallas_kernels.sparse_mla import dequantize_route, sparse_mla, sparse_mla_reference  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
@@ -125,7 +125,7 @@ def rel_err(out, ref_out, lse, ref_lse, slots):
 def kernel_fn(impl, tiling, dequantize):
     """The jitted kernel of one backend ("triton", with an optional tiling, or "mosaic")."""
     kw = dict(INTERPRET) if tiling is None else dict(zip(TILING_KEYS, tiling), **INTERPRET)
-    return jax.jit(functools.partial(sparse_mla_attention, scale=SCALE, backend=impl, dequantize=dequantize,
+    return jax.jit(functools.partial(sparse_mla, scale=SCALE, backend=impl, dequantize=dequantize,
                                      page_size=PAGE_SIZE, **kw))
 
 

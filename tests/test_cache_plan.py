@@ -97,9 +97,9 @@ def test_fp8_plan_splits_prefill_rows_from_decode_rows(monkeypatch):
     prefill passes it), the sparsely attending prefill rows and their sequences' pages (only the
     pages the sequence fills, not its whole table) are listed apart from the decode rows; not
     with a bf16 cache, under cond dispatch, or when it does not pay."""
-    from pallas_kernels import sparse_attention
+    from pallas_kernels.sparse_mla import api as sparse_mla_api
 
-    monkeypatch.setattr(sparse_attention, "UPFRONT_MIN_USES", 4)
+    monkeypatch.setattr(sparse_mla_api, "UPFRONT_MIN_USES", 4)
     fp8 = dataclasses.replace(TINY, kv_cache_dtype="fp8")
     k = TINY.index_topk
     requests = [Request(20, 1, [9, 8, 7, 6, 5, 4]),               # decode (row 0)
@@ -115,7 +115,7 @@ def test_fp8_plan_splits_prefill_rows_from_decode_rows(monkeypatch):
         other, other_meta = plan_batch(config, requests, **kw)
         assert (other.num_upfront_rows, other.num_kernel_rows, other.num_upfront_pages) == (0, 0, 0)
         assert other_meta.upfront_rows.shape == other_meta.kernel_rows.shape == (0,)
-    monkeypatch.setattr(sparse_attention, "UPFRONT_MIN_USES", 10 ** 9)
+    monkeypatch.setattr(sparse_mla_api, "UPFRONT_MIN_USES", 10 ** 9)
     assert plan_batch(fp8, requests)[0].num_upfront_rows == 0
 
 

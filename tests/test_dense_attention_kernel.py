@@ -1,6 +1,6 @@
 """The Mosaic GPU varlen causal attention kernel against its float32 reference.
 
-`causal_varlen_attention_reference` is itself checked against a naive per-sequence numpy
+`dense_mha_reference` is itself checked against a naive per-sequence numpy
 computation. Kernel errors are relative, ||out - ref|| / ||ref|| over the rows sequences own;
 tolerance 1e-2 for bf16/f16 inputs: the kernel rounds the softmax probabilities to the input
 dtype before the P.V product (as flash attention does) and rounds its output to it; observed
@@ -17,8 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import dense_attention
-from pallas_kernels.dense_attention import causal_varlen_attention, causal_varlen_attention_reference
+from pallas_kernels.dense_mha import dense_mha, dense_mha_reference, unsupported_reason
 from tests.conftest import INTERPRET
 
 TOL = 1e-2
@@ -76,7 +75,7 @@ def test_reference_matches_naive():
     expected = naive(q, k, v, q_start, k_start, 0.3)
     # one query block; blocks of 4 queries (18 rows: a ragged last block)
     for max_scores in (1 << 27, 4 * 2 * k.shape[0]):
-        ref = causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=0.3, max_scores=max_scores)
+        ref = dense_mha_reference(q, k, v, q_start, k_start, scale=0.3, max_scores=max_scores)
         assert ref.shape == (q.shape[0], 2, 8) and ref.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(ref), expected, rtol=1e-5, atol=1e-5)
 
@@ -85,9 +84,9 @@ def test_reference_matches_naive():
 @pytest.mark.parametrize("dtype,pad_q,pad_k", [(jnp.bfloat16, 9, 5), (jnp.float16, 6, 6)])
 def test_ragged_batch(dtype, pad_q, pad_k):
     q, k, v, q_start, k_start = make_batch(1, **RAGGED, heads=2, pad_q=pad_q, pad_k=pad_k, dtype=dtype)
-    out = causal_varlen_attention(q, k, v, q_start, k_start, scale=0.1, interpret=INTERPRET,
-                                  num_programs=3)
-    ref = causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=0.1)
+    out = dense_mha(q, k, v, q_start, k_start, scale=0.1, interpret=INTERPRET,
+                    num_programs=3)
+    ref = dense_mha_reference(q, k, v, q_start, k_start, scale=0.1)
     assert out.shape == (q.shape[0], 2, 128) and out.dtype == dtype
     owned = int(q_start[-1])
     assert rel_err(out, ref, owned) < TOL
@@ -98,9 +97,9 @@ def test_ragged_batch(dtype, pad_q, pad_k):
 def test_long_context_and_key_tiles(block_kv):
     """Key tiles in two slots, a context of several tiles, one query row per sequence end."""
     q, k, v, q_start, k_start = make_batch(2, [65, 3], [300, 130], heads=1, d_qk=64, d_v=64, pad_q=1)
-    out = causal_varlen_attention(q, k, v, q_start, k_start, scale=0.2, interpret=INTERPRET,
-                                  block_kv=block_kv, num_stages=2, num_programs=2)
-    ref = causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=0.2)
+    out = dense_mha(q, k, v, q_start, k_start, scale=0.2, interpret=INTERPRET,
+                    block_kv=block_kv, num_stages=2, num_programs=2)
+    ref = dense_mha_reference(q, k, v, q_start, k_start, scale=0.2)
     assert rel_err(out, ref, int(q_start[-1])) < TOL
     np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)
 
@@ -112,9 +111,9 @@ def test_long_context_and_key_tiles(block_kv):
                                              ([256, 128], [0, 128])])
 def test_short_and_aligned_prefills(q_lens, ctx_lens):
     q, k, v, q_start, k_start = make_batch(6, q_lens, ctx_lens, heads=4, d_qk=64, d_v=64, pad_q=3)
-    out = causal_varlen_attention(q, k, v, q_start, k_start, scale=0.2, interpret=INTERPRET,
-                                  num_programs=3)
-    ref = causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=0.2)
+    out = dense_mha(q, k, v, q_start, k_start, scale=0.2, interpret=INTERPRET,
+                    num_programs=3)
+    ref = dense_mha_reference(q, k, v, q_start, k_start, scale=0.2)
     owned = int(q_start[-1])
     assert rel_err(out, ref, owned) < TOL
     np.testing.assert_array_equal(np.asarray(out[owned:], np.float32), 0.0)
@@ -122,13 +121,13 @@ def test_short_and_aligned_prefills(q_lens, ctx_lens):
 
 def test_all_padding():
     q, k, v, q_start, k_start = make_batch(3, [0, 0], [0, 4], heads=1, d_qk=64, d_v=64, pad_q=5)
-    out = causal_varlen_attention(q, k, v, q_start, k_start, scale=0.2, interpret=INTERPRET)
+    out = dense_mha(q, k, v, q_start, k_start, scale=0.2, interpret=INTERPRET)
     np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
 
 
 def test_bad_inputs():
     q, k, v, q_start, k_start = make_batch(4, [3], [0], heads=2, d_qk=64, d_v=64)
-    call = lambda *a, **kw: causal_varlen_attention(*a, scale=1.0, interpret=INTERPRET, **kw)
+    call = lambda *a, **kw: dense_mha(*a, scale=1.0, interpret=INTERPRET, **kw)
     with pytest.raises(ValueError, match="heads"):
         call(q[:, :1], k, v, q_start, k_start)
     with pytest.raises(ValueError, match="head dim"):
@@ -150,20 +149,20 @@ def test_real_dims_compiled():
     """H=128, Dqk 192, Dv 128 at prefill sizes, compiled; the reference on 8 heads."""
     q, k, v, q_start, k_start = make_batch(5, [1000, 1, 0, 300, 2048, 77], [0, 5, 3, 700, 0, 64],
                                            heads=128, pad_q=37, pad_k=11)
-    out = jax.jit(lambda *a: causal_varlen_attention(*a, scale=192 ** -0.5))(q, k, v, q_start, k_start)
+    out = jax.jit(lambda *a: dense_mha(*a, scale=192 ** -0.5))(q, k, v, q_start, k_start)
     heads = slice(0, 8)
-    ref = causal_varlen_attention_reference(q[:, heads], k[:, heads], v[:, heads], q_start, k_start,
-                                            scale=192 ** -0.5)
+    ref = dense_mha_reference(q[:, heads], k[:, heads], v[:, heads], q_start, k_start,
+                              scale=192 ** -0.5)
     owned = int(q_start[-1])
     assert rel_err(out[:, heads], ref, owned) < TOL
     np.testing.assert_array_equal(np.asarray(out[owned:], np.float32), 0.0)
 
 
 def test_unsupported_reason_names_the_problem():
-    assert dense_attention.unsupported_reason(jnp.bfloat16, 192, 128) is None
-    assert "float32" in dense_attention.unsupported_reason(jnp.float32, 192, 128)
-    assert "Dqk=24" in dense_attention.unsupported_reason(jnp.bfloat16, 24, 16)
-    assert "Dv=320" in dense_attention.unsupported_reason(jnp.float16, 192, 320)
+    assert unsupported_reason(jnp.bfloat16, 192, 128) is None
+    assert "float32" in unsupported_reason(jnp.float32, 192, 128)
+    assert "Dqk=24" in unsupported_reason(jnp.bfloat16, 24, 16)
+    assert "Dv=320" in unsupported_reason(jnp.float16, 192, 320)
 
 
 # 192 / 128: the model's (128-key tiles, 2 stages); 256 / 256: the largest head dims
@@ -175,7 +174,7 @@ def test_kernel_lowers_for_the_gpu_at_real_dims(d_qk, d_v):
     sd = jax.ShapeDtypeStruct
     args = (sd((4096, 128, d_qk), jnp.bfloat16), sd((6144, 128, d_qk), jnp.bfloat16),
             sd((6144, 128, d_v), jnp.bfloat16), sd((5,), jnp.int32), sd((5,), jnp.int32))
-    fn = jax.jit(lambda *a: causal_varlen_attention(*a, scale=0.07))
+    fn = jax.jit(lambda *a: dense_mha(*a, scale=0.07))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -226,8 +225,8 @@ def test_reference_rows_see_only_their_sequence(max_scores):
     sequence's outputs (no 0 * NaN through the masked probabilities)."""
     q, k, v, q_start, k_start = make_batch(8, **ISOLATION, heads=2, d_qk=16, d_v=8, pad_q=8,
                                            pad_k=9, dtype=jnp.float32)
-    run = lambda q, k, v: causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=0.3,
-                                                            max_scores=max_scores)
+    run = lambda q, k, v: dense_mha_reference(q, k, v, q_start, k_start, scale=0.3,
+                                              max_scores=max_scores)
     clean = np.asarray(run(q, k, v))
     np.testing.assert_allclose(clean, naive(q, k, v, q_start, k_start, 0.3), rtol=1e-5, atol=1e-5)
     for out, expected in check_isolation(run, q, k, v, q_start, k_start, clean=clean):
@@ -241,11 +240,11 @@ def test_kernel_rows_see_only_their_sequence(block_kv):
     and run past its last one: the kept sequences' rows are bit-identical to the clean run."""
     q, k, v, q_start, k_start = make_batch(9, **ISOLATION, heads=2, d_qk=64, d_v=64, pad_q=8,
                                            pad_k=9)
-    run = lambda q, k, v: causal_varlen_attention(q, k, v, q_start, k_start, scale=0.2,
-                                                  interpret=INTERPRET, block_kv=block_kv,
-                                                  num_stages=2, num_programs=2)
+    run = lambda q, k, v: dense_mha(q, k, v, q_start, k_start, scale=0.2,
+                                    interpret=INTERPRET, block_kv=block_kv,
+                                    num_stages=2, num_programs=2)
     clean = np.asarray(run(q, k, v), np.float32)
-    ref = causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=0.2)
+    ref = dense_mha_reference(q, k, v, q_start, k_start, scale=0.2)
     owned = int(q_start[-1])
     assert rel_err(clean, ref, owned) < TOL
     np.testing.assert_array_equal(clean[owned:], 0.0)
@@ -261,10 +260,10 @@ def test_own_nonfinite_values_reach_own_rows(impl):
     q, k, v, q_start, k_start = make_batch(10, **ISOLATION, heads=2, d_qk=64, d_v=64, pad_q=8,
                                            pad_k=9)
     if impl == "reference":
-        run = lambda q, v: causal_varlen_attention_reference(q, k, v, q_start, k_start, scale=0.2)
+        run = lambda q, v: dense_mha_reference(q, k, v, q_start, k_start, scale=0.2)
     else:
-        run = lambda q, v: causal_varlen_attention(q, k, v, q_start, k_start, scale=0.2,
-                                                   interpret=INTERPRET, num_programs=2)
+        run = lambda q, v: dense_mha(q, k, v, q_start, k_start, scale=0.2,
+                                     interpret=INTERPRET, num_programs=2)
     clean = np.asarray(run(q, v), np.float32)
     bad_seq, bad_row = 4, int(q_start[1]) + 30  # all of sequence 4; one query of sequence 1
     out = np.asarray(run(q.at[bad_row, 1, 3].set(jnp.inf), v.at[k_start[bad_seq], 0, 5].set(jnp.nan)),

@@ -198,7 +198,7 @@ def test_fp8_prefill_rows_dequantised_upfront_through_forward(monkeypatch):
     own pages dequantised upfront, the decode rows over the fp8 cache (dequantised in the
     kernel), and every route still matches the reference. The threshold is lowered so that the
     tiny config's prefills pass it (rows x topk a copied row) and its decodes do not."""
-    from pallas_kernels import sparse_attention
+    from pallas_kernels.sparse_mla import api as sparse_mla_api
 
     copies = []
 
@@ -206,9 +206,9 @@ def test_fp8_prefill_rows_dequantised_upfront_through_forward(monkeypatch):
         copies.append(pages.shape)
         return dequantize_pages(latent, latent_scale, k_pe, slots, pages, **kw)
 
-    dequantize_pages = sparse_attention.dequantize_pages
-    monkeypatch.setattr(sparse_attention, "UPFRONT_MIN_USES", 4)
-    monkeypatch.setattr(sparse_attention, "dequantize_pages", spy)
+    dequantize_pages = sparse_mla_api.dequantize_pages
+    monkeypatch.setattr(sparse_mla_api, "UPFRONT_MIN_USES", 4)
+    monkeypatch.setattr(sparse_mla_api, "dequantize_pages", spy)
     jax.clear_caches()  # retrace under the patched threshold
     cfg = dataclasses.replace(TINY, kv_cache_dtype="fp8")
     h = Harness(cfg, seed=13, kernels="pallas")

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from jax_sparse_mla.config import MLAConfig
-from pallas_kernels.indexer import indexer_logits, indexer_logits_reference, indexer_logits_triton
-from pallas_kernels.indexer_decode_mgpu import choose_decode_tiling, indexer_logits_decode_mgpu
-from pallas_kernels.indexer_mgpu import indexer_logits_mgpu
+from pallas_kernels.indexer_logits import indexer_logits, indexer_logits_reference
+from pallas_kernels.indexer_logits.mosaic_decode import choose_decode_tiling, indexer_logits_mosaic_decode
+from pallas_kernels.indexer_logits.mosaic_prefill import indexer_logits_mosaic_prefill
+from pallas_kernels.indexer_logits.triton import indexer_logits_triton
 from pallas_kernels.topk import topk, topk_reference
 from tests.conftest import INTERPRET
 
@@ -256,9 +257,9 @@ _MGPU_DECODE_CASES = [
 
 
 @pytest.mark.parametrize("kernel,dtype,scaled,page,lengths,rows,tiling",
-                         [pytest.param(indexer_logits_mgpu, *c, id=f"prefill{i}")
+                         [pytest.param(indexer_logits_mosaic_prefill, *c, id=f"prefill{i}")
                           for i, c in enumerate(_MGPU_PREFILL_CASES)]
-                         + [pytest.param(indexer_logits_decode_mgpu, *c, id=f"decode{i}")
+                         + [pytest.param(indexer_logits_mosaic_decode, *c, id=f"decode{i}")
                             for i, c in enumerate(_MGPU_DECODE_CASES)])
 def test_indexer_logits_mosaic_kernels(kernel, dtype, scaled, page, lengths, rows, tiling):
     """The Mosaic GPU prefill and decode kernels (CPU: their interpreter, whose fresh buffers are
@@ -362,7 +363,7 @@ def test_indexer_logits_decode_mgpu_rows_in_sequence_order():
     args, page = make_indexer_case(8, dtype=FP8, scaled=True, hi=4, d=16, page=64, lengths=[300, 1, 190],
                                    rows_per_seq=[1, 1, 1], interleave_rows=False)
     assert np.array_equal(np.asarray(args[5]), np.arange(3))
-    out = indexer_logits_decode_mgpu(*args, page_size=page, interpret=INTERPRET, chunk=4, stages=2)
+    out = indexer_logits_mosaic_decode(*args, page_size=page, interpret=INTERPRET, chunk=4, stages=2)
     check_indexer_logits(out, indexer_logits_reference(*args, page_size=page), args, page, 1e-5)
 
 
@@ -371,7 +372,7 @@ def test_indexer_logits_decode_mgpu_rejects_mixed_dtypes():
                                    lengths=[70], rows_per_seq=[1])
     q, w, k, *rest = args
     with pytest.raises(ValueError, match="float8_e4m3fn or bfloat16"):
-        indexer_logits_decode_mgpu(q, w, k.astype(jnp.bfloat16), *rest, page_size=page, interpret=INTERPRET)
+        indexer_logits_mosaic_decode(q, w, k.astype(jnp.bfloat16), *rest, page_size=page, interpret=INTERPRET)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -476,7 +477,7 @@ def test_indexer_logits_gpu(dtype, scaled, layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,scaled", [(FP8, True), (jnp.bfloat16, False)])
-@pytest.mark.parametrize("kernel", [indexer_logits_mgpu, indexer_logits_triton])
+@pytest.mark.parametrize("kernel", [indexer_logits_mosaic_prefill, indexer_logits_triton])
 def test_indexer_logits_prefill_kernels_gpu(kernel, dtype, scaled):
     """Both prefill kernels at real dimensions: two causal sequences (one with context, neither a
     multiple of 64 long), rows of both interleaved, plus a short third sequence."""
@@ -490,8 +491,8 @@ def test_indexer_logits_prefill_kernels_gpu(kernel, dtype, scaled):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,scaled", [(FP8, True), (jnp.bfloat16, False)])
 @pytest.mark.parametrize("kernel,rows", [
-    (indexer_logits_decode_mgpu, [1, 1, 1, 1, 1, 1]),  # one row per tile
-    (indexer_logits_decode_mgpu, [2, 2, 1, 2, 2, 1]),  # MTP: 2 rows per tile, some slots empty
+    (indexer_logits_mosaic_decode, [1, 1, 1, 1, 1, 1]),  # one row per tile
+    (indexer_logits_mosaic_decode, [2, 2, 1, 2, 2, 1]),  # MTP: 2 rows per tile, some slots empty
     (indexer_logits_triton, [1, 2, 1, 2, 1, 1]),
 ])
 def test_indexer_logits_decode_kernels_gpu(kernel, rows, dtype, scaled):
@@ -541,7 +542,7 @@ def test_indexer_logits_mgpu_lowers_for_the_gpu(dtype, scaled):
     args = (sd((4096, 64, 128), dtype), sd((4096, 64), jnp.float32), sd((64 * 256, 128), dtype),
             sd((64 * 256,), jnp.float32) if scaled else None, sd((2, 128), jnp.int32),
             sd((4096,), jnp.int32), sd((4096,), jnp.int32))
-    fn = jax.jit(functools.partial(indexer_logits_mgpu, page_size=64))
+    fn = jax.jit(functools.partial(indexer_logits_mosaic_prefill, page_size=64))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -554,7 +555,7 @@ def test_indexer_logits_decode_mgpu_lowers_for_the_gpu(dtype, scaled, rows):
     args = (sd((n, 64, 128), dtype), sd((n, 64), jnp.float32), sd((slots, 128), dtype),
             sd((slots,), jnp.float32) if scaled else None, sd((32, 512), jnp.int32),
             sd((n,), jnp.int32), sd((n,), jnp.int32))
-    fn = jax.jit(functools.partial(indexer_logits_decode_mgpu, page_size=64))
+    fn = jax.jit(functools.partial(indexer_logits_mosaic_decode, page_size=64))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -569,5 +570,5 @@ def test_indexer_logits_decode_mgpu_lowers_at_tiny_dims(rows_per_seq):
     sd = jax.ShapeDtypeStruct
     args = (sd((n, hi, d), jnp.bfloat16), sd((n, hi), jnp.float32), sd((page * num_seqs * width, d), jnp.bfloat16),
             None, sd((num_seqs, width), jnp.int32), sd((n,), jnp.int32), sd((n,), jnp.int32))
-    fn = jax.jit(functools.partial(indexer_logits_decode_mgpu, page_size=page))
+    fn = jax.jit(functools.partial(indexer_logits_mosaic_decode, page_size=page))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -32,11 +32,11 @@ from jax_sparse_mla import cache as cache_lib
 from jax_sparse_mla.config import FP8_TILE
 from jax_sparse_mla.model import _take_rows, forward, positions_to_slots
 from jax_sparse_mla.ops import quantize_tiles
-from pallas_kernels.indexer import indexer_logits_reference, indexer_logits_triton
-from pallas_kernels.indexer_decode_mgpu import indexer_logits_decode_mgpu
-from pallas_kernels.indexer_layout import gather_paged_rows
-from pallas_kernels.indexer_mgpu import indexer_logits_mgpu
-from pallas_kernels.sparse_attention import dequantize_pages, sparse_mla_attention, sparse_mla_reference
+from pallas_kernels.indexer_logits import gather_paged_rows, indexer_logits_reference
+from pallas_kernels.indexer_logits.mosaic_decode import indexer_logits_mosaic_decode
+from pallas_kernels.indexer_logits.mosaic_prefill import indexer_logits_mosaic_prefill
+from pallas_kernels.indexer_logits.triton import indexer_logits_triton
+from pallas_kernels.sparse_mla import dequantize_pages, sparse_mla, sparse_mla_reference
 from pallas_kernels.topk import topk, topk_reference
 from tests.conftest import INTERPRET
 
@@ -103,7 +103,7 @@ def test_sparse_reference_ignores_unselected_slots(cache):
 @pytest.mark.parametrize("cache,dequantize", [("bf16", "auto"), ("fp8", "kernel"), ("fp8", "upfront")])
 def test_sparse_triton_kernel_ignores_unselected_slots(cache, dequantize):
     pages = jnp.asarray([[4, 5, 6, 7, 8, 9], [10, 11, -1, -1, -1, -1]], jnp.int32)  # -1 entries copy nothing
-    run = functools.partial(sparse_mla_attention, scale=0.1, interpret=INTERPRET, backend="triton",
+    run = functools.partial(sparse_mla, scale=0.1, interpret=INTERPRET, backend="triton",
                             dequantize=dequantize, pages=pages, page_size=PAGE)
     _check_sparse(run, cache)
 
@@ -126,7 +126,7 @@ def test_sparse_mosaic_kernel_ignores_unselected_slots_gpu(cache):
     """The Mosaic GPU kernel zero-fills -1 slots in its gathers (cp.async of size 0)."""
     pages = jnp.arange(4, 12, dtype=jnp.int32)
     for dequantize in (["auto"] if cache == "bf16" else ["kernel", "upfront"]):
-        run = functools.partial(sparse_mla_attention, scale=0.1, backend="mosaic", dequantize=dequantize,
+        run = functools.partial(sparse_mla, scale=0.1, backend="mosaic", dequantize=dequantize,
                                 pages=pages, page_size=PAGE)
         _check_sparse(run, cache)
 
@@ -193,10 +193,10 @@ def test_indexer_reference_and_triton_ignore_other_keys(dtype, scaled):
 
 @pytest.mark.parametrize("kernel,dtype,scaled,page,tiling", [
     # keys read straight from 64-key pages: a -1 table entry reads page 0 (NaN)
-    (indexer_logits_mgpu, FP8, True, 64, dict(block_rows=4, group=2, stages=2)),
-    (indexer_logits_decode_mgpu, FP8, True, 64, dict(block_rows=1, chunk=4, step_blocks=1, stages=4)),
+    (indexer_logits_mosaic_prefill, FP8, True, 64, dict(block_rows=4, group=2, stages=2)),
+    (indexer_logits_mosaic_decode, FP8, True, 64, dict(block_rows=1, chunk=4, step_blocks=1, stages=4)),
     # pages of 4: keys gathered into 64-key pages first (gather_paged_rows)
-    (indexer_logits_decode_mgpu, jnp.bfloat16, False, 4, dict(block_rows=1, chunk=4, step_blocks=1, stages=4)),
+    (indexer_logits_mosaic_decode, jnp.bfloat16, False, 4, dict(block_rows=1, chunk=4, step_blocks=1, stages=4)),
 ], ids=["prefill-page64", "decode-page64", "decode-page4"])
 def test_indexer_mosaic_kernels_ignore_other_keys(kernel, dtype, scaled, page, tiling):
     """The Mosaic GPU kernels (CPU: their interpreter): keys are the wgmma's M rows and the head
@@ -338,7 +338,7 @@ def test_layer_dense_route_ignores_unused_pages_and_padding(config):
 
 def test_layer_dense_route_nan_batchmate():
     """A NaN prefill beside other short prefills in one dense batch (packed keys). Needs the dense
-    attention (pallas_kernels/dense_attention.py) to zero masked probabilities by select too."""
+    attention (pallas_kernels/dense_mha/) to zero masked probabilities by select too."""
     clean, poisoned, rows, plan = _layer_run(TINY, DENSE, nan_hidden=[0])
     assert plan.route == "dense"
     assert np.isnan(poisoned[rows[0]]).all()  # its own NaN shows

@@ -22,7 +22,7 @@ import pytest
 
 from jax_sparse_mla.config import FP8_TILE
 from jax_sparse_mla.ops import quantize_tiles
-from pallas_kernels.sparse_attention import sparse_mla_attention, sparse_mla_reference
+from pallas_kernels.sparse_mla import sparse_mla, sparse_mla_reference
 from tests.conftest import INTERPRET
 
 def make_inputs(seed, *, rows, heads, rank, rope, topk, num_slots, cache, q_dtype, hole_frac=0.3):
@@ -47,8 +47,8 @@ def make_inputs(seed, *, rows, heads, rank, rope, topk, num_slots, cache, q_dtyp
 
 def check(inputs, *, scale, out_tol, lse_tol, **kwargs):
     q, latent, latent_scale, k_pe, slots = inputs
-    out, lse = sparse_mla_attention(q, latent, latent_scale, k_pe, slots, scale=scale,
-                                    interpret=INTERPRET, **kwargs)
+    out, lse = sparse_mla(q, latent, latent_scale, k_pe, slots, scale=scale,
+                          interpret=INTERPRET, **kwargs)
     ref_out, ref_lse = sparse_mla_reference(q, latent, latent_scale, k_pe, slots, scale=scale)
     out, lse, ref_out, ref_lse = map(np.asarray, (out, lse, ref_out, ref_lse))
     assert out.shape == ref_out.shape and out.dtype == np.float32
@@ -144,7 +144,7 @@ def paged_inputs(seed, *, rows, heads, rank, rope, topk, page_size, cache_pages,
 def test_dequantize_pages_renumbers_slots():
     """The copy holds the listed pages dequantised, -1 pages ignored, and each slot names the same
     row there; slots on pages not listed become -1."""
-    from pallas_kernels.sparse_attention import dequantize_latent, dequantize_pages
+    from pallas_kernels.sparse_mla import dequantize_latent, dequantize_pages
 
     _, latent, latent_scale, k_pe, slots, pages = paged_inputs(
         7, rows=5, heads=4, rank=128, rope=8, topk=40, page_size=8, cache_pages=30, seq_pages=12)
@@ -182,7 +182,7 @@ def _kernel_latent_dtype(rows, *, whole_cache=False):
     `rows` rows of topk 32 and 128 heads over a sequence's 4 pages (+3 -1 entries) of 50."""
     q, latent, latent_scale, k_pe, slots, pages = paged_inputs(
         9, rows=rows, heads=128, rank=128, rope=8, topk=32, page_size=64, cache_pages=50, seq_pages=4)
-    fn = functools.partial(sparse_mla_attention, scale=0.1, interpret=INTERPRET, backend="triton", page_size=64)
+    fn = functools.partial(sparse_mla, scale=0.1, interpret=INTERPRET, backend="triton", page_size=64)
     jaxpr = jax.make_jaxpr(lambda *a: fn(*a, pages=None if whole_cache else pages))(q, latent, latent_scale, k_pe, slots)
     (call,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
     return call.invars[1].aval.dtype
@@ -190,7 +190,7 @@ def _kernel_latent_dtype(rows, *, whole_cache=False):
 
 def test_auto_dequantizes_upfront_for_prefill_only():
     """"auto": rows x topk x 64-head programs >= UPFRONT_MIN_USES x the copy's rows -> upfront."""
-    from pallas_kernels.sparse_attention import UPFRONT_MIN_USES
+    from pallas_kernels.sparse_mla import UPFRONT_MIN_USES
 
     enough = UPFRONT_MIN_USES * 7 * 64 // (32 * 2)  # rows at exactly the threshold for the 7 listed pages
     assert _kernel_latent_dtype(enough) == jnp.bfloat16
@@ -208,7 +208,7 @@ def test_dequantize_rejects_bad_arguments(bad):
     if bad == "bf16_upfront":
         latent, latent_scale = latent.astype(jnp.bfloat16), None
     with pytest.raises(ValueError, match="dequantize|fp8|page_size"):
-        sparse_mla_attention(q, latent, latent_scale, k_pe, slots, scale=0.1, interpret=INTERPRET, **kw)
+        sparse_mla(q, latent, latent_scale, k_pe, slots, scale=0.1, interpret=INTERPRET, **kw)
 
 
 @pytest.mark.gpu
@@ -229,8 +229,8 @@ def test_mosaic_fp8_routes_agree_gpu():
     q, latent, latent_scale, k_pe, slots, pages = paged_inputs(
         11, rows=256, heads=128, rank=512, rope=64, topk=2048, page_size=64, cache_pages=640, seq_pages=300)
     kw = dict(scale=0.06, backend="mosaic", pages=pages, page_size=64)
-    in_kernel = sparse_mla_attention(q, latent, latent_scale, k_pe, slots, dequantize="kernel", **kw)
-    upfront = sparse_mla_attention(q, latent, latent_scale, k_pe, slots, dequantize="upfront", **kw)
+    in_kernel = sparse_mla(q, latent, latent_scale, k_pe, slots, dequantize="kernel", **kw)
+    upfront = sparse_mla(q, latent, latent_scale, k_pe, slots, dequantize="upfront", **kw)
     np.testing.assert_allclose(upfront[0], in_kernel[0], rtol=0, atol=1e-5 * float(jnp.abs(in_kernel[0]).max()))
     np.testing.assert_allclose(upfront[1], in_kernel[1], rtol=0, atol=1e-5)
 
@@ -268,8 +268,8 @@ def test_mosaic_fp8_dequantisation_gpu():
     slots = np.full((rows, 64), -1, np.int32)
     slots[:, 37] = np.arange(rows)
     # (scores reach ~1e6 here, so lse is not compared: with one slot its weight is 1 regardless)
-    out, _ = sparse_mla_attention(q, latent, latent_scale, k_pe, jnp.asarray(slots), scale=0.1, backend="mosaic",
-                                  dequantize="kernel")
+    out, _ = sparse_mla(q, latent, latent_scale, k_pe, jnp.asarray(slots), scale=0.1, backend="mosaic",
+                        dequantize="kernel")
     out = np.asarray(out)
     want = (np.asarray(latent.astype(jnp.float32)).reshape(rows, -1, FP8_TILE)
             * np.asarray(latent_scale)[:, :, None]).reshape(rows, 1, rank)
@@ -287,21 +287,21 @@ def test_mosaic_kernel_lowers(cache, heads, rank, rope, topk, num_splits):
     """CPU twin of the Mosaic GPU tests: the kernel (inline gathers included) lowers to a Mosaic GPU
     module at the real shapes and at the GPU test's odd ones; it cannot run in interpret mode
     (inline_mgpu has no interpreter)."""
-    from pallas_kernels.sparse_attention_mgpu import sparse_mla_attention_mgpu
+    from pallas_kernels.sparse_mla.mosaic import sparse_mla_mosaic
 
     sd = jax.ShapeDtypeStruct
     latent = sd((4096, rank), jnp.bfloat16 if cache == "bf16" else jnp.float8_e4m3fn)
     latent_scale = None if cache == "bf16" else sd((4096, rank // FP8_TILE), jnp.float32)
     args = (sd((3, heads, rank + rope), jnp.bfloat16), latent, latent_scale, sd((4096, rope), jnp.bfloat16),
             sd((3, topk), jnp.int32))
-    fn = jax.jit(lambda *a: sparse_mla_attention_mgpu(*a, scale=0.1, num_splits=num_splits))
+    fn = jax.jit(lambda *a: sparse_mla_mosaic(*a, scale=0.1, num_splits=num_splits))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("bad", ["rank", "rope", "dtype", "fp8_tile"])
 def test_mosaic_rejects_unsupported_shapes(bad):
-    from pallas_kernels.sparse_attention_mgpu import sparse_mla_attention_mgpu
+    from pallas_kernels.sparse_mla.mosaic import sparse_mla_mosaic
 
     rank, rope, dtype = {"rank": (96, 64, jnp.bfloat16), "rope": (128, 12, jnp.bfloat16),
                          "dtype": (128, 64, jnp.float32), "fp8_tile": (128, 64, jnp.float8_e4m3fn)}[bad]
@@ -309,5 +309,5 @@ def test_mosaic_rejects_unsupported_shapes(bad):
     latent_scale = jnp.ones((8, rank // 8), jnp.float32) if bad == "fp8_tile" else None
     q = jnp.zeros((2, 4, rank + rope), jnp.bfloat16)
     with pytest.raises(ValueError):
-        sparse_mla_attention_mgpu(q, jnp.zeros((8, rank), dtype), latent_scale, jnp.zeros((8, rope), jnp.bfloat16),
-                                  jnp.zeros((2, 4), jnp.int32), scale=0.1)
+        sparse_mla_mosaic(q, jnp.zeros((8, rank), dtype), latent_scale, jnp.zeros((8, rope), jnp.bfloat16),
+                          jnp.zeros((2, 4), jnp.int32), scale=0.1)

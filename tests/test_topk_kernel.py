@@ -19,17 +19,18 @@ import numpy as np
 import pytest
 
 from pallas_kernels import topk as topk_lib
-from pallas_kernels.sparse_attention import sparse_mla_reference
+from pallas_kernels.sparse_mla import sparse_mla_reference
+from pallas_kernels.topk.triton import topk_stages
 from tests.conftest import INTERPRET
 from tests.test_indexer_kernels import check_topk
 
 
 def stages(x, k, **kw):
-    """All intermediates of `topk` (see `_topk_stages`) for a numpy [N, L] array."""
+    """All intermediates of `topk` (see `topk_stages`) for a numpy [N, L] array."""
     opts = dict(interpret=INTERPRET, block=None, num_warps=None, num_stages=None, sample=None,
                 capacity=None, slices=None, group=None)
     opts.update(kw)
-    return topk_lib._topk_stages(jnp.asarray(x), k, **opts)
+    return topk_stages(jnp.asarray(x), k, **opts)
 
 
 def band_path(st, k):

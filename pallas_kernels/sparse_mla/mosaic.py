@@ -1,6 +1,6 @@
 """Sparse MLA attention on Hopper through Pallas Mosaic GPU (wgmma, warp-specialised gathers).
 
-Same semantics as `sparse_attention.sparse_mla_reference`: for each query row n and head h,
+Same semantics as `reference.sparse_mla_reference`: for each query row n and head h,
 over the cache slots idx = slots[n, :] that are >= 0,
     score[j] = scale * (q[n, h, :R] . c[idx_j] + q[n, h, R:] . k_pe[idx_j])
     out[n, h] = softmax(score) @ c[idx],   lse[n, h] = logsumexp(score)
@@ -27,78 +27,14 @@ stages beside q's [64, 576] tile fills the 227 KiB at DeepSeek's shapes. Three w
     from shared memory. Each accumulator, 64 x R/2 f32, is what one warpgroup's registers hold.
 128 heads take two CTAs per row; heads run fastest, so a row's two CTAs share their gathers in L2.
 
-Measured on H200 (FlashMLA's FLOP count, TFLOP/s; targets: prefill 400, decode 300). Session 6's
-final bench (`scripts/bench_sparse_attention.py --quick`: prefill 4096 rows over 8K / 128K
-slots, decode 128 x 2 rows over 32K-slot caches), with the previous design (both consumer
-warpgroups scoring 32 slots of a block against all of q, exchanging maxima and P every block):
-bf16 420 / 384 / 376, fp8 309 / 298 / 294. This design against that one in the same runs
-(prefill 2048 rows; medians of 3 interleaved rounds; session 7 rounds A-B3):
-  bf16: 8K 469-481 vs 411-425, 128K 413-426 vs 370-389, decode 418 vs 383;
-  fp8:  8K 329-334 vs 308-310, 128K 329 vs 302, decode 313 vs 294.
-Session 8: the warp's scales in one copy a lane (two a thread before), fp8 against the kernel
-before in one run (4096 rows): 8K 344 vs 335, 128K 330 vs 324, decode 318 vs 311; outputs
-bit-identical.
-Outputs: as close to the float32 reference as before (16 rows: fp8 err 4.3e-3, bf16 5.7e-4),
-within 3.5e-4 of the previous kernel at the real shapes and 1.9e-4 at odd ones (20 / 128 heads,
-R 128, holes, empty rows, splits; P is now rounded once, to bf16, against the block's max over
-all 64 slots); every e4m3 code x scales 2e-7..1e3 dequantised within 2^-8.
-Where the time goes (session 7, %clock stamps per warpgroup at each step of every block; cycles
-of the 1.8 GHz SM clock per 64-slot block, medians over 4096 CTAs). Previous design:
-  fp8 8K: period 6050; producer: copies issued in 2640 (22 cp.async a thread), landed and
-    converted 2800 later; consumers waited 1100 / 800 for every block: producer-bound;
-  bf16 8K: period 4520; producer busy 4050 of it (36 cp.async a thread issued in 3580: the
-    issue stalls, ~20 bytes a cycle per SM); consumers QK 1090 / 1900, max and P exchange
-    990 / 540, softmax 950 / 660, PV 1130 / 1220;
-  bf16 128K: as 8K plus 900-1300 of landing (gathers leaving L2), consumers waited 460-680.
-This design's scorer (stamped in the 128-byte-swizzle variant below, same consumers): QK 1550,
-softmax 710, publishing P 370, PV 670, ~3300 a block, under the producer's ~4000 (bf16) and
-~5600 (fp8): the gathers bound both formats now, fp8 the most (its copies issue no faster per
-copy than bf16's, and converting follows landing within the block's stage).
-fp8's 400 target is out of this data path's reach (session 8, before the shared scale copies;
-parts removed from the kernel, wrong results, same runs; prefill 8K / decode 128 x 2): whole
-kernel 333 / 310; the conversion arithmetic replaced by moves (raw chunks still loaded and
-stored back) 378 / 328 (128K: 366);
-the in-place pass removed too (copies and waits only) 427 / 344, under bf16's whole kernel
-(457-474) though it moves 43% fewer bytes; without the scale copies as well 452 / 383. So the
-per-thread cp.async of raw chunks bounds fp8 at ~430 (the scales' copies ~25 of that), the
-shared-memory round trip costs ~50 and the arithmetic ~45. Closing the gap needs another copy
-path (bulk copies of whole token rows by the TMA unit, say) and a cheaper dequantisation share
-per SM (FlashMLA's crossover: a row's two CTAs each convert half a block for both). Prefill does
-not take this path by default: `sparse_attention.sparse_mla_attention` dequantises a prefill's
-pages once upfront and runs the bf16 kernel (session 9: 4096 x 8K 477, x 128K 404 TFLOP/s).
-The Pallas Triton kernel (`sparse_attention.py`) reaches 164 / 134 / 119 (bf16 prefill 8K, bf16
-decode, fp8 prefill 8K; session 2): Mosaic GPU is the backend here for wgmma with warp-
-specialised, barrier-synchronised warpgroups.
-Tried and dropped (TFLOP/s, this against the kernel of the time, same runs):
-  * gathers: lanes along a row, whole 128-byte lines a warp request, 128-byte swizzle (fp8 213 vs
-    334, bf16 377 vs 481: the copies issue slower still); L2 prefetch of the next block, bulk
-    (decode 359 -> 299) or per line (fp8 decode 254 vs 290); cp.async .L2::256B with an
-    evict_last policy (bf16 128K 373-385 vs 379-389);
-  * fp8: through registers as FlashMLA (ld.global e4m3, dequantised stores; 233 vs 278); in
-    place, converted 8 rows at a time behind warpgroup barriers (290 vs 296); e4m3 -> bf16 by
-    bit operations (296 vs 296); the conversion skipped altogether (wrong results: 302 vs 301);
-    per-warp groups (217 vs 285); two producer warpgroups (ptxas: 128 registers a thread at 512
-    threads, the consumers need 158; setmaxnreg does not lift that cap, session 8 again); a
-    row's two CTAs as a cluster splitting the gathers (276 vs 289); session 8: the conversion
-    moved to warpgroup 1 (the producer only copies and signals each landed part on an mbarrier;
-    warpgroup 1 converts block i + 1's parts before and after its P . V of block i: 262-302 vs
-    331 by placement, 407 with the conversion skipped there: the hand-off costs what it
-    frees); dequantising without f32 -> bf16 conversions (f16 bits shifted into bf16, the
-    scale split into two bf16 parts, bf16x2 FMAs; within an ulp: 309 vs 331, more
-    instructions in a latency-bound warp); producer registers 64 or 72 (scorer 224 / 232,
-    accumulator 208 / 216: within 1.5%); the scales by plain global loads at the block's start
-    instead of cp.async (307 vs 329, decode 254 vs 318);
-  * consumers: QK of block i + 1 queued behind PV of block i (342 vs 417); a 64-byte swizzle
-    against 128 (no difference); register splits (232, 40) and (216, 72) for the old
-    symmetric consumers (375 and 405 vs 420 at (224, 56)); (232, 200, 72) here (fp8 decode
-    276 vs 313);
-  * persistent CTAs (one per SM looping over the work items, q of the next item loading during
-    the epilogue, out stored from registers; 357-361 vs 374-389 bf16 128K); an epilogue that
-    waits only for its TMA stores to read shared memory (381 vs 389).
+Bound by the producer's cp.async gather issue rate in both formats; fp8 prefill normally takes
+the upfront bf16 route (`api.dequantize_route`). P is rounded once to bf16 against the block's max;
+e4m3 x scale is rounded to bf16 (within 2^-8). Numbers, profile and variants:
+docs/design/sparse_mla.md.
 
 Tests: on a GPU, tests/test_sparse_attention_kernel.py (`gpu` marker) checks it against the
 reference; on CPU the kernel can only be lowered (inline PTX has no interpreter), which the
-CPU twin checks, and `sparse_attention.sparse_mla_attention` runs the Triton kernel.
+CPU twin checks, and `api.sparse_mla` runs the Triton kernel.
 """
 
 
@@ -115,10 +51,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
-from .slot_splits import auto_num_splits, combine_splits
+from ..device import HOPPER_SMS, LN2, LOG2E, MAX_SWIZZLE, SMEM_BYTES
+from .splits import auto_num_splits, combine_splits
 
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 HEADS_PER_CTA = 64  # wgmma's M
 BLOCK_K = 64  # slots per pipeline stage
 _SWIZZLE = 64  # bytes: 32 bf16 columns per smem tile
@@ -126,7 +61,6 @@ _COLS = _SWIZZLE // 2  # bf16 columns per swizzle tile
 _CHUNK = 8  # bf16 values per 16-byte cp.async
 _PRODUCER_THREADS = 128
 _LANE_ROWS = 8  # rows per 8 lanes of a producer warp (see _gather_block's units)
-_SMEM_BYTES = 227 * 1024  # per block on Hopper
 _MAX_STAGES = 4
 # setmaxnreg budgets. The kernel launches 384 threads at 168 registers (65536 / 384, rounded down
 # to 8): the three must sum to 3 x 168 = 504, or an increase waits forever for registers.
@@ -442,7 +376,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
         l_smem[...] = inv_l
         _sync_consumers()  # both past their last PV: the ring is free for o_smem
         store_out(0, acc, inv_l)
-        lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
+        lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[split, row, pl.ds(h0, HEADS_PER_CTA)])
         plgpu.wait_smem_to_gmem(0)
@@ -515,7 +449,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
 
 
 def unsupported_reason(q, latent, latent_scale, k_pe):
-    """None if `sparse_mla_attention_mgpu` takes these operands (shapes as there), else why not."""
+    """None if `sparse_mla_mosaic` takes these operands (shapes as there), else why not."""
     rank, rope = latent.shape[-1], k_pe.shape[-1]
     if q.shape[-1] != rank + rope:
         return f"q width {q.shape[-1]} != latent rank {rank} + rope {rope}"
@@ -536,9 +470,9 @@ def unsupported_reason(q, latent, latent_scale, k_pe):
     return None
 
 
-def sparse_mla_attention_mgpu(q, latent, latent_scale, k_pe, slots, *, scale, num_splits=None):
+def sparse_mla_mosaic(q, latent, latent_scale, k_pe, slots, *, scale, num_splits=None):
     """Sparse MLA attention as a Mosaic GPU kernel (Hopper). Same contract as
-    `sparse_attention.sparse_mla_attention`: q [N, H, R + P] bf16; latent [S, R] bf16, or
+    `api.sparse_mla`: q [N, H, R + P] bf16; latent [S, R] bf16, or
     float8_e4m3fn with latent_scale [S, R / tile] f32; k_pe [S, P] bf16; slots [N, K] i32 (-1 skip).
     Returns (out [N, H, R] f32, lse [N, H] f32; empty rows give 0, +inf).
     """
@@ -557,7 +491,7 @@ def sparse_mla_attention_mgpu(q, latent, latent_scale, k_pe, slots, *, scale, nu
     slots = jnp.pad(slots.astype(jnp.int32), ((0, 0), (0, num_blocks * BLOCK_K - topk)), constant_values=-1)
     head_blocks = padded_heads // HEADS_PER_CTA
     if num_splits is None:
-        num_splits = auto_num_splits(n_rows, head_blocks, num_blocks, target_programs=132,
+        num_splits = auto_num_splits(n_rows, head_blocks, num_blocks, target_programs=HOPPER_SMS,
                                       min_blocks_per_split=2)
     num_splits = max(1, min(num_splits, num_blocks))
     blocks_per_split = pl.cdiv(num_blocks, num_splits)
@@ -567,11 +501,11 @@ def sparse_mla_attention_mgpu(q, latent, latent_scale, k_pe, slots, *, scale, nu
     # DeepSeek's shapes); the ring must also hold the f32 output tile that aliases it at the end.
     stage_bytes = BLOCK_K * width * 2
     fixed_bytes = HEADS_PER_CTA * width * 2 + HEADS_PER_CTA * BLOCK_K * 2 + 3 * 1024
-    num_stages = min(_MAX_STAGES, (_SMEM_BYTES - fixed_bytes) // stage_bytes)
+    num_stages = min(_MAX_STAGES, (SMEM_BYTES - fixed_bytes) // stage_bytes)
     num_stages = max(num_stages, pl.cdiv(HEADS_PER_CTA * rank * 4, stage_bytes))
     kernel = functools.partial(_kernel, rank=rank, rope=rope, width=width, tile=tile, num_blocks=num_blocks,
                                blocks_per_split=blocks_per_split, num_stages=num_stages,
-                               qk_scale=float(scale) * _LOG2E)
+                               qk_scale=float(scale) * LOG2E)
 
     def entry(*refs):
         pl.run_scoped(
@@ -579,7 +513,7 @@ def sparse_mla_attention_mgpu(q, latent, latent_scale, k_pe, slots, *, scale, nu
             plgpu.SMEM((HEADS_PER_CTA, width), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),
             plgpu.RefUnion(
                 plgpu.SMEM((num_stages, BLOCK_K, width), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),
-                (plgpu.SMEM((2, HEADS_PER_CTA, rank // 2), jnp.float32, transforms=_swizzled(jnp.float32, 128)),
+                (plgpu.SMEM((2, HEADS_PER_CTA, rank // 2), jnp.float32, transforms=_swizzled(jnp.float32, MAX_SWIZZLE)),
                  plgpu.SMEM((HEADS_PER_CTA,), jnp.float32)),
             ),
             plgpu.SMEM((HEADS_PER_CTA, BLOCK_K), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),

@@ -19,20 +19,20 @@ def gather_paged_rows(cache, block_tables, page_size):
     return jnp.where(listed, rows, jnp.zeros((), rows.dtype))
 
 
-def _max_tiles(num_rows, num_seqs, block_rows):
+def max_tiles(num_rows, num_seqs, block_rows):
     # sum over non-empty sequences of ceil(rows_s / BR) <= (N + nonempty * (BR - 1)) / BR
     return max(1, (num_rows + min(num_seqs, num_rows) * (block_rows - 1)) // block_rows)
 
 
-def _tile_schedule(row_seq, row_end, num_seqs, num_keys, block_rows):
+def tile_schedule(row_seq, row_end, num_seqs, num_keys, block_rows):
     """Group the rows by sequence into tiles of <= block_rows rows (jnp, runs under jit).
 
     Returns tile_rows [T, BR] int32 (row ids, -1 = empty slot) and tile_meta [T, 2] int32
-    (sequence, max row_end of the tile clipped to [0, L]); T = _max_tiles(...), unused tiles empty.
+    (sequence, max row_end of the tile clipped to [0, L]); T = max_tiles(...), unused tiles empty.
     """
     n = row_seq.shape[0]
     br = block_rows
-    t_max = _max_tiles(n, num_seqs, br)
+    t_max = max_tiles(n, num_seqs, br)
     seq = jnp.clip(row_seq.astype(jnp.int32), 0, num_seqs - 1)
     order = jnp.argsort(seq, stable=True).astype(jnp.int32)
     counts = jnp.zeros((num_seqs,), jnp.int32).at[seq].add(1)

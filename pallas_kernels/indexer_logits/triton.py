@@ -1,14 +1,5 @@
-"""Lightning-indexer logits over a paged key cache.
-
-For each scored row n (a query token), over the keys of its own sequence:
-    logits[n, s] = sum_h weights[n, h] * relu(q[n, h] . k[s]) * k_scale[s]   for s < row_end[n]
-and -inf elsewhere. Keys are addressed by position s of the row's sequence through its block
-table: slot = block_tables[seq, s // page_size] * page_size + s % page_size.
-Isolation (every implementation, the Mosaic GPU kernels included): a key enters only its own
-logit (q . k contracts D, the head sum runs per key), and a logit at s >= row_end is replaced by
--inf (select), so NaN / inf in keys past row_end, on -1 table entries (which read page 0, or
-zeros where keys are gathered first) or in other sequences' pages reach no valid logit.
-"""
+"""Lightning-indexer logits: the Pallas Triton-backend kernel (the portable path: any GPU, f32,
+interpret mode). Same contract as `reference.indexer_logits_reference`."""
 
 from __future__ import annotations
 
@@ -20,46 +11,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ._device import on_hopper
-from ._shapes import next_pow2
-from .indexer_decode_mgpu import indexer_logits_decode_mgpu
-from .indexer_layout import FP8_E4M3, _max_tiles, _tile_schedule, gather_paged_rows
-from .indexer_mgpu import indexer_logits_mgpu
-
-ROW_CHUNK = 64  # rows per step of the reference, bounding its [rows, heads, keys] intermediate
-
-
-def dequantize_index_keys(keys, scale):
-    """keys: [..., D] (e4m3 | bf16 | f32); scale: [...] f32 (fp8 keys) or None -> [..., D] f32."""
-    keys = keys.astype(jnp.float32)
-    return keys if scale is None else keys * scale[..., None]
-
-
-def indexer_logits_reference(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size):
-    """Indexer logits in jnp, float32.
-
-    q: [N, Hi, D] (e4m3 | bf16 | f32); weights: [N, Hi] f32 (q scales and softmax scales folded in);
-    k_cache: [num_slots, D]; k_scale: [num_slots] f32 or None; block_tables: [S, W] int32;
-    row_seq: [N] int32; row_end: [N] int32 (keys [0, row_end) are valid).
-    Returns [N, W * page_size] float32.
-    """
-    keys = dequantize_index_keys(gather_paged_rows(k_cache, block_tables, page_size),  # [S, L, D]
-                                 None if k_scale is None else gather_paged_rows(k_scale, block_tables, page_size))
-    num_keys = keys.shape[1]
-
-    def one_row(args):
-        q_n, w_n, seq, end = args
-        scores = jnp.einsum("hd,ld->hl", q_n.astype(jnp.float32), keys[seq],
-                            precision=jax.lax.Precision.HIGHEST)
-        logits = jnp.einsum("h,hl->l", w_n, jax.nn.relu(scores), precision=jax.lax.Precision.HIGHEST)
-        return jnp.where(jnp.arange(num_keys) < end, logits, -jnp.inf)
-
-    return jax.lax.map(one_row, (q, weights.astype(jnp.float32), row_seq, row_end), batch_size=ROW_CHUNK)
-
-
-# ----------------------------------------------------------------------------------------------
-# Pallas kernel (Triton backend)
-# ----------------------------------------------------------------------------------------------
+from ..device import next_pow2
+from .layout import FP8_E4M3, max_tiles, tile_schedule
 
 # fp8 MMA with the head dim accumulated in the tensor core's own accumulator. Triton lowers an fp8
 # tt.dot whose maxNumImpreciseAcc is < 32 (Pallas always emits 0: "exact f32 accumulation") to
@@ -97,7 +50,7 @@ except Exception:  # noqa: BLE001  (private API moved: fall back to the portable
     _fp8_dot = None
 
 
-_TARGET_PROGRAMS = 1024  # enough programs to fill an H200 (132 SMs) several times over
+_TARGET_PROGRAMS = 1024  # enough programs to fill a Hopper GPU's SMs several times over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +79,7 @@ def choose_tiling(num_rows, num_seqs, num_keys, *, block_rows=None, block_keys=N
     if block_keys is None:
         block_keys = 64
     block_keys = max(16, min(block_keys, next_pow2(num_keys)))
-    num_tiles = _max_tiles(num_rows, num_seqs, block_rows)
+    num_tiles = max_tiles(num_rows, num_seqs, block_rows)
     key_blocks = pl.cdiv(num_keys, block_keys)
     if chunk is None:
         splits = max(1, min(key_blocks, pl.cdiv(_TARGET_PROGRAMS, num_tiles)))
@@ -204,42 +157,9 @@ def _indexer_kernel(tile_rows_ref, tile_meta_ref, row_end_ref, q_ref, w_ref, bt_
     jax.lax.fori_loop(n_compute, n_blocks, fill, 0)
 
 
-MGPU_MIN_ROWS_PER_SEQ = 16  # prefill-shaped: at least one full Mosaic row tile per sequence
-
-
-def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size,
-                   interpret=False, fp8_imprecise_acc=FP8_IMPRECISE_ACC, **tiling_overrides):
-    """Indexer logits, Pallas kernels. Same contract as `indexer_logits_reference`.
-
-    Route (by measurement on the H200), for e4m3 or bf16 q and keys on a Hopper GPU:
-      * prefill-shaped batches (>= MGPU_MIN_ROWS_PER_SEQ rows per sequence on average) go to
-        the Mosaic GPU prefill kernel (`indexer_mgpu.indexer_logits_mgpu`: wgmma + TMA,
-        warp-specialised; causal prefill at T = S = 8K fp8 578 TFLOP/s vs the Triton kernel's
-        247, at 4K bf16 406 vs 186);
-      * everything else (decode: 1-2 rows per sequence) goes to the Mosaic GPU decode kernel
-        (`indexer_decode_mgpu.indexer_logits_decode_mgpu`: a TMA stream of the key pages
-        through a deep SMEM ring; fp8 B=32 sequences x 32K keys 3291 GB/s of key bytes, 81% of
-        the copy bandwidth, vs the Triton kernel's 595). Single sequences stay there too: both
-        kernels are latency-bound at B=1 (C=32K 7.8 vs Triton 7.4 us a call, L2-cold), and at
-        C=128K Mosaic takes half Triton's time (7.5 vs 15.6 us, L2-warm).
-    Interpret mode, f32, other GPUs and any tiling override go to the Triton-backend kernel
-    `indexer_logits_triton`, whose arguments these are.
-    """
-    if (not interpret and not tiling_overrides and fp8_imprecise_acc == FP8_IMPRECISE_ACC
-            and on_hopper() and q.dtype == k_cache.dtype and q.dtype in (FP8_E4M3, jnp.bfloat16)):
-        if q.shape[0] >= MGPU_MIN_ROWS_PER_SEQ * min(block_tables.shape[0], q.shape[0]):
-            return indexer_logits_mgpu(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
-                                       page_size=page_size)
-        return indexer_logits_decode_mgpu(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
-                                          page_size=page_size)
-    return indexer_logits_triton(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
-                                 page_size=page_size, interpret=interpret,
-                                 fp8_imprecise_acc=fp8_imprecise_acc, **tiling_overrides)
-
-
 def indexer_logits_triton(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size,
                           interpret=False, fp8_imprecise_acc=FP8_IMPRECISE_ACC, **tiling_overrides):
-    """Indexer logits, Pallas (Triton backend) kernel. Same contract as `indexer_logits_reference`.
+    """Indexer logits, Pallas (Triton backend) kernel. Same contract as `reference.indexer_logits_reference`.
 
     q: [N, Hi, D] (e4m3 | bf16 | f32); weights [N, Hi] f32; k_cache [num_slots, D] (same dtype as q
     for the fast path; otherwise both are upcast to f32 in the kernel); k_scale [num_slots] f32
@@ -267,7 +187,7 @@ def indexer_logits_triton(q, weights, k_cache, k_scale, block_tables, row_seq, r
     Why Triton here: the Triton backend has vector gathers (`ref[idx_vector]`) and masked
     loads/stores, so one kernel covers any page size, dtype (f32 included), GPU and interpret
     mode. It is the portable path: on Hopper the Mosaic GPU kernels are several times faster for
-    both prefill (MMA-bound) and decode (bandwidth-bound; see `indexer_logits`).
+    both prefill (MMA-bound) and decode (bandwidth-bound; see `api.indexer_logits`).
     """
     n, hi, d = q.shape
     num_seqs, pages_per_seq = block_tables.shape
@@ -293,7 +213,7 @@ def indexer_logits_triton(q, weights, k_cache, k_scale, block_tables, row_seq, r
         k_cache = jnp.pad(k_cache, ((0, 0), (0, d_p - d)))
 
     tiling = choose_tiling(n, num_seqs, num_keys, **tiling_overrides)
-    tile_rows, tile_meta = _tile_schedule(row_seq, row_end, num_seqs, num_keys, tiling.block_rows)
+    tile_rows, tile_meta = tile_schedule(row_seq, row_end, num_seqs, num_keys, tiling.block_rows)
     grid = (tile_rows.shape[0], pl.cdiv(num_keys, tiling.chunk))
 
     has_scale = k_scale is not None

@@ -1,68 +1,16 @@
-"""Dense causal attention for short prefills (MHA form: qk head dim 192, v head dim 128 real).
+"""Dense causal MHA over packed ragged prefills: the Pallas Mosaic GPU kernel (Hopper: TMA +
+wgmma, warp-specialised) behind `api.dense_mha`.
 
-`causal_varlen_attention` is a Pallas Mosaic GPU (Hopper: TMA + wgmma, warp-specialised) flash
-attention over a packed ragged batch of causal prefills. Mosaic GPU rather than Pallas-Triton:
-on the H200, Triton-lowered attention kernels ran ~3.4x slower than Mosaic GPU ones (tokamax
-139 vs 471 causal TFLOP/s at 4x2048, /work/shared/dsa-facts.md).
+Mosaic GPU rather than Pallas-Triton: wgmma with warp-specialised TMA pipelining (Triton-lowered
+attention ran ~3.4x slower; docs/design/dense_mha.md).
 
-Measured on the H200 (H=128, bf16, causal TFLOP/s; medians of 5-7 interleaved repetitions in
-one run, first timing after compiling in brackets; repetitions slow down as the GPU heats up
-and runs differ by ~7%, so only numbers of one run are compared):
-  session 7, three probe runs of 7 repetitions: 4x2048 528 (593), 523 (582), 514 (577)
-  against tokamax's Mosaic flash attention 505 (576), 498 (570), 504 (563), ahead in 19 of the
-  21 repetitions; 8x1024 439 (501) vs tokamax 407 (479); 16x512 337 (381); 64x128 121.7 vs
-  tokamax 121.0; 4x1024 after 1024 cached 540 (602).
-  session 6 bench, ours / tokamax / cuDNN (jax.nn, padded batches): 4x2048 527 / 517 / 380,
-  8x1024 474 / 424 / 292, 16x512 363 / 314 / 198, 64x128 121 / 121 / 66, 4x1024 after 1024
-  cached 558 / 448 / 297.
-ptxas: 168 registers at launch, no spills (as tokamax). The work schedule is computed by each
-warpgroup after its setmaxnreg (computed before it, ptxas kept two scalars on the stack).
-What bounds it: at 64x128 HBM: q, k, v are read once and out written once, 1.34 GB in 0.351 ms,
-3.8 TB/s, the copy ceiling measured through XLA (3.6-3.8). At 4x2048 the tensor cores and the
-softmax between them: ~600 TFLOP/s of tile products (masked halves included; a large bf16 XLA
-matmul: 600-690). In between, the items (128 rows of one head) weigh: a fit T = tiles * t +
-items * c over 4x2048 and 8x1024 first timings gives ~1.6 us per item and program (tokamax
-~3.5: it is not persistent and starts each block cold) and tokamax a 0-15% shorter time per
-key tile (one difference: it awaits the next K tile during the PV product; so do we
-now, below).
-Kept, each against the kernel before it in one run (4x2048 unless named):
-  - 128-key tiles x 2 stages over 64 x 3: 481 vs 433, 16x512 309 vs 280, 64x128 115 vs 100;
-    64-column output pieces free the shared memory for them; whole 64-row pieces stored from a
-    swizzled tile: 1.82 vs 1.90 ms.
-  - persistent programs dealing the items in snake-order rounds (plain round robin ran
-    4x1024+1024 with 8 padding rows at 353-357: each program met the same block length every
-    round; load model 1.32x the mean, snake 1.03x); no argsort of the work table (~15 us, 4% at
-    64x128); head-fastest dealing of one-block sequences (64x128 123 vs 118).
-  - the turn handed over before an item's epilogue: 16x512 341 vs 327, 335 vs 307.
-  - half-width last tiles: with the above, 511 vs 486.
-  - the next K tile awaited while the PV product runs, off the path from one step's PV product
-    to the next step's QK issue (with the slot as a bit-and): 528 vs 516 and 523 vs 509 (two
-    runs, outputs bit-identical); 4x1024+1024 540 vs 531; 8x1024 439 vs 442, 16x512 337 vs 338
-    (noise).
-  - (a fix, not a speed-up) other sequences' V rows in a key tile zeroed in shared memory before
-    the P.V product, in masked steps (0 * NaN leaked them): outputs bit-identical on finite inputs
-    at the shapes below; two interleaved A/B runs, new / old time: 4x2048 1.010, 1.032; 8x1024
-    1.018, 1.018; 16x512 1.010, 1.012; 64x128 1.003, 1.005; 4x1024+1024 0.998, 1.018; 5x333+77
-    (unaligned: tiles zeroed) 1.052, 1.047. 168 registers, no spills.
-Not kept (against the kernel of the day; "noise" = within the run-to-run spread): a step's PV
-and the next QK products issued together (363 vs 449; 16x512 167 vs 307); FA3-style pipelining
-inside each consumer (385 (484); without a branch between the issues and the PV wait 562 vs 576
-first; with P kept live 512 vs 530; with FA3's ping-pong of turns on top 509 vs 516, by
-mbarriers 481); turns by hardware named barriers or one-way signals (474, 479 vs 481); TMA
-prefetches into L2 of the next item's q and first K/V tiles (64x128 84 vs 120) or of its q alone
-(511 vs 516); dealing 4 heads at a time (16x512 232 vs 268) or longest first within 16 heads
-(509 vs 565: 16 heads' keys and values outgrow L2); q held in registers (392 bytes of spills,
-385); whole 64-row output blocks stored from registers to HBM (480 vs 523); 240/24 registers
-(528 vs 530); one producer warp (531 vs 539, 518 vs 507); diagonal tiles masked by k <= q alone
-(511 vs 507, 519 vs 523); the accumulator rescaled only in rows whose max moved (506 vs 523):
-noise. The unmasked steps unrolled by two (one step's PV wait and the next QK issue in one
-basic block): 459 vs 514.
+Bound by HBM at short sequences and by the tensor cores plus softmax at long ones; numbers and
+variants: docs/design/dense_mha.md.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -70,120 +18,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-_SMEM_BYTES = 227 * 1024  # Hopper's per-block dynamic shared memory limit
+from ..device import LOG2E, MAX_SWIZZLE, SMEM_BYTES, num_sms
+
 _WG_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile)
-_CONSUMER_WGS = 2
-# Mosaic GPU's interpreter runs a kernel's warpgroups as concurrent callbacks on XLA's CPU thread
-# pool; with fewer threads than warpgroups they wait on each other forever (measured inside the
-# forward's jit on CPU: a pool of 2 threads hangs, 3 and 4 pass).
-INTERPRET_MIN_CPU_THREADS = _CONSUMER_WGS + 1
-_BLOCK_Q = _WG_ROWS * _CONSUMER_WGS  # query rows per kernel block
-_SWIZZLE = 128  # bytes: 64 bf16 columns per swizzled tile row
+CONSUMER_WGS = 2  # consumer warpgroups (64 query rows each); one producer warpgroup besides
+_BLOCK_Q = _WG_ROWS * CONSUMER_WGS  # query rows per kernel block
 _ALIGN = 8  # rows: TMA into (8, 64)-tiled shared memory starts at a multiple of 8 rows
 # Block table columns (one row per kernel block, int32), see _block_table:
 _ROW0, _LO, _HI, _POS0, _KROW0, _KSHIFT, _KV_END = range(7)
 _TABLE_COLS = 7
 _O_COLS = 64  # output columns per store round (one 64 x 64 tile per consumer)
-# (block_kv, num_stages) by preference (measured, see the module docstring): the first whose
+# (block_kv, num_stages) by preference (measured: docs/design/dense_mha.md): the first whose
 # shared memory fits the head dims
 _TILINGS = ((128, 2), (64, 3), (64, 2))
-
-KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma operands; the softmax is float32
-
-
-def unsupported_reason(dtype, d_qk: int, d_v: int) -> str | None:
-    """Why the Mosaic kernel cannot take inputs of this dtype and head dims (None: it can)."""
-    if jnp.dtype(dtype) not in KERNEL_DTYPES:
-        return f"dtype {jnp.dtype(dtype).name} is not one of (bfloat16, float16)"
-    for name, d in (("Dqk", d_qk), ("Dv", d_v)):
-        if d % 64 or d > 256:
-            return f"{name}={d} must be a multiple of 64 and <= 256"
-    return None
-
-
-def _check_inputs(q, k, v, q_start_loc, k_start_loc, dtypes):
-    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
-        raise ValueError(f"q, k, v must be [T, H, D]; got shapes {q.shape}, {k.shape}, {v.shape}")
-    if k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"k {k.shape} and v {v.shape} must agree on [Tk, H]")
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"q has {q.shape[1]} heads, k and v have {k.shape[1]}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"q head dim {q.shape[2]} != k head dim {k.shape[2]}")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in dtypes:
-        names = ", ".join(jnp.dtype(d).name for d in dtypes)
-        raise ValueError(f"q, k, v must share one dtype of ({names}); got {q.dtype}, {k.dtype}, {v.dtype}")
-    for name, loc in (("q_start_loc", q_start_loc), ("k_start_loc", k_start_loc)):
-        if loc.ndim != 1 or loc.shape[0] < 1 or loc.dtype != jnp.int32:
-            raise ValueError(f"{name} must be int32 [S+1]; got {loc.dtype} {loc.shape}")
-    if q_start_loc.shape != k_start_loc.shape:
-        raise ValueError(f"q_start_loc {q_start_loc.shape} and k_start_loc {k_start_loc.shape} differ")
-
-
-def _row_segments(start_loc, rows):
-    """start_loc [S+1] -> (sequence id [rows] (-1: no sequence owns the row), offset in it [rows])."""
-    idx = jnp.arange(rows, dtype=jnp.int32)
-    seq = jnp.searchsorted(start_loc, idx, side="right").astype(jnp.int32) - 1
-    owned = (seq >= 0) & (seq < start_loc.shape[0] - 1)
-    seq = jnp.where(owned, seq, -1)
-    return seq, idx - start_loc[jnp.clip(seq, 0, start_loc.shape[0] - 1)]
-
-
-def causal_varlen_attention_reference(q, k, v, q_start_loc, k_start_loc, *, scale,
-                                      max_scores=1 << 27):
-    """Causal attention of a packed ragged batch, float32 (the XLA path and the kernel's oracle).
-
-    q: [T, H, Dqk], sequence s owns rows q_start_loc[s]..q_start_loc[s+1]; k: [Tk, H, Dqk] and
-    v: [Tk, H, Dv], sequence s owns rows k_start_loc[s]..k_start_loc[s+1]; q_start_loc,
-    k_start_loc: [S+1] int32. Query i of sequence s sits at position kv_len_s - q_len_s + i and
-    attends that sequence's keys 0..position. Returns [T, H, Dv] float32; rows no sequence owns
-    are 0. Memory stays bounded: query blocks of at most max_scores scores ([Bq, H, Tk]) each.
-    Rows no sequence owns and other sequences' rows never reach a row's output (masked scores
-    and values are selected away, never multiplied by 0: NaN / inf there do not leak); a
-    sequence's own non-finite values reach its own rows: non-finite q or k through the scores,
-    a non-finite v value of a key a query sees makes that query's head all NaN.
-    """
-    _check_inputs(q, k, v, q_start_loc, k_start_loc, (jnp.bfloat16, jnp.float16, jnp.float32))
-    num_rows, heads, d_qk = q.shape
-    num_keys, d_v = k.shape[0], v.shape[2]
-    if num_rows == 0 or num_keys == 0:
-        return jnp.zeros((num_rows, heads, d_v), jnp.float32)
-    q_seq, q_off = _row_segments(q_start_loc, num_rows)
-    k_seq, k_pos = _row_segments(k_start_loc, num_keys)
-    ctx = jnp.diff(k_start_loc) - jnp.diff(q_start_loc)
-    q_pos = q_off + ctx[jnp.maximum(q_seq, 0)]
-    block = max(1, min(num_rows, max_scores // (heads * num_keys)))
-    num_blocks = -(-num_rows // block)
-    pad = num_blocks * block - num_rows
-    q_blocks = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(num_blocks, block, heads, d_qk)
-    seq_blocks = jnp.pad(q_seq, (0, pad), constant_values=-1).reshape(num_blocks, block)
-    pos_blocks = jnp.pad(q_pos, (0, pad)).reshape(num_blocks, block)
-    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
-    # No 0 * NaN: the P.V product runs on v with its non-finite values zeroed, and a row that
-    # sees (causally, in its own sequence) a key whose v has any non-finite value in a head gets
-    # NaN in that head (a count of such keys per row: a product [Bq, Tk] x [Tk, H], 1 / Dv of
-    # the P.V product's work).
-    v_bad = ~jnp.isfinite(v32)
-    v32 = jnp.where(v_bad, 0.0, v32)
-    key_bad = jnp.any(v_bad, axis=2).astype(jnp.float32)  # [Tk, H]
-    hi = lax.Precision.HIGHEST
-
-    def attend(blk):
-        qb, seq, pos = blk  # [Bq, H, Dqk], [Bq], [Bq]
-        visible = ((seq[:, None] == k_seq[None, :]) & (seq[:, None] >= 0)
-                   & (k_pos[None, :] <= pos[:, None]))  # [Bq, Tk]
-        s = jnp.einsum("qhd,khd->qhk", qb.astype(jnp.float32), k32, precision=hi) * scale
-        s = jnp.where(visible[:, None], s, -jnp.inf)
-        m = jnp.max(s, axis=-1, keepdims=True)
-        p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-        denom = jnp.sum(p, axis=-1, keepdims=True)
-        p = p / jnp.where(denom > 0, denom, 1.0)
-        seen_bad = jnp.einsum("qk,kh->qh", visible.astype(jnp.float32), key_bad, precision=hi)
-        out = jnp.einsum("qhk,khd->qhd", p, v32, precision=hi)
-        return jnp.where(seen_bad[:, :, None] > 0, jnp.nan, out)
-
-    out = lax.map(attend, (q_blocks, seq_blocks, pos_blocks))
-    return out.reshape(num_blocks * block, heads, d_v)[:num_rows]
 
 
 def _block_table(q_start_loc, k_start_loc, num_rows, num_blocks):
@@ -229,21 +76,9 @@ def _block_table(q_start_loc, k_start_loc, num_rows, num_blocks):
     return table.astype(jnp.int32), blocks_end[-1:].astype(jnp.int32)
 
 
-def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpret=False,
-                            block_kv=None, num_stages=None, num_programs=None):
-    """Causal flash attention of a packed ragged batch of prefills (Pallas Mosaic GPU, Hopper).
-
-    q: [T, H, Dqk] packed queries, sequence s owns rows q_start_loc[s]..q_start_loc[s+1]
-    (q_start_loc[0] = 0); k: [Tk, H, Dqk], v: [Tk, H, Dv] packed keys, sequence s owns rows
-    k_start_loc[s]..k_start_loc[s+1]; q_start_loc, k_start_loc: [S+1] int32, non-decreasing,
-    kv_len_s >= q_len_s. Query i of sequence s sits at position ctx_s + i (ctx_s = kv_len_s -
-    q_len_s, the cached context) and attends keys 0..ctx_s + i of its own sequence.
-    Returns [T, H, Dv] in q.dtype; rows q_start_loc[S].. (padding) are 0.
-    Rows no sequence owns and other sequences' rows never reach a row's output (NaN / inf there
-    included); a sequence's own non-finite values reach its own rows (a non-finite v of a key
-    in a diagonal key tile also reaches the sequence's earlier queries in that tile: P = 0
-    times it).
-    dtypes: bf16 or f16 (wgmma operands), f32 softmax. Dqk and Dv: multiples of 64, <= 256.
+def dense_mha_mosaic(q, k, v, q_start_loc, k_start_loc, *, scale, interpret=False, block_kv=None,
+                     num_stages=None, num_programs=None):
+    """`api.dense_mha`'s kernel, on inputs it has checked.
 
     Work items are (block of 128 packed q rows, 8-row aligned, holding queries of one sequence,
     head), from a table built here from the start locations (traced; sequence order, each
@@ -269,21 +104,17 @@ def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpr
     sequence's) keys; their V rows, which P = 0 would multiply (0 * NaN = NaN), are zeroed in
     shared memory before the first P.V product that reads the tile (only in masked steps whose
     tile holds such rows: none where keys start on the 8-row grid and end on a key tile
-    boundary, e.g. 4 x 2048); other sequences' query rows are computed and not stored. T or Tk not a multiple of 8 costs a padded copy of q or of k and v.
-    interpret=True runs the same kernel in Mosaic GPU interpret mode (CPU).
+    boundary, e.g. 4 x 2048); other sequences' query rows are computed and not stored. T or Tk
+    not a multiple of 8 costs a padded copy of q or of k and v.
     """
-    _check_inputs(q, k, v, q_start_loc, k_start_loc, KERNEL_DTYPES)
     num_rows, heads, d_qk = q.shape
     d_v = v.shape[2]
-    reason = unsupported_reason(q.dtype, d_qk, d_v)
-    if reason:
-        raise ValueError(reason)
     itemsize = jnp.dtype(q.dtype).itemsize
     smem_bytes = lambda bkv, stages: itemsize * (_BLOCK_Q * (d_qk + _O_COLS)
                                                  + stages * bkv * (d_qk + d_v))
     if block_kv is None and num_stages is None:
         # unsupported_reason's head dims fit the last one
-        block_kv, num_stages = next(t for t in _TILINGS if smem_bytes(*t) <= _SMEM_BYTES)
+        block_kv, num_stages = next(t for t in _TILINGS if smem_bytes(*t) <= SMEM_BYTES)
     if block_kv is None or num_stages is None:
         raise ValueError(f"give both block_kv and num_stages or neither; got {block_kv}, "
                          f"{num_stages}")
@@ -292,16 +123,16 @@ def causal_varlen_attention(q, k, v, q_start_loc, k_start_loc, *, scale, interpr
     if num_stages < 2:
         raise ValueError(f"num_stages={num_stages} must be >= 2")
     smem = smem_bytes(block_kv, num_stages)
-    if smem > _SMEM_BYTES:
+    if smem > SMEM_BYTES:
         raise ValueError(f"block_kv={block_kv}, num_stages={num_stages} need {smem} bytes of "
-                         f"shared memory (> {_SMEM_BYTES})")
+                         f"shared memory (> {SMEM_BYTES})")
     if num_rows == 0:
         return jnp.zeros((0, heads, d_v), q.dtype)
     num_seqs = q_start_loc.shape[0] - 1
     # sum over sequences (and the padding) of ceil((rows + 7) / _BLOCK_Q) is at most this
     num_blocks = (num_rows + (num_seqs + 1) * (_ALIGN - 1 + _BLOCK_Q - 1)) // _BLOCK_Q
     if num_programs is None:
-        num_programs = getattr(jax.devices()[0], "core_count", None) or 132
+        num_programs = num_sms()
     table, blocks_used = _block_table(q_start_loc, k_start_loc, num_rows, num_blocks)
     pad_rows = (lambda x: jnp.pad(x, ((0, -x.shape[0] % _ALIGN), (0, 0), (0, 0))))
     if num_rows % _ALIGN:
@@ -329,7 +160,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
     d_v = v.shape[2]
     dtype = q.dtype
     # exp2 of scores pre-multiplied by scale * log2(e): one FMA per score
-    qk_scale = scale * math.log2(math.e)
+    qk_scale = scale * LOG2E
 
     def kernel(table_ref, used_ref, q_ref, k_ref, v_ref, out_ref, q_smem, o_smems, k_smem, v_smem,
                q_ready, k_ready, v_ready, k_free, v_free, turn, p_smem=None):
@@ -390,7 +221,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                 pl.when(step != 0)(lambda: plgpu.barrier_arrive(turn))
             plgpu.barrier_wait(turn)
 
-        @pl.when(wg < _CONSUMER_WGS)
+        @pl.when(wg < CONSUMER_WGS)
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
             num_items, item_info = schedule()
@@ -644,7 +475,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
             pl.when(wg == 0)(take_turn)
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == _CONSUMER_WGS)
+        @pl.when(wg == CONSUMER_WGS)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
             num_items, item_info = schedule()
@@ -682,31 +513,32 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
 
-    def swizzled(swizzle=_SWIZZLE):
+    def swizzled(swizzle=MAX_SWIZZLE):
         return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
                 plgpu.SwizzleTransform(swizzle))
 
-    # V is the B operand of P.V, contracted over block_kv keys: its swizzle must span a divisor
-    # of block_kv (64 keys at 128 bytes, 32 at 64).
-    v_swizzle = _SWIZZLE if block_kv % 64 == 0 else _SWIZZLE // 2
+    # 128-byte swizzle: 64 bf16 columns per swizzled tile row. V is the B operand of P.V,
+    # contracted over block_kv keys: its swizzle must span a divisor of block_kv (64 keys at
+    # 128 bytes, 32 at 64).
+    v_swizzle = MAX_SWIZZLE if block_kv % 64 == 0 else MAX_SWIZZLE // 2
     scratch = [
-        plgpu.SMEM((_CONSUMER_WGS, _WG_ROWS, d_qk), dtype, transforms=swizzled()),
+        plgpu.SMEM((CONSUMER_WGS, _WG_ROWS, d_qk), dtype, transforms=swizzled()),
         # the o tile: swizzled for whole 64-row stores, plain (any row slice is a TMA box) for
         # the partial ones at sequence edges
-        plgpu.RefUnion((plgpu.SMEM((_CONSUMER_WGS, _WG_ROWS, _O_COLS), dtype,
+        plgpu.RefUnion((plgpu.SMEM((CONSUMER_WGS, _WG_ROWS, _O_COLS), dtype,
                                    transforms=swizzled()),),
-                       (plgpu.SMEM((_CONSUMER_WGS, _WG_ROWS, _O_COLS), dtype),)),
+                       (plgpu.SMEM((CONSUMER_WGS, _WG_ROWS, _O_COLS), dtype),)),
         plgpu.SMEM((num_stages, block_kv, d_qk), dtype, transforms=swizzled()),
         plgpu.SMEM((num_stages, block_kv, d_v), dtype, transforms=swizzled(v_swizzle)),
-        plgpu.Barrier(num_barriers=_CONSUMER_WGS),
+        plgpu.Barrier(num_barriers=CONSUMER_WGS),
         plgpu.Barrier(num_barriers=num_stages),
         plgpu.Barrier(num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=_CONSUMER_WGS, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=_CONSUMER_WGS, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=_CONSUMER_WGS),
+        plgpu.Barrier(num_arrivals=CONSUMER_WGS, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=CONSUMER_WGS, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=CONSUMER_WGS),
     ]
     if interpret:
-        scratch.append(plgpu.SMEM((_CONSUMER_WGS, _WG_ROWS, block_kv), dtype,
+        scratch.append(plgpu.SMEM((CONSUMER_WGS, _WG_ROWS, block_kv), dtype,
                                   transforms=swizzled(v_swizzle)))
     return plgpu.kernel(
         kernel,
@@ -714,7 +546,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
         scratch_types=scratch,
         grid=(num_programs,),
         grid_names=("program",),
-        num_threads=_CONSUMER_WGS + 1,
+        num_threads=CONSUMER_WGS + 1,
         thread_name="wg",
         # No auto barriers: no thread reads shared memory it wrote (the o tile is read by TMA;
         # q, k, v tiles are written by TMA). No reduction scratch: the row reductions of the

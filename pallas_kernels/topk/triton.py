@@ -3,8 +3,8 @@
 Three Pallas kernels (Triton backend): thresholds from a sample of each row, a write sweep over
 the row (one program per row, or per row slice when rows are few: each slice publishes its
 counts and takes its output offsets from the earlier slices'), then an exact select within the
-narrow band of keys between the two thresholds. See `topk` for the scheme and the H200
-measurements.
+narrow band of keys between the two thresholds. See `api.topk` for the scheme; measurements:
+docs/design/topk.md.
 """
 
 from __future__ import annotations
@@ -18,20 +18,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ._shapes import next_pow2
-
-
-def topk_reference(logits, k: int):
-    """logits: [N, L] float32 with -inf for invalid keys -> [N, k] int32 key indices.
-
-    Entries beyond the row's count of finite logits are -1 (also every entry past L when k > L).
-    Order within a row is unspecified by contract; here it is descending. NaN counts as invalid,
-    as in `topk` (lax.top_k ranks NaN above everything: a NaN would take a valid key's place).
-    """
-    kk = min(k, logits.shape[1])
-    values, index = jax.lax.top_k(jnp.where(jnp.isnan(logits), -jnp.inf, logits), kk)
-    index = jnp.where(values > -jnp.inf, index, -1).astype(jnp.int32)
-    return jnp.pad(index, ((0, 0), (0, k - kk)), constant_values=-1)
+from ..device import next_pow2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,7 +170,7 @@ def _threshold_kernel(x_ref, thr_ref, *pub_refs, num_keys, sample, chunk, group,
                       tol):
     """thr[n] = (t_lo, t_hi): ~r_lo * stride row keys are >= t_lo and ~r_hi * stride >= t_hi.
     The sample is reloaded chunk by chunk each pass (L1/L2 hits): holding it in registers
-    (8192 keys) cost 1.2 ms a row at 128 x 128K on the H200, and ~2x at 1024 x 32K.
+    (8192 keys) was slower.
     pub_refs: () or ([N, P] f32 published slice counts, set to -1 here for the "lookback"
     write)."""
     n = pl.program_id(0)
@@ -301,8 +288,8 @@ def _write_kernel(x_ref, thr_ref, *refs, k, cap, num_keys, slice_len, block, gro
     One slice a row (grid (N, 1)): refs = (out, band keys, band columns, cnt); counts as it
     writes. Several (grid (N, S)): refs = (pub [N, P] f32 of -1, out, band keys, band columns,
     cnt, pub aliasing the input): counts its slice, publishes the counts, waits for the earlier
-    slices' and writes (a second read of the slice, from L2). One kernel instead of a count
-    kernel and a write kernel: 128 x 32K 52.5 us instead of 58.6 us on the H200."""
+    slices' and writes (a second read of the slice, from L2). One kernel rather than a count
+    kernel and a write kernel: one launch fewer (and, one slice a row, one read of it)."""
     sliced = len(refs) == 6
     if sliced:
         _, out_ref, bkey_ref, bcol_ref, cnt_ref, pub_ref = refs
@@ -439,67 +426,9 @@ def _sample_plan(num_keys, k, sample, capacity):
     return sample, r_lo, r_hi, tol, capacity or default_cap
 
 
-def topk(logits, k: int, *, interpret=False, block=None, num_warps=None, num_stages=None,
-         sample=None, capacity=None, slices=None):
-    """[N, L] f32 (-inf = invalid) -> [N, k] int32: indices of the k largest finite entries per
-    row, -1 padded. Same contract as `topk_reference` (order within a row unspecified; among
-    equal values at the threshold any choice is valid; NaN counts as invalid). Deterministic:
-    the definite keys, then the band's selected keys, each in column order.
-
-    Keys: float32 bits mapped to an int32 whose order is the float order. Exact whatever the
-    data; Pallas kernels on the Triton backend (integer compares, block scans, per-lane scatter
-    stores and a few atomics, no matrix work: nothing for Mosaic GPU's wgmma/TMA to speed up):
-      1. thresholds (one program per row): a sample of `sample` keys (default L/32 clamped to
-         [1024, 4096]; runs of 8 adjacent columns at a jittered stride); t_lo, with ~k + 5
-         sigma row keys expected >= it, and t_hi, with ~k - 5 sigma, found together: one pass
-         at 16 fixed float thresholds (the lowest counts the valid keys), then 16-way count
-         passes that stop once an interval holds ~sqrt(k / stride) / 4 sampled keys;
-      2. write: definite keys (>= t_hi) have their columns written straight to the output,
-         band keys (in [t_lo, t_hi)) go (key, column) to a per-row band buffer of `capacity`
-         entries, both in column order (one block cumsum of two packed 16-bit counters per
-         chunk). With >= 1024 rows, one program per row counts as it writes (one read of the
-         row); with fewer rows, `slices` programs per row (default ~4096 programs, slices >=
-         4096 keys): each counts its slice, publishes the counts (f32 atomics), waits for the
-         earlier slices' and writes at their offsets (the second read hits L2);
-      3. select (one program per row): if the definite keys number <= min(k, valid) <=
-         definite + band (and the band fits), the (min(k, valid) - definite)-th largest band
-         key by 16-way count passes over the band only (~2.8K keys at L = 32K; ~3.5 passes: a
-         search stops as soon as the keys >= its lower bound are exactly the ones needed), and
-         those band keys are appended (ties at the boundary: the first in column order);
-         otherwise (unlucky sample, massive ties, adversarial order) the same over the whole
-         row: correct either way, only slower. -1 padding.
-    With several slices a row, every loop loads 4 chunks (of `block` keys) at a time: one
-    memory latency per 4 chunks (H200, 128 x 32K: select 18.5 -> 15.6 us); with >= 1024 rows
-    it cost more than it saved (write 158 -> 171 us, select 58 -> 65 us), so chunks go singly.
-    H200, k = 2048, f32 rows of N(0, 1), vs lax.top_k on the same inputs (a sort):
-      128 x 32K 52.5 us vs 324 us (6.2x; the session-3 kernel 58.4-62.6 us, count and write
-      in two kernels); 512 x 32K 163 us vs 1207 us (7.4x); 1024 x 32K 248 us vs 2334 us
-      (9.4x); 128 x 128K 145 us vs 1176 us (8.1x). 4 warps for the thresholds and select
-      kernels were slower at 128 rows (59-64 us vs 54 us), 16 for select no faster.
-    Bounds (device time per kernel, CUPTI): at 128 x 32K thresholds 5.5 us, write 28.6 us (a
-    count-only sweep of the same slices takes 5.2-5.9 us: the write is its block scans and
-    scatter stores, 1024 programs of 4 chunks), select 15.6 us (128 programs, one per row:
-    the latency of ~3.5 dependent passes, a compaction and the padding), ~57 us from the first
-    kernel's start to the last one's end; a jitted call's host dispatch alone took 31-43 us on
-    that machine. At 1024 x 32K: thresholds 20.5, write 158.5, select 58.0 us.
-    """
-    if logits.ndim != 2:
-        raise ValueError(f"topk: logits must be 2-D [N, L], got shape {logits.shape}")
-    if k < 0:
-        raise ValueError(f"topk: k must be >= 0, got {k}")
-    n, num_keys = logits.shape
-    if n == 0 or k == 0:
-        return jnp.zeros((n, k), jnp.int32)
-    if num_keys == 0:
-        return jnp.full((n, k), -1, jnp.int32)
-    return _topk_stages(logits, k, interpret=interpret, block=block, num_warps=num_warps,
-                        num_stages=num_stages, sample=sample, capacity=capacity,
-                        slices=slices)["out"]
-
-
-def _topk_stages(logits, k, *, interpret, block, num_warps, num_stages, sample, capacity, slices,
-                 group=None):
-    """`topk`'s kernels for N, L, k >= 1 -> {"out": [N, k], "thresholds": [N, 2] (t_lo, t_hi),
+def topk_stages(logits, k, *, interpret, block, num_warps, num_stages, sample, capacity, slices,
+                group=None):
+    """`api.topk`'s kernels for N, L, k >= 1 -> {"out": [N, k], "thresholds": [N, 2] (t_lo, t_hi),
     "counts": [N, S, 4] (definite, band, valid, 0 per slice), "band_keys": [N, cap (+block)],
     "capacity": cap}; the intermediates let tests see which path each row took. group: chunks
     whose loads are issued together (default: 4 with several slices a row, else 1)."""

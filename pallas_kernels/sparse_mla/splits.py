@@ -8,6 +8,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ..device import HOPPER_SMS
+
 
 def combine_splits(out, lse):
     """Merge per-split partial results: out [S, N, H, R], lse [S, N, H] (-inf = empty) -> final."""
@@ -19,10 +21,10 @@ def combine_splits(out, lse):
     return merged, jnp.where(total == -jnp.inf, jnp.inf, total)
 
 
-def auto_num_splits(rows, head_blocks, num_blocks, target_programs=264, min_blocks_per_split=4):
+def auto_num_splits(rows, head_blocks, num_blocks, target_programs=2 * HOPPER_SMS, min_blocks_per_split=4):
     """Split a row's slot list across programs only when rows x head blocks can't fill the GPU.
 
-    264 = 2 programs per SM on an H200 (132 SMs). Each split keeps >= 4 slot blocks of work.
+    The default target is 2 programs per SM. Each split keeps >= 4 slot blocks of work.
     """
     programs = rows * head_blocks
     if programs >= target_programs:

@@ -1,0 +1,8 @@
+"""Dense causal MHA over packed ragged prefills: `dense_mha` (Pallas Mosaic GPU, Hopper; Mosaic
+GPU's interpreter off the GPU) and `dense_mha_reference` (jnp, float32). Design and measurements:
+docs/design/dense_mha.md."""
+
+from .api import INTERPRET_MIN_CPU_THREADS, KERNEL_DTYPES, dense_mha, unsupported_reason
+from .reference import dense_mha_reference
+
+__all__ = ["INTERPRET_MIN_CPU_THREADS", "KERNEL_DTYPES", "dense_mha", "dense_mha_reference", "unsupported_reason"]

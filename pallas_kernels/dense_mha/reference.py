@@ -1,0 +1,73 @@
+"""Dense causal MHA of a packed ragged batch in jnp, float32: the XLA path and the kernel's oracle."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from .api import check_inputs
+
+
+def _row_segments(start_loc, rows):
+    """start_loc [S+1] -> (sequence id [rows] (-1: no sequence owns the row), offset in it [rows])."""
+    idx = jnp.arange(rows, dtype=jnp.int32)
+    seq = jnp.searchsorted(start_loc, idx, side="right").astype(jnp.int32) - 1
+    owned = (seq >= 0) & (seq < start_loc.shape[0] - 1)
+    seq = jnp.where(owned, seq, -1)
+    return seq, idx - start_loc[jnp.clip(seq, 0, start_loc.shape[0] - 1)]
+
+
+def dense_mha_reference(q, k, v, q_start_loc, k_start_loc, *, scale, max_scores=1 << 27):
+    """Causal attention of a packed ragged batch, float32 (the XLA path and the kernel's oracle).
+
+    q: [T, H, Dqk], sequence s owns rows q_start_loc[s]..q_start_loc[s+1]; k: [Tk, H, Dqk] and
+    v: [Tk, H, Dv], sequence s owns rows k_start_loc[s]..k_start_loc[s+1]; q_start_loc,
+    k_start_loc: [S+1] int32. Query i of sequence s sits at position kv_len_s - q_len_s + i and
+    attends that sequence's keys 0..position. Returns [T, H, Dv] float32; rows no sequence owns
+    are 0. Memory stays bounded: query blocks of at most max_scores scores ([Bq, H, Tk]) each.
+    Rows no sequence owns and other sequences' rows never reach a row's output (masked scores
+    and values are selected away, never multiplied by 0: NaN / inf there do not leak); a
+    sequence's own non-finite values reach its own rows: non-finite q or k through the scores,
+    a non-finite v value of a key a query sees makes that query's head all NaN.
+    """
+    check_inputs(q, k, v, q_start_loc, k_start_loc, (jnp.bfloat16, jnp.float16, jnp.float32))
+    num_rows, heads, d_qk = q.shape
+    num_keys, d_v = k.shape[0], v.shape[2]
+    if num_rows == 0 or num_keys == 0:
+        return jnp.zeros((num_rows, heads, d_v), jnp.float32)
+    q_seq, q_off = _row_segments(q_start_loc, num_rows)
+    k_seq, k_pos = _row_segments(k_start_loc, num_keys)
+    ctx = jnp.diff(k_start_loc) - jnp.diff(q_start_loc)
+    q_pos = q_off + ctx[jnp.maximum(q_seq, 0)]
+    block = max(1, min(num_rows, max_scores // (heads * num_keys)))
+    num_blocks = -(-num_rows // block)
+    pad = num_blocks * block - num_rows
+    q_blocks = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(num_blocks, block, heads, d_qk)
+    seq_blocks = jnp.pad(q_seq, (0, pad), constant_values=-1).reshape(num_blocks, block)
+    pos_blocks = jnp.pad(q_pos, (0, pad)).reshape(num_blocks, block)
+    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+    # No 0 * NaN: the P.V product runs on v with its non-finite values zeroed, and a row that
+    # sees (causally, in its own sequence) a key whose v has any non-finite value in a head gets
+    # NaN in that head (a count of such keys per row: a product [Bq, Tk] x [Tk, H], 1 / Dv of
+    # the P.V product's work).
+    v_bad = ~jnp.isfinite(v32)
+    v32 = jnp.where(v_bad, 0.0, v32)
+    key_bad = jnp.any(v_bad, axis=2).astype(jnp.float32)  # [Tk, H]
+    hi = lax.Precision.HIGHEST
+
+    def attend(blk):
+        qb, seq, pos = blk  # [Bq, H, Dqk], [Bq], [Bq]
+        visible = ((seq[:, None] == k_seq[None, :]) & (seq[:, None] >= 0)
+                   & (k_pos[None, :] <= pos[:, None]))  # [Bq, Tk]
+        s = jnp.einsum("qhd,khd->qhk", qb.astype(jnp.float32), k32, precision=hi) * scale
+        s = jnp.where(visible[:, None], s, -jnp.inf)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+        denom = jnp.sum(p, axis=-1, keepdims=True)
+        p = p / jnp.where(denom > 0, denom, 1.0)
+        seen_bad = jnp.einsum("qk,kh->qh", visible.astype(jnp.float32), key_bad, precision=hi)
+        out = jnp.einsum("qhk,khd->qhd", p, v32, precision=hi)
+        return jnp.where(seen_bad[:, :, None] > 0, jnp.nan, out)
+
+    out = lax.map(attend, (q_blocks, seq_blocks, pos_blocks))
+    return out.reshape(num_blocks * block, heads, d_v)[:num_rows]

@@ -1,0 +1,183 @@
+"""The warpgroup skeleton of the indexer's Mosaic GPU kernels (`mosaic_prefill`, `mosaic_decode`).
+
+One CTA per (row tile, key chunk), three warpgroups: a memory warpgroup streams key blocks of
+BLOCK_KEYS keys from the paged cache into a ring of SMEM slots by TMA, and COMPUTE_WGS compute
+warpgroups take alternate slots, each turning a slot's keys into BLOCK_KEYS logits per row that
+leave by TMA. Shared here: the inputs padded for wgmma, the register split, the ring's load and
+compute loops, the -inf tail and the final drain, one row's logits epilogue and the kernel call.
+The two kernels differ in where page ids come from and in the work per ring slot.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ..device import MAX_SWIZZLE, next_pow2
+from .layout import FP8_E4M3
+
+BLOCK_KEYS = 64  # wgmma M: one warpgroup's accumulator rows
+COMPUTE_WGS = 2
+
+
+def padded_inputs(q, weights, k_cache):
+    """Checks dtypes and pads for wgmma: N = heads % 8 == 0 and a K row of 32, 64 or a multiple of
+    128 bytes (the swizzle); heads get weight 0, D zeros. No-op for the real Hi=64, D=128.
+
+    Returns (q [N, Hi_p, D_p], weights [N, Hi_p] f32, k_cache [num_slots, D_p], swizzle bytes).
+    """
+    if q.dtype != k_cache.dtype or q.dtype not in (FP8_E4M3, jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"q and k_cache must both be float8_e4m3fn or bfloat16, got {q.dtype}, {k_cache.dtype}")
+    _, hi, d = q.shape
+    itemsize = q.dtype.itemsize
+    row_bytes = d * itemsize
+    if row_bytes <= MAX_SWIZZLE:
+        row_bytes = max(32, next_pow2(row_bytes))
+    else:
+        row_bytes = -(-row_bytes // MAX_SWIZZLE) * MAX_SWIZZLE
+    hi_p, d_p = -(-hi // 8) * 8, row_bytes // itemsize
+    weights = weights.astype(jnp.float32)
+    if (hi_p, d_p) != (hi, d):
+        q = jnp.pad(q, ((0, 0), (0, hi_p - hi), (0, d_p - d)))
+        weights = jnp.pad(weights, ((0, 0), (0, hi_p - hi)))
+        k_cache = jnp.pad(k_cache, ((0, 0), (0, d_p - d)))
+    return q, weights, k_cache, min(MAX_SWIZZLE, row_bytes)
+
+
+def warpgroups(memory, compute):
+    """Warp specialisation: warpgroup COMPUTE_WGS streams keys with few registers (memory()); the
+    compute warpgroups take the registers it gives up (compute(wg), wg in [0, COMPUTE_WGS))."""
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory_wg():
+        plgpu.set_max_registers(40, action="decrease")
+        memory()
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute_wg():
+        plgpu.set_max_registers(232, action="increase")
+        compute(wg)
+
+
+def chunk_blocks(tile_end, first, chunk, step_blocks=1):
+    """(first key block past the tile's last valid key tile_end, the chunk's key blocks to
+    compute, pipeline steps of step_blocks blocks)."""
+    stop = pl.cdiv(tile_end, BLOCK_KEYS)
+    n_blocks = jnp.clip(stop - first, 0, chunk)
+    return stop, n_blocks, n_blocks if step_blocks == 1 else pl.cdiv(n_blocks, step_blocks)
+
+
+def chunk_header(meta_smem, meta_bar, first, chunk, step_blocks=1):
+    """Waits for the tile's metadata, then `chunk_blocks` of its end (meta_smem[1])."""
+    plgpu.barrier_wait(meta_bar)
+    return chunk_blocks(meta_smem[1], first, chunk, step_blocks)
+
+
+def load_tile_rows(meta_smem, q_ref, w_ref, q_smem, w_smem, q_bar, tile):
+    """The tile's weights [BR, Hi] and the q of its rows (meta_smem[2 + j]; an empty row slot loads
+    row 0, never stored: one arrival each) into SMEM, arriving on q_bar (1 + BR arrivals)."""
+    plgpu.copy_gmem_to_smem(w_ref.at[tile], w_smem, q_bar)
+    hi = q_ref.shape[1]
+    for j in range(w_smem.shape[0]):
+        plgpu.copy_gmem_to_smem(q_ref.at[jnp.maximum(meta_smem[2 + j], 0)], q_smem.at[pl.ds(j * hi, hi)], q_bar)
+
+
+def load_ring(n_steps, stages, consumed_bar, load, init_carry=None):
+    """The memory warpgroup's loop: pipeline step s fills ring slot s % stages, from the second lap
+    on once its compute warpgroup released it. load(step, slot[, carry]) issues the step's TMAs
+    (arriving on the slot's barrier) [and returns the next carry]."""
+    def body(step, *carry):
+        slot = lax.rem(step, stages)
+
+        @pl.when(step >= stages)
+        def _():
+            plgpu.barrier_wait(consumed_bar.at[slot])
+            plgpu.commit_smem()  # order the consumer's reads (generic proxy) before TMA's writes
+
+        return load(step, slot, *carry)
+
+    pl.loop(0, n_steps, init_carry=init_carry)(body)
+
+
+def fill_tail_and_drain(rows, fill_smem, stop, first, chunk, out_blocks, out_block):
+    """The memory warpgroup's end: -inf (fill_smem, 2 key blocks of SMEM) stored to out_block(row, b)
+    for each of the tile's rows (row ids, -1 = none) and the chunk's key blocks b at or past
+    `stop` (the tile's end) and before out_blocks; then waits until the stores have read SMEM
+    (the writes land by kernel end)."""
+    fill_smem[...] = jnp.full(fill_smem.shape, -jnp.inf, jnp.float32)
+    plgpu.commit_smem()
+    for row in rows:
+        @pl.when(row >= 0)
+        def _fill_row():
+            @pl.loop(jnp.maximum(stop, first), jnp.minimum(first + chunk, out_blocks))
+            def _fill(b):
+                plgpu.copy_smem_to_gmem(fill_smem.at[:BLOCK_KEYS], out_block(row, b))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def consume_ring(wg, n_steps, stages, q_bar, k_bar, consumed_bar, o_smem, compute, store, prologue=lambda: None):
+    """Compute warpgroup wg's pipeline steps wg, wg + COMPUTE_WGS, ...: once q (q_bar) has landed
+    and state = prologue(), per step waits for its ring slot's keys and until the stores of its
+    SMEM output tile (o_smem[wg, i % 2]) two steps back have read it, then
+    compute(step, slot, out_tile, lane, state, release) fills out_tile (lane: [64] key offsets in
+    the WGMMA row layout; release(): hands the slot back to the memory warpgroup once its keys
+    are read) and store(step, out_tile) issues out_tile's TMA stores (one commit group)."""
+    lane = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KEYS,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+
+    @pl.when(n_steps > 0)
+    def _():
+        plgpu.barrier_wait(q_bar)
+        state = prologue()
+
+        @pl.loop(0, (n_steps - wg + COMPUTE_WGS - 1) // COMPUTE_WGS)
+        def _step(i):
+            step = wg + COMPUTE_WGS * i
+            slot = lax.rem(step, stages)
+            out_tile = o_smem.at[wg, lax.rem(i, 2)]
+            plgpu.barrier_wait(k_bar.at[slot])
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # out_tile's stores of step i - 2
+
+            def release():
+                @pl.when(step + stages < n_steps)  # else no refill follows
+                def _():
+                    plgpu.barrier_arrive(consumed_bar.at[slot])
+
+            compute(step, slot, out_tile, lane, state, release)
+            plgpu.commit_smem()
+            store(step, out_tile)
+            plgpu.commit_smem_to_gmem_group()
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def row_logits(scores, w, k_scale, pos, row_end):
+    """One row's logits of a key block: scores [bk, Hi] f32, w [Hi] f32, k_scale [bk] f32 or None,
+    pos [bk] key positions -> [bk] sum_h w_h ReLU(scores_h) (x k_scale), -inf at pos >= row_end."""
+    bk, hi = scores.shape
+    logit = jnp.sum(jnp.maximum(scores, 0.0) * lax.broadcast_in_dim(w, (bk, hi), [1]), axis=1)
+    if k_scale is not None:
+        logit = logit * k_scale
+    return jnp.where(pos < row_end, logit, -jnp.inf)
+
+
+def meta_width(block_rows):
+    return -(-(2 + 2 * block_rows) // 4) * 4  # int32 row of 16-byte multiple (TMA)
+
+
+def ring_kernel(kernel, out_type, grid, name, interpret):
+    """plgpu.kernel of a ring kernel body: grid (key chunks "split", row tiles "tile"), one memory
+    and COMPUTE_WGS compute warpgroups ("wg")."""
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        grid=grid,
+        grid_names=("split", "tile"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name=name,
+    )

@@ -1,0 +1,149 @@
+"""Absorbed (MQA-form) sparse MLA attention over selected latent-cache rows.
+
+For each query row n and head h, over the cache slots idx = slots[n, :] that are >= 0:
+    score[j] = scale * (q[n, h, :R] . c[idx_j] + q[n, h, R:] . k_pe[idx_j])
+    out[n, h] = softmax(score) @ c[idx],   lse[n, h] = logsumexp(score)
+Rows with no valid slot give out = 0 and lse = +inf (FlashMLA's convention). A -1 slot adds
+nothing whatever the cache holds (slot 0, which it addresses, may hold another request's NaN):
+its gathered row is zero by select (the reference), masked loads (Triton) or zero-filled copies
+(Mosaic GPU), never by a 0 probability times its values (0 * NaN = NaN).
+
+`reference.sparse_mla_reference` is the jnp oracle (and the XLA path); `sparse_mla` the Pallas
+GPU kernels, same signature and results. An fp8 cache is dequantised either inside the
+kernel, per gathered row, or "upfront": the cache pages the rows can reach dequantised once into
+a bf16 copy that the bf16 kernel then reads (`dequantize=`, below). Two backends:
+  * "mosaic" (the default on a Hopper GPU): `mosaic.sparse_mla_mosaic`, Pallas Mosaic GPU with
+    wgmma and a warp-specialised producer that gathers the selected rows with cp.async;
+  * "triton": `triton.sparse_mla_triton`, the Pallas Triton kernel, for everything else
+    (`interpret=True` runs it on CPU, which is how the CPU tests cover the semantics; other
+    GPUs; shapes the Mosaic kernel does not take).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ..device import on_hopper
+from . import mosaic
+from .triton import sparse_mla_triton
+
+
+def dequantize_latent(latent, latent_scale):
+    """latent: [..., R] (bf16 | f32 | e4m3); latent_scale: [..., R // tile] f32 or None -> f32."""
+    values = latent.astype(jnp.float32)
+    if latent_scale is None:
+        return values
+    tile = latent.shape[-1] // latent_scale.shape[-1]
+    shaped = values.reshape(values.shape[:-1] + (latent_scale.shape[-1], tile))
+    return (shaped * latent_scale[..., None]).reshape(values.shape)
+
+
+DEQUANTIZE = ("auto", "kernel", "upfront")
+# Upfront pays when the kernel would dequantise >= this many gathered rows (rows x topk x 64-head
+# programs) per copied row; break-even is ~10 on the H200 (docs/design/sparse_mla.md).
+UPFRONT_MIN_USES = 12
+
+
+def dequantize_route(rows, heads, topk, copy_rows):
+    """"upfront" if the kernel would dequantise rows x topk x cdiv(heads, 64) gathered rows (one
+    64-head program each) >= UPFRONT_MIN_USES x copy_rows, the rows an upfront copy holds; else "kernel"."""
+    return "upfront" if rows * topk * pl.cdiv(heads, 64) >= UPFRONT_MIN_USES * copy_rows else "kernel"
+
+
+def copy_rows(num_slots, pages, page_size):
+    """Rows of `dequantize_pages`'s copy: pages.size * page_size, or num_slots for pages None."""
+    if pages is None:
+        return num_slots
+    if not isinstance(page_size, int) or page_size <= 0 or num_slots % page_size:
+        raise ValueError(f"page_size must be a positive int dividing the cache's {num_slots} slots, got {page_size!r}")
+    return pages.size * page_size
+
+
+def dequantize_pages(latent, latent_scale, k_pe, slots, pages, *, page_size, dtype):
+    """An fp8 cache's pages dequantised once, and slots renumbered into the copy.
+
+    latent: [num_slots, R] e4m3; latent_scale: [num_slots, R // tile] f32; k_pe: [num_slots, P];
+    slots: [N, K] int32 (-1 = skip); pages: int32 page ids, any shape (-1 entries ignored), or None
+    for the whole cache; slot s lies on page s // page_size.
+    Returns (latent [W, R] dtype, k_pe [W, P], slots [N, K] into them), W = pages.size * page_size
+    (num_slots for None); a -1 entry's rows are zeros that no slot names (static shapes: they
+    cost their copy; zeros rather than a copy of page 0, whose NaN would then reach a kernel that
+    masks by multiplying). A slot whose page is not listed becomes -1: `pages` must hold every
+    page the slots name (a sequence's block table does).
+    """
+    copy_rows(latent.shape[0], pages, page_size)  # checks page_size
+    if pages is None:
+        return dequantize_latent(latent, latent_scale).astype(dtype), k_pe, slots
+    num_pages = latent.shape[0] // page_size
+    pages = pages.reshape(-1).astype(jnp.int32)
+    listed = pages >= 0
+
+    def rows_of(a):  # [num_slots, ...] -> the listed pages' rows [W, ...]; zeros for -1 entries
+        paged = a.reshape(num_pages, page_size, *a.shape[1:])
+        rows = paged[jnp.where(listed, pages, 0)]
+        rows = jnp.where(listed.reshape((-1,) + (1,) * (rows.ndim - 1)), rows, jnp.zeros((), rows.dtype))
+        return rows.reshape(pages.size * page_size, *a.shape[1:])
+
+    copy_page = jnp.full((num_pages,), -1, jnp.int32).at[jnp.where(listed, pages, num_pages)].set(
+        jnp.arange(pages.size, dtype=jnp.int32), mode="drop")  # cache page -> its page in the copy
+    page = copy_page[jnp.clip(slots // page_size, 0, num_pages - 1)]
+    renumbered = jnp.where((slots >= 0) & (page >= 0), page * page_size + slots % page_size, -1)
+    return (dequantize_latent(rows_of(latent), rows_of(latent_scale)).astype(dtype), rows_of(k_pe),
+            renumbered.astype(jnp.int32))
+
+
+def sparse_mla(q, latent, latent_scale, k_pe, slots, *, scale, interpret=False, backend=None,
+               dequantize="auto", pages=None, page_size=None,
+               block_h=64, block_k=32, num_splits=None, num_warps=None, num_stages=2):
+    """Sparse MLA attention as a Pallas GPU kernel; same semantics as `reference.sparse_mla_reference`.
+
+    q: [N, H, R + P] (bf16 | f32); latent: [num_slots, R] (bf16 | f32 | float8_e4m3fn);
+    latent_scale: [num_slots, R // 128] f32 (fp8 cache: FlashMLA's per-128-value tile scales) or
+    None; k_pe: [num_slots, P]; slots: [N, K] int32 (-1 = skip).
+    Returns (out [N, H, R] f32, lse [N, H] f32); rows with no valid slot give out 0, lse +inf.
+    `scale` is a static Python number (folded into the kernel).
+
+    backend: "mosaic" (`mosaic.sparse_mla_mosaic`, Hopper only, bf16 q; see there), "triton"
+    (`triton.sparse_mla_triton`), or None = "mosaic" on a Hopper GPU when it takes the operands
+    (`mosaic.unsupported_reason`), else "triton". `num_splits` applies to both; the other knobs
+    (block_h, block_k, num_warps, num_stages) tune the Triton kernel only (see there).
+
+    fp8 caches (`dequantize_pages`): pages [..] int32 (-1 ignored) lists every cache page the
+    slots may name (page_size slots each; e.g. the batch's block tables), None = the whole cache.
+    dequantize: "kernel" dequantises each gathered row inside the kernel; "upfront" dequantises
+    the listed pages once, to q's dtype (the kernel's rounding), and runs the kernel on that copy
+    (a transient [pages * page_size, R] buffer); "auto" = "upfront" when the kernel would
+    dequantise at least UPFRONT_MIN_USES rows per row of that copy (prefill: thousands of rows
+    over one sequence's pages), else "kernel" (decode); see docs/design/sparse_mla.md.
+
+    Why two backends: the Mosaic kernel (cp.async gather producer + wgmma consumers) is ~2x the
+    Triton one on Hopper; the Triton one is the portable path (interprets on CPU, any
+    power-of-two rank, f32). Triton lowers the gathers (`ref[idx_vector]`, pointer-tensor loads)
+    and the dots, but in one program-wide pipeline; the Mosaic kernel specialises warpgroups. One
+    program over all 128 heads, to gather each row once, does not fit either way: its
+    accumulator alone (128 x 512 f32 = 256 KiB) is the whole register file. (jax 0.11 marks the
+    Pallas Triton backend deprecated and warns on each lowering.)
+    """
+    if dequantize not in DEQUANTIZE:
+        raise ValueError(f"dequantize must be one of {DEQUANTIZE}, got {dequantize!r}")
+    if latent_scale is None and dequantize == "upfront":
+        raise ValueError("dequantize='upfront' needs an fp8 cache (latent_scale)")
+    if latent_scale is not None:
+        if dequantize == "auto":
+            dequantize = dequantize_route(*q.shape[:2], slots.shape[-1], copy_rows(latent.shape[0], pages, page_size))
+        if dequantize == "upfront":
+            latent, k_pe, slots = dequantize_pages(latent, latent_scale, k_pe, slots, pages,
+                                                   page_size=page_size, dtype=q.dtype)
+            latent_scale = None
+    if backend is None:
+        backend = "mosaic" if not interpret and on_hopper() and mosaic.unsupported_reason(
+            q, latent, latent_scale, k_pe) is None else "triton"
+    if backend == "mosaic":
+        if interpret:
+            raise ValueError("the Mosaic GPU kernel has no interpret mode (its gathers are inline PTX)")
+        return mosaic.sparse_mla_mosaic(q, latent, latent_scale, k_pe, slots, scale=scale, num_splits=num_splits)
+    if backend != "triton":
+        raise ValueError(f"backend must be 'mosaic', 'triton' or None, got {backend!r}")
+    return sparse_mla_triton(q, latent, latent_scale, k_pe, slots, scale=scale, interpret=interpret, block_h=block_h,
+                             block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)

@@ -1,0 +1,8 @@
+"""Top-k of the indexer logits: `topk` (Pallas, Triton backend: sampled thresholds, counted
+writes, an exact select within the threshold band) and `topk_reference` (lax.top_k). Design and
+measurements: docs/design/topk.md."""
+
+from .api import topk
+from .reference import topk_reference
+
+__all__ = ["topk", "topk_reference"]

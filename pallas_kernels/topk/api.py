@@ -1,0 +1,55 @@
+"""Top-k selection of indexer logits: the k highest finite entries of each row, -1 padded (the
+Pallas kernels of `triton`; `reference.topk_reference` is the jnp oracle)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .triton import topk_stages
+
+
+def topk(logits, k: int, *, interpret=False, block=None, num_warps=None, num_stages=None,
+         sample=None, capacity=None, slices=None):
+    """[N, L] f32 (-inf = invalid) -> [N, k] int32: indices of the k largest finite entries per
+    row, -1 padded. Same contract as `reference.topk_reference` (order within a row unspecified;
+    among equal values at the threshold any choice is valid; NaN counts as invalid).
+    Deterministic: the definite keys, then the band's selected keys, each in column order.
+
+    Keys: float32 bits mapped to an int32 whose order is the float order. Exact whatever the
+    data; Pallas kernels on the Triton backend (integer compares, block scans, per-lane scatter
+    stores and a few atomics, no matrix work: nothing for Mosaic GPU's wgmma/TMA to speed up):
+      1. thresholds (one program per row): a sample of `sample` keys (default L/32 clamped to
+         [1024, 4096]; runs of 8 adjacent columns at a jittered stride); t_lo, with ~k + 5
+         sigma row keys expected >= it, and t_hi, with ~k - 5 sigma, found together: one pass
+         at 16 fixed float thresholds (the lowest counts the valid keys), then 16-way count
+         passes that stop once an interval holds ~sqrt(k / stride) / 4 sampled keys;
+      2. write: definite keys (>= t_hi) have their columns written straight to the output,
+         band keys (in [t_lo, t_hi)) go (key, column) to a per-row band buffer of `capacity`
+         entries, both in column order (one block cumsum of two packed 16-bit counters per
+         chunk). With >= 1024 rows, one program per row counts as it writes (one read of the
+         row); with fewer rows, `slices` programs per row (default ~4096 programs, slices >=
+         4096 keys): each counts its slice, publishes the counts (f32 atomics), waits for the
+         earlier slices' and writes at their offsets (the second read hits L2);
+      3. select (one program per row): if the definite keys number <= min(k, valid) <=
+         definite + band (and the band fits), the (min(k, valid) - definite)-th largest band
+         key by 16-way count passes over the band only (~2.8K keys at L = 32K; ~3.5 passes: a
+         search stops as soon as the keys >= its lower bound are exactly the ones needed), and
+         those band keys are appended (ties at the boundary: the first in column order);
+         otherwise (unlucky sample, massive ties, adversarial order) the same over the whole
+         row: correct either way, only slower. -1 padding.
+    With several slices a row, loads go 4 chunks at a time (one memory latency per 4); with
+    >= 1024 rows, singly (it cost more than it saved).
+    Latency-bound at few rows (three launches and ~3.5 dependent passes); docs/design/topk.md.
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"topk: logits must be 2-D [N, L], got shape {logits.shape}")
+    if k < 0:
+        raise ValueError(f"topk: k must be >= 0, got {k}")
+    n, num_keys = logits.shape
+    if n == 0 or k == 0:
+        return jnp.zeros((n, k), jnp.int32)
+    if num_keys == 0:
+        return jnp.full((n, k), -1, jnp.int32)
+    return topk_stages(logits, k, interpret=interpret, block=block, num_warps=num_warps,
+                       num_stages=num_stages, sample=sample, capacity=capacity,
+                       slices=slices)["out"]
