@@ -6,15 +6,34 @@ Meshes (heads over "tensor", sequences over "data"): jax_sparse_mla.sharding.
 Checkpoints (orbax; Hugging Face safetensors layers): jax_sparse_mla.checkpoint.
 """
 
-from .cache import PagedCache, init_cache, read_indexer_keys, read_latent
-from .checkpoint import load_layer_from_safetensors, restore_checkpoint, save_checkpoint
-from .config import MLAConfig, RopeScaling
-from .model import forward, jit_forward
-from .nnx_layer import SparseMLA
-from .params import init_params, params_from_hf
-from .plan import BatchMeta, BatchPlan, BucketPolicy, Request, plan_batch
-from .sharding import (init_sharded_cache, jit_sharded_forward, make_mesh, plan_data_parallel, shard_params,
-                       sharded_forward)
+import importlib
+
+# public name -> the submodule defining it, imported on first use (PEP 562), so that importing
+# one submodule (e.g. jax_sparse_mla.plan on a host that only plans) loads only what it needs
+_EXPORTS = {
+    "PagedCache": "cache", "init_cache": "cache", "read_indexer_keys": "cache", "read_latent": "cache",
+    "load_layer_from_safetensors": "checkpoint", "restore_checkpoint": "checkpoint", "save_checkpoint": "checkpoint",
+    "MLAConfig": "config", "RopeScaling": "config",
+    "forward": "model", "jit_forward": "model",
+    "SparseMLA": "nnx_layer",
+    "init_params": "params", "params_from_hf": "params",
+    "BatchMeta": "plan", "BatchPlan": "plan", "BucketPolicy": "plan", "Request": "plan", "plan_batch": "plan",
+    "init_sharded_cache": "sharding", "jit_sharded_forward": "sharding", "make_mesh": "sharding",
+    "plan_data_parallel": "sharding", "shard_params": "sharding", "sharded_forward": "sharding",
+}
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "BatchMeta", "BatchPlan", "BucketPolicy", "MLAConfig", "PagedCache", "Request", "RopeScaling",

@@ -29,7 +29,8 @@ def workload(topk: int):
 
 
 def run_demo(config_name: str | None, kernels: str) -> int:
-    on_gpu = jax.default_backend() == "gpu"
+    platform = jax.devices()[0].platform
+    on_gpu = platform == "gpu"
     if config_name is None:
         config_name = "deepseek_v32" if on_gpu else "tiny"
     config = MLAConfig.tiny() if config_name == "tiny" else MLAConfig.deepseek_v32()
@@ -37,7 +38,7 @@ def run_demo(config_name: str | None, kernels: str) -> int:
     steps = workload(config.index_topk)
     max_len = max(n for _, seqs, _ in steps for n in seqs.values())
     h = Harness(config, num_pages=8 * (-(-max_len // config.page_size)), kernels=kernels)
-    print(f"config {config_name} on {jax.default_backend()}, kernels={kernels}: {config.num_attention_heads} heads, "
+    print(f"config {config_name} on {platform}, kernels={kernels}: {config.num_attention_heads} heads, "
           f"topk {config.index_topk}, page {config.page_size}, dtype {config.dtype}, "
           f"kv cache {config.kv_cache_dtype}, indexer {config.indexer_dtype}")
     print(f"{'step':<32} {'route':<7} {'scoring':<9} {'tokens':>7} {'padded':>7} {'1st call ms':>11} "

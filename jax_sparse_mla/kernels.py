@@ -1,16 +1,23 @@
 """The one dispatch point between the layer and the kernels of `pallas_kernels`.
 
+`resolve(kernels, config)` makes every device-dependent choice once: which backend runs each op
+("xla": the pure-jnp reference; "triton": a Pallas Triton-backend kernel; "mosaic": a Pallas
+Mosaic GPU kernel), whether it interprets (off the GPU), and its tuning. The batch-dependent
+choices (the Mosaic indexer kernel's shape, an fp8 cache's dequantisation route) are the plan's
+(BatchPlan.groups, policy.py). The wrappers below pass both to the kernels, which decide nothing.
+
 `kernels="xla"` runs each op's pure-jnp implementation and `"pallas"` every Pallas kernel
-(compiled on a GPU, in Pallas interpret mode elsewhere: slow, for tests). `"auto"` picks per op
-what measured fastest on the H200 and XLA off the GPU:
-  indexer logits: Pallas (Mosaic GPU on Hopper); top-k: Pallas (Triton backend; several times
-  lax.top_k); sparse MLA: Pallas (Mosaic GPU on Hopper, an fp8 prefill through its upfront bf16
-  copy); dense MHA: Pallas (Mosaic GPU, the only option taking the packed layout). Numbers:
-  docs/benchmarks.md.
+(compiled on a GPU, in interpret mode elsewhere: slow, for tests). `"auto"` is what measured
+fastest on the H200 and XLA off the GPU: on a GPU the same as "pallas":
+  indexer logits: Mosaic GPU on Hopper (prefill and decode kernels), Triton elsewhere; top-k:
+  Triton (several times lax.top_k); sparse MLA: Mosaic GPU on Hopper where it takes the
+  config's operands, Triton elsewhere; dense MHA: Mosaic GPU (the only option taking the packed
+  layout). Numbers: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -19,32 +26,94 @@ from pallas_kernels import dense_mha as dense_mha_lib
 from pallas_kernels import indexer_logits as indexer_logits_lib
 from pallas_kernels import sparse_mla as sparse_mla_lib
 from pallas_kernels import topk as topk_lib
+from pallas_kernels.device import on_hopper
 
 CHOICES = ("auto", "xla", "pallas")
 OPS = ("indexer_logits", "topk", "sparse_mla", "dense_mha")
-AUTO_ON_GPU = dict.fromkeys(OPS, "pallas")
+BACKENDS = ("xla", "triton", "mosaic")
+MOSAIC_INDEXER_DTYPES = ("fp8", "bfloat16")  # indexer dtypes the Mosaic indexer kernels take (q and keys alike)
 
 
-def resolve(kernels: str, config) -> dict[str, str]:
-    """kernels choice and the layer's MLAConfig -> {op: "xla" | "pallas"}.
+@dataclasses.dataclass(frozen=True)
+class OpImpl:
+    """How one op runs: backend "xla" | "triton" | "mosaic", interpret (Pallas interpret mode,
+    off the GPU), tuning (keyword overrides for that backend's kernel, as (name, value) pairs;
+    empty: its own defaults)."""
 
-    Dense MHA runs on XLA whatever the choice where the dense Mosaic kernel does not take the
-    config (float32 oracles, head dims that are not multiples of 64: the tiny test configs), and
-    off the GPU when XLA's CPU thread pool (PJRT_NPROC, else the schedulable CPUs) is too small
-    for Mosaic GPU's interpreter: it runs the kernel's warpgroups as concurrent callbacks on that
-    pool and deadlocks with fewer threads than warpgroups (tests/conftest.py sets PJRT_NPROC).
+    backend: str
+    interpret: bool = False
+    tuning: tuple[tuple[str, object], ...] = ()
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementations:
+    """One OpImpl per op (hashable: part of a jitted forward's static state)."""
+
+    indexer_logits: OpImpl
+    topk: OpImpl
+    sparse_mla: OpImpl
+    dense_mha: OpImpl
+
+
+XLA = OpImpl("xla")
+
+
+def resolve(kernels: str, config) -> Implementations:
+    """kernels choice and the layer's (per-shard) MLAConfig -> Implementations, decided once.
+
+    "xla", and "auto" off the GPU: XLA for every op. "pallas", and "auto" on a GPU:
+      indexer_logits: "mosaic" on Hopper for fp8 / bf16 indexers (the plan's RowGroup picks the
+        prefill or decode kernel), else "triton";
+      topk: "triton";
+      sparse_mla: "mosaic" on Hopper when `sparse_mla.unsupported_reason` accepts the operands
+        the config gives it (bf16 q and k_pe, rank and rope widths; an fp8 cache's upfront copy
+        is accepted exactly when the cache is), else "triton";
+      dense_mha: "mosaic", but "xla" where the kernel does not take the config (float32
+        oracles, head dims that are not multiples of 64: the tiny test configs) and off the GPU
+        when XLA's CPU thread pool (PJRT_NPROC, else the schedulable CPUs) is too small for
+        Mosaic GPU's interpreter: it runs the kernel's warpgroups as concurrent callbacks on
+        that pool and deadlocks with fewer threads than warpgroups (tests/conftest.py sets
+        PJRT_NPROC).
+    Off the GPU every Pallas backend interprets.
     """
     if kernels not in CHOICES:
         raise ValueError(f"kernels must be one of {CHOICES}, got {kernels!r}")
-    if kernels == "auto":
-        impl = dict(AUTO_ON_GPU) if jax.default_backend() == "gpu" else dict.fromkeys(OPS, "xla")
-    else:
-        impl = dict.fromkeys(OPS, kernels)
-    too_few_threads = _interpret() and _cpu_threads() < dense_mha_lib.INTERPRET_MIN_CPU_THREADS
-    if too_few_threads or dense_mha_lib.unsupported_reason(config.jnp_dtype, config.qk_head_dim,
-                                                             config.v_head_dim):
-        impl["dense_mha"] = "xla"
-    return impl
+    interpret = _interpret()
+    if kernels == "xla" or (kernels == "auto" and interpret):
+        return Implementations(XLA, XLA, XLA, XLA)
+    hopper = not interpret and on_hopper()
+    triton = OpImpl("triton", interpret)
+    indexer = OpImpl("mosaic") if hopper and config.indexer_dtype in MOSAIC_INDEXER_DTYPES else triton
+    sparse = OpImpl("mosaic") if hopper and _sparse_mosaic_takes(config) else triton
+    too_few_threads = interpret and _cpu_threads() < dense_mha_lib.INTERPRET_MIN_CPU_THREADS
+    dense_unsupported = dense_mha_lib.unsupported_reason(config.jnp_dtype, config.qk_head_dim, config.v_head_dim)
+    dense = XLA if too_few_threads or dense_unsupported else OpImpl("mosaic", interpret)
+    return Implementations(indexer_logits=indexer, topk=triton, sparse_mla=sparse, dense_mha=dense)
+
+
+def _sparse_mosaic_takes(config) -> bool:
+    """Whether the Mosaic sparse kernel takes the operands the layer passes under `config`: q
+    [N, H, R + P] in the config's dtype and the latent cache as stored, or, for an fp8 cache,
+    its upfront copy (latent in q's dtype, no scales); the two agree (asserted) because the
+    config makes an fp8 cache's rank a multiple of its 128-value scale tile."""
+    from .cache import init_cache  # (cache imports this module)
+
+    stored = jax.eval_shape(lambda: init_cache(config, 1))
+
+    def flat(a):
+        return None if a is None else jax.ShapeDtypeStruct((a.shape[0] * a.shape[1],) + a.shape[2:], a.dtype)
+
+    latent, latent_scale, k_pe = flat(stored.latent), flat(stored.latent_scale), flat(stored.k_pe)
+    q = jax.ShapeDtypeStruct((1, config.num_attention_heads, latent.shape[-1] + k_pe.shape[-1]), config.jnp_dtype)
+    takes = sparse_mla_lib.unsupported_reason(q, latent, latent_scale, k_pe) is None
+    if latent_scale is not None:  # the upfront route's operands
+        copy = jax.ShapeDtypeStruct(latent.shape, q.dtype)
+        assert takes == (sparse_mla_lib.unsupported_reason(q, copy, None, k_pe) is None), config
+    return takes
 
 
 def _interpret() -> bool:
@@ -56,43 +125,50 @@ def _cpu_threads() -> int:
     return int(os.environ.get("PJRT_NPROC") or len(os.sched_getaffinity(0)))
 
 
-def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size, impl):
-    """[N, W * page_size] f32 indexer logits, -inf outside [0, row_end) (see pallas_kernels.indexer_logits)."""
-    if impl == "pallas":
-        return indexer_logits_lib.indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
-                                                 page_size=page_size, interpret=_interpret())
-    return indexer_logits_lib.indexer_logits_reference(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
-                                                       page_size=page_size)
+def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size, impl: OpImpl,
+                   kernel: str):
+    """[N, W * page_size] f32 indexer logits, -inf outside [0, row_end) (see pallas_kernels.indexer_logits).
+    kernel: "prefill" | "decode", the Mosaic kernel shape the plan chose for these rows
+    (RowGroup.indexer_kernel; used when impl runs Mosaic)."""
+    if impl.backend == "xla":
+        return indexer_logits_lib.indexer_logits_reference(q, weights, k_cache, k_scale, block_tables, row_seq,
+                                                           row_end, page_size=page_size)
+    backend = f"mosaic_{kernel}" if impl.backend == "mosaic" else impl.backend
+    return indexer_logits_lib.indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
+                                             page_size=page_size, backend=backend, interpret=impl.interpret,
+                                             **dict(impl.tuning))
 
 
-def topk(logits, k: int, *, impl):
+def topk(logits, k: int, *, impl: OpImpl):
     """[N, k] int32 positions of the k largest finite logits per row, -1 padded."""
-    if impl == "pallas":
-        return topk_lib.topk(logits, k, interpret=_interpret())
-    return topk_lib.topk_reference(logits, k)
+    if impl.backend == "xla":
+        return topk_lib.topk_reference(logits, k)
+    return topk_lib.topk(logits, k, backend=impl.backend, interpret=impl.interpret, **dict(impl.tuning))
 
 
-def sparse_mla(q, latent, latent_scale, k_pe, slots, pages, *, scale, page_size, impl):
+def sparse_mla(q, latent, latent_scale, k_pe, slots, pages, *, scale, page_size, impl: OpImpl, dequantize: str):
     """(out [N, H, R] f32, lse [N, H]) of absorbed attention over cache slots (-1 skipped).
 
-    pages: the page ids (-1 ignored) holding every slot; with an fp8 cache the Pallas route may
-    dequantise those pages once ahead of the kernel, a copy with a row for every entry (-1
-    included). The layer passes its prefill rows' own pages under the plan's fp8 split
+    dequantize: "kernel" | "upfront", the plan's route for these rows (RowGroup.dequantize;
+    used by Pallas backends with an fp8 cache). pages: the page ids (-1 ignored) holding every
+    slot, which "upfront" dequantises once ahead of the kernel (a copy with a row for every
+    entry, -1 included): the prefill rows' own pages under the plan's fp8 split
     (BatchPlan.num_upfront_rows), else the block tables [num_seqs, pages_per_seq]."""
-    if impl == "pallas":
-        return sparse_mla_lib.sparse_mla(q, latent, latent_scale, k_pe, slots, scale=scale,
-                                         pages=pages, page_size=page_size, interpret=_interpret())
-    return sparse_mla_lib.sparse_mla_reference(q, latent, latent_scale, k_pe, slots, scale=scale)
+    if impl.backend == "xla":
+        return sparse_mla_lib.sparse_mla_reference(q, latent, latent_scale, k_pe, slots, scale=scale)
+    return sparse_mla_lib.sparse_mla(q, latent, latent_scale, k_pe, slots, scale=scale, backend=impl.backend,
+                                     dequantize=dequantize, pages=pages, page_size=page_size,
+                                     interpret=impl.interpret, **dict(impl.tuning))
 
 
-def dense_mha(q, k, v, q_start_loc, k_start_loc, *, scale, impl):
+def dense_mha(q, k, v, q_start_loc, k_start_loc, *, scale, impl: OpImpl):
     """[T, H, Dv] causal attention of packed ragged sequences (see pallas_kernels.dense_mha)."""
-    if impl == "pallas":
-        return dense_mha_lib.dense_mha(q, k, v, q_start_loc, k_start_loc, scale=scale, interpret=_interpret())
-    return dense_mha_lib.dense_mha_reference(q, k, v, q_start_loc, k_start_loc, scale=scale)
+    if impl.backend == "xla":
+        return dense_mha_lib.dense_mha_reference(q, k, v, q_start_loc, k_start_loc, scale=scale)
+    return dense_mha_lib.dense_mha(q, k, v, q_start_loc, k_start_loc, scale=scale, backend=impl.backend,
+                                   interpret=impl.interpret, **dict(impl.tuning))
 
 
 gather_paged_rows = indexer_logits_lib.gather_paged_rows
 dequantize_index_keys = indexer_logits_lib.dequantize_index_keys
 dequantize_latent = sparse_mla_lib.dequantize_latent
-dequantize_route = sparse_mla_lib.dequantize_route

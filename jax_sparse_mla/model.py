@@ -20,7 +20,7 @@ from . import kernels as kernel_ops
 from . import ops
 from .config import MLAConfig
 from .params import check_params
-from .plan import BatchMeta, BatchPlan
+from .plan import BatchMeta, BatchPlan, RowGroup
 
 
 def _precision(config: MLAConfig):
@@ -115,6 +115,9 @@ def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, confi
     if not isinstance(meta, BatchMeta):
         raise ValueError(f"meta must be a BatchMeta (from plan_batch), got {type(meta).__name__}")
     plan.check_config(config)  # slots, routes and the fp8 split were computed for that config
+    if plan.tensor_parallel != 1:
+        raise ValueError(f"the plan was made for a tensor axis of size {plan.tensor_parallel}: run it through "
+                         "sharding.sharded_forward on such a mesh (forward runs one shard's plan)")
     if hidden.ndim != 2 or hidden.shape != (plan.num_tokens, config.hidden_size):
         raise ValueError(f"hidden has shape {hidden.shape}, expected [plan.num_tokens, hidden_size] = "
                          f"{[plan.num_tokens, config.hidden_size]}")
@@ -135,7 +138,8 @@ def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, confi
 @dataclasses.dataclass(frozen=True)
 class _Step:
     """What the attention programs share: projected rows [T, ...], the written cache, the plan's
-    metadata, the up-projections W_UK [H, nope, R] and W_UV [H, v, R], and static settings."""
+    metadata, the up-projections W_UK [H, nope, R] and W_UV [H, v, R], and static settings
+    (impl: each op's backend, from kernels.resolve)."""
 
     params: dict
     x: jax.Array
@@ -148,7 +152,7 @@ class _Step:
     w_uk: jax.Array
     w_uv: jax.Array
     config: MLAConfig
-    impl: dict
+    impl: kernel_ops.Implementations
     tensor_axis: str | None
 
 
@@ -174,12 +178,13 @@ def _dense_prefill(step: _Step):
     q = jnp.concatenate([_take_rows(step.q_nope, rows), _take_rows(step.q_pe, rows)], -1)  # [T, H, qk]
     dt = c_.jnp_dtype
     out = kernel_ops.dense_mha(q.astype(dt), k.astype(dt), v.astype(dt), meta.dense_query_start,
-                               meta.dense_key_start, scale=c_.softmax_scale, impl=step.impl["dense_mha"])
+                               meta.dense_key_start, scale=c_.softmax_scale, impl=step.impl.dense_mha)
     return rows, out.astype(jnp.float32)
 
 
-def _topk_slots(step: _Step, rows):
-    """Indexer scoring and top-k of `rows` ([N] row ids, -1 padded; None: every row) -> slots [N, topk]."""
+def _topk_slots(step: _Step, rows, group: RowGroup):
+    """Indexer scoring and top-k of `rows` ([N] row ids, -1 padded; None: every row), the plan's
+    row group `group` (its indexer kernel shape) -> slots [N, topk]."""
     c_, meta = step.config, step.meta
     row_pos = _pick(meta.positions, rows)
     row_end = jnp.where(row_pos >= 0, row_pos + 1, 0)
@@ -191,36 +196,37 @@ def _topk_slots(step: _Step, rows):
                                    c_, total_index_heads=c_.index_n_heads * tp)
         logits = kernel_ops.indexer_logits(q_i, w_i, step.cache.flat("index_k"), step.cache.flat("index_k_scale"),
                                            meta.block_tables, _pick(meta.row_seq, rows), row_end,
-                                           page_size=c_.page_size, impl=step.impl["indexer_logits"])
+                                           page_size=c_.page_size, impl=step.impl.indexer_logits,
+                                           kernel=group.indexer_kernel)
         if step.tensor_axis is not None:  # every shard holds some index heads: top-k needs their sum
             logits = jax.lax.psum(logits, step.tensor_axis)
     with jax.named_scope("indexer_topk"):
-        top_pos = kernel_ops.topk(logits, c_.index_topk, impl=step.impl["topk"])
+        top_pos = kernel_ops.topk(logits, c_.index_topk, impl=step.impl.topk)
     return positions_to_slots(top_pos, meta.block_tables, _pick(meta.row_seq, rows), c_.page_size)
 
 
-def _sparse_attention(step: _Step, rows, slots, pages):
+def _sparse_attention(step: _Step, rows, slots, pages, group: RowGroup):
     """Absorbed sparse attention of `rows` (None: every row) over cache slots [N, topk] on `pages`
-    (page ids, -1 ignored) -> [N, H, v] f32."""
+    (page ids, -1 ignored), the plan's row group `group` (its fp8 route) -> [N, H, v] f32."""
     c_, cache = step.config, step.cache
     q_lat = per_head("thn,hnr->thr", _pick(step.q_nope, rows), step.w_uk, c_)
     q_abs = jnp.concatenate([q_lat, _pick(step.q_pe, rows)], -1).astype(c_.jnp_dtype)
     out_lat, _ = kernel_ops.sparse_mla(q_abs, cache.flat("latent"), cache.flat("latent_scale"), cache.flat("k_pe"),
                                        slots, pages, scale=c_.softmax_scale, page_size=c_.page_size,
-                                       impl=step.impl["sparse_mla"])
+                                       impl=step.impl.sparse_mla, dequantize=group.dequantize)
     return per_head("thr,hvr->thv", out_lat, step.w_uv, c_)
 
 
 def _sparse_groups(plan: BatchPlan, meta: BatchMeta, rows):
-    """The sparsely attending rows (`rows`; None: every row) as [(row ids, the pages their keys
-    lie on)]: with the plan's fp8 split, the prefill rows over their own pages (the copy
-    dequantised upfront covers only those) and the decode rows; else one group over every
-    sequence's pages."""
+    """The sparsely attending rows (`rows`: None, every row, or meta.sparse_rows) as [(the plan's
+    RowGroup, row ids, the pages their keys lie on)]: with the plan's fp8 split, the prefill rows
+    over their own pages (the copy dequantised upfront covers only those) and the decode rows;
+    else one group over every sequence's pages."""
     if not plan.num_upfront_rows:
-        return [(rows, meta.block_tables)]
-    groups = [(meta.upfront_rows, meta.upfront_pages)]
+        return [(plan.group("all" if rows is None else "sparse"), rows, meta.block_tables)]
+    groups = [(plan.group("upfront"), meta.upfront_rows, meta.upfront_pages)]
     if plan.num_kernel_rows:
-        groups.append((meta.kernel_rows, meta.block_tables))
+        groups.append((plan.group("kernel"), meta.kernel_rows, meta.block_tables))
     return groups
 
 
@@ -228,10 +234,10 @@ def _attend_sparsely(step: _Step, plan: BatchPlan, out_heads, rows, all_slots=No
     """out_heads [T, H, v] with `rows` (None: every row) attended sparsely, group by group
     (`_sparse_groups`); slots from all_slots [T, topk] when given (every row scored), else scored
     here for the group's rows."""
-    for group, pages in _sparse_groups(plan, step.meta, rows):
-        slots = _topk_slots(step, group) if all_slots is None else _pick(all_slots, group)
-        out = _sparse_attention(step, group, slots, pages)
-        out_heads = out if group is None else _put_rows(out_heads, group, out)
+    for group, group_rows, pages in _sparse_groups(plan, step.meta, rows):
+        slots = _topk_slots(step, group_rows, group) if all_slots is None else _pick(all_slots, group_rows)
+        out = _sparse_attention(step, group_rows, slots, pages, group)
+        out_heads = out if group_rows is None else _put_rows(out_heads, group_rows, out)
     return out_heads
 
 
@@ -251,7 +257,7 @@ def _dense_program(step: _Step, plan: BatchPlan):
     out_heads = jnp.zeros((plan.num_tokens, c_.num_attention_heads, c_.v_head_dim), jnp.float32)
     rows, dense_out = _dense_prefill(step)
     out_heads = _put_rows(out_heads, rows, dense_out)
-    all_slots = None if plan.skip_indexer else _topk_slots(step, None)
+    all_slots = None if plan.skip_indexer else _topk_slots(step, None, plan.group("all"))
     if plan.num_sparse_tokens:
         out_heads = _attend_sparsely(step, plan, out_heads, meta.sparse_rows, all_slots)
     if all_slots is not None:  # baseline: keep scoring that (mostly) no row reads
@@ -272,7 +278,7 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
       the output are summed over the axis.
     """
     _check_inputs(params, hidden, cache, meta, plan, config)
-    impl = kernel_ops.resolve(kernels, config)
+    impl = kernel_ops.resolve(kernels, config)  # every device-dependent choice, once
     c_ = config
     T, H = plan.num_tokens, c_.num_attention_heads
     x = hidden.astype(c_.jnp_dtype)

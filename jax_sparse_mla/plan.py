@@ -27,8 +27,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from . import policy
 from .config import MLAConfig
-from .kernels import dequantize_route
 from .validate import INT32_MAX, as_bool, is_int
 
 
@@ -78,7 +78,7 @@ DISPATCH_MODES = ("static", "cond")
 class PlanConfig:
     """The MLAConfig fields a plan depends on (BatchPlan.config): page_size (every slot number),
     index_topk (the routes; a cond plan's num_dense_keys), kv_cache_dtype and num_attention_heads
-    (the fp8 split), max_position_embeddings (the bound its lengths were validated against).
+    (the fp8 split, over BatchPlan.tensor_parallel shards), max_position_embeddings (the bound its lengths were validated against).
     forward refuses a plan whose fields differ from its config's."""
 
     page_size: int
@@ -90,6 +90,55 @@ class PlanConfig:
     @classmethod
     def of(cls, config: MLAConfig) -> PlanConfig:
         return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class RowGroup:
+    """One list of rows the forward scores (indexer logits + top-k) or attends sparsely in one call,
+    and the kernel choices made for it on the host (policy.py), so that no kernel re-decides.
+
+    name: "all" (every row: the sparse program, the skip_indexer=False baseline's scoring),
+      "sparse" (meta.sparse_rows: the dense program's sparsely attending rows), "upfront"
+      (meta.upfront_rows) or "kernel" (meta.kernel_rows), the fp8 split's two groups.
+    num_rows: the call's padded row count.
+    indexer_kernel: "prefill" | "decode", the Mosaic indexer kernel shape for num_rows rows over
+      the plan's num_seqs sequences (policy.indexer_kernel; used where the indexer runs Mosaic).
+    dequantize: "upfront" | "kernel", how an fp8 latent cache is dequantised for the group's
+      sparse attention (policy.dequantize_route over the per-shard heads and the pages the group
+      reads: meta.upfront_pages for "upfront", every block table otherwise); "kernel" for
+      other caches.
+    """
+
+    name: str
+    num_rows: int
+    indexer_kernel: str
+    dequantize: str
+
+
+def _row_groups(plan: BatchPlan) -> tuple[RowGroup, ...]:
+    """Every RowGroup the plan's program(s) call, in call order (BatchPlan.groups)."""
+    c = plan.config
+    if not isinstance(c, PlanConfig) or not is_int(plan.tensor_parallel) or plan.tensor_parallel < 1:
+        return ()  # refused by check_config / forward
+    heads = c.num_attention_heads // plan.tensor_parallel
+    table_rows = plan.num_seqs * plan.pages_per_seq * c.page_size
+
+    def group(name: str, num_rows: int) -> RowGroup:
+        copy_rows = plan.num_upfront_pages * c.page_size if name == "upfront" else table_rows
+        route = (policy.dequantize_route(num_rows, heads, c.index_topk, copy_rows) if c.kv_cache_dtype == "fp8"
+                 else "kernel")
+        return RowGroup(name, num_rows, policy.indexer_kernel(num_rows, plan.num_seqs), route)
+
+    split = [("upfront", plan.num_upfront_rows)] + ([("kernel", plan.num_kernel_rows)] if plan.num_kernel_rows else [])
+    calls = []
+    if plan.use_dense_mha is not True:  # the sparse program
+        calls += split if plan.num_upfront_rows else [("all", plan.num_tokens)]
+    if plan.use_dense_mha is not False:  # the dense program
+        if not plan.skip_indexer:
+            calls.append(("all", plan.num_tokens))
+        if plan.num_sparse_tokens:
+            calls += split if plan.num_upfront_rows else [("sparse", plan.num_sparse_tokens)]
+    return tuple(group(name, n) for name, n in dict(calls).items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +166,14 @@ class BatchPlan:
       (meta.upfront_rows) attend over a bf16 copy of their sequences' pages
       (meta.upfront_pages, dequantised once), the decode rows (meta.kernel_rows) over the fp8
       cache, dequantised in the kernel. Split when dequantising those pages upfront pays
-      (kernels.dequantize_route): a prefill gathers each row of its sequence many times. The
+      (policy.dequantize_route): a prefill gathers each row of its sequence many times. The
       three sizes are power-of-two buckets, so an fp8 cache compiles more programs.
+    tensor_parallel: the tensor-axis size the plan was made for (its fp8 split decided with
+      num_attention_heads / tensor_parallel heads per shard). Keyword-only; forward runs 1
+      (sharding.sharded_forward refuses a plan made for another tensor size).
+    groups: every RowGroup the program calls the indexer or sparse attention on, with the
+      kernel shape and fp8 route decided for it (computed from the other fields: not an
+      argument, and recomputed by dataclasses.replace).
     In a cond plan, num_sparse_tokens is num_tokens and num_dense_keys num_seqs * index_topk
     (padded): sizes that fit any batch of the bucket.
     """
@@ -135,6 +190,18 @@ class BatchPlan:
     num_kernel_rows: int = 0
     num_upfront_pages: int = 0
     config: PlanConfig = dataclasses.field(kw_only=True)
+    tensor_parallel: int = dataclasses.field(default=1, kw_only=True)
+    groups: tuple[RowGroup, ...] = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "groups", _row_groups(self))
+
+    def group(self, name: str) -> RowGroup:
+        """The RowGroup called `name` (ValueError if the plan's program has no such call)."""
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise ValueError(f"the plan has no {name!r} row group (it has {[g.name for g in self.groups]})")
 
     def check_config(self, config: MLAConfig) -> None:
         """Raises ValueError naming each field in which `config` differs from the one planned for."""
@@ -358,10 +425,16 @@ def _validate(config: MLAConfig, requests, num_pages: int | None) -> list[Reques
     return out
 
 
-def _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch) -> int | None:
+def _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch,
+                   tensor_parallel=1) -> int | None:
     """Checks plan_batch's arguments other than the requests; returns num_pages as an int (or None)."""
     if not isinstance(config, MLAConfig):
         raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
+    if not is_int(tensor_parallel) or tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be a positive int, got {tensor_parallel!r}")
+    for name in ("num_attention_heads", "index_n_heads"):
+        if getattr(config, name) % tensor_parallel:
+            raise ValueError(f"tensor_parallel={tensor_parallel} does not divide {name}={getattr(config, name)}")
     if not isinstance(dispatch, str) or dispatch not in DISPATCH_MODES:
         raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
     for name, value in (("force_sparse", force_sparse), ("skip_indexer", skip_indexer)):
@@ -379,10 +452,12 @@ def _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispa
     return int(num_pages)
 
 
-def _upfront_split(config: MLAConfig, requests: Sequence[Request], attends_sparsely, row_starts, tables, buckets):
+def _upfront_split(config: MLAConfig, requests: Sequence[Request], attends_sparsely, row_starts, tables, buckets,
+                   tensor_parallel: int):
     """(upfront rows, kernel rows, upfront pages, their bucketed sizes) of the fp8 split (see
     BatchPlan), or None when the cache is not fp8, no prefill attends sparsely, or dequantising
-    its pages would not pay. tables[i]: request i's pages that its tokens fill."""
+    its pages would not pay (policy.dequantize_route, per-shard heads). tables[i]: request i's
+    pages that its tokens fill."""
     if config.kv_cache_dtype != "fp8":
         return None
     upfront_rows, kernel_rows, pages = [], [], []
@@ -399,7 +474,8 @@ def _upfront_split(config: MLAConfig, requests: Sequence[Request], attends_spars
         return None
     sizes = (buckets.round_up(len(upfront_rows), 1), buckets.round_up(len(kernel_rows), 1) if kernel_rows else 0,
              buckets.round_up(len(pages), buckets.min_pages_per_seq))
-    route = dequantize_route(sizes[0], config.num_attention_heads, config.index_topk, sizes[2] * config.page_size)
+    route = policy.dequantize_route(sizes[0], config.num_attention_heads // tensor_parallel, config.index_topk,
+                                    sizes[2] * config.page_size)
     return (upfront_rows, kernel_rows, pages, sizes) if route == "upfront" else None
 
 
@@ -412,7 +488,8 @@ def pad_ids(values, size: int):
 
 def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int | None = None,
                force_sparse: bool = False, skip_indexer: bool = True,
-               buckets: BucketPolicy = BucketPolicy(), dispatch: str = "static") -> tuple[BatchPlan, BatchMeta]:
+               buckets: BucketPolicy = BucketPolicy(), dispatch: str = "static",
+               tensor_parallel: int = 1) -> tuple[BatchPlan, BatchMeta]:
     """Validates a batch on the host and returns its static plan and traced metadata.
 
     force_sparse: route short prefills through the indexer and sparse attention too.
@@ -428,18 +505,23 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
       may read one page (a shared prefix). context_len + query_len <= max_position_embeddings.
     dispatch: "static" (the route is in the plan) or "cond" (in meta.dense_flag; the plan's
       sizes then depend on the shape buckets only).
+    tensor_parallel: the tensor-axis size the batch will run under (a positive divisor of
+      num_attention_heads and index_n_heads): the kernel choices are made for the heads of one
+      shard. Plans for more than 1 run through sharding.sharded_forward.
     Raises ValueError naming the request and the problem before anything touches a device.
     """
-    requests, num_pages = _checked(config, requests, num_pages, force_sparse, skip_indexer, buckets, dispatch)
+    requests, num_pages = _checked(config, requests, num_pages, force_sparse, skip_indexer, buckets, dispatch,
+                                   tensor_parallel)
     plan, meta = _plan_host(config, requests, num_pages=num_pages, force_sparse=bool(force_sparse),
-                            skip_indexer=bool(skip_indexer), buckets=buckets, dispatch=dispatch)
+                            skip_indexer=bool(skip_indexer), buckets=buckets, dispatch=dispatch,
+                            tensor_parallel=int(tensor_parallel))
     return plan, jax.tree.map(jax.numpy.asarray, meta)
 
 
-def _checked(config, requests, num_pages, force_sparse, skip_indexer, buckets, dispatch):
+def _checked(config, requests, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel=1):
     """plan_batch's checks: -> (the requests with Python int lengths and list tables, num_pages as
     an int or None). Raises ValueError for the first problem."""
-    num_pages = _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch)
+    num_pages = _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel)
     if isinstance(requests, (str, bytes, Request)) or not isinstance(requests, collections.abc.Iterable):
         raise ValueError(f"requests must be a sequence of Requests, got {type(requests).__name__}")
     return _validate(config, list(requests), num_pages), num_pages
@@ -462,7 +544,8 @@ def _padded_sizes(config: MLAConfig, requests: Sequence[Request], force_sparse: 
 
 
 def _plan_host(config: MLAConfig, requests: Sequence[Request], *, num_pages: int | None, force_sparse: bool,
-               skip_indexer: bool, buckets: BucketPolicy, dispatch: str) -> tuple[BatchPlan, BatchMeta]:
+               skip_indexer: bool, buckets: BucketPolicy, dispatch: str,
+               tensor_parallel: int = 1) -> tuple[BatchPlan, BatchMeta]:
     """plan_batch for requests and options that passed `_checked`; the metadata is numpy, on the host."""
     page = config.page_size
     dense = _dense_routes(config, requests, force_sparse)
@@ -503,14 +586,15 @@ def _plan_host(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
         num_sparse = buckets.round_up(len(sparse_rows), 1) if use_dense and sparse_rows else 0
         num_dense_keys = static_dense_keys
     split = None if dispatch == "cond" else _upfront_split(config, requests, [not d for d in dense], row_starts,
-                                                             tables, buckets)
+                                                             tables, buckets, tensor_parallel)
     upfront_rows, kernel_rows, upfront_pages, (num_upfront_rows, num_kernel_rows, num_upfront_pages) = (
         split or ([], [], [], (0, 0, 0)))
     plan = BatchPlan(num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=width, use_dense_mha=use_dense,
                      num_sparse_tokens=num_sparse, num_dense_keys=num_dense_keys,
                      skip_indexer=skip_indexer or use_dense is False, num_pages=num_pages,
                      num_upfront_rows=num_upfront_rows, num_kernel_rows=num_kernel_rows,
-                     num_upfront_pages=num_upfront_pages, config=PlanConfig.of(config))
+                     num_upfront_pages=num_upfront_pages, config=PlanConfig.of(config),
+                     tensor_parallel=tensor_parallel)
     meta = BatchMeta(
         positions=positions, slot_mapping=slot_mapping, row_seq=row_seq, block_tables=block_tables,
         sparse_rows=pad_ids(sparse_rows if num_sparse else [], num_sparse),  # unused by the sparse program

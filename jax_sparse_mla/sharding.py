@@ -145,7 +145,7 @@ def _merge_upfront_splits(plan: BatchPlan, plans: dict, sparse_rows: dict, bucke
 
 def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *, pages_per_shard: int,
                        force_sparse: bool = False, skip_indexer: bool = True,
-                       buckets: BucketPolicy = BucketPolicy()) -> tuple[BatchPlan, BatchMeta]:
+                       buckets: BucketPolicy = BucketPolicy(), tensor_parallel: int = 1) -> tuple[BatchPlan, BatchMeta]:
     """One static plan for every data shard, and their metadata concatenated along axis 0.
 
     shards[d]: data shard d's requests (may be empty), block tables in local page ids
@@ -154,6 +154,8 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
     long prefills alike, attends sparsely in it); otherwise the all-sparse program. An fp8
     cache's prefill / decode split (BatchPlan.num_upfront_rows) applies to every shard as soon
     as one shard's own plan splits.
+    tensor_parallel: the mesh's tensor-axis size (BatchPlan.tensor_parallel: the kernel choices
+    are made for one shard's heads; sharded_forward refuses a plan made for another size).
     Options as in plan_batch (dispatch is always "static" here). Raises ValueError naming the
     shard for invalid requests. Each shard is planned once, on the host; the merged metadata
     goes to the device once, at the end.
@@ -174,7 +176,7 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
     for d in active:
         try:
             checked[d], num_pages = _checked(config, shards[d], pages_per_shard, force_sparse, skip_indexer,
-                                             buckets, "static")
+                                             buckets, "static", tensor_parallel)
         except ValueError as e:
             raise ValueError(f"data shard {d}: {e}") from None
     force_sparse, skip_indexer = bool(force_sparse), bool(skip_indexer)
@@ -184,7 +186,8 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
         buckets, min_tokens=max(s[0] for s in sizes), min_seqs=max(s[1] for s in sizes),
         min_pages_per_seq=max(s[2] for s in sizes), min_dense_keys=max([buckets.min_dense_keys] + [s[3] for s in sizes]))
     plans = {d: _plan_host(config, reqs, num_pages=num_pages, force_sparse=force_sparse, skip_indexer=skip_indexer,
-                           buckets=common, dispatch="static") for d, reqs in checked.items()}
+                           buckets=common, dispatch="static", tensor_parallel=int(tensor_parallel))
+             for d, reqs in checked.items()}
     base = next(iter(plans.values()))[0]
     dense = any(p.use_dense_mha for p, _ in plans.values())
     # Each shard's sparse rows: plan_batch's for dense-routed shards, every real row otherwise.
@@ -219,17 +222,23 @@ def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh:
     params: full HF-named dict (sharded as param_specs, or placed there by jit);
     hidden: [dp * plan.num_tokens, hidden_size]; cache: PagedCache of dp * pages_per_shard pages;
     meta: from plan_data_parallel. Returns (out [dp * plan.num_tokens, hidden_size], new cache).
-    plan: planned with this (full) config, which is checked (BatchPlan.check_config); each shard's
-    forward checks its per-shard config against the plan's record with the same replacement.
+    plan: planned with this (full) config, which is checked (BatchPlan.check_config), and for this
+    mesh's tensor size (BatchPlan.tensor_parallel); each shard's forward checks its per-shard
+    config against the plan's record with the same replacement.
     Jit with mesh, plan, config and kernels static (`jit_sharded_forward`).
     """
     dp, tp = _axis_sizes(mesh)
     if not isinstance(plan, BatchPlan):
         raise ValueError(f"plan must be a BatchPlan (from plan_data_parallel), got {type(plan).__name__}")
     plan.check_config(config)  # planned with the full config
+    if plan.tensor_parallel != tp:
+        raise ValueError(f"the plan was made for a tensor axis of size {plan.tensor_parallel}, the mesh's has {tp}: "
+                         f"plan with plan_data_parallel(..., tensor_parallel={tp})")
     local = shard_config(config, tp)
-    # what each shard's forward checks its per-shard config against (the same plan otherwise)
-    local_plan = dataclasses.replace(plan, config=PlanConfig.of(local))
+    # what each shard's forward checks its per-shard config against (the same plan otherwise: its
+    # row groups, decided for one shard's heads, are unchanged)
+    local_plan = dataclasses.replace(plan, config=PlanConfig.of(local), tensor_parallel=1)
+    assert local_plan.groups == plan.groups, (local_plan.groups, plan.groups)
     if hidden.shape != (dp * plan.num_tokens, config.hidden_size):
         raise ValueError(f"hidden has shape {hidden.shape}, expected [data * plan.num_tokens, hidden_size] = "
                          f"{[dp * plan.num_tokens, config.hidden_size]}")

@@ -3,10 +3,10 @@
     python scripts/bench_indexer.py --out results.json [--quick] [--sweep] [--only prefill] [--dtypes fp8]
 
 * prefill logits: one causal sequence, T = S rows/keys (1K..32K), Hi=64, D=128, page 64, fp8
-  (+ k_scale) and bf16: the Mosaic GPU kernel (`mgpu`, what `indexer_logits` routes prefill to)
+  (+ k_scale) and bf16: the Mosaic GPU kernel (`mgpu`, what the layer runs for prefill on Hopper)
   beside the Triton kernel (`triton`) and XLA; TFLOP/s counted as 2 * valid_causal_pairs * Hi * D.
 * decode logits: batch B of sequences, each with --decode-rows query rows at the end of a
-  context of C keys: `indexer_logits` (the Mosaic GPU decode kernel on Hopper) and, full mode
+  context of C keys: the Mosaic GPU decode kernel (`indexer_logits(backend="mosaic_decode")`) and, full mode
   or B=32 C=32K, the Triton kernel; GB/s of key bytes read once per sequence (D + 4 per key
   for fp8 with its scale, 2 * D for bf16) against the copy bandwidth measured in the same run on
   an array of the same bytes (copy GB/s = 2 * bytes / time, `copy_gbps`). Decode calls are
@@ -54,7 +54,6 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pallas_kernels.indexer_logits import indexer_logits, indexer_logits_reference  # noqa: E402
-from pallas_kernels.indexer_logits.mosaic_decode import indexer_logits_mosaic_decode  # noqa: E402
 from pallas_kernels.indexer_logits.mosaic_prefill import indexer_logits_mosaic_prefill  # noqa: E402
 from pallas_kernels.indexer_logits.triton import indexer_logits_triton  # noqa: E402
 from pallas_kernels.topk import topk, topk_reference  # noqa: E402
@@ -311,13 +310,12 @@ def bench_prefill(quick, tiling=None, sizes=None, dtypes=(FP8, jnp.bfloat16), ta
 
 def bench_decode(quick, tiling=None, batches=None, contexts=None, dtypes=(FP8, jnp.bfloat16), rows=1,
                  tag="", compare=None):
-    """`indexer_logits` (or, with `tiling` overrides, the Mosaic decode kernel) on the decode grid,
+    """The Mosaic decode kernel (with `tiling` overrides, if any) on the decode grid,
     device-timed, beside the copy ceiling of the same bytes; compare: also time the Triton
     kernel (default: full mode, or the B=32 C=32K config)."""
     batches = batches or ([1, 32, 128] if quick else [1, 8, 32, 64, 128])
     contexts = contexts or ([131072, 32768] if quick else [4096, 16384, 32768, 65536, 131072])  # quick: 128K first
-    kern = functools.partial(indexer_logits_mosaic_decode if tiling else indexer_logits, page_size=PAGE,
-                             **(tiling or {}))
+    kern = functools.partial(indexer_logits, backend="mosaic_decode", page_size=PAGE, **(tiling or {}))
     triton = functools.partial(indexer_logits_triton, page_size=PAGE)
     copies = {}
     for dtype in dtypes:

@@ -182,7 +182,7 @@ def phase_decode(engine, args, t_start) -> list[dict]:
 
 def _scoring_fn(engine: Engine, requests, args):
     """The indexer's work on a batch's rows, alone: logits over the paged key cache + top-k."""
-    from jax_sparse_mla import plan_batch
+    from jax_sparse_mla import plan_batch, policy
 
     cfg = engine.config
     plan, meta = plan_batch(cfg, requests, num_pages=engine.num_pages, force_sparse=True,
@@ -198,8 +198,9 @@ def _scoring_fn(engine: Engine, requests, args):
     @jax.jit
     def score(q, w, k, k_scale, block_tables, row_seq, row_end):
         logits = kernel_ops.indexer_logits(q, w, k, k_scale, block_tables, row_seq, row_end,
-                                           page_size=cfg.page_size, impl=impl["indexer_logits"])
-        return kernel_ops.topk(logits, cfg.index_topk, impl=impl["topk"])
+                                           page_size=cfg.page_size, impl=impl.indexer_logits,
+                                           kernel=policy.indexer_kernel(T, plan.num_seqs))
+        return kernel_ops.topk(logits, cfg.index_topk, impl=impl.topk)
 
     return lambda: score(q, w, cache.flat("index_k"), cache.flat("index_k_scale"), meta.block_tables,
                          meta.row_seq, row_end)

@@ -42,7 +42,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from jax_sparse_mla.config import FP8_TILE  # noqa: E402
 from timing import median_ms  # noqa: E402
 from jax_sparse_mla.ops import quantize_tiles  # noqa: E402
-from pallas_kernels.sparse_mla import dequantize_route, sparse_mla, sparse_mla_reference  # noqa: E402
+from jax_sparse_mla.policy import dequantize_route  # noqa: E402
+from pallas_kernels.sparse_mla import sparse_mla, sparse_mla_reference  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
@@ -163,7 +164,7 @@ def run_config(kind, fmt, a, b, num_slots, reference_fn, impls, tilings=(None,),
 
     for impl in impls:
         for tiling in tilings if impl == "triton" else (None,):
-            for dequantize in DEQUANTIZE if fmt == "fp8" else ("auto",):
+            for dequantize in DEQUANTIZE if fmt == "fp8" else ("kernel",):
                 extra = dict(dequantize=dequantize) if fmt == "fp8" else {}
                 try:
                     fn = kernel_fn(impl, tiling, dequantize)

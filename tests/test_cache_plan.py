@@ -97,9 +97,9 @@ def test_fp8_plan_splits_prefill_rows_from_decode_rows(monkeypatch):
     prefill passes it), the sparsely attending prefill rows and their sequences' pages (only the
     pages the sequence fills, not its whole table) are listed apart from the decode rows; not
     with a bf16 cache, under cond dispatch, or when it does not pay."""
-    from pallas_kernels.sparse_mla import api as sparse_mla_api
+    from jax_sparse_mla import policy
 
-    monkeypatch.setattr(sparse_mla_api, "UPFRONT_MIN_USES", 4)
+    monkeypatch.setattr(policy, "UPFRONT_MIN_USES", 4)
     fp8 = dataclasses.replace(TINY, kv_cache_dtype="fp8")
     k = TINY.index_topk
     requests = [Request(20, 1, [9, 8, 7, 6, 5, 4]),               # decode (row 0)
@@ -107,6 +107,8 @@ def test_fp8_plan_splits_prefill_rows_from_decode_rows(monkeypatch):
                 Request(0, k + 1, [10, 11, 12, 13, 14, 15, 16])]  # long prefill (rows 4 .. k + 4) on 5 pages
     plan, meta = plan_batch(fp8, requests)
     assert plan.use_dense_mha and (plan.num_upfront_rows, plan.num_kernel_rows, plan.num_upfront_pages) == (32, 1, 8)
+    assert [(g.name, g.num_rows, g.indexer_kernel, g.dequantize) for g in plan.groups] == [
+        ("upfront", 32, "decode", "upfront"), ("kernel", 1, "decode", "kernel")]  # 32 rows < 16 x 4 sequences
     np.testing.assert_array_equal(meta.upfront_rows, list(range(4, k + 5)) + [-1] * (32 - k - 1))
     np.testing.assert_array_equal(meta.kernel_rows, [0])
     np.testing.assert_array_equal(meta.upfront_pages, [10, 11, 12, 13, 14, -1, -1, -1])
@@ -115,7 +117,7 @@ def test_fp8_plan_splits_prefill_rows_from_decode_rows(monkeypatch):
         other, other_meta = plan_batch(config, requests, **kw)
         assert (other.num_upfront_rows, other.num_kernel_rows, other.num_upfront_pages) == (0, 0, 0)
         assert other_meta.upfront_rows.shape == other_meta.kernel_rows.shape == (0,)
-    monkeypatch.setattr(sparse_mla_api, "UPFRONT_MIN_USES", 10 ** 9)
+    monkeypatch.setattr(policy, "UPFRONT_MIN_USES", 10 ** 9)
     assert plan_batch(fp8, requests)[0].num_upfront_rows == 0
 
 
@@ -246,6 +248,12 @@ def test_sharded_forward_refuses_a_plan_made_for_another_config():
     with pytest.raises(ValueError, match=r"made for a config with index_topk=16 \(the config has 32\)"):
         jit_sharded_forward(init_params(other, jax.random.key(0)), x, init_cache(other, 8), meta, mesh=mesh,
                             plan=plan, config=other)
+    tp2, meta2 = plan_data_parallel(TINY, [[Request(0, 5, [0, 1])]], pages_per_shard=8, tensor_parallel=2)
+    with pytest.raises(ValueError, match="made for a tensor axis of size 2, the mesh's has 1"):
+        jit_sharded_forward(init_params(TINY, jax.random.key(0)), x, init_cache(TINY, 8), meta2, mesh=mesh,
+                            plan=tp2, config=TINY)
+    with pytest.raises(ValueError, match="tensor_parallel=3 does not divide num_attention_heads=4"):
+        plan_data_parallel(TINY, [[Request(0, 5, [0, 1])]], pages_per_shard=8, tensor_parallel=3)
     with pytest.raises(ValueError, match="pages_per_shard must be a positive int, got 2.5"):
         plan_data_parallel(TINY, [[Request(0, 5, [0, 1])]], pages_per_shard=2.5)
     with pytest.raises(ValueError, match="data shard 0: expected a sequence of Requests, got Request"):

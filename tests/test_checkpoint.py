@@ -16,7 +16,7 @@ from jax_sparse_mla.model import jit_forward
 from jax_sparse_mla.params import param_shapes
 from jax_sparse_mla.sharding import cache_shardings, make_mesh, param_shardings
 from jax_sparse_mla.synthetic import Harness
-from tests.conftest import quantize_fp8_blocks
+from tests.support import quantize_fp8_blocks
 
 TINY = MLAConfig.tiny()
 

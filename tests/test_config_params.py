@@ -9,7 +9,7 @@ import pytest
 
 from jax_sparse_mla import MLAConfig, RopeScaling, init_params, params_from_hf
 from jax_sparse_mla.params import dequantize_fp8_weight, param_shapes
-from tests.conftest import quantize_fp8_blocks
+from tests.support import quantize_fp8_blocks
 
 TINY = MLAConfig.tiny()
 

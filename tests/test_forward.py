@@ -198,6 +198,7 @@ def test_fp8_prefill_rows_dequantised_upfront_through_forward(monkeypatch):
     own pages dequantised upfront, the decode rows over the fp8 cache (dequantised in the
     kernel), and every route still matches the reference. The threshold is lowered so that the
     tiny config's prefills pass it (rows x topk a copied row) and its decodes do not."""
+    from jax_sparse_mla import policy
     from pallas_kernels.sparse_mla import api as sparse_mla_api
 
     copies = []
@@ -207,7 +208,7 @@ def test_fp8_prefill_rows_dequantised_upfront_through_forward(monkeypatch):
         return dequantize_pages(latent, latent_scale, k_pe, slots, pages, **kw)
 
     dequantize_pages = sparse_mla_api.dequantize_pages
-    monkeypatch.setattr(sparse_mla_api, "UPFRONT_MIN_USES", 4)
+    monkeypatch.setattr(policy, "UPFRONT_MIN_USES", 4)
     monkeypatch.setattr(sparse_mla_api, "dequantize_pages", spy)
     jax.clear_caches()  # retrace under the patched threshold
     cfg = dataclasses.replace(TINY, kv_cache_dtype="fp8")
@@ -231,7 +232,7 @@ def test_dense_kernel_through_forward_matches_xla():
     the XLA route's output: ragged prefills with and without context, beside a decode. On CPU the
     kernel runs in Mosaic GPU's interpreter inside the forward's jit (conftest sizes the CPU pool)."""
     cfg = DENSE_KERNEL_TINY
-    assert kernel_ops.resolve("pallas", cfg)["dense_mha"] == "pallas"
+    assert kernel_ops.resolve("pallas", cfg).dense_mha.backend == "mosaic"
     outs = {}
     for kernels in ("pallas", "xla"):
         h = Harness(cfg, seed=21, kernels=kernels)
@@ -246,7 +247,7 @@ def test_dense_kernel_through_forward_matches_xla():
         assert rel_err(outs["pallas"][sid], outs["xla"][sid]) < 2e-2, sid
 
 
-@pytest.mark.parametrize("threads, dense_impl", [("2", "xla"), ("3", "pallas")])
+@pytest.mark.parametrize("threads, dense_impl", [("2", "xla"), ("3", "mosaic")])
 def test_dense_interpreter_needs_a_thread_per_warpgroup(monkeypatch, threads, dense_impl):
     """Off the GPU, kernels="pallas" runs dense MHA on XLA when XLA's CPU pool has fewer threads than
     the kernel's warpgroups (the interpreter would deadlock), and the kernel otherwise."""
@@ -254,8 +255,8 @@ def test_dense_interpreter_needs_a_thread_per_warpgroup(monkeypatch, threads, de
     monkeypatch.setattr(kernel_ops, "_interpret", lambda: True)
     monkeypatch.setenv("PJRT_NPROC", threads)
     impl = kernel_ops.resolve("pallas", cfg)
-    assert impl["dense_mha"] == dense_impl
-    assert impl["sparse_mla"] == impl["indexer_logits"] == "pallas"
+    assert impl.dense_mha.backend == dense_impl
+    assert impl.sparse_mla.backend == impl.indexer_logits.backend == impl.topk.backend == "triton"
 
 
 def test_short_and_long_prefills_in_one_batch():

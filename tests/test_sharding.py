@@ -73,7 +73,7 @@ def _mesh_errors(meshes, kv_cache_dtype="bfloat16"):
                     seqs[d][sid][1] += n
                 shards.append(reqs)
                 rows.append(np.concatenate(x) if x else np.zeros((0, config.hidden_size), np.float32))
-            plan, meta = plan_data_parallel(config, shards, pages_per_shard=PAGES)
+            plan, meta = plan_data_parallel(config, shards, pages_per_shard=PAGES, tensor_parallel=tp)
             routes.append(plan.route)
             splits.append(plan.num_upfront_rows)
             T = plan.num_tokens
@@ -140,7 +140,7 @@ def test_fp8_split_mesh_matches_one_device():
     config's long prefill splits): the data shards' common split gives each shard's one-device
     outputs and caches."""
     r = _mesh_errors_on_4_cpus(
-        "import json; from pallas_kernels.sparse_mla import api; api.UPFRONT_MIN_USES = 1; "
+        "import json; from jax_sparse_mla import policy; policy.UPFRONT_MIN_USES = 1; "
         "from tests.test_sharding import _mesh_errors; print('RESULT', json.dumps(_mesh_errors([(2, 2)], 'fp8')))")
     r = r["2x2"]
     assert r["routes"] == ROUTES and r["err"] < TOL, r
@@ -174,8 +174,8 @@ def test_plan_data_parallel_common_plan_and_errors(monkeypatch):
     assert plan_data_parallel(TINY, [long_, long_], pages_per_shard=8)[0].route == "sparse"
     # fp8 cache: one shard's split (its long prefill) becomes every shard's
     fp8 = dataclasses.replace(TINY, kv_cache_dtype="fp8")
-    from pallas_kernels.sparse_mla import api as sparse_mla_api
-    monkeypatch.setattr(sparse_mla_api, "UPFRONT_MIN_USES", 1)
+    from jax_sparse_mla import policy
+    monkeypatch.setattr(policy, "UPFRONT_MIN_USES", 1)
     assert plan_batch(fp8, long_)[0].num_upfront_rows == 32
     short_and_decode = [Request(0, 5, [0, 1]), Request(9, 1, [2, 3, 4])]  # rows 0-4 dense, row 5 a decode
     plan, meta = plan_data_parallel(fp8, [short_and_decode, long_], pages_per_shard=8)

@@ -48,8 +48,11 @@ def check_inputs(q, k, v, q_start_loc, k_start_loc, dtypes):
         raise ValueError(f"q_start_loc {q_start_loc.shape} and k_start_loc {k_start_loc.shape} differ")
 
 
-def dense_mha(q, k, v, q_start_loc, k_start_loc, *, scale, interpret=False, block_kv=None, num_stages=None,
-              num_programs=None):
+BACKENDS = ("mosaic",)
+
+
+def dense_mha(q, k, v, q_start_loc, k_start_loc, *, scale, backend="mosaic", interpret=False, block_kv=None,
+              num_stages=None, num_programs=None):
     """Causal flash attention of a packed ragged batch of prefills (Pallas Mosaic GPU, Hopper).
 
     q: [T, H, Dqk] packed queries, sequence s owns rows q_start_loc[s]..q_start_loc[s+1]
@@ -65,7 +68,11 @@ def dense_mha(q, k, v, q_start_loc, k_start_loc, *, scale, interpret=False, bloc
     dtypes: bf16 or f16 (wgmma operands), f32 softmax. Dqk and Dv: multiples of 64, <= 256.
     block_kv, num_stages, num_programs: the kernel's tiling (see `mosaic.dense_mha_mosaic`).
     interpret=True runs the same kernel in Mosaic GPU interpret mode (CPU).
+    backend: "mosaic", the one backend (a keyword for symmetry with the other ops' apis; the
+    layer runs `reference.dense_mha_reference` where the kernel does not take its config).
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     check_inputs(q, k, v, q_start_loc, k_start_loc, KERNEL_DTYPES)
     reason = unsupported_reason(q.dtype, q.shape[2], v.shape[2])
     if reason:

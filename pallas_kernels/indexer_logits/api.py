@@ -1,4 +1,4 @@
-"""Lightning-indexer logits over a paged key cache: the public router.
+"""Lightning-indexer logits over a paged key cache: the public entry (the caller names the kernel).
 
 For each scored row n (a query token), over the keys of its own sequence:
     logits[n, s] = sum_h weights[n, h] * relu(q[n, h] . k[s]) * k_scale[s]   for s < row_end[n]
@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ..device import on_hopper
-from .layout import FP8_E4M3
 from .mosaic_decode import indexer_logits_mosaic_decode
 from .mosaic_prefill import indexer_logits_mosaic_prefill
-from .triton import FP8_IMPRECISE_ACC, indexer_logits_triton
+from .triton import indexer_logits_triton
 
-MGPU_MIN_ROWS_PER_SEQ = 16  # prefill-shaped: at least one full Mosaic row tile per sequence
+# backend -> (its kernel, the keyword tuning it takes)
+BACKENDS = {
+    "triton": (indexer_logits_triton,  # see triton.choose_tiling; fp8_imprecise_acc: see the kernel
+               ("block_rows", "block_keys", "chunk", "num_warps", "num_stages", "fp8_imprecise_acc")),
+    "mosaic_prefill": (indexer_logits_mosaic_prefill, ("block_rows", "group", "stages", "splits")),  # PrefillTiling
+    "mosaic_decode": (indexer_logits_mosaic_decode,  # see mosaic_decode.choose_decode_tiling
+                      ("block_rows", "chunk", "step_blocks", "stages", "num_sms")),
+}
 
 
 def dequantize_index_keys(keys, scale):
@@ -29,28 +34,30 @@ def dequantize_index_keys(keys, scale):
     return keys if scale is None else keys * scale[..., None]
 
 
-def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size,
-                   interpret=False, fp8_imprecise_acc=FP8_IMPRECISE_ACC, **tiling_overrides):
+def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size, backend,
+                   interpret=False, **tuning):
     """Indexer logits, Pallas kernels. Same contract as `reference.indexer_logits_reference`.
 
-    Route, for e4m3 or bf16 q and keys on a Hopper GPU:
-      * prefill-shaped batches (>= MGPU_MIN_ROWS_PER_SEQ rows per sequence on average) go to
-        the Mosaic GPU prefill kernel (`mosaic_prefill.indexer_logits_mosaic_prefill`: wgmma +
-        TMA, warp-specialised; MMA-bound; several times the Triton kernel);
-      * everything else (decode: 1-2 rows per sequence) goes to the Mosaic GPU decode kernel
-        (`mosaic_decode.indexer_logits_mosaic_decode`: a TMA stream of the key pages through a
-        deep SMEM ring; bandwidth-bound), single sequences (B = 1) too, where both kernels are
-        latency-bound (docs/design/indexer.md).
-    Interpret mode, f32, other GPUs and any tiling override go to the Triton-backend kernel
-    `triton.indexer_logits_triton`, whose arguments these are.
+    q: [N, Hi, D]; weights [N, Hi] f32; k_cache [num_slots, D]; k_scale [num_slots] f32 or None;
+    block_tables [S, W] int32; row_seq, row_end [N] int32 -> [N, W * page_size] f32.
+    backend (named by the caller: jax_sparse_mla.kernels.resolve and the plan's
+    RowGroup.indexer_kernel for the layer):
+      "triton": `triton.indexer_logits_triton`, the portable kernel (e4m3 | bf16 | f32; other
+        GPUs; interpret=True on CPU);
+      "mosaic_prefill": `mosaic_prefill.indexer_logits_mosaic_prefill`, Mosaic GPU (Hopper;
+        e4m3 or bf16 q and keys of one dtype), for many rows per sequence (wgmma + TMA,
+        warp-specialised; MMA-bound);
+      "mosaic_decode": `mosaic_decode.indexer_logits_mosaic_decode`, Mosaic GPU, for 1-2 rows
+        per sequence (a TMA stream of the key pages through a deep SMEM ring; bandwidth-bound).
+    Which Mosaic kernel suits a batch: jax_sparse_mla.policy.indexer_kernel (docs/design/indexer.md).
+    tuning: keyword overrides the backend's kernel takes (BACKENDS[backend][1]); another name is
+    a ValueError.
     """
-    if (not interpret and not tiling_overrides and fp8_imprecise_acc == FP8_IMPRECISE_ACC
-            and on_hopper() and q.dtype == k_cache.dtype and q.dtype in (FP8_E4M3, jnp.bfloat16)):
-        if q.shape[0] >= MGPU_MIN_ROWS_PER_SEQ * min(block_tables.shape[0], q.shape[0]):
-            return indexer_logits_mosaic_prefill(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
-                                                 page_size=page_size)
-        return indexer_logits_mosaic_decode(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
-                                            page_size=page_size)
-    return indexer_logits_triton(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
-                                 page_size=page_size, interpret=interpret,
-                                 fp8_imprecise_acc=fp8_imprecise_acc, **tiling_overrides)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {tuple(BACKENDS)}, got {backend!r}")
+    kernel, takes = BACKENDS[backend]
+    unknown = sorted(set(tuning) - set(takes))
+    if unknown:
+        raise ValueError(f"the {backend} indexer kernel takes no {', '.join(unknown)} (its tuning: {', '.join(takes)})")
+    return kernel(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, page_size=page_size,
+                  interpret=interpret, **tuning)

@@ -11,10 +11,11 @@ its gathered row is zero by select (the reference), masked loads (Triton) or zer
 `reference.sparse_mla_reference` is the jnp oracle (and the XLA path); `sparse_mla` the Pallas
 GPU kernels, same signature and results. An fp8 cache is dequantised either inside the
 kernel, per gathered row, or "upfront": the cache pages the rows can reach dequantised once into
-a bf16 copy that the bf16 kernel then reads (`dequantize=`, below). Two backends:
-  * "mosaic" (the default on a Hopper GPU): `mosaic.sparse_mla_mosaic`, Pallas Mosaic GPU with
-    wgmma and a warp-specialised producer that gathers the selected rows with cp.async;
-  * "triton": `triton.sparse_mla_triton`, the Pallas Triton kernel, for everything else
+a bf16 copy that the bf16 kernel then reads (`dequantize=`, below). Two backends, named by the
+caller (jax_sparse_mla.kernels.resolve for the layer; the route by its plan, policy.py):
+  * "mosaic": `mosaic.sparse_mla_mosaic`, Pallas Mosaic GPU (Hopper) with wgmma and a
+    warp-specialised producer that gathers the selected rows with cp.async;
+  * "triton": `triton.sparse_mla_triton`, the Pallas Triton kernel, the portable one
     (`interpret=True` runs it on CPU, which is how the CPU tests cover the semantics; other
     GPUs; shapes the Mosaic kernel does not take).
 """
@@ -22,10 +23,9 @@ a bf16 copy that the bf16 kernel then reads (`dequantize=`, below). Two backends
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
-from ..device import on_hopper
 from . import mosaic
+from .mosaic import unsupported_reason
 from .triton import sparse_mla_triton
 
 
@@ -39,16 +39,10 @@ def dequantize_latent(latent, latent_scale):
     return (shaped * latent_scale[..., None]).reshape(values.shape)
 
 
-DEQUANTIZE = ("auto", "kernel", "upfront")
-# Upfront pays when the kernel would dequantise >= this many gathered rows (rows x topk x 64-head
-# programs) per copied row; break-even is ~10 on the H200 (docs/design/sparse_mla.md).
-UPFRONT_MIN_USES = 12
-
-
-def dequantize_route(rows, heads, topk, copy_rows):
-    """"upfront" if the kernel would dequantise rows x topk x cdiv(heads, 64) gathered rows (one
-    64-head program each) >= UPFRONT_MIN_USES x copy_rows, the rows an upfront copy holds; else "kernel"."""
-    return "upfront" if rows * topk * pl.cdiv(heads, 64) >= UPFRONT_MIN_USES * copy_rows else "kernel"
+DEQUANTIZE = ("kernel", "upfront")
+BACKENDS = ("triton", "mosaic")
+TUNING = {"triton": ("block_h", "block_k", "num_splits", "num_warps", "num_stages"),  # see sparse_mla_triton
+          "mosaic": ("num_splits",)}  # see mosaic.sparse_mla_mosaic
 
 
 def copy_rows(num_slots, pages, page_size):
@@ -93,9 +87,8 @@ def dequantize_pages(latent, latent_scale, k_pe, slots, pages, *, page_size, dty
             renumbered.astype(jnp.int32))
 
 
-def sparse_mla(q, latent, latent_scale, k_pe, slots, *, scale, interpret=False, backend=None,
-               dequantize="auto", pages=None, page_size=None,
-               block_h=64, block_k=32, num_splits=None, num_warps=None, num_stages=2):
+def sparse_mla(q, latent, latent_scale, k_pe, slots, *, scale, backend, dequantize="kernel", pages=None,
+               page_size=None, interpret=False, **tuning):
     """Sparse MLA attention as a Pallas GPU kernel; same semantics as `reference.sparse_mla_reference`.
 
     q: [N, H, R + P] (bf16 | f32); latent: [num_slots, R] (bf16 | f32 | float8_e4m3fn);
@@ -104,18 +97,19 @@ def sparse_mla(q, latent, latent_scale, k_pe, slots, *, scale, interpret=False, 
     Returns (out [N, H, R] f32, lse [N, H] f32); rows with no valid slot give out 0, lse +inf.
     `scale` is a static Python number (folded into the kernel).
 
-    backend: "mosaic" (`mosaic.sparse_mla_mosaic`, Hopper only, bf16 q; see there), "triton"
-    (`triton.sparse_mla_triton`), or None = "mosaic" on a Hopper GPU when it takes the operands
-    (`mosaic.unsupported_reason`), else "triton". `num_splits` applies to both; the other knobs
-    (block_h, block_k, num_warps, num_stages) tune the Triton kernel only (see there).
+    backend: "mosaic" (`mosaic.sparse_mla_mosaic`: Hopper, bf16 q and k_pe, compiled only; it
+    raises ValueError for operands `unsupported_reason` names rather than running another
+    kernel) or "triton" (`triton.sparse_mla_triton`; interpret=True runs it on CPU).
+    tuning: keyword overrides of that backend's kernel, TUNING[backend] (Triton: block_h,
+    block_k, num_splits, num_warps, num_stages; Mosaic: num_splits); another name is a ValueError.
 
     fp8 caches (`dequantize_pages`): pages [..] int32 (-1 ignored) lists every cache page the
     slots may name (page_size slots each; e.g. the batch's block tables), None = the whole cache.
     dequantize: "kernel" dequantises each gathered row inside the kernel; "upfront" dequantises
     the listed pages once, to q's dtype (the kernel's rounding), and runs the kernel on that copy
-    (a transient [pages * page_size, R] buffer); "auto" = "upfront" when the kernel would
-    dequantise at least UPFRONT_MIN_USES rows per row of that copy (prefill: thousands of rows
-    over one sequence's pages), else "kernel" (decode); see docs/design/sparse_mla.md.
+    (a transient [pages * page_size, R] buffer): it pays for prefill rows, which gather each
+    row many times (jax_sparse_mla.policy.dequantize_route; docs/design/sparse_mla.md).
+    Ignored ("kernel") without latent_scale.
 
     Why two backends: the Mosaic kernel (cp.async gather producer + wgmma consumers) is ~2x the
     Triton one on Hopper; the Triton one is the portable path (interprets on CPU, any
@@ -125,25 +119,22 @@ def sparse_mla(q, latent, latent_scale, k_pe, slots, *, scale, interpret=False, 
     accumulator alone (128 x 512 f32 = 256 KiB) is the whole register file. (jax 0.11 marks the
     Pallas Triton backend deprecated and warns on each lowering.)
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if dequantize not in DEQUANTIZE:
         raise ValueError(f"dequantize must be one of {DEQUANTIZE}, got {dequantize!r}")
+    unknown = sorted(set(tuning) - set(TUNING[backend]))
+    if unknown:
+        raise ValueError(f"the {backend} sparse_mla kernel takes no {', '.join(unknown)} "
+                         f"(its tuning: {', '.join(TUNING[backend])})")
     if latent_scale is None and dequantize == "upfront":
         raise ValueError("dequantize='upfront' needs an fp8 cache (latent_scale)")
-    if latent_scale is not None:
-        if dequantize == "auto":
-            dequantize = dequantize_route(*q.shape[:2], slots.shape[-1], copy_rows(latent.shape[0], pages, page_size))
-        if dequantize == "upfront":
-            latent, k_pe, slots = dequantize_pages(latent, latent_scale, k_pe, slots, pages,
-                                                   page_size=page_size, dtype=q.dtype)
-            latent_scale = None
-    if backend is None:
-        backend = "mosaic" if not interpret and on_hopper() and mosaic.unsupported_reason(
-            q, latent, latent_scale, k_pe) is None else "triton"
+    if dequantize == "upfront":
+        latent, k_pe, slots = dequantize_pages(latent, latent_scale, k_pe, slots, pages,
+                                               page_size=page_size, dtype=q.dtype)
+        latent_scale = None
     if backend == "mosaic":
         if interpret:
             raise ValueError("the Mosaic GPU kernel has no interpret mode (its gathers are inline PTX)")
-        return mosaic.sparse_mla_mosaic(q, latent, latent_scale, k_pe, slots, scale=scale, num_splits=num_splits)
-    if backend != "triton":
-        raise ValueError(f"backend must be 'mosaic', 'triton' or None, got {backend!r}")
-    return sparse_mla_triton(q, latent, latent_scale, k_pe, slots, scale=scale, interpret=interpret, block_h=block_h,
-                             block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+        return mosaic.sparse_mla_mosaic(q, latent, latent_scale, k_pe, slots, scale=scale, **tuning)
+    return sparse_mla_triton(q, latent, latent_scale, k_pe, slots, scale=scale, interpret=interpret, **tuning)

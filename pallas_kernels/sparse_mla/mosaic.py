@@ -32,7 +32,7 @@ the upfront bf16 route (`api.dequantize_route`). P is rounded once to bf16 again
 e4m3 x scale is rounded to bf16 (within 2^-8). Numbers, profile and variants:
 docs/design/sparse_mla.md.
 
-Tests: on a GPU, tests/test_sparse_attention_kernel.py (`gpu` marker) checks it against the
+Tests: on a GPU, tests/test_sparse_mla.py (`gpu` marker) checks it against the
 reference; on CPU the kernel can only be lowered (inline PTX has no interpreter), which the
 CPU twin checks, and `api.sparse_mla` runs the Triton kernel.
 """

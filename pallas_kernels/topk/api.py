@@ -8,7 +8,10 @@ import jax.numpy as jnp
 from .triton import topk_stages
 
 
-def topk(logits, k: int, *, interpret=False, block=None, num_warps=None, num_stages=None,
+BACKENDS = ("triton",)
+
+
+def topk(logits, k: int, *, backend="triton", interpret=False, block=None, num_warps=None, num_stages=None,
          sample=None, capacity=None, slices=None):
     """[N, L] f32 (-inf = invalid) -> [N, k] int32: indices of the k largest finite entries per
     row, -1 padded. Same contract as `reference.topk_reference` (order within a row unspecified;
@@ -40,7 +43,11 @@ def topk(logits, k: int, *, interpret=False, block=None, num_warps=None, num_sta
     With several slices a row, loads go 4 chunks at a time (one memory latency per 4); with
     >= 1024 rows, singly (it cost more than it saved).
     Latency-bound at few rows (three launches and ~3.5 dependent passes); docs/design/topk.md.
+    backend: "triton", the one backend (a keyword for symmetry with the other ops' apis).
+    block, num_warps, num_stages, sample, capacity, slices: the kernels' tuning (see `topk_stages`).
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if logits.ndim != 2:
         raise ValueError(f"topk: logits must be 2-D [N, L], got shape {logits.shape}")
     if k < 0:

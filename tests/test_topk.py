@@ -1,12 +1,15 @@
-"""pallas_kernels.topk (thresholds / write / select kernels) against lax.top_k.
+"""Top-k of indexer logits, every backend against lax.top_k.
 
+Backends (tests/support/ops.py): "reference" (lax.top_k, the XLA path) and "triton"
+(`pallas_kernels.topk`: thresholds / write / select kernels on Pallas' Triton backend).
 Checked per row (check_topk): min(k, #finite) distinct indices then -1, and the multiset of
 their values equal to lax.top_k's (the exact index set where there are no ties at the k-th
-value). The band path (selection among the keys between two sampled thresholds) and the
-whole-row fallback are both exercised, and each test asserts which rows took which path, so a
-sampling bug cannot hide behind the (always exact, slower) fallback.
-On CPU the kernels run in Pallas interpret mode (small rows, small k, several slices per row);
-the `gpu` tests compile them for k = 2048 and rows of 32K / 128K keys.
+value). For the Triton kernels, the band path (selection among the keys between two sampled
+thresholds) and the whole-row fallback are both exercised, and the tests on their intermediates
+(`ops.topk_stages`) assert which rows took which path, so a sampling bug cannot hide behind the
+(always exact, slower) fallback. On CPU the kernels run in Pallas interpret mode (small rows,
+small k, several slices per row); the `gpu` tests compile them for k = 2048 and rows of 32K /
+128K keys.
 """
 
 from __future__ import annotations
@@ -18,19 +21,48 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import topk as topk_lib
-from pallas_kernels.sparse_mla import sparse_mla_reference
-from pallas_kernels.topk.triton import topk_stages
-from tests.conftest import INTERPRET
-from tests.test_indexer_kernels import check_topk
+from tests.support import ops
+from tests.support.cases import make_indexer_case
+
+OP = "topk"
+param = functools.partial(ops.backend_param, OP)
+BOTH = [param("reference"), param("triton")]
+
+
+def run(backend, x, k, **tuning):
+    """ops.topk on a numpy [N, L] array; tuning (the Triton kernels' knobs) is dropped for the reference."""
+    return ops.topk(backend, jnp.asarray(x), k, **(tuning if backend == "triton" else {}))
 
 
 def stages(x, k, **kw):
-    """All intermediates of `topk` (see `topk_stages`) for a numpy [N, L] array."""
-    opts = dict(interpret=INTERPRET, block=None, num_warps=None, num_stages=None, sample=None,
-                capacity=None, slices=None, group=None)
-    opts.update(kw)
-    return topk_stages(jnp.asarray(x), k, **opts)
+    """All intermediates of the Triton `topk` (see `ops.topk_stages`) for a numpy [N, L] array."""
+    return ops.topk_stages(jnp.asarray(x), k, **kw)
+
+
+def check_topk(out, logits, k):
+    """Per row: distinct valid indices, min(k, #(> -inf)) of them, -1 after, and the multiset of
+    their values equal to the reference's (any choice among ties is fine)."""
+    out, x = np.asarray(out), np.asarray(logits)
+    ref = np.asarray(ops.topk("reference", jnp.asarray(x), k))
+    assert out.shape == (x.shape[0], k) and out.dtype == np.int32
+    for r in range(x.shape[0]):
+        n_sel = min(k, int((x[r] > -np.inf).sum()))  # +inf counts as valid, as in the reference
+        sel = out[r]
+        assert (sel[sel < 0] == -1).all(), r
+        idx = np.sort(sel[sel >= 0])
+        assert len(idx) == n_sel, (r, len(idx), n_sel)
+        assert len(np.unique(idx)) == n_sel and (idx < x.shape[1]).all(), r
+        ref_idx = ref[r][ref[r] >= 0]
+        np.testing.assert_array_equal(np.sort(x[r][idx]), np.sort(x[r][ref_idx]), err_msg=f"row {r}")
+        if not _has_ties(x[r], ref_idx):
+            np.testing.assert_array_equal(idx, np.sort(ref_idx), err_msg=f"row {r}")
+
+
+def _has_ties(row, ref_idx):
+    if len(ref_idx) == 0:
+        return False
+    kth = row[ref_idx].min()
+    return (row == kth).sum() > 1
 
 
 def band_path(st, k):
@@ -74,9 +106,108 @@ def adversarial_rows(rng, num_keys, k):
     return np.stack(rows)
 
 
+def _topk_rows(seed, num_keys, k):
+    rng = np.random.default_rng(seed)
+    rows = []
+    def add(r):
+        rows.append(np.asarray(r, np.float32))
+    base = lambda: rng.standard_normal(num_keys).astype(np.float32)
+    add(base())                                              # all valid
+    r = base(); r[k:] = -np.inf; add(r)                      # exactly k valid
+    r = base(); r[k + 1:] = -np.inf; add(r)                  # k + 1 valid
+    add(np.full(num_keys, -np.inf))                          # nothing valid
+    r = np.full(num_keys, -np.inf); r[num_keys // 2] = 3.0; add(r)  # one valid entry
+    r = base(); r[rng.random(num_keys) < 0.5] = -np.inf; add(r)     # scattered -inf
+    add(np.round(base() * 2))                                # heavy ties across the threshold
+    add(np.full(num_keys, 0.25))                             # all equal
+    add(-np.abs(base()) * 1e-30)                             # tiny negatives (denormal range)
+    r = base() * 1e30; r[:7] = np.inf; add(r)                # huge values and +inf
+    return np.stack(rows)
+
+
 # ------------------------------------------------------------------------------------------------
-# CPU (interpret mode) and GPU alike
+# every backend (CPU: interpret mode)
 # ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BOTH)
+@pytest.mark.parametrize("num_keys,k,block", [
+    (300, 37, 64),     # L not a multiple of the block
+    (150, 200, 64),    # k > L
+    (1000, 128, None), # default block (capped at the row length)
+])
+def test_topk(backend, num_keys, k, block):
+    x = _topk_rows(num_keys, num_keys, k)
+    check_topk(run(backend, x, k, block=block), x, k)
+
+
+@pytest.mark.parametrize("backend", BOTH)
+@pytest.mark.parametrize("num_keys,k", [(1, 1), (1, 4), (2, 1)])
+def test_topk_tiny_rows(backend, num_keys, k):
+    x = np.array([[0.5, -1.0][:num_keys], [-np.inf, 2.0][:num_keys], [-np.inf] * num_keys], np.float32)
+    check_topk(run(backend, x, k), x, k)
+
+
+@pytest.mark.parametrize("backend", BOTH)
+def test_topk_on_indexer_logits(backend):
+    """The pipeline: logits of a ragged batch (with -inf tails) -> top-k."""
+    args, page = make_indexer_case(2, dtype=jnp.bfloat16, scaled=False, hi=4, d=16, page=4,
+                                   lengths=[70, 9], rows_per_seq=[6, 2])
+    logits = ops.indexer_logits("reference", *args, page_size=page)
+    check_topk(run(backend, logits, 16, block=32), logits, 16)
+
+
+@pytest.mark.parametrize("backend", BOTH)
+def test_topk_rows_are_independent(backend):
+    """A row of only -inf, and one with NaN inside its own range, change no other row; NaN counts
+    as invalid in every backend (the reference once let a NaN take a valid key's place)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((6, 40)).astype(np.float32)
+    x[:, 30:] = -np.inf  # past the rows' ends
+    x[1, 10:] = -np.inf
+    clean = run(backend, x, 16)
+    bad = x.copy()
+    bad[4] = -np.inf
+    bad[5, [0, 3, 7, 20]] = np.nan
+    got = np.asarray(run(backend, bad, 16))
+    np.testing.assert_array_equal(got[:4], np.asarray(clean)[:4])
+    np.testing.assert_array_equal(got[4], -1)
+    nan_free_row = np.where(np.isnan(bad[5]), -np.inf, bad[5])
+    want = np.sort(np.argsort(-nan_free_row, kind="stable")[:16])
+    np.testing.assert_array_equal(np.sort(got[5]), want)
+
+
+# ------------------------------------------------------------------------------------------------
+# the Triton kernels (CPU: interpret mode): sampled thresholds, band buffers, fallbacks
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_keys,k,block,sample,capacity", [
+    (1000, 40, 64, 64, None),    # strided (jittered) sample of 64, default capacity: fast path
+    (1000, 40, 64, 64, 48),      # capacity barely above k: ties and unlucky samples overflow
+    (1000, 40, 64, 64, 40),      # capacity == k
+    (1000, 40, 64, 64, 8),       # capacity < k: every row with > 8 candidates falls back
+    (333, 100, 32, 16, 128),     # L not a multiple of the block or of the sample
+    (70, 90, 16, 16, 32),        # k > L, sample of 16 (stride 4)
+])
+def test_topk_filter_fallbacks(num_keys, k, block, sample, capacity):
+    """Small samples and band buffers: band overflow and unlucky-threshold fallbacks (whole-row
+    selection) must stay exact, next to rows that take the band path (capacity None)."""
+    x = _topk_rows(num_keys + 1, num_keys, k)
+    rng = np.random.default_rng(num_keys)
+    extra = []
+    r = np.round(rng.standard_normal(num_keys) * 0.5).astype(np.float32)  # ~40% tied at the k-th
+    extra.append(r)
+    r = np.full(num_keys, 1.0, np.float32); r[rng.permutation(num_keys)[:k // 2]] = 2.0  # ties below the top
+    extra.append(r)
+    r = np.sort(rng.standard_normal(num_keys)).astype(np.float32)  # sorted: top keys at the end
+    extra.append(r)
+    r = np.full(num_keys, -np.inf, np.float32); r[::max(1, num_keys // 8)] = 1.0  # few valid, on a stride
+    extra.append(r)
+    r = rng.standard_normal(num_keys).astype(np.float32); r[rng.random(num_keys) < 0.2] = np.nan  # NaN = invalid
+    extra.append(r)
+    x = np.concatenate([x, np.stack(extra)])
+    out = run("triton", x, k, block=block, sample=sample, capacity=capacity)
+    check_topk(out, nan_free(x), k)
+
 
 def test_topk_sampled_ragged():
     """Sampled thresholds (sample 256 of 2048 keys), 4 slices per row (published counts, chunks
@@ -171,18 +302,18 @@ def test_topk_attention_unchanged():
     q = jax.random.normal(keys[1], (ends.shape[0], heads, rank + rope), jnp.float32)
     latent = jax.random.normal(keys[2], (num_keys, rank), jnp.float32)
     k_pe = jax.random.normal(keys[3], (num_keys, rope), jnp.float32)
-    attend = functools.partial(sparse_mla_reference, q, latent, None, k_pe, scale=0.1)
-    out, lse = attend(topk_lib.topk(logits, k, interpret=INTERPRET, sample=64, block=64))
-    ref_out, ref_lse = attend(topk_lib.topk_reference(logits, k))
+    attend = functools.partial(ops.sparse_mla, "reference", q, latent, None, k_pe, scale=0.1)
+    out, lse = attend(ops.topk("triton", logits, k, sample=64, block=64))
+    ref_out, ref_lse = attend(ops.topk("reference", logits, k))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5)
 
 
 def test_topk_bad_input():
     with pytest.raises(ValueError, match="2-D"):
-        topk_lib.topk(jnp.zeros((2, 3, 4)), 2, interpret=INTERPRET)
+        ops.topk("triton", jnp.zeros((2, 3, 4)), 2)
     with pytest.raises(ValueError, match="k"):
-        topk_lib.topk(jnp.zeros((2, 8)), -1, interpret=INTERPRET)
+        ops.topk("triton", jnp.zeros((2, 8)), -1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -215,3 +346,32 @@ def test_topk_kernel_gpu_long_rows():
     st = stages(x, k)
     check_topk(st["out"], x, k)
     assert band_path(st, k)[[0, 1, 3, 4, 6, 7]].all()
+
+
+@pytest.mark.gpu
+def test_topk_gpu():
+    rng = np.random.default_rng(4)
+    num_keys, k = 32768, 2048
+    x = rng.standard_normal((32, num_keys)).astype(np.float32)
+    ends = [0, 1, 2047, 2048, 2049, 5000, 32768, 20000] * 3
+    for r, e in enumerate(ends):
+        x[r, e:] = -np.inf
+    x[8:12] = np.round(x[8:12] * 4)  # ties
+    x[12] = 1.0  # all equal: candidate overflow -> whole-row selection
+    x[24] = np.sort(x[24])  # sorted row
+    x[25, rng.random(num_keys) < 0.3] = np.nan  # NaN counts as invalid
+    x[26] = np.round(x[26] * 0.5)  # ~40% of the row tied at the threshold
+    x[27] *= 1e30
+    x[27, :5] = np.inf
+    out = jax.jit(functools.partial(ops.topk, "triton", k=k))(jnp.asarray(x))
+    check_topk(out, np.where(np.isnan(x), -np.inf, x), k)
+
+
+@pytest.mark.gpu
+def test_topk_gpu_long_rows():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((8, 131072)).astype(np.float32)
+    x[1, 70000:] = -np.inf
+    x[2] = np.round(x[2] * 8)
+    out = jax.jit(functools.partial(ops.topk, "triton", k=2048))(jnp.asarray(x))
+    check_topk(out, x, 2048)

@@ -1,4 +1,10 @@
-"""The Pallas sparse MLA kernel against its jnp reference (`sparse_mla_reference`).
+"""Sparse MLA attention over selected cache slots, every backend against the jnp reference.
+
+Backends (tests/support/ops.py): "reference" (`sparse_mla_reference`, jnp: the XLA path and
+oracle), "triton" (the Pallas Triton kernel; interpret mode on CPU), "mosaic" (the Mosaic GPU
+kernel: Hopper only, bf16 q; its gathers are inline PTX, so it has no interpret mode and its
+cases are `gpu` tests, with CPU twins that lower it for the GPU) and "auto" (the public
+router's choice). Each kernel case runs on every kernel that takes its operands.
 
 Errors are relative: ||out - ref|| / ||ref|| over the rows that have a valid slot. Tolerances:
   * f32 q and f32 (or fp8 with f32 q) cache: 1e-5. The kernel's products are IEEE f32 there, so
@@ -10,7 +16,8 @@ lse is compared in absolute terms (it is a log): 1e-5 / 1e-2 with the same split
 an fp8 cache with bf16 q: the kernels dequantise e4m3 x f32 scale to bf16 (as FlashMLA does),
 a <= 2^-9 relative rounding per value (far below e4m3's own 2^-4), which at the real shapes
 (576-wide scores of random N(0, 1) data) moves the top scores, hence lse, by up to ~1.6e-2.
-On CPU the kernel runs in Pallas interpret mode; on a GPU it compiles through Triton.
+The isolation cases plant NaN / inf in every cache slot no row selects (slot 0 included) and run
+on every backend.
 """
 
 import functools
@@ -22,8 +29,19 @@ import pytest
 
 from jax_sparse_mla.config import FP8_TILE
 from jax_sparse_mla.ops import quantize_tiles
-from pallas_kernels.sparse_mla import sparse_mla, sparse_mla_reference
-from tests.conftest import INTERPRET
+from jax_sparse_mla.policy import UPFRONT_MIN_USES
+from pallas_kernels.sparse_mla import dequantize_latent, dequantize_pages
+from tests.support import assert_same_as_clean, ops
+
+OP = "sparse_mla"
+param = functools.partial(ops.backend_param, OP)
+
+
+def kernels(q_dtype, *values, id=None):
+    """The kernel backends for q of q_dtype (the Mosaic kernel takes bf16 q only), as params."""
+    names = ["triton"] + (["mosaic"] if q_dtype == jnp.bfloat16 else [])
+    return [param(b, *values, id=f"{b}-{id}" if id else b) for b in names]
+
 
 def make_inputs(seed, *, rows, heads, rank, rope, topk, num_slots, cache, q_dtype, hole_frac=0.3):
     """Fresh random inputs. cache: "f32" | "bf16" | "fp8". Slots are distinct per row, ~hole_frac -1."""
@@ -45,11 +63,13 @@ def make_inputs(seed, *, rows, heads, rank, rope, topk, num_slots, cache, q_dtyp
     return q, latent, latent_scale, k_pe, slots
 
 
-def check(inputs, *, scale, out_tol, lse_tol, **kwargs):
+def check(backend, inputs, *, scale, out_tol, lse_tol, **kwargs):
     q, latent, latent_scale, k_pe, slots = inputs
-    out, lse = sparse_mla(q, latent, latent_scale, k_pe, slots, scale=scale,
-                          interpret=INTERPRET, **kwargs)
-    ref_out, ref_lse = sparse_mla_reference(q, latent, latent_scale, k_pe, slots, scale=scale)
+    reason = ops.sparse_mla_unsupported(backend, q, latent, latent_scale, k_pe)
+    if reason:
+        pytest.skip(f"{backend}: {reason}")
+    out, lse = ops.sparse_mla(backend, q, latent, latent_scale, k_pe, slots, scale=scale, **kwargs)
+    ref_out, ref_lse = ops.sparse_mla("reference", q, latent, latent_scale, k_pe, slots, scale=scale)
     out, lse, ref_out, ref_lse = map(np.asarray, (out, lse, ref_out, ref_lse))
     assert out.shape == ref_out.shape and out.dtype == np.float32
     assert lse.shape == ref_lse.shape and lse.dtype == np.float32
@@ -71,19 +91,35 @@ BF16 = dict(out_tol=2e-2, lse_tol=1e-2)
 FP8 = dict(out_tol=2e-2, lse_tol=3e-2)
 
 
-@pytest.mark.parametrize("cache,q_dtype,tol", [
+TINY = dict(rank=128, rope=8, num_slots=96)
+EXACT = dict(out_tol=1e-5, lse_tol=1e-5)
+BF16 = dict(out_tol=2e-2, lse_tol=1e-2)
+FP8 = dict(out_tol=2e-2, lse_tol=3e-2)
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels against the reference (CPU: the Triton kernel in interpret mode)
+# ------------------------------------------------------------------------------------------------
+
+_HOLES_CASES = [
     ("f32", jnp.float32, EXACT),
     ("bf16", jnp.bfloat16, BF16),
     ("fp8", jnp.bfloat16, FP8),
     ("fp8", jnp.float32, EXACT),  # dequantised in f32: checks the scales are applied exactly
-])
-def test_random_slots_with_holes(cache, q_dtype, tol):
+]
+
+
+@pytest.mark.parametrize("backend,cache,q_dtype,tol", [
+    p for cache, q_dtype, tol in _HOLES_CASES
+    for p in kernels(q_dtype, cache, q_dtype, tol, id=f"{cache}-{jnp.dtype(q_dtype).name}")])
+def test_random_slots_with_holes(backend, cache, q_dtype, tol):
     inputs = make_inputs(0, rows=6, heads=4, topk=16, cache=cache, q_dtype=q_dtype, **TINY)
-    check(inputs, scale=0.1, **tol)
+    check(backend, inputs, scale=0.1, **tol)
 
 
+@pytest.mark.parametrize("backend", kernels(jnp.float32))
 @pytest.mark.parametrize("cache", ["f32", "fp8"])
-def test_empty_and_sparse_rows(cache):
+def test_empty_and_sparse_rows(backend, cache):
     """Rows with no valid slot (out 0, lse +inf) and rows with only a few (index set < topk)."""
     q, latent, latent_scale, k_pe, slots = make_inputs(
         1, rows=6, heads=4, topk=16, cache=cache, q_dtype=jnp.float32, **TINY)
@@ -91,39 +127,43 @@ def test_empty_and_sparse_rows(cache):
     slots = slots.at[1].set(jnp.full((16,), -1).at[3].set(5))        # a single slot
     slots = slots.at[2].set(jnp.full((16,), -1).at[:3].set(jnp.array([7, 8, 9])))  # a short prefix
     slots = slots.at[5].set(-1)
-    out, lse = check((q, latent, latent_scale, k_pe, slots), scale=0.1, **EXACT)
+    out, lse = check(backend, (q, latent, latent_scale, k_pe, slots), scale=0.1, **EXACT)
     # one slot: softmax weight 1, the output is that cache row
     row = latent.astype(jnp.float32)[5] if latent_scale is None else (
         latent.astype(jnp.float32)[5].reshape(-1, FP8_TILE) * latent_scale[5][:, None]).reshape(-1)
     np.testing.assert_allclose(out[1], np.broadcast_to(np.asarray(row), out[1].shape), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", kernels(jnp.float32))
 @pytest.mark.parametrize("heads,topk", [(6, 20), (4, 8), (20, 40)])
-def test_odd_heads_and_topk(heads, topk):
+def test_odd_heads_and_topk(backend, heads, topk):
     """H not a power of two (padded, masked), K not a multiple of the block or below it.
 
     H=20 with block_h=16 gives two head blocks, the second mostly padding.
     """
     inputs = make_inputs(2, rows=3, heads=heads, topk=topk, cache="f32", q_dtype=jnp.float32, **TINY)
-    check(inputs, scale=0.2, block_h=16, block_k=16, **EXACT)
+    check(backend, inputs, scale=0.2, block_h=16, block_k=16, **EXACT)
 
 
+@pytest.mark.parametrize("backend", kernels(jnp.bfloat16))
 @pytest.mark.parametrize("num_splits", [2, 3])
-def test_split_slot_list(num_splits):
+def test_split_slot_list(backend, num_splits):
     """Slot lists split over programs and merged by lse, including splits with no valid slot."""
     q, latent, latent_scale, k_pe, slots = make_inputs(
         3, rows=4, heads=4, topk=48, cache="bf16", q_dtype=jnp.bfloat16, **TINY)
     slots = slots.at[0, 16:].set(-1)   # only the first split has work
     slots = slots.at[1, :40].set(-1)   # only the last split has work
     slots = slots.at[2].set(-1)        # nothing at all
-    check((q, latent, latent_scale, k_pe, slots), scale=0.1, block_k=16, num_splits=num_splits, **BF16)
+    check(backend, (q, latent, latent_scale, k_pe, slots), scale=0.1, block_k=16, num_splits=num_splits, **BF16)
 
 
-def test_large_scores_are_stable():
+@pytest.mark.parametrize("backend", kernels(jnp.float32))
+def test_large_scores_are_stable(backend):
     """Scores in the hundreds: the online softmax must rescale, not overflow."""
     q, latent, latent_scale, k_pe, slots = make_inputs(
         4, rows=2, heads=4, topk=32, cache="f32", q_dtype=jnp.float32, **TINY)
-    check((q * 30.0, latent, latent_scale, k_pe, slots), scale=1.0, block_k=16, out_tol=1e-4, lse_tol=1e-3)
+    check(backend, (q * 30.0, latent, latent_scale, k_pe, slots), scale=1.0, block_k=16, out_tol=1e-4,
+          lse_tol=1e-3)
 
 
 def paged_inputs(seed, *, rows, heads, rank, rope, topk, page_size, cache_pages, seq_pages):
@@ -144,8 +184,6 @@ def paged_inputs(seed, *, rows, heads, rank, rope, topk, page_size, cache_pages,
 def test_dequantize_pages_renumbers_slots():
     """The copy holds the listed pages dequantised, -1 pages ignored, and each slot names the same
     row there; slots on pages not listed become -1."""
-    from pallas_kernels.sparse_mla import dequantize_latent, dequantize_pages
-
     _, latent, latent_scale, k_pe, slots, pages = paged_inputs(
         7, rows=5, heads=4, rank=128, rope=8, topk=40, page_size=8, cache_pages=30, seq_pages=12)
     stray = int(jnp.setdiff1d(jnp.arange(30), pages)[0]) * 8 + 3  # a slot on a page not listed
@@ -162,8 +200,9 @@ def test_dequantize_pages_renumbers_slots():
     np.testing.assert_array_equal(np.asarray(copy_pe)[got_rows], np.asarray(k_pe)[want_rows])
 
 
-@pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32])
-def test_fp8_upfront_equals_in_kernel(q_dtype):
+@pytest.mark.parametrize("backend,q_dtype", [p for q_dtype in (jnp.bfloat16, jnp.float32)
+                                             for p in kernels(q_dtype, q_dtype, id=jnp.dtype(q_dtype).name)])
+def test_fp8_upfront_equals_in_kernel(backend, q_dtype):
     """Dequantising the sequence's pages upfront gives the in-kernel route's results exactly (both
     round e4m3 x scale to q's dtype), and both match the reference."""
     q, latent, latent_scale, k_pe, slots, pages = paged_inputs(
@@ -171,8 +210,8 @@ def test_fp8_upfront_equals_in_kernel(q_dtype):
     q = q.astype(q_dtype)
     tol = EXACT if q_dtype == jnp.float32 else FP8
     kw = dict(pages=pages, page_size=8, **tol)
-    in_kernel = check((q, latent, latent_scale, k_pe, slots), scale=0.1, dequantize="kernel", **kw)
-    upfront = check((q, latent, latent_scale, k_pe, slots), scale=0.1, dequantize="upfront", **kw)
+    in_kernel = check(backend, (q, latent, latent_scale, k_pe, slots), scale=0.1, dequantize="kernel", **kw)
+    upfront = check(backend, (q, latent, latent_scale, k_pe, slots), scale=0.1, dequantize="upfront", **kw)
     np.testing.assert_array_equal(upfront[0], in_kernel[0])
     np.testing.assert_array_equal(upfront[1], in_kernel[1])
 
@@ -182,7 +221,7 @@ def _kernel_latent_dtype(rows, *, whole_cache=False):
     `rows` rows of topk 32 and 128 heads over a sequence's 4 pages (+3 -1 entries) of 50."""
     q, latent, latent_scale, k_pe, slots, pages = paged_inputs(
         9, rows=rows, heads=128, rank=128, rope=8, topk=32, page_size=64, cache_pages=50, seq_pages=4)
-    fn = functools.partial(sparse_mla, scale=0.1, interpret=INTERPRET, backend="triton", page_size=64)
+    fn = functools.partial(ops.sparse_mla, "triton", scale=0.1, page_size=64)
     jaxpr = jax.make_jaxpr(lambda *a: fn(*a, pages=None if whole_cache else pages))(q, latent, latent_scale, k_pe, slots)
     (call,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
     return call.invars[1].aval.dtype
@@ -190,8 +229,6 @@ def _kernel_latent_dtype(rows, *, whole_cache=False):
 
 def test_auto_dequantizes_upfront_for_prefill_only():
     """"auto": rows x topk x 64-head programs >= UPFRONT_MIN_USES x the copy's rows -> upfront."""
-    from pallas_kernels.sparse_mla import UPFRONT_MIN_USES
-
     enough = UPFRONT_MIN_USES * 7 * 64 // (32 * 2)  # rows at exactly the threshold for the 7 listed pages
     assert _kernel_latent_dtype(enough) == jnp.bfloat16
     assert _kernel_latent_dtype(enough - 1) == jnp.float8_e4m3fn
@@ -208,18 +245,96 @@ def test_dequantize_rejects_bad_arguments(bad):
     if bad == "bf16_upfront":
         latent, latent_scale = latent.astype(jnp.bfloat16), None
     with pytest.raises(ValueError, match="dequantize|fp8|page_size"):
-        sparse_mla(q, latent, latent_scale, k_pe, slots, scale=0.1, interpret=INTERPRET, **kw)
+        ops.sparse_mla("auto", q, latent, latent_scale, k_pe, slots, scale=0.1, **kw)
 
+
+# ------------------------------------------------------------------------------------------------
+# isolation: NaN / inf in cache slots no row selects
+# ------------------------------------------------------------------------------------------------
+
+PAGE = 8
+SPARSE_SHAPE = dict(rows=6, heads=4, rank=128, rope=8, topk=24, num_slots=96)  # 12 pages of 8
+
+
+def _sparse_case(cache, seed=0):
+    """Clean inputs whose rows select only slots of pages 4..11 (slot 0 never), with holes, a row
+    of only -1 and one with a single valid slot; and the same cache with NaN / inf in every slot
+    no row selects (pages 0..3 included)."""
+    s = SPARSE_SHAPE
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (s["rows"], s["heads"], s["rank"] + s["rope"]), jnp.float32).astype(jnp.bfloat16)
+    latent = jax.random.normal(keys[1], (s["num_slots"], s["rank"]), jnp.float32)
+    k_pe = jax.random.normal(keys[2], (s["num_slots"], s["rope"]), jnp.float32).astype(jnp.bfloat16)
+    if cache == "fp8":
+        latent, latent_scale = quantize_tiles(latent, FP8_TILE)
+    else:
+        latent, latent_scale = latent.astype(jnp.bfloat16), None
+    rng = np.random.default_rng(seed)
+    slots = np.stack([rng.permutation(np.arange(32, s["num_slots"]))[: s["topk"]] for _ in range(s["rows"])])
+    slots = np.where(rng.random(slots.shape) < 0.3, -1, slots).astype(np.int32)
+    slots[4] = -1  # no valid slot
+    slots[5, 1:] = -1  # one valid slot
+    unused = np.setdiff1d(np.arange(s["num_slots"]), slots[slots >= 0])
+    assert 0 in unused
+    nan_rows = jnp.zeros((s["num_slots"], 1), bool).at[unused].set(True)
+    poisoned = (jnp.where(nan_rows, jnp.nan, latent.astype(jnp.float32)).astype(latent.dtype),
+                None if latent_scale is None else jnp.where(nan_rows, jnp.inf, latent_scale),
+                jnp.where(nan_rows, jnp.inf, k_pe.astype(jnp.float32)).astype(k_pe.dtype))
+    return q, (latent, latent_scale, k_pe), poisoned, jnp.asarray(slots)
+
+
+def _check_sparse(run, cache, seed=0):
+    q, clean, poisoned, slots = _sparse_case(cache, seed)
+    out, lse = run(q, *clean, slots)
+    out_p, lse_p = run(q, *poisoned, slots)
+    assert_same_as_clean(out_p, out, "into out")
+    assert np.isfinite(np.asarray(out_p)).all()
+    np.testing.assert_array_equal(np.asarray(lse_p)[4], np.inf)  # the empty row
+    np.testing.assert_allclose(np.asarray(lse_p), np.asarray(lse), rtol=1e-6, atol=1e-7)
+
+
+_TABLES = jnp.asarray([[4, 5, 6, 7, 8, 9], [10, 11, -1, -1, -1, -1]], jnp.int32)  # -1 entries copy nothing
+_ISOLATION_ROUTES = [("bf16", "auto"), ("fp8", "kernel"), ("fp8", "upfront")]
+
+
+@pytest.mark.parametrize("backend,cache,dequantize,pages", [
+    param("reference", "bf16", "auto", None, id="reference-bf16"),
+    param("reference", "fp8", "auto", None, id="reference-fp8"),
+] + [param("triton", cache, dequantize, _TABLES, id=f"triton-{cache}-{dequantize}")
+     for cache, dequantize in _ISOLATION_ROUTES]
+  # the Mosaic GPU kernel zero-fills -1 slots in its gathers (cp.async of size 0)
+  + [param("mosaic", cache, dequantize, jnp.arange(4, 12, dtype=jnp.int32), id=f"mosaic-{cache}-{dequantize}")
+     for cache, dequantize in _ISOLATION_ROUTES])
+def test_ignores_unselected_slots(backend, cache, dequantize, pages):
+    kw = {} if backend == "reference" else dict(dequantize=dequantize, pages=pages, page_size=PAGE)
+    _check_sparse(functools.partial(ops.sparse_mla, backend, scale=0.1, **kw), cache)
+
+
+def test_dequantize_pages_zeroes_unlisted_entries():
+    """The upfront copy's rows for -1 page entries are zeros, not page 0's (NaN) rows."""
+    _, _, (latent, latent_scale, k_pe), slots = _sparse_case("fp8")
+    pages = jnp.asarray([4, 5, 6, 7, 8, 9, 10, 11, -1, -1], jnp.int32)
+    copy, copy_pe, renumbered = dequantize_pages(latent, latent_scale, k_pe, slots, pages, page_size=PAGE,
+                                                 dtype=jnp.bfloat16)
+    tail = slice(8 * PAGE, None)
+    np.testing.assert_array_equal(np.asarray(copy[tail], np.float32), 0.0)
+    np.testing.assert_array_equal(np.asarray(copy_pe[tail], np.float32), 0.0)
+    assert (np.asarray(renumbered) < 8 * PAGE).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: compiled kernels, real dimensions; the Mosaic kernel's CPU twins
+# ------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+@pytest.mark.parametrize("backend", kernels(jnp.bfloat16))
 @pytest.mark.parametrize("cache,dequantize", [("bf16", "auto"), ("fp8", "kernel"), ("fp8", "upfront")])
 def test_real_dimensions_gpu(cache, dequantize, backend):
     """DeepSeek-V3.2 shapes: H=128, R=512, P=64, topk 2048 over a 32K-token cache, 64 rows."""
     inputs = make_inputs(5, rows=64, heads=128, rank=512, rope=64, topk=2048, num_slots=32768,
                          cache=cache, q_dtype=jnp.bfloat16, hole_frac=0.1)
     scale = (128 + 64) ** -0.5 * (0.1 * np.log(40.0) + 1) ** 2
-    check(inputs, scale=scale, backend=backend, dequantize=dequantize, **(FP8 if cache == "fp8" else BF16))
+    check(backend, inputs, scale=scale, dequantize=dequantize, **(FP8 if cache == "fp8" else BF16))
 
 
 @pytest.mark.gpu
@@ -228,9 +343,10 @@ def test_mosaic_fp8_routes_agree_gpu():
     rounded to bf16) give the same attention, at the real shapes over a paged cache."""
     q, latent, latent_scale, k_pe, slots, pages = paged_inputs(
         11, rows=256, heads=128, rank=512, rope=64, topk=2048, page_size=64, cache_pages=640, seq_pages=300)
-    kw = dict(scale=0.06, backend="mosaic", pages=pages, page_size=64)
-    in_kernel = sparse_mla(q, latent, latent_scale, k_pe, slots, dequantize="kernel", **kw)
-    upfront = sparse_mla(q, latent, latent_scale, k_pe, slots, dequantize="upfront", **kw)
+    run = functools.partial(ops.sparse_mla, "mosaic", q, latent, latent_scale, k_pe, slots, scale=0.06,
+                            pages=pages, page_size=64)
+    in_kernel = run(dequantize="kernel")
+    upfront = run(dequantize="upfront")
     np.testing.assert_allclose(upfront[0], in_kernel[0], rtol=0, atol=1e-5 * float(jnp.abs(in_kernel[0]).max()))
     np.testing.assert_allclose(upfront[1], in_kernel[1], rtol=0, atol=1e-5)
 
@@ -247,7 +363,7 @@ def test_mosaic_odd_shapes_gpu(cache, heads, num_splits):
     slots = slots.at[0].set(-1)
     slots = slots.at[1].set(jnp.full((200,), -1).at[150].set(7))
     slots = slots.at[2, :128].set(-1)
-    check((q, latent, latent_scale, k_pe, slots), scale=0.2, backend="mosaic", num_splits=num_splits,
+    check("mosaic", (q, latent, latent_scale, k_pe, slots), scale=0.2, num_splits=num_splits,
           dequantize="kernel" if cache == "fp8" else "auto", **(FP8 if cache == "fp8" else BF16))
 
 
@@ -268,8 +384,8 @@ def test_mosaic_fp8_dequantisation_gpu():
     slots = np.full((rows, 64), -1, np.int32)
     slots[:, 37] = np.arange(rows)
     # (scores reach ~1e6 here, so lse is not compared: with one slot its weight is 1 regardless)
-    out, _ = sparse_mla(q, latent, latent_scale, k_pe, jnp.asarray(slots), scale=0.1, backend="mosaic",
-                        dequantize="kernel")
+    out, _ = ops.sparse_mla("mosaic", q, latent, latent_scale, k_pe, jnp.asarray(slots), scale=0.1,
+                            dequantize="kernel")
     out = np.asarray(out)
     want = (np.asarray(latent.astype(jnp.float32)).reshape(rows, -1, FP8_TILE)
             * np.asarray(latent_scale)[:, :, None]).reshape(rows, 1, rank)
@@ -287,27 +403,24 @@ def test_mosaic_kernel_lowers(cache, heads, rank, rope, topk, num_splits):
     """CPU twin of the Mosaic GPU tests: the kernel (inline gathers included) lowers to a Mosaic GPU
     module at the real shapes and at the GPU test's odd ones; it cannot run in interpret mode
     (inline_mgpu has no interpreter)."""
-    from pallas_kernels.sparse_mla.mosaic import sparse_mla_mosaic
-
     sd = jax.ShapeDtypeStruct
     latent = sd((4096, rank), jnp.bfloat16 if cache == "bf16" else jnp.float8_e4m3fn)
     latent_scale = None if cache == "bf16" else sd((4096, rank // FP8_TILE), jnp.float32)
     args = (sd((3, heads, rank + rope), jnp.bfloat16), latent, latent_scale, sd((4096, rope), jnp.bfloat16),
             sd((3, topk), jnp.int32))
-    fn = jax.jit(lambda *a: sparse_mla_mosaic(*a, scale=0.1, num_splits=num_splits))
+    fn = jax.jit(lambda *a: ops.sparse_mla("mosaic", *a, scale=0.1, num_splits=num_splits, dequantize="kernel",
+                                           interpret=False))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("bad", ["rank", "rope", "dtype", "fp8_tile"])
 def test_mosaic_rejects_unsupported_shapes(bad):
-    from pallas_kernels.sparse_mla.mosaic import sparse_mla_mosaic
-
     rank, rope, dtype = {"rank": (96, 64, jnp.bfloat16), "rope": (128, 12, jnp.bfloat16),
                          "dtype": (128, 64, jnp.float32), "fp8_tile": (128, 64, jnp.float8_e4m3fn)}[bad]
     # fp8: one scale per 8 values, finer than the kernel's 16-value dequantisation units
     latent_scale = jnp.ones((8, rank // 8), jnp.float32) if bad == "fp8_tile" else None
     q = jnp.zeros((2, 4, rank + rope), jnp.bfloat16)
     with pytest.raises(ValueError):
-        sparse_mla_mosaic(q, jnp.zeros((8, rank), dtype), latent_scale, jnp.zeros((8, rope), jnp.bfloat16),
-                          jnp.zeros((2, 4), jnp.int32), scale=0.1)
+        ops.sparse_mla("mosaic", q, jnp.zeros((8, rank), dtype), latent_scale, jnp.zeros((8, rope), jnp.bfloat16),
+                       jnp.zeros((2, 4), jnp.int32), scale=0.1, dequantize="kernel", interpret=False)

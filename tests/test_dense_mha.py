@@ -1,27 +1,48 @@
-"""The Mosaic GPU varlen causal attention kernel against its float32 reference.
+"""Dense causal MHA over packed ragged prefills, every backend against the float32 reference.
 
-`dense_mha_reference` is itself checked against a naive per-sequence numpy
-computation. Kernel errors are relative, ||out - ref|| / ||ref|| over the rows sequences own;
+Backends (tests/support/ops.py): "reference" (`dense_mha_reference`, jnp, float32: the XLA
+path and oracle, itself checked against a naive per-sequence numpy computation) and "mosaic"
+(the Mosaic GPU kernel: bf16 / f16, head dims multiples of 64; on CPU it runs in Mosaic GPU
+interpret mode, which needs a CPU thread per kernel warpgroup: `ops.dense_mha_unsupported`).
+Kernel errors are relative, ||out - ref|| / ||ref|| over the rows sequences own;
 tolerance 1e-2 for bf16/f16 inputs: the kernel rounds the softmax probabilities to the input
 dtype before the P.V product (as flash attention does) and rounds its output to it; observed
 errors are ~2e-3. Rows no sequence owns must be exactly 0, and rows outside every sequence are
 poisoned with large values in q, k and v so that reading them would show. The isolation tests
-plant NaN / inf in other sequences' rows and unowned rows: a row's output depends on its own
-sequence alone (no 0 * NaN through masked probabilities), and its own non-finite values show.
-On CPU the kernel runs in Mosaic GPU interpret mode; the `gpu` twin compiles it at real sizes.
+(every backend) plant NaN / inf in other sequences' rows and unowned rows: a row's output
+depends on its own sequence alone (no 0 * NaN through masked probabilities), and its own
+non-finite values show. The `gpu` twin compiles the kernel at real sizes.
 Small num_programs make each persistent program walk several (block, head) items.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.dense_mha import dense_mha, dense_mha_reference, unsupported_reason
-from tests.conftest import INTERPRET
+from pallas_kernels.dense_mha import unsupported_reason
+from tests.support import ops
+
+OP = "dense_mha"
+param = functools.partial(ops.backend_param, OP)
+KERNELS = [param("mosaic")]
 
 TOL = 1e-2
 POISON = 300.0
+
+
+def require(backend, q, v):
+    """Skip unless `backend` runs q, v's dtype and head dims here."""
+    reason = ops.dense_mha_unsupported(backend, q.dtype, q.shape[-1], v.shape[-1])
+    if reason:
+        pytest.skip(f"{backend}: {reason}")
+
+
+def run(backend, q, k, v, q_start, k_start, **kw):
+    require(backend, q, v)
+    return ops.dense_mha(backend, q, k, v, q_start, k_start, **kw)
 
 
 def make_batch(seed, q_lens, ctx_lens, *, heads, d_qk=192, d_v=128, pad_q=0, pad_k=0,
@@ -75,31 +96,31 @@ def test_reference_matches_naive():
     expected = naive(q, k, v, q_start, k_start, 0.3)
     # one query block; blocks of 4 queries (18 rows: a ragged last block)
     for max_scores in (1 << 27, 4 * 2 * k.shape[0]):
-        ref = dense_mha_reference(q, k, v, q_start, k_start, scale=0.3, max_scores=max_scores)
+        ref = ops.dense_mha("reference", q, k, v, q_start, k_start, scale=0.3, max_scores=max_scores)
         assert ref.shape == (q.shape[0], 2, 8) and ref.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(ref), expected, rtol=1e-5, atol=1e-5)
 
 
 # T, Tk = 339, 607 (the kernel pads them to multiples of 8) and 336, 608 (no padding)
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("dtype,pad_q,pad_k", [(jnp.bfloat16, 9, 5), (jnp.float16, 6, 6)])
-def test_ragged_batch(dtype, pad_q, pad_k):
+def test_ragged_batch(backend, dtype, pad_q, pad_k):
     q, k, v, q_start, k_start = make_batch(1, **RAGGED, heads=2, pad_q=pad_q, pad_k=pad_k, dtype=dtype)
-    out = dense_mha(q, k, v, q_start, k_start, scale=0.1, interpret=INTERPRET,
-                    num_programs=3)
-    ref = dense_mha_reference(q, k, v, q_start, k_start, scale=0.1)
+    out = run(backend, q, k, v, q_start, k_start, scale=0.1, num_programs=3)
+    ref = ops.dense_mha("reference", q, k, v, q_start, k_start, scale=0.1)
     assert out.shape == (q.shape[0], 2, 128) and out.dtype == dtype
     owned = int(q_start[-1])
     assert rel_err(out, ref, owned) < TOL
     np.testing.assert_array_equal(np.asarray(out[owned:], np.float32), 0.0)
 
 
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("block_kv", [128, 96])  # 96: V swizzled at 64 bytes
-def test_long_context_and_key_tiles(block_kv):
+def test_long_context_and_key_tiles(backend, block_kv):
     """Key tiles in two slots, a context of several tiles, one query row per sequence end."""
     q, k, v, q_start, k_start = make_batch(2, [65, 3], [300, 130], heads=1, d_qk=64, d_v=64, pad_q=1)
-    out = dense_mha(q, k, v, q_start, k_start, scale=0.2, interpret=INTERPRET,
-                    block_kv=block_kv, num_stages=2, num_programs=2)
-    ref = dense_mha_reference(q, k, v, q_start, k_start, scale=0.2)
+    out = run(backend, q, k, v, q_start, k_start, scale=0.2, block_kv=block_kv, num_stages=2, num_programs=2)
+    ref = ops.dense_mha("reference", q, k, v, q_start, k_start, scale=0.2)
     assert rel_err(out, ref, int(q_start[-1])) < TOL
     np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)
 
@@ -107,27 +128,29 @@ def test_long_context_and_key_tiles(block_kv):
 # Work-list orders and diagonal tiles: sequences of at most 128 rows on average (items dealt
 # head fastest: several heads, more items than programs) and 128-aligned prefills with and
 # without a 128-aligned context (warpgroup 0's diagonal key tiles run as 64-key half steps).
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("q_lens,ctx_lens", [([100, 7, 0, 120, 29], [0, 3, 9, 0, 64]),
                                              ([256, 128], [0, 128])])
-def test_short_and_aligned_prefills(q_lens, ctx_lens):
+def test_short_and_aligned_prefills(backend, q_lens, ctx_lens):
     q, k, v, q_start, k_start = make_batch(6, q_lens, ctx_lens, heads=4, d_qk=64, d_v=64, pad_q=3)
-    out = dense_mha(q, k, v, q_start, k_start, scale=0.2, interpret=INTERPRET,
-                    num_programs=3)
-    ref = dense_mha_reference(q, k, v, q_start, k_start, scale=0.2)
+    out = run(backend, q, k, v, q_start, k_start, scale=0.2, num_programs=3)
+    ref = ops.dense_mha("reference", q, k, v, q_start, k_start, scale=0.2)
     owned = int(q_start[-1])
     assert rel_err(out, ref, owned) < TOL
     np.testing.assert_array_equal(np.asarray(out[owned:], np.float32), 0.0)
 
 
-def test_all_padding():
+@pytest.mark.parametrize("backend", [param("reference")] + KERNELS)
+def test_all_padding(backend):
     q, k, v, q_start, k_start = make_batch(3, [0, 0], [0, 4], heads=1, d_qk=64, d_v=64, pad_q=5)
-    out = dense_mha(q, k, v, q_start, k_start, scale=0.2, interpret=INTERPRET)
+    out = run(backend, q, k, v, q_start, k_start, scale=0.2)
     np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
 
 
-def test_bad_inputs():
+@pytest.mark.parametrize("backend", KERNELS)
+def test_bad_inputs(backend):
     q, k, v, q_start, k_start = make_batch(4, [3], [0], heads=2, d_qk=64, d_v=64)
-    call = lambda *a, **kw: dense_mha(*a, scale=1.0, interpret=INTERPRET, **kw)
+    call = lambda *a, **kw: ops.dense_mha(backend, *a, scale=1.0, **kw)  # noqa: E731
     with pytest.raises(ValueError, match="heads"):
         call(q[:, :1], k, v, q_start, k_start)
     with pytest.raises(ValueError, match="head dim"):
@@ -145,14 +168,15 @@ def test_bad_inputs():
 
 
 @pytest.mark.gpu
-def test_real_dims_compiled():
+@pytest.mark.parametrize("backend", KERNELS)
+def test_real_dims_compiled(backend):
     """H=128, Dqk 192, Dv 128 at prefill sizes, compiled; the reference on 8 heads."""
     q, k, v, q_start, k_start = make_batch(5, [1000, 1, 0, 300, 2048, 77], [0, 5, 3, 700, 0, 64],
                                            heads=128, pad_q=37, pad_k=11)
-    out = jax.jit(lambda *a: dense_mha(*a, scale=192 ** -0.5))(q, k, v, q_start, k_start)
+    out = jax.jit(lambda *a: ops.dense_mha(backend, *a, scale=192 ** -0.5))(q, k, v, q_start, k_start)
     heads = slice(0, 8)
-    ref = dense_mha_reference(q[:, heads], k[:, heads], v[:, heads], q_start, k_start,
-                              scale=192 ** -0.5)
+    ref = ops.dense_mha("reference", q[:, heads], k[:, heads], v[:, heads], q_start, k_start,
+                        scale=192 ** -0.5)
     owned = int(q_start[-1])
     assert rel_err(out[:, heads], ref, owned) < TOL
     np.testing.assert_array_equal(np.asarray(out[owned:], np.float32), 0.0)
@@ -174,7 +198,7 @@ def test_kernel_lowers_for_the_gpu_at_real_dims(d_qk, d_v):
     sd = jax.ShapeDtypeStruct
     args = (sd((4096, 128, d_qk), jnp.bfloat16), sd((6144, 128, d_qk), jnp.bfloat16),
             sd((6144, 128, d_v), jnp.bfloat16), sd((5,), jnp.int32), sd((5,), jnp.int32))
-    fn = jax.jit(lambda *a: dense_mha(*a, scale=0.07))
+    fn = jax.jit(lambda *a: ops.dense_mha("mosaic", *a, scale=0.07, interpret=False))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -219,54 +243,54 @@ def check_isolation(run, q, k, v, q_start, k_start, *, clean):
         yield out[rows], clean[rows]
 
 
-@pytest.mark.parametrize("max_scores", [1 << 27, 7 * 2 * 300])  # one query block; blocks of 7
-def test_reference_rows_see_only_their_sequence(max_scores):
-    """NaN / inf in other sequences' q, k, v rows and in rows no sequence owns never reach a
-    sequence's outputs (no 0 * NaN through the masked probabilities)."""
-    q, k, v, q_start, k_start = make_batch(8, **ISOLATION, heads=2, d_qk=16, d_v=8, pad_q=8,
-                                           pad_k=9, dtype=jnp.float32)
-    run = lambda q, k, v: dense_mha_reference(q, k, v, q_start, k_start, scale=0.3,
-                                              max_scores=max_scores)
-    clean = np.asarray(run(q, k, v))
-    np.testing.assert_allclose(clean, naive(q, k, v, q_start, k_start, 0.3), rtol=1e-5, atol=1e-5)
-    for out, expected in check_isolation(run, q, k, v, q_start, k_start, clean=clean):
-        assert rel_err(out, expected, len(out)) < 1e-6
-
-
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's NaN products
-@pytest.mark.parametrize("block_kv", [128, 96])  # 96: 64-row pieces of the V tile overlap
-def test_kernel_rows_see_only_their_sequence(block_kv):
-    """As above for the kernel, whose key tiles start up to 7 keys before a sequence's first key
-    and run past its last one: the kept sequences' rows are bit-identical to the clean run."""
-    q, k, v, q_start, k_start = make_batch(9, **ISOLATION, heads=2, d_qk=64, d_v=64, pad_q=8,
-                                           pad_k=9)
-    run = lambda q, k, v: dense_mha(q, k, v, q_start, k_start, scale=0.2,
-                                    interpret=INTERPRET, block_kv=block_kv,
-                                    num_stages=2, num_programs=2)
-    clean = np.asarray(run(q, k, v), np.float32)
-    ref = dense_mha_reference(q, k, v, q_start, k_start, scale=0.2)
+@pytest.mark.parametrize("backend,tiling", [
+    param("reference", dict(max_scores=1 << 27), id="reference-one_query_block"),
+    param("reference", dict(max_scores=7 * 2 * 300), id="reference-query_blocks_of_7"),
+    param("mosaic", dict(block_kv=128), id="mosaic-block_kv128"),
+    param("mosaic", dict(block_kv=96), id="mosaic-block_kv96"),  # 96: 64-row pieces of the V tile overlap
+])
+def test_rows_see_only_their_sequence(backend, tiling):
+    """NaN / inf in other sequences' q, k, v rows and in rows no sequence owns never reach a
+    sequence's outputs (no 0 * NaN through the masked probabilities). The reference (float32)
+    is checked on small head dims against the naive computation; the kernel, whose key tiles start
+    up to 7 keys before a sequence's first key and run past its last one, against the reference,
+    and its kept sequences' rows are bit-identical to the clean run."""
+    if backend == "reference":
+        q, k, v, q_start, k_start = make_batch(8, **ISOLATION, heads=2, d_qk=16, d_v=8, pad_q=8,
+                                               pad_k=9, dtype=jnp.float32)
+        scale = 0.3
+    else:
+        q, k, v, q_start, k_start = make_batch(9, **ISOLATION, heads=2, d_qk=64, d_v=64, pad_q=8,
+                                               pad_k=9)
+        scale, tiling = 0.2, dict(tiling, num_stages=2, num_programs=2)
+    attend = lambda q, k, v: run(backend, q, k, v, q_start, k_start, scale=scale, **tiling)  # noqa: E731
+    clean = np.asarray(attend(q, k, v), np.float32)
     owned = int(q_start[-1])
-    assert rel_err(clean, ref, owned) < TOL
-    np.testing.assert_array_equal(clean[owned:], 0.0)
-    for out, expected in check_isolation(run, q, k, v, q_start, k_start, clean=clean):
-        np.testing.assert_array_equal(out, expected)
+    if backend == "reference":
+        np.testing.assert_allclose(clean, naive(q, k, v, q_start, k_start, scale), rtol=1e-5, atol=1e-5)
+    else:
+        assert rel_err(clean, ops.dense_mha("reference", q, k, v, q_start, k_start, scale=scale), owned) < TOL
+        np.testing.assert_array_equal(clean[owned:], 0.0)
+    for out, expected in check_isolation(attend, q, k, v, q_start, k_start, clean=clean):
+        if backend == "reference":
+            assert rel_err(out, expected, len(out)) < 1e-6
+        else:
+            np.testing.assert_array_equal(out, expected)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")
-@pytest.mark.parametrize("impl", ["reference", "kernel"])
-def test_own_nonfinite_values_reach_own_rows(impl):
+@pytest.mark.parametrize("backend", [param("reference")] + KERNELS)
+def test_own_nonfinite_values_reach_own_rows(backend):
     """A sequence's own NaN / inf is not hidden: NaN in its key 0's v reaches all its rows, inf in
     one of its queries reaches that row; the other rows are unchanged."""
     q, k, v, q_start, k_start = make_batch(10, **ISOLATION, heads=2, d_qk=64, d_v=64, pad_q=8,
                                            pad_k=9)
-    if impl == "reference":
-        run = lambda q, v: dense_mha_reference(q, k, v, q_start, k_start, scale=0.2)
-    else:
-        run = lambda q, v: dense_mha(q, k, v, q_start, k_start, scale=0.2,
-                                     interpret=INTERPRET, num_programs=2)
-    clean = np.asarray(run(q, v), np.float32)
+    tiling = {} if backend == "reference" else dict(num_programs=2)
+    attend = lambda q, v: run(backend, q, k, v, q_start, k_start, scale=0.2, **tiling)  # noqa: E731
+    clean = np.asarray(attend(q, v), np.float32)
     bad_seq, bad_row = 4, int(q_start[1]) + 30  # all of sequence 4; one query of sequence 1
-    out = np.asarray(run(q.at[bad_row, 1, 3].set(jnp.inf), v.at[k_start[bad_seq], 0, 5].set(jnp.nan)),
+    out = np.asarray(attend(q.at[bad_row, 1, 3].set(jnp.inf), v.at[k_start[bad_seq], 0, 5].set(jnp.nan)),
                      np.float32)
     bad = seq_rows(q_start, [bad_seq])
     assert (~np.isfinite(out[bad, 0])).any(axis=-1).all()  # head 0 of every row of sequence 4

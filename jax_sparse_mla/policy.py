@@ -1,0 +1,38 @@
+"""The batch-dependent kernel choices, made on the host when a batch is planned (plan.py).
+
+Pure Python over static sizes: no jax arrays, nothing from pallas_kernels. Head counts are PER
+SHARD (the heads one device's kernels run: num_attention_heads / tensor_parallel). The device-
+dependent choices (which backend runs each op) are made once by `kernels.resolve`; the kernels
+themselves take both as arguments and decide nothing.
+"""
+
+from __future__ import annotations
+
+# fp8 latent cache: dequantising the pages a group of rows reads once, upfront, into a bf16 copy
+# pays when the kernel would otherwise dequantise >= this many gathered rows (rows x topk x one
+# program per 64 heads) per copied row; break-even is ~10 on the H200 (docs/design/sparse_mla.md).
+UPFRONT_MIN_USES = 12
+HEADS_PER_PROGRAM = 64  # heads of one sparse-attention program: each gathers (and dequantises) its rows
+
+# indexer logits: a call is prefill-shaped when it has at least one full Mosaic row tile per
+# sequence (docs/design/indexer.md).
+MGPU_MIN_ROWS_PER_SEQ = 16
+
+DEQUANTIZE_ROUTES = ("kernel", "upfront")
+INDEXER_KERNELS = ("prefill", "decode")
+
+
+def dequantize_route(rows: int, heads: int, topk: int, copy_rows: int) -> str:
+    """"upfront" if the kernel would dequantise rows x topk x cdiv(heads, 64) gathered rows (one
+    64-head program each) >= UPFRONT_MIN_USES x copy_rows, the rows an upfront copy holds (its
+    pages x page_size); else "kernel". heads: per shard."""
+    programs = -(-heads // HEADS_PER_PROGRAM)
+    return "upfront" if rows * topk * programs >= UPFRONT_MIN_USES * copy_rows else "kernel"
+
+
+def indexer_kernel(rows: int, seqs: int) -> str:
+    """The Mosaic indexer kernel shape for a scoring call of `rows` query rows over `seqs`
+    sequences (block-table rows): "prefill" with >= MGPU_MIN_ROWS_PER_SEQ rows per sequence
+    (min(seqs, rows) sequences can hold rows), else "decode" (1-2 rows per sequence; a single
+    sequence too, where both kernels are latency-bound)."""
+    return "prefill" if rows >= MGPU_MIN_ROWS_PER_SEQ * min(seqs, rows) else "decode"

@@ -1,0 +1,46 @@
+"""Shared test helpers (not a test module: pytest collects nothing here).
+
+`tests.support` holds the facts about where the suite runs; `tests.support.ops` the one call
+into each op per backend (the only place to adapt when a kernel signature changes) and the
+backends' limits; `tests.support.cases` the input builders more than one op's suite uses.
+"""
+
+import os
+
+# Mosaic GPU's interpreter needs a CPU thread per simulated warpgroup (see jax_sparse_mla.kernels.resolve);
+# set before jax creates its CPU client, so the dense kernel also runs inside the forward on a 2-core CI box.
+os.environ.setdefault("PJRT_NPROC", "4")
+
+import jax  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+
+
+def cpu_threads() -> int:
+    """The size of XLA's CPU thread pool: PJRT_NPROC if set, else the CPUs this process may use."""
+    return int(os.environ.get("PJRT_NPROC") or len(os.sched_getaffinity(0)))
+
+
+def quantize_fp8_blocks(w):
+    """float32 [out, in] -> (e4m3 [out, in], fp32 scales [ceil(out/128), ceil(in/128)]), DeepSeek's layout."""
+    rows, cols = w.shape
+    nb = (-(-rows // 128), -(-cols // 128))
+    scale = np.zeros(nb, np.float32)
+    q = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
+    for i in range(nb[0]):
+        for j in range(nb[1]):
+            blk = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            scale[i, j] = np.abs(blk).max() / 448.0
+            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (blk / scale[i, j]).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def assert_same_as_clean(got, want, err_msg=""):
+    """Equal to the clean run (to float32 round-off) and NaN-free where the clean run is: the
+    isolation tests' check that planted NaN / inf reached nothing it may not."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert not np.isnan(got).any(), f"NaN leaked {err_msg}"
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=err_msg)

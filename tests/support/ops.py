@@ -1,0 +1,178 @@
+"""The one call into each op per backend, and the backends' limits, for the per-op suites.
+
+Each op's suite (tests/test_indexer_logits.py, test_topk.py, test_sparse_mla.py,
+test_dense_mha.py) calls the op only through the function of that name here, with a backend
+name first: when a kernel's signature changes, this module is the one place to adapt.
+
+Backends (`BACKENDS[op]`): "reference" is the op's jnp oracle (the XLA path); the others are
+Pallas kernels, interpreted on CPU (Pallas or Mosaic GPU interpret mode) and compiled on a GPU,
+except those in `GPU_ONLY`, which have no interpret mode. "auto" is the op's public router
+(the kernel it picks for the inputs and device) where an op has more than one kernel.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from jax_sparse_mla import policy
+from pallas_kernels import dense_mha as dense_mha_lib
+from pallas_kernels import indexer_logits as indexer_logits_lib
+from pallas_kernels import sparse_mla as sparse_mla_lib
+from pallas_kernels import topk as topk_lib
+from pallas_kernels.device import on_hopper
+from pallas_kernels.topk.triton import topk_stages as topk_stages_triton
+
+from . import INTERPRET, cpu_threads
+
+BACKENDS = {
+    "indexer_logits": ("reference", "auto", "triton", "mosaic_prefill", "mosaic_decode"),
+    "topk": ("reference", "triton"),
+    "sparse_mla": ("reference", "auto", "triton", "mosaic"),
+    "dense_mha": ("reference", "mosaic"),
+}
+# (op, backend) pairs that only run compiled on a GPU: the sparse Mosaic kernel's gathers are
+# inline PTX, which Mosaic GPU's interpreter cannot run.
+GPU_ONLY = {("sparse_mla", "mosaic")}
+
+
+def backend_param(op: str, backend: str, *values, id: str | None = None, marks=()):
+    """pytest.param(backend, *values) with the `gpu` mark where the backend only runs on a GPU;
+    id defaults to the backend's name."""
+    if backend not in BACKENDS[op]:
+        raise ValueError(f"{op}: unknown backend {backend!r}; one of {BACKENDS[op]}")
+    marks = tuple(marks) if isinstance(marks, (list, tuple)) else (marks,)
+    if (op, backend) in GPU_ONLY:
+        marks += (pytest.mark.gpu,)
+    return pytest.param(backend, *values, id=id or backend, marks=marks)
+
+
+def _interpret(interpret):
+    return INTERPRET if interpret is None else interpret
+
+
+
+
+# ------------------------------------------------------------------------------------------------
+# indexer logits
+# ------------------------------------------------------------------------------------------------
+
+def indexer_logits(backend, q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size,
+                   interpret=None, **tiling):
+    """[N, W * page_size] f32 logits by `backend`; tiling: the kernel's own overrides (see each kernel)."""
+    args = (q, weights, k_cache, k_scale, block_tables, row_seq, row_end)
+    if backend == "reference":
+        if tiling:
+            raise ValueError(f"the reference takes no tiling, got {tiling}")
+        return indexer_logits_lib.indexer_logits_reference(*args, page_size=page_size)
+    if backend == "auto":
+        backend = indexer_logits_auto(q, k_cache, block_tables, interpret=_interpret(interpret), tiling=tiling)
+    return indexer_logits_lib.indexer_logits(*args, page_size=page_size, backend=backend,
+                                             interpret=_interpret(interpret), **tiling)
+
+
+def indexer_logits_auto(q, k_cache, block_tables, *, interpret, tiling):
+    """The kernel the layer runs for these inputs (jax_sparse_mla.kernels.resolve, then the plan's
+    jax_sparse_mla.policy.indexer_kernel): a Mosaic GPU kernel for fp8 / bf16 on Hopper, the
+    prefill one for >= policy.MGPU_MIN_ROWS_PER_SEQ rows per sequence, else the decode one;
+    the Triton kernel in interpret mode, elsewhere, and for any Triton tiling override."""
+    fp8 = jnp.float8_e4m3fn
+    if (not interpret and not tiling and on_hopper() and q.dtype == k_cache.dtype
+            and q.dtype in (fp8, jnp.bfloat16)):
+        return "mosaic_" + policy.indexer_kernel(q.shape[0], block_tables.shape[0])
+    return "triton"
+
+
+# ------------------------------------------------------------------------------------------------
+# top-k
+# ------------------------------------------------------------------------------------------------
+
+def topk(backend, logits, k, *, interpret=None, **tuning):
+    """[N, k] int32 top-k positions by `backend`; tuning: the Triton kernels' knobs (block, sample, ...)."""
+    if backend == "reference":
+        if tuning:
+            raise ValueError(f"the reference takes no tuning, got {tuning}")
+        return topk_lib.topk_reference(logits, k)
+    if backend != "triton":
+        raise ValueError(f"topk: unknown backend {backend!r}")
+    return topk_lib.topk(logits, k, backend=backend, interpret=_interpret(interpret), **tuning)
+
+
+def topk_stages(logits, k, *, interpret=None, **tuning):
+    """Every intermediate of the Triton top-k (`pallas_kernels.topk.triton.topk_stages`): "out",
+    "counts" [N, slices, 3] (definite, band, valid keys per slice), "capacity", ..."""
+    opts = dict(block=None, num_warps=None, num_stages=None, sample=None, capacity=None, slices=None, group=None)
+    opts.update(tuning)
+    return topk_stages_triton(logits, k, interpret=_interpret(interpret), **opts)
+
+
+# ------------------------------------------------------------------------------------------------
+# sparse MLA
+# ------------------------------------------------------------------------------------------------
+
+TRITON_ONLY_TUNING = ("block_h", "block_k", "num_warps", "num_stages")  # the Mosaic kernel takes num_splits only
+
+
+def sparse_mla(backend, q, latent, latent_scale, k_pe, slots, *, scale, interpret=None, dequantize="auto",
+               pages=None, page_size=None, **tuning):
+    """(out [N, H, R] f32, lse [N, H]) by `backend`.
+
+    dequantize (fp8 caches): "kernel" | "upfront" | "auto" (the layer's route for these rows:
+    jax_sparse_mla.policy.dequantize_route over the copy `pages` would make). tuning: the Triton
+    kernel's knobs and num_splits; the Mosaic kernel gets num_splits only (a case's Triton tiling
+    does not apply to it). "auto": the Mosaic kernel on Hopper where it takes the operands
+    (compiled), else the Triton one (jax_sparse_mla.kernels.resolve's choice)."""
+    if backend == "reference":
+        if tuning:
+            raise ValueError(f"the reference takes no tuning, got {tuning}")
+        return sparse_mla_lib.sparse_mla_reference(q, latent, latent_scale, k_pe, slots, scale=scale)
+    interpret = _interpret(interpret)
+    if backend == "auto":
+        backend = "mosaic" if not interpret and on_hopper() and sparse_mla_unsupported(
+            "mosaic", q, latent, latent_scale, k_pe) is None else "triton"
+    if backend not in ("triton", "mosaic"):
+        raise ValueError(f"sparse_mla: unknown backend {backend!r}")
+    if backend == "mosaic":
+        tuning = {name: v for name, v in tuning.items() if name not in TRITON_ONLY_TUNING}
+    if dequantize == "auto":
+        dequantize = "kernel" if latent_scale is None else policy.dequantize_route(
+            q.shape[0], q.shape[1], slots.shape[-1], sparse_mla_lib.copy_rows(latent.shape[0], pages, page_size))
+    return sparse_mla_lib.sparse_mla(q, latent, latent_scale, k_pe, slots, scale=scale, backend=backend,
+                                     dequantize=dequantize, pages=pages, page_size=page_size,
+                                     interpret=interpret, **tuning)
+
+
+def sparse_mla_unsupported(backend, q, latent, latent_scale, k_pe):
+    """Why `backend` cannot take these operands (None: it can). Only the Mosaic kernel has limits
+    (bf16 q and k_pe, rank a multiple of 128 up to 512, ...; `mosaic.unsupported_reason`)."""
+    if backend == "mosaic":
+        return sparse_mla_lib.unsupported_reason(q, latent, latent_scale, k_pe)
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# dense MHA
+# ------------------------------------------------------------------------------------------------
+
+def dense_mha(backend, q, k, v, q_start_loc, k_start_loc, *, scale, interpret=None, **kw):
+    """[T, H, Dv] causal attention of packed sequences by `backend`; kw: the reference's
+    max_scores, or the Mosaic kernel's tiling (block_kv, num_stages, num_programs)."""
+    if backend == "reference":
+        return dense_mha_lib.dense_mha_reference(q, k, v, q_start_loc, k_start_loc, scale=scale, **kw)
+    if backend != "mosaic":
+        raise ValueError(f"dense_mha: unknown backend {backend!r}")
+    return dense_mha_lib.dense_mha(q, k, v, q_start_loc, k_start_loc, scale=scale, backend=backend,
+                                   interpret=_interpret(interpret), **kw)
+
+
+def dense_mha_unsupported(backend, dtype, d_qk, d_v):
+    """Why `backend` cannot run inputs of this dtype and head dims here (None: it can): the Mosaic
+    kernel takes bf16 / f16 with head dims that are multiples of 64 (<= 256), and off the GPU its
+    interpreter needs a CPU thread per kernel warpgroup (else it deadlocks)."""
+    if backend == "reference":
+        return None
+    reason = dense_mha_lib.unsupported_reason(jnp.dtype(dtype), d_qk, d_v)
+    if reason is None and INTERPRET and cpu_threads() < dense_mha_lib.INTERPRET_MIN_CPU_THREADS:
+        reason = (f"Mosaic GPU's interpreter needs {dense_mha_lib.INTERPRET_MIN_CPU_THREADS} CPU threads, "
+                  f"the pool has {cpu_threads()} (set PJRT_NPROC)")
+    return reason
