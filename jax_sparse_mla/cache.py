@@ -52,12 +52,12 @@ def init_cache(config: MLAConfig, num_pages: int) -> PagedCache:
     if not isinstance(num_pages, int) or num_pages <= 0:
         raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
     shape = (num_pages, config.page_size)
-    fp8_kv = config.kv_cache_dtype == "fp8"
+    latent_dtype, scales, k_pe_dtype = config.latent_cache_layout
     fp8_idx = config.indexer_dtype == "fp8"
     return PagedCache(
-        latent=jnp.zeros(shape + (config.kv_lora_rank,), _storage_dtype(config.kv_cache_dtype)),
-        latent_scale=jnp.zeros(shape + (config.kv_lora_rank // FP8_TILE,), jnp.float32) if fp8_kv else None,
-        k_pe=jnp.zeros(shape + (config.qk_rope_head_dim,), jnp.bfloat16 if fp8_kv else jnp.dtype(config.kv_cache_dtype)),
+        latent=jnp.zeros(shape + (config.kv_lora_rank,), latent_dtype),
+        latent_scale=jnp.zeros(shape + (scales,), jnp.float32) if scales else None,
+        k_pe=jnp.zeros(shape + (config.qk_rope_head_dim,), k_pe_dtype),
         index_k=jnp.zeros(shape + (config.index_head_dim,), _storage_dtype(config.indexer_dtype)),
         index_k_scale=jnp.zeros(shape, jnp.float32) if fp8_idx else None,
     )

@@ -271,3 +271,12 @@ class MLAConfig:
     @property
     def jnp_dtype(self):
         return jnp.dtype(self.dtype)
+
+    @property
+    def latent_cache_layout(self):
+        """Per-token storage of the latent cache: (latent dtype, fp32 scales per token (0: none),
+        k_pe dtype). fp8: e4m3 values, one scale per FP8_TILE values, bf16 rope values."""
+        if self.kv_cache_dtype == "fp8":
+            return jnp.dtype(jnp.float8_e4m3fn), self.kv_lora_rank // FP8_TILE, jnp.dtype(jnp.bfloat16)
+        dt = jnp.dtype(self.kv_cache_dtype)
+        return dt, 0, dt

@@ -21,6 +21,7 @@ import dataclasses
 import os
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import dense_mha as dense_mha_lib
 from pallas_kernels import indexer_logits as indexer_logits_lib
@@ -100,14 +101,10 @@ def _sparse_mosaic_takes(config) -> bool:
     [N, H, R + P] in the config's dtype and the latent cache as stored, or, for an fp8 cache,
     its upfront copy (latent in q's dtype, no scales); the two agree (asserted) because the
     config makes an fp8 cache's rank a multiple of its 128-value scale tile."""
-    from .cache import init_cache  # (cache imports this module)
-
-    stored = jax.eval_shape(lambda: init_cache(config, 1))
-
-    def flat(a):
-        return None if a is None else jax.ShapeDtypeStruct((a.shape[0] * a.shape[1],) + a.shape[2:], a.dtype)
-
-    latent, latent_scale, k_pe = flat(stored.latent), flat(stored.latent_scale), flat(stored.k_pe)
+    latent_dtype, scales, k_pe_dtype = config.latent_cache_layout
+    latent = jax.ShapeDtypeStruct((config.page_size, config.kv_lora_rank), latent_dtype)
+    latent_scale = jax.ShapeDtypeStruct((config.page_size, scales), jnp.float32) if scales else None
+    k_pe = jax.ShapeDtypeStruct((config.page_size, config.qk_rope_head_dim), k_pe_dtype)
     q = jax.ShapeDtypeStruct((1, config.num_attention_heads, latent.shape[-1] + k_pe.shape[-1]), config.jnp_dtype)
     takes = sparse_mla_lib.unsupported_reason(q, latent, latent_scale, k_pe) is None
     if latent_scale is not None:  # the upfront route's operands
