@@ -83,14 +83,14 @@ def resolve(kernels: str, config) -> Implementations:
     """
     if kernels not in CHOICES:
         raise ValueError(f"kernels must be one of {CHOICES}, got {kernels!r}")
-    interpret = _interpret()
+    interpret = interpret_mode()
     if kernels == "xla" or (kernels == "auto" and interpret):
         return Implementations(XLA, XLA, XLA, XLA)
     hopper = not interpret and on_hopper()
     triton = OpImpl("triton", interpret)
     indexer = OpImpl("mosaic") if hopper and config.indexer_dtype in MOSAIC_INDEXER_DTYPES else triton
     sparse = OpImpl("mosaic") if hopper and _sparse_mosaic_takes(config) else triton
-    too_few_threads = interpret and _cpu_threads() < dense_mha_lib.INTERPRET_MIN_CPU_THREADS
+    too_few_threads = interpret and cpu_threads() < dense_mha_lib.INTERPRET_MIN_CPU_THREADS
     dense_unsupported = dense_mha_lib.unsupported_reason(config.jnp_dtype, config.qk_head_dim, config.v_head_dim)
     dense = XLA if too_few_threads or dense_unsupported else OpImpl("mosaic", interpret)
     return Implementations(indexer_logits=indexer, topk=triton, sparse_mla=sparse, dense_mha=dense)
@@ -113,11 +113,12 @@ def _sparse_mosaic_takes(config) -> bool:
     return takes
 
 
-def _interpret() -> bool:
+def interpret_mode() -> bool:
+    """Whether Pallas kernels interpret (no GPU backend): resolve's one device check."""
     return jax.default_backend() != "gpu"
 
 
-def _cpu_threads() -> int:
+def cpu_threads() -> int:
     """The size of XLA's CPU thread pool: PJRT_NPROC if set, else the CPUs this process may use."""
     return int(os.environ.get("PJRT_NPROC") or len(os.sched_getaffinity(0)))
 

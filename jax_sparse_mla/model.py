@@ -89,7 +89,7 @@ def positions_to_slots(key_positions, block_tables, row_seq, page_size: int):
     return jnp.where((key_positions >= 0) & (pages >= 0), pages * page_size + safe % page_size, -1)
 
 
-def _take_rows(a, rows):
+def take_rows(a, rows):
     """a[rows] with rows -1 padded: padding rows are zeros, selected (row 0, which they read, may
     hold another request's NaN, and 0 * NaN = NaN wherever a padding row is masked by a product)."""
     taken = a[jnp.maximum(rows, 0)]
@@ -157,7 +157,7 @@ class _Step:
 
 
 def _pick(a, rows):
-    return a if rows is None else _take_rows(a, rows)
+    return a if rows is None else take_rows(a, rows)
 
 
 def _dense_prefill(step: _Step):
@@ -167,15 +167,15 @@ def _dense_prefill(step: _Step):
     """
     c_, cache, meta = step.config, step.cache, step.meta
     slots = meta.dense_key_slots  # [K]: each dense sequence's context + new keys, packed
-    scale = None if cache.latent_scale is None else _take_rows(cache.flat("latent_scale"), slots)
-    c = kernel_ops.dequantize_latent(_take_rows(cache.flat("latent"), slots), scale)  # [K, R]
-    k_pe = _take_rows(cache.flat("k_pe"), slots).astype(jnp.float32)  # [K, rope]
+    scale = None if cache.latent_scale is None else take_rows(cache.flat("latent_scale"), slots)
+    c = kernel_ops.dequantize_latent(take_rows(cache.flat("latent"), slots), scale)  # [K, R]
+    k_pe = take_rows(cache.flat("k_pe"), slots).astype(jnp.float32)  # [K, rope]
     k_nope = per_head("kr,hnr->khn", c, step.w_uk, c_)
     v = per_head("kr,hvr->khv", c, step.w_uv, c_)
     k_pe = jnp.broadcast_to(k_pe[:, None], (k_pe.shape[0], c_.num_attention_heads, k_pe.shape[-1]))
     k = jnp.concatenate([k_nope, k_pe], -1)  # [K, H, qk]
     rows = meta.dense_rows
-    q = jnp.concatenate([_take_rows(step.q_nope, rows), _take_rows(step.q_pe, rows)], -1)  # [T, H, qk]
+    q = jnp.concatenate([take_rows(step.q_nope, rows), take_rows(step.q_pe, rows)], -1)  # [T, H, qk]
     dt = c_.jnp_dtype
     out = kernel_ops.dense_mha(q.astype(dt), k.astype(dt), v.astype(dt), meta.dense_query_start,
                                meta.dense_key_start, scale=c_.softmax_scale, impl=step.impl.dense_mha)

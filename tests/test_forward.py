@@ -252,7 +252,7 @@ def test_dense_interpreter_needs_a_thread_per_warpgroup(monkeypatch, threads, de
     """Off the GPU, kernels="pallas" runs dense MHA on XLA when XLA's CPU pool has fewer threads than
     the kernel's warpgroups (the interpreter would deadlock), and the kernel otherwise."""
     cfg = DENSE_KERNEL_TINY
-    monkeypatch.setattr(kernel_ops, "_interpret", lambda: True)
+    monkeypatch.setattr(kernel_ops, "interpret_mode", lambda: True)
     monkeypatch.setenv("PJRT_NPROC", threads)
     impl = kernel_ops.resolve("pallas", cfg)
     assert impl.dense_mha.backend == dense_impl

@@ -26,7 +26,7 @@ import pytest
 
 from jax_sparse_mla import MLAConfig, Request, init_cache, init_params, plan_batch
 from jax_sparse_mla import cache as cache_lib
-from jax_sparse_mla.model import _take_rows, forward, positions_to_slots  # _take_rows: see the lead's report
+from jax_sparse_mla.model import take_rows, forward, positions_to_slots
 from tests.support import assert_same_as_clean as _same
 
 
@@ -36,7 +36,7 @@ def test_positions_to_slots_and_take_rows_never_read_another_page():
     slots = positions_to_slots(pos, tables, jnp.asarray([0, 1], jnp.int32), 4)
     np.testing.assert_array_equal(np.asarray(slots), [[12, -1, -1], [27, 21, -1]])
     a = jnp.full((4, 2), jnp.nan).at[1:].set(2.0)
-    np.testing.assert_array_equal(np.asarray(_take_rows(a, jnp.asarray([2, -1, 1]))), [[2, 2], [0, 0], [2, 2]])
+    np.testing.assert_array_equal(np.asarray(take_rows(a, jnp.asarray([2, -1, 1]))), [[2, 2], [0, 0], [2, 2]])
 
 
 # ------------------------------------------------------------------------------------------------

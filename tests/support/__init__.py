@@ -19,11 +19,6 @@ ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
 
 
-def cpu_threads() -> int:
-    """The size of XLA's CPU thread pool: PJRT_NPROC if set, else the CPUs this process may use."""
-    return int(os.environ.get("PJRT_NPROC") or len(os.sched_getaffinity(0)))
-
-
 def quantize_fp8_blocks(w):
     """float32 [out, in] -> (e4m3 [out, in], fp32 scales [ceil(out/128), ceil(in/128)]), DeepSeek's layout."""
     rows, cols = w.shape

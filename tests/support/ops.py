@@ -23,7 +23,9 @@ from pallas_kernels import topk as topk_lib
 from pallas_kernels.device import on_hopper
 from pallas_kernels.topk.triton import topk_stages as topk_stages_triton
 
-from . import INTERPRET, cpu_threads
+from jax_sparse_mla.kernels import cpu_threads
+
+from . import INTERPRET
 
 BACKENDS = {
     "indexer_logits": ("reference", "auto", "triton", "mosaic_prefill", "mosaic_decode"),
