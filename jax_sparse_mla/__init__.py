@@ -6,6 +6,8 @@ Meshes (heads over "tensor", sequences over "data"): jax_sparse_mla.sharding.
 Checkpoints (orbax; Hugging Face safetensors layers): jax_sparse_mla.checkpoint.
 """
 
+__version__ = "0.2.0"  # the single source: pyproject.toml reads this literal (no import at build time)
+
 import importlib
 
 # public name -> the submodule defining it, imported on first use (PEP 562), so that importing

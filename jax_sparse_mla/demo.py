@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+
 import jax
+from tqdm.auto import tqdm
 
 from .config import MLAConfig
 from .model import jit_forward
@@ -28,11 +31,22 @@ def workload(topk: int):
     ]
 
 
-def run_demo(config_name: str | None, kernels: str) -> int:
+# one step of the deepseek_v32 demo on a CPU backend (first call with compilation, then 5 timed re-runs), as observed
+CPU_MINUTES_PER_STEP_V32 = 8
+
+
+def run_demo(config_name: str | None, kernels: str, *, force: bool = False) -> int:
     platform = jax.devices()[0].platform
     on_gpu = platform == "gpu"
     if config_name is None:
         config_name = "deepseek_v32" if on_gpu else "tiny"
+    if config_name == "deepseek_v32" and platform == "cpu" and not force:
+        n = len(workload(MLAConfig.tiny().index_topk))
+        print(f"demo --config deepseek_v32 on a CPU backend takes about {CPU_MINUTES_PER_STEP_V32} minutes a step, "
+              f"about {n * CPU_MINUTES_PER_STEP_V32} minutes for its {n} steps (the real DeepSeek-V3.2 dimensions; "
+              "made for a GPU). Run --config tiny (the CPU default), or pass --force to run it anyway.",
+              file=sys.stderr)
+        return 2
     config = MLAConfig.tiny() if config_name == "tiny" else MLAConfig.deepseek_v32()
     tol = 1e-4 if config.dtype == "float32" else 5e-2
     steps = workload(config.index_topk)
@@ -45,7 +59,9 @@ def run_demo(config_name: str | None, kernels: str) -> int:
           f"{'ms':>9} {'max rel err':>12}")
     programs_before = jit_forward._cache_size()
     worst = 0.0
-    for description, seqs, work in steps:
+    bar = tqdm(steps, desc="demo", unit="step", leave=False)
+    for description, seqs, work in bar:
+        bar.set_postfix_str(description)
         for sid, length in seqs.items():
             h.add(sid, length)
         options = {"skip_indexer": False} if "no skip" in description else {}
@@ -54,8 +70,9 @@ def run_demo(config_name: str | None, kernels: str) -> int:
         worst = max([worst, *errs.values()])
         err = f"{max(errs.values()):.2e}" if errs else "tied"
         scoring = f"{plan.num_scored_tokens} rows" if plan.has_indexer_scoring else "absent"
-        print(f"{description:<32} {plan.route:<7} {scoring:<9} {sum(n for _, n in work):>7} "
-              f"{plan.num_tokens:>7} {first_ms:>11.0f} {ms:>9.2f} {err:>12}", flush=True)
+        tqdm.write(f"{description:<32} {plan.route:<7} {scoring:<9} {sum(n for _, n in work):>7} "
+                   f"{plan.num_tokens:>7} {first_ms:>11.0f} {ms:>9.2f} {err:>12}")
+    bar.close()
     print(f"compiled programs: {jit_forward._cache_size() - programs_before} for {len(steps)} steps "
           "(one per distinct plan; buckets keep the set bounded)")
     ok = worst < tol

@@ -7,3 +7,9 @@ holds the device facts they share. The kernels know nothing of layers: they take
 static sizes. The references are the XLA path (CPU, and the baseline on GPU) and the oracles
 the kernels are tested against.
 """
+
+from . import compat  # noqa: F401  (first: refuses a jax outside the tested range)
+
+# Registers pallas_fuser_disable_nested_fuse, a jit-cache-key setting: left to the first interpreted
+# pallas_call's lazy import, it changes every key and everything compiled before compiles again.
+import jax.experimental.pallas.fuser  # noqa: F401

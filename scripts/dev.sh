@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Creates (or reuses) .venv with a Python >= 3.12 found on this machine, installs the project,
-# then runs:
+# Creates (or reuses) .venv with a Python >= 3.12 found on this machine, installs the project
+# with its test and notebook extras (plus the cuda extra for test --gpu), then runs:
 #   demo [args]                   python -m jax_sparse_mla demo
 #   test [pytest args]            the suite on the CPU (Pallas kernels in interpret mode)
 #   test --gpu [pytest args]      the cuda extra (CUDA_EXTRA=cuda13 or cuda12), then every test,
@@ -45,9 +45,10 @@ if [ "$install" = 1 ]; then
     rm -rf .venv
     "$(find_python)" -m venv .venv
   fi
-  extras=test
-  [ "$gpu" = 1 ] && extras="${CUDA_EXTRA:-cuda13},test"
-  stamp=.venv/.installed-$(cat pyproject.toml <(echo "$extras") | sha1sum | cut -c1-12)
+  extras=test,notebook  # notebook: tests/test_notebook.py runs in CI too
+  [ "$gpu" = 1 ] && extras="${CUDA_EXTRA:-cuda13},$extras"
+  # the stamp changes with pyproject, the extras and the version (the installed metadata holds it)
+  stamp=.venv/.installed-$(cat pyproject.toml <(echo "$extras") <(grep -m1 "^__version__" jax_sparse_mla/__init__.py) | sha1sum | cut -c1-12)
   if [ ! -f "$stamp" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q -e ".[$extras]"
@@ -67,5 +68,5 @@ case "$cmd" in
       exec "$py" -m pytest -q -m "gpu or not gpu" "${args[@]}"
     fi
     exec "$py" -m pytest -q "${args[@]}" ;;
-  *) echo "usage: scripts/dev.sh demo [--config tiny|deepseek_v32] | test [--gpu] [pytest args]   (--no-install: use the Python found as is)" >&2; exit 2 ;;
+  *) echo "usage: scripts/dev.sh demo [--config tiny|deepseek_v32] [--force] | test [--gpu] [pytest args]   (--no-install: use the Python found as is)" >&2; exit 2 ;;
 esac
