@@ -1,5 +1,5 @@
-"""Checkpoints: orbax save / restore of a layer's params and cache, and loading one attention layer
-of a DeepSeek-V3.2 Hugging Face safetensors checkpoint.
+"""Checkpoints: orbax save / restore of a layer's params and cache (or of a whole stack of layers),
+and loading one or every attention layer of a DeepSeek-V3.2 Hugging Face safetensors checkpoint.
 
 Orbax layout (`save_checkpoint`): one directory with three items,
   params/  the HF-named params dict (arrays as given, e.g. bfloat16 [out, in]);
@@ -16,6 +16,12 @@ names of params.param_shapes; fp8 weights come with `<name>_scale_inv` (one fp32
 Every file the index names must stay inside the directory (no `..`, absolute paths or symlinks
 out of it, except the hub cache's snapshots/<rev>/ -> ../../blobs/ links); damaged files and
 wrongly typed config fields raise ValueError naming the file (and tensor or field).
+
+Whole models: `load_model_from_safetensors` loads every attention layer (the MTP layers,
+`model.layers.{num_hidden_layers + i}`, last) as a list of params dicts, each tensor read,
+dequantised and placed on its sharding (e.g. sharding.param_shardings(mesh, config)) one at a
+time; `save_model_checkpoint` / `restore_model_checkpoint` keep such a list (and one cache per
+layer) as one save_checkpoint directory per layer plus a stack/ item.
 """
 
 from __future__ import annotations
@@ -24,17 +30,20 @@ import contextlib
 import dataclasses
 import json
 import pathlib
-from typing import Any, Mapping
+import shutil
+from typing import Any, Mapping, Sequence
 
 import jax
 import ml_dtypes  # registers bfloat16 / float8 with numpy (safetensors' numpy reader needs bfloat16)
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from safetensors import safe_open
+from tqdm.auto import tqdm
 
 from .cache import PagedCache, check_cache, init_cache
 from .config import MLAConfig, RopeScaling
-from .params import FP8_WEIGHT_BLOCK, check_params, param_shapes, params_from_hf
+from .params import FP8_WEIGHT_BLOCK, check_params, dequantize_fp8_weight, param_shapes, params_from_hf
 
 FORMAT = "jax_sparse_mla.checkpoint/1"
 INDEX_FILE = "model.safetensors.index.json"
@@ -64,6 +73,11 @@ def _config_from_json(d: Any) -> MLAConfig:
                              f"got {rs!r}")
         d["rope_scaling"] = RopeScaling(**rs)
     return MLAConfig(**d)
+
+
+def _config_diff(saved: MLAConfig, expected: MLAConfig) -> str:
+    return "; ".join(f"{f.name}: saved {getattr(saved, f.name)!r}, expected {getattr(expected, f.name)!r}"
+                     for f in dataclasses.fields(MLAConfig) if getattr(saved, f.name) != getattr(expected, f.name))
 
 
 def _cache_fields(cache: PagedCache) -> dict[str, jax.Array]:
@@ -171,9 +185,8 @@ def restore_checkpoint(directory, *, param_shardings=None, cache_shardings=None,
         except (ValueError, TypeError) as e:
             raise ValueError(f"{path}: the saved config is damaged: {e}") from None
         if config is not None and saved_config != config:
-            diff = [f"{f.name}: saved {getattr(saved_config, f.name)!r}, expected {getattr(config, f.name)!r}"
-                    for f in dataclasses.fields(MLAConfig) if getattr(saved_config, f.name) != getattr(config, f.name)]
-            raise ValueError(f"{path}: the saved config differs from the expected one: " + "; ".join(diff))
+            raise ValueError(f"{path}: the saved config differs from the expected one: "
+                             + _config_diff(saved_config, config))
         config = saved_config
         num_pages = meta["num_pages"]
         if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1):
@@ -340,20 +353,12 @@ def _optional_int(hf: Mapping[str, Any], key: str, default):
     return value
 
 
-def load_layer_from_safetensors(path, layer_idx: int, **config_overrides) -> tuple[MLAConfig, dict[str, jax.Array]]:
-    """(config, params) of attention layer `layer_idx` of a Hugging Face DeepSeek-V3.2 checkpoint.
+def _hf_config(directory: pathlib.Path, config_overrides: Mapping[str, Any]
+               ) -> tuple[MLAConfig, int | None, pathlib.Path]:
+    """(config, number of attention layers (MTP included) or None, the config.json path).
 
-    path: the checkpoint directory (config.json plus safetensors, see the module docstring).
-    config_overrides: MLAConfig fields that config.json does not hold or that you want changed
-      (page_size, dtype, kv_cache_dtype, indexer_dtype, ...).
-    Only this layer's attention tensors are read, one at a time. Raises ValueError naming the
-    file (and the tensor) that is missing, misshapen, not floating point (fp8 needs its
-    weight_scale_inv), damaged (cut short, bad header, bad JSON, wrongly typed config fields), or
-    outside the directory (index entries with `..`, absolute paths, symlinks out of it).
+    ValueError naming config.json and the field for a damaged or wrongly typed config.
     """
-    directory = pathlib.Path(path)
-    if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
-        raise ValueError(f"layer_idx must be an int, got {layer_idx!r}")
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} is missing")
@@ -375,10 +380,19 @@ def load_layer_from_safetensors(path, layer_idx: int, **config_overrides) -> tup
         config = MLAConfig.from_hf_config(hf, **config_overrides)
     except ValueError as e:
         raise ValueError(f"{config_file}: {e}") from None
-    if num_layers is not None and not 0 <= layer_idx < num_layers:
-        raise ValueError(f"layer_idx {layer_idx} is out of range: {config_file} has {num_layers} layers")
+    return config, num_layers, config_file
 
-    weight_map, source = _weight_map(directory)
+
+def load_hf_config(path, **config_overrides) -> MLAConfig:
+    """The MLAConfig of a Hugging Face DeepSeek-V3.2 checkpoint directory's config.json (with
+    config_overrides applied, as the loaders take them): e.g. to build shardings before loading."""
+    return _hf_config(pathlib.Path(path), config_overrides)[0]
+
+
+def _layer_tensors(directory: pathlib.Path, weight_map: Mapping[str, str], source: str, config: MLAConfig,
+                   layer_idx: int) -> tuple[str, dict[str, tuple[int, ...]]]:
+    """(prefix, {full tensor name: expected shape}) of one attention layer: its weights and the
+    weight_scale_inv of those that have one. ValueError naming the index and a missing tensor."""
     prefix = f"model.layers.{layer_idx}.self_attn."
     wanted: dict[str, tuple[int, ...]] = {}  # full tensor name -> expected shape
     for name, shape in param_shapes(config).items():
@@ -391,32 +405,314 @@ def load_layer_from_safetensors(path, layer_idx: int, **config_overrides) -> tup
                 raise ValueError(f"{source} in {directory} lists {full}_scale_inv beside the {len(shape)}-D tensor "
                                  f"{full!r}: only 2-D weights are fp8 with block scales")
             wanted[full + "_scale_inv"] = tuple(-(-n // FP8_WEIGHT_BLOCK) for n in shape)
+    return prefix, wanted
 
+
+def _by_file(weight_map: Mapping[str, str], wanted) -> dict[str, list[str]]:
     by_file: dict[str, list[str]] = {}
     for full in wanted:
         by_file.setdefault(weight_map[full], []).append(full)
+    return by_file
+
+
+def _check_layer_tensors(files: Mapping[str, _ShardFile], by_file: Mapping[str, list[str]],
+                         wanted: Mapping[str, tuple[int, ...]], prefix: str) -> None:
+    """Every wanted tensor's shape and dtype from its file's header (no data read): ValueError
+    naming the tensor and the file."""
+    for file_name, names in by_file.items():
+        for full in names:
+            shape, dtype = files[file_name].shape_and_dtype(full)
+            if shape != wanted[full]:
+                raise ValueError(f"tensor {full!r} in {file_name} has shape {shape}, expected {wanted[full]}")
+            is_scale = full.endswith("_scale_inv")
+            local = full[len(prefix):]
+            if is_scale and dtype not in _FLOAT_DTYPES:
+                raise ValueError(f"tensor {full!r} in {file_name} has dtype {dtype}, expected F32 "
+                                 f"(a weight_scale_inv must be {'/'.join(_FLOAT_DTYPES)})")
+            if not is_scale and dtype not in _FLOAT_DTYPES + tuple(_RAW_DTYPES):
+                raise ValueError(f"tensor {full!r} in {file_name} has dtype {dtype}: weights must be floating "
+                                 f"point ({'/'.join(_FLOAT_DTYPES)}, or fp8 with a weight_scale_inv)")
+            if not is_scale and dtype in _RAW_DTYPES and full + "_scale_inv" not in wanted:
+                raise ValueError(f"tensor {full!r} in {file_name}: {local!r} is fp8 but has no {local}_scale_inv")
+            if not is_scale and dtype not in _RAW_DTYPES and full + "_scale_inv" in wanted:
+                raise ValueError(f"tensor {full!r} in {file_name} has dtype {dtype} but a weight_scale_inv: "
+                                 f"only fp8 weights have one")
+
+
+def load_layer_from_safetensors(path, layer_idx: int, **config_overrides) -> tuple[MLAConfig, dict[str, jax.Array]]:
+    """(config, params) of attention layer `layer_idx` of a Hugging Face DeepSeek-V3.2 checkpoint.
+
+    path: the checkpoint directory (config.json plus safetensors, see the module docstring).
+    config_overrides: MLAConfig fields that config.json does not hold or that you want changed
+      (page_size, dtype, kv_cache_dtype, indexer_dtype, ...).
+    Only this layer's attention tensors are read, one at a time. Raises ValueError naming the
+    file (and the tensor) that is missing, misshapen, not floating point (fp8 needs its
+    weight_scale_inv), damaged (cut short, bad header, bad JSON, wrongly typed config fields), or
+    outside the directory (index entries with `..`, absolute paths, symlinks out of it).
+    """
+    directory = pathlib.Path(path)
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
+        raise ValueError(f"layer_idx must be an int, got {layer_idx!r}")
+    config, num_layers, config_file = _hf_config(directory, config_overrides)
+    if num_layers is not None and not 0 <= layer_idx < num_layers:
+        raise ValueError(f"layer_idx {layer_idx} is out of range: {config_file} has {num_layers} layers")
+
+    weight_map, source = _weight_map(directory)
+    prefix, wanted = _layer_tensors(directory, weight_map, source, config, layer_idx)
+    by_file = _by_file(weight_map, wanted)
     with contextlib.ExitStack() as stack:
         files = {name: _ShardFile(_confined(directory, name, source), stack) for name in by_file}
-        for file_name, names in by_file.items():  # every shape and dtype is checked before any data is read
-            for full in names:
-                shape, dtype = files[file_name].shape_and_dtype(full)
-                if shape != wanted[full]:
-                    raise ValueError(f"tensor {full!r} in {file_name} has shape {shape}, expected {wanted[full]}")
-                is_scale = full.endswith("_scale_inv")
-                local = full[len(prefix):]
-                if is_scale and dtype not in _FLOAT_DTYPES:
-                    raise ValueError(f"tensor {full!r} in {file_name} has dtype {dtype}, expected F32 "
-                                     f"(a weight_scale_inv must be {'/'.join(_FLOAT_DTYPES)})")
-                if not is_scale and dtype not in _FLOAT_DTYPES + tuple(_RAW_DTYPES):
-                    raise ValueError(f"tensor {full!r} in {file_name} has dtype {dtype}: weights must be floating "
-                                     f"point ({'/'.join(_FLOAT_DTYPES)}, or fp8 with a weight_scale_inv)")
-                if not is_scale and dtype in _RAW_DTYPES and full + "_scale_inv" not in wanted:
-                    raise ValueError(f"tensor {full!r} in {file_name}: {local!r} is fp8 but has no {local}_scale_inv")
-                if not is_scale and dtype not in _RAW_DTYPES and full + "_scale_inv" in wanted:
-                    raise ValueError(f"tensor {full!r} in {file_name} has dtype {dtype} but a weight_scale_inv: "
-                                     f"only fp8 weights have one")
+        _check_layer_tensors(files, by_file, wanted, prefix)  # every shape and dtype is checked before any data is read
         state = {full: files[file_name].read(full) for file_name, names in by_file.items() for full in names}
     try:
         return config, params_from_hf(state, config)
     except ValueError as e:
         raise ValueError(f"layer {layer_idx} of {directory}: {e}") from None
+
+
+# ---- every attention layer of a checkpoint, placed as they are read ----------------------------
+
+def _per_layer(value, config: MLAConfig, layers: list[int], what: str, is_one) -> list:
+    """value for each layer: `value(config)` first when it is a callable; then one value for every
+    layer (is_one(value)) or a sequence with one per layer."""
+    if callable(value) and not is_one(value):
+        value = value(config)
+    if value is None or is_one(value):
+        return [value] * len(layers)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"{what} must be a Sharding, a mapping name -> Sharding, one of those per layer, "
+                         f"or a callable taking the config; got {type(value).__name__}")
+    if len(value) != len(layers):
+        raise ValueError(f"{what} has {len(value)} entries, one per layer is {len(layers)}")
+    return list(value)
+
+
+def _is_param_sharding(value) -> bool:
+    return isinstance(value, (jax.sharding.Sharding, Mapping))
+
+
+def _to_param(full: str, weight: np.ndarray, scale: np.ndarray | None, config: MLAConfig) -> np.ndarray:
+    """One tensor as params_from_hf converts it (fp8 dequantised with its block scales, finite,
+    config.dtype), on the host."""
+    value = weight if scale is None else dequantize_fp8_weight(weight, scale, full)
+    value = np.asarray(value, dtype=np.float32)
+    if not np.all(np.isfinite(value)):
+        raise ValueError(f"tensor {full!r} has non-finite values")
+    return value.astype(config.jnp_dtype)
+
+
+def _place(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """value as a jax.Array with `sharding`: each device receives only its own slice."""
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def load_model_from_safetensors(path, *, layers: Sequence[int] | None = None, shardings=None,
+                                progress: bool = True, **config_overrides
+                                ) -> tuple[MLAConfig, list[dict[str, jax.Array]]]:
+    """(config, [params of each attention layer]) of a Hugging Face DeepSeek-V3.2 checkpoint.
+
+    layers: the layer indices to load, in this order (default: every one, 0 .. num_hidden_layers
+      + num_nextn_predict_layers - 1: the MTP layers come last, as `model.layers.{num_hidden_layers
+      + i}.self_attn.*`). The list's first num_hidden_layers entries are what `serving.Engine(
+      params=...)` takes for the model's stack.
+    shardings: where each array goes: None (the first device), one Sharding for every array, a
+      mapping param name -> Sharding (e.g. sharding.param_shardings(mesh, config)), a sequence with
+      one of those per loaded layer, or a callable taking the config and returning any of those
+      (e.g. `functools.partial(param_shardings, mesh)`; see also load_hf_config).
+    progress: a tqdm bar over the tensors.
+    config_overrides: as load_layer_from_safetensors's.
+    Lazy: every tensor's shape and dtype (from the shard headers) is checked for every layer
+    first; then the tensors are read one at a time, dequantised on the host (fp8 with their
+    weight_scale_inv) and placed with jax.make_array_from_callback, each device receiving only
+    its own slice. The arrays equal load_layer_from_safetensors(path, i)'s. Errors as there:
+    ValueError naming the file, the layer and the tensor (`model.layers.N.self_attn.<name>`).
+    """
+    directory = pathlib.Path(path)
+    config, num_layers, config_file = _hf_config(directory, config_overrides)
+    if layers is None:
+        if num_layers is None:
+            raise ValueError(f"{config_file} has no num_hidden_layers: pass layers=[...] (the indices to load)")
+        layers = list(range(num_layers))
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
+        raise ValueError(f"layers must be a non-empty sequence of layer indices, got {layers!r}")
+    layers = list(layers)
+    for layer_idx in layers:
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
+            raise ValueError(f"layers must hold ints, got {layer_idx!r}")
+        if num_layers is not None and not 0 <= layer_idx < num_layers:
+            raise ValueError(f"layer {layer_idx} is out of range: {config_file} has {num_layers} layers")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"layers lists a layer twice: {layers}")
+    shapes = param_shapes(config)
+    per_layer = _per_layer(shardings, config, layers, "shardings", _is_param_sharding)
+    targets = []
+    for layer_idx, given in zip(layers, per_layer):
+        targets.append({})
+        for name, shape in shapes.items():
+            what = f"shardings for layer {layer_idx}"
+            sharding = _sharding_for(given, name, what)
+            spec = getattr(sharding, "spec", ())
+            try:
+                if len(spec) > len(shape):
+                    raise ValueError(f"its spec {spec} has more entries than the array has dimensions")
+                sharding.shard_shape(shape)
+            except Exception as e:  # noqa: BLE001
+                raise ValueError(f"{what}: {name!r} (shape {shape}) cannot take {sharding}: {e}") from None
+            targets[-1][name] = sharding
+
+    weight_map, source = _weight_map(directory)
+    plans = [(layer_idx, *_layer_tensors(directory, weight_map, source, config, layer_idx)) for layer_idx in layers]
+    needed = sorted({weight_map[full] for _, _, wanted in plans for full in wanted})
+    out = []
+    with contextlib.ExitStack() as stack:
+        files = {name: _ShardFile(_confined(directory, name, source), stack) for name in needed}
+        for _, prefix, wanted in plans:  # every layer's shapes and dtypes before any data is read
+            _check_layer_tensors(files, _by_file(weight_map, wanted), wanted, prefix)
+        bar = stack.enter_context(tqdm(total=len(plans) * len(shapes), desc="loading attention layers",
+                                       unit="tensor", leave=False, disable=not progress))
+        for (layer_idx, prefix, wanted), target in zip(plans, targets):
+            bar.set_postfix_str(f"layer {layer_idx}")
+            params = {}
+            for name in shapes:
+                full = prefix + name
+                file_name = weight_map[full]
+                weight = files[file_name].read(full)
+                scale_name = full + "_scale_inv"
+                scale = files[weight_map[scale_name]].read(scale_name) if scale_name in wanted else None
+                try:
+                    value = _to_param(full, weight, scale, config)
+                except ValueError as e:
+                    raise ValueError(f"layer {layer_idx} of {directory}: {e} (in {file_name})") from None
+                del weight, scale
+                try:
+                    params[name] = _place(value, target[name])
+                except Exception as e:  # noqa: BLE001
+                    raise ValueError(f"layer {layer_idx} of {directory}: placing tensor {full!r} on "
+                                     f"{target[name]} failed: {type(e).__name__}: {e}") from e
+                del value
+                bar.update()
+            out.append(params)
+    return config, out
+
+
+# ---- orbax: a stack of layers ----------------------------------------------------------------
+
+STACK_FORMAT = "jax_sparse_mla.checkpoint.stack/1"
+STACK_ITEM = "stack"
+
+
+def _layer_dir(path: pathlib.Path, layer: int) -> pathlib.Path:
+    return path / f"layer_{layer}"
+
+
+def _read_stack_meta(path: pathlib.Path) -> Mapping[str, Any]:
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+            meta = ckptr.restore(path / STACK_ITEM, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"{path}: the saved stack meta is missing or damaged (not a save_model_checkpoint "
+                         f"directory?): {type(e).__name__}: {e}") from None
+    if not isinstance(meta, Mapping) or meta.get("format") != STACK_FORMAT:
+        raise ValueError(f"{path} is not a {STACK_FORMAT} checkpoint "
+                         f"(format {meta.get('format') if isinstance(meta, Mapping) else meta!r})")
+    return meta
+
+
+def save_model_checkpoint(directory, layers: Sequence[Mapping[str, jax.Array]],
+                          caches: Sequence[PagedCache] | None = None, *, config: MLAConfig,
+                          overwrite: bool = False) -> None:
+    """Saves a stack of layers (a list of HF-named params dicts, e.g. load_model_from_safetensors's
+    or serving.Engine's .params) and optionally one PagedCache per layer (Engine's .caches).
+
+    Layout: directory/layer_<i>/ is save_checkpoint's for layer i; directory/stack/ the number of
+    layers, whether caches were saved, and the config (written last). Every layer is checked
+    before anything is written: ValueError naming the layer and the array (`layer 1: params has
+    no 'indexer.wk.weight'`). FileExistsError if the directory exists and overwrite is False;
+    with overwrite, only an earlier model checkpoint (or an empty directory) is replaced.
+    """
+    path = pathlib.Path(directory).absolute()
+    if not isinstance(config, MLAConfig):
+        raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
+    if isinstance(layers, Mapping) or not isinstance(layers, Sequence) or not layers:
+        raise ValueError(f"layers must be a non-empty list of per-layer params dicts, got {type(layers).__name__}")
+    if caches is not None and (not isinstance(caches, Sequence) or len(caches) != len(layers)):
+        raise ValueError(f"caches must be None or a list with one PagedCache per layer ({len(layers)}), "
+                         f"got {type(caches).__name__}{'' if not isinstance(caches, Sequence) else f' of {len(caches)}'}")
+    for i, params in enumerate(layers):
+        try:
+            check_params(params, config)
+            if caches is not None:
+                if not isinstance(caches[i], PagedCache):
+                    raise ValueError(f"cache is a {type(caches[i]).__name__}, not a PagedCache")
+                check_cache(caches[i], config)
+        except ValueError as e:
+            raise ValueError(f"layer {i}: {e}") from None
+    if path.exists():
+        if not overwrite:
+            raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
+        if not path.is_dir() or (any(path.iterdir()) and not (path / STACK_ITEM).is_dir()):
+            raise ValueError(f"{path} exists and is not a model checkpoint (no {STACK_ITEM}/): not replacing it")
+        if jax.process_index() == 0:
+            shutil.rmtree(path)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"jax_sparse_mla.save_model_checkpoint:{path}")
+    for i, params in enumerate(layers):
+        save_checkpoint(_layer_dir(path, i), params, None if caches is None else caches[i], config=config)
+    meta = {"format": STACK_FORMAT, "num_layers": len(layers), "caches": caches is not None,
+            "config": _config_to_json(config)}
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        ckptr.save(path / STACK_ITEM, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta)))
+
+
+def _is_cache_sharding(value) -> bool:
+    return isinstance(value, (jax.sharding.Sharding, PagedCache))
+
+
+def restore_model_checkpoint(directory, *, param_shardings=None, cache_shardings=None,
+                             config: MLAConfig | None = None
+                             ) -> tuple[MLAConfig, list[dict[str, jax.Array]], list[PagedCache] | None]:
+    """Restores (config, [params per layer], [cache per layer] or None) saved by save_model_checkpoint.
+
+    param_shardings: as restore_checkpoint's (one Sharding, or {name: Sharding}) for every layer,
+      a sequence of those (one per layer), or a callable taking the config and returning either.
+    cache_shardings: one Sharding or a PagedCache of Shardings for every layer, one per layer, or a
+      callable taking the config (e.g. `functools.partial(sharding.cache_shardings, mesh)`).
+    config: if given, the saved config must equal it.
+    Each layer is restored by restore_checkpoint (its shapes, dtypes and config checked before
+    any data is read); errors are ValueErrors naming the layer (`layer 1 of <dir>: ...`) and,
+    from there, the array.
+    """
+    path = pathlib.Path(directory).absolute()
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory {path}")
+    meta = _read_stack_meta(path)
+    num_layers, with_caches = meta.get("num_layers"), meta.get("caches")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"{path}: the saved stack meta's num_layers is {num_layers!r}, not a positive int")
+    if not isinstance(with_caches, bool):
+        raise ValueError(f"{path}: the saved stack meta's caches is {with_caches!r}, not true or false")
+    try:
+        saved_config = _config_from_json(meta.get("config"))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: the saved stack config is damaged: {e}") from None
+    if config is not None and saved_config != config:
+        raise ValueError(f"{path}: the saved config differs from the expected one: " + _config_diff(saved_config, config))
+    indices = list(range(num_layers))
+    params_per = _per_layer(param_shardings, saved_config, indices, "param_shardings", _is_param_sharding)
+    caches_per = _per_layer(cache_shardings, saved_config, indices, "cache_shardings", _is_cache_sharding)
+    layers, caches = [], []
+    for i in indices:
+        layer_dir = _layer_dir(path, i)
+        if not layer_dir.is_dir():
+            raise ValueError(f"layer {i} of {path}: {layer_dir.name}/ is missing (the stack has {num_layers} layers)")
+        try:
+            _, params, cache = restore_checkpoint(layer_dir, param_shardings=params_per[i],
+                                                  cache_shardings=caches_per[i], config=saved_config)
+        except ValueError as e:
+            raise ValueError(f"layer {i} of {path}: {e}") from e
+        if (cache is not None) != with_caches:
+            raise ValueError(f"layer {i} of {path}: {'no' if with_caches else 'a'} cache saved, though the stack "
+                             f"was saved {'with' if with_caches else 'without'} caches")
+        layers.append(params)
+        caches.append(cache)
+    return saved_config, layers, caches if with_caches else None

@@ -5,18 +5,15 @@ import json
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from jax_sparse_mla import MLAConfig, Request, init_cache, init_params, plan_batch
 from jax_sparse_mla.checkpoint import load_layer_from_safetensors, restore_checkpoint, save_checkpoint
 from jax_sparse_mla.model import jit_forward
-from jax_sparse_mla.params import param_shapes
 from jax_sparse_mla.sharding import cache_shardings, make_mesh, param_shardings
 from jax_sparse_mla.synthetic import Harness
-from tests.support import quantize_fp8_blocks
+from tests.support.checkpoints import HF_CONFIG, OVERRIDES, write_fake_checkpoint
 
 TINY = MLAConfig.tiny()
 
@@ -88,78 +85,9 @@ def test_orbax_save_rejects_bad_params_and_cache(tmp_path):
 
 # ---- Hugging Face safetensors ---------------------------------------------------------------------
 
-# A small DeepSeek-V3.2-shaped config.json; hidden 160 and q_lora 48 make several 128x128 fp8 blocks.
-HF_CONFIG = {
-    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "vocab_size": 100,
-    "hidden_size": 160, "num_attention_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 128,
-    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "index_n_heads": 4,
-    "index_head_dim": 16, "index_topk": 16, "num_hidden_layers": 2, "num_nextn_predict_layers": 1,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
-    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32,
-                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                            "weight_block_size": [128, 128]},
-}
-OVERRIDES = dict(page_size=4, dtype="float32")
-FP8_WEIGHTS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "indexer.wq_b", "indexer.wk")
-
-
-def _write_fake_checkpoint(directory, *, shapes_override=None, bad_scale=None, drop=(), index=True,
-                           replace=None, extra=None):
-    """Layers 0 and 1 (+ unrelated tensors) over two shard files plus the index, like the real release.
-
-    replace: {tensor: array} written instead of the tensor; extra: {tensor: array} added to the first file.
-    Returns {layer: {name: expected float32 param}}.
-    """
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(HF_CONFIG))
-    config = MLAConfig.from_hf_config(HF_CONFIG, **OVERRIDES)
-    rng = np.random.default_rng(0)
-    files = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
-    names = list(files)
-    files[names[0]]["model.embed_tokens.weight"] = rng.standard_normal((100, 160)).astype(ml_dtypes.bfloat16)
-    files[names[1]]["model.layers.0.mlp.gate_proj.weight"] = rng.standard_normal((8, 160)).astype(np.float32)
-    expected = {}
-    for layer in (0, 1):
-        expected[layer] = {}
-        for i, (name, shape) in enumerate(param_shapes(config).items()):
-            full = f"model.layers.{layer}.self_attn.{name}"
-            if (shapes_override or {}).get(full):
-                shape = shapes_override[full]
-            target = files[names[(layer + i) % 2]]  # each layer spread over both files
-            w = rng.standard_normal(shape).astype(np.float32) * 0.1
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                w = w + 1.0
-            if name.removesuffix(".weight") in FP8_WEIGHTS:
-                q, scale = quantize_fp8_blocks(w)
-                target[full], target[full + "_scale_inv"] = q, scale
-                if full == bad_scale:
-                    target[full + "_scale_inv"] = np.ones((scale.shape[0], scale.shape[1] + 1), np.float32)
-                full_scale = np.repeat(np.repeat(scale, 128, 0), 128, 1)[:shape[0], :shape[1]]
-                expected[layer][name] = np.asarray(q, np.float32) * full_scale
-            elif layer == 0:  # bfloat16, as the release stores norms
-                target[full] = w.astype(ml_dtypes.bfloat16)
-                expected[layer][name] = target[full].astype(np.float32)
-            else:
-                target[full] = w
-                expected[layer][name] = w
-    files = {name: {k: (replace or {}).get(k, v) for k, v in tensors.items() if k not in drop}
-             for name, tensors in files.items()}
-    files[names[0]].update(extra or {})
-    if not index:
-        save_file({k: v for tensors in files.values() for k, v in tensors.items()}, str(directory / "model.safetensors"))
-        return expected
-    weight_map = {}
-    for file_name, tensors in files.items():
-        save_file(tensors, str(directory / file_name))
-        weight_map.update(dict.fromkeys(tensors, file_name))
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return expected
-
-
 @pytest.mark.parametrize("index", [True, False], ids=["sharded+index", "single-file"])
 def test_load_layer_from_safetensors(tmp_path, index):
-    expected = _write_fake_checkpoint(tmp_path, index=index)
+    expected = write_fake_checkpoint(tmp_path, index=index)
     for layer in (0, 1):
         config, params = load_layer_from_safetensors(tmp_path, layer, **OVERRIDES)
         assert config == MLAConfig.from_hf_config(HF_CONFIG, **OVERRIDES)
@@ -171,7 +99,7 @@ def test_load_layer_from_safetensors(tmp_path, index):
 
 
 def test_loaded_layer_runs(tmp_path):
-    _write_fake_checkpoint(tmp_path)
+    write_fake_checkpoint(tmp_path)
     config, params = load_layer_from_safetensors(tmp_path, 1, **OVERRIDES)
     plan, meta = plan_batch(config, [Request(0, 9, [0, 1, 2])], num_pages=4)
     x = jax.random.normal(jax.random.key(0), (plan.num_tokens, config.hidden_size))
@@ -181,24 +109,24 @@ def test_loaded_layer_runs(tmp_path):
 
 def test_load_errors_name_the_tensor(tmp_path):
     kv_b = "model.layers.1.self_attn.kv_b_proj.weight"
-    _write_fake_checkpoint(tmp_path / "missing", drop=(kv_b,))
+    write_fake_checkpoint(tmp_path / "missing", drop=(kv_b,))
     with pytest.raises(ValueError, match=f"model.safetensors.index.json in .* has no tensor '{kv_b}'"):
         load_layer_from_safetensors(tmp_path / "missing", 1, **OVERRIDES)
     config, _ = load_layer_from_safetensors(tmp_path / "missing", 0, **OVERRIDES)  # layer 0 is complete
 
     wk = "model.layers.0.self_attn.indexer.wk.weight"
-    _write_fake_checkpoint(tmp_path / "shape", shapes_override={wk: (16, 159)})
+    write_fake_checkpoint(tmp_path / "shape", shapes_override={wk: (16, 159)})
     with pytest.raises(ValueError, match=rf"tensor '{wk}' in model-0000\d-of-00002.safetensors has shape \(16, 159\), "
                                          r"expected \(16, 160\)"):
         load_layer_from_safetensors(tmp_path / "shape", 0, **OVERRIDES)
 
     q_b = "model.layers.1.self_attn.q_b_proj.weight"
-    _write_fake_checkpoint(tmp_path / "scale", bad_scale=q_b)
+    write_fake_checkpoint(tmp_path / "scale", bad_scale=q_b)
     with pytest.raises(ValueError, match=rf"tensor '{q_b}_scale_inv' in .* has shape \(1, 2\), expected \(1, 1\)"):
         load_layer_from_safetensors(tmp_path / "scale", 1, **OVERRIDES)
 
     norm = "model.layers.0.self_attn.kv_a_layernorm.weight"
-    _write_fake_checkpoint(tmp_path / "norm", shapes_override={norm: (127,)})
+    write_fake_checkpoint(tmp_path / "norm", shapes_override={norm: (127,)})
     with pytest.raises(ValueError, match=rf"tensor '{norm}' in .* has shape \(127,\), expected \(128,\)"):
         load_layer_from_safetensors(tmp_path / "norm", 0, **OVERRIDES)
 
@@ -210,7 +138,7 @@ def test_load_errors_name_the_tensor(tmp_path):
         load_layer_from_safetensors(tmp_path / "norm", 1, **OVERRIDES)
 
     scale = "model.layers.1.self_attn.o_proj.weight_scale_inv"
-    _write_fake_checkpoint(tmp_path / "noscale", drop=(scale,))
+    write_fake_checkpoint(tmp_path / "noscale", drop=(scale,))
     with pytest.raises(ValueError, match="'o_proj.weight' is fp8 but has no o_proj.weight_scale_inv"):
         load_layer_from_safetensors(tmp_path / "noscale", 1, **OVERRIDES)
 
@@ -235,14 +163,14 @@ L0 = "model.layers.0.self_attn."
      rf"tensor '{L0}indexer.weights_proj.weight' in .* has dtype BF16 but a weight_scale_inv"),
 ])
 def test_load_refuses_non_float_weights_and_bad_scales(tmp_path, replace, extra, message):
-    _write_fake_checkpoint(tmp_path, replace=replace, extra=extra)
+    write_fake_checkpoint(tmp_path, replace=replace, extra=extra)
     with pytest.raises(ValueError, match=message):
         load_layer_from_safetensors(tmp_path, 0, **OVERRIDES)
 
 
 def _planted_outside(tmp_path):
     """A complete checkpoint in tmp_path/ckpt whose index can be pointed at tmp_path/evil.safetensors."""
-    _write_fake_checkpoint(tmp_path / "ckpt")
+    write_fake_checkpoint(tmp_path / "ckpt")
     (tmp_path / "ckpt" / "model-00001-of-00002.safetensors").rename(tmp_path / "evil.safetensors")
     index = tmp_path / "ckpt" / "model.safetensors.index.json"
     return json.loads(index.read_text()), index
@@ -263,7 +191,7 @@ def test_load_refuses_shard_paths_outside_the_directory(tmp_path, how):
 
 def test_load_follows_symlinks_inside_the_directory_and_into_hub_blobs(tmp_path):
     # a symlink to another file of the directory is fine
-    _write_fake_checkpoint(tmp_path / "ckpt")
+    write_fake_checkpoint(tmp_path / "ckpt")
     shard = tmp_path / "ckpt" / "model-00001-of-00002.safetensors"
     shard.rename(tmp_path / "ckpt" / "real.safetensors")
     shard.symlink_to("real.safetensors")
@@ -271,7 +199,7 @@ def test_load_follows_symlinks_inside_the_directory_and_into_hub_blobs(tmp_path)
     # the Hugging Face hub cache: snapshots/<rev>/<file> -> ../../blobs/<hash>
     repo = tmp_path / "models--x--y"
     snap, blobs = repo / "snapshots" / "abc", repo / "blobs"
-    _write_fake_checkpoint(snap)
+    write_fake_checkpoint(snap)
     blobs.mkdir()
     for i, f in enumerate(sorted(snap.iterdir())):
         f.rename(blobs / f"blob{i}")
@@ -337,14 +265,14 @@ DAMAGE = {
 
 @pytest.mark.parametrize("what", list(DAMAGE))
 def test_load_damaged_files_raise_value_error_naming_the_file(tmp_path, what):
-    _write_fake_checkpoint(tmp_path)
+    write_fake_checkpoint(tmp_path)
     _damage(tmp_path, what)
     with pytest.raises(ValueError, match=DAMAGE[what]):
         load_layer_from_safetensors(tmp_path, 0, **OVERRIDES)
 
 
 def test_load_damaged_single_file(tmp_path):
-    _write_fake_checkpoint(tmp_path, index=False)
+    write_fake_checkpoint(tmp_path, index=False)
     single = tmp_path / "model.safetensors"
     single.write_bytes(single.read_bytes()[:1000])
     with pytest.raises(ValueError, match="model.safetensors is not a valid safetensors file"):
@@ -370,7 +298,7 @@ def test_load_refuses_wrongly_typed_config_fields(tmp_path, key, value, message)
 
 
 def test_load_reads_rope_parameters(tmp_path):
-    _write_fake_checkpoint(tmp_path)
+    write_fake_checkpoint(tmp_path)
     hf = {k: v for k, v in HF_CONFIG.items() if k not in ("rope_scaling", "rope_theta")}
     hf["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, **{k: v for k, v in HF_CONFIG["rope_scaling"].items()
                                                                           if k != "type"}}
@@ -465,7 +393,7 @@ def test_restore_refuses_cache_dtypes_other_than_the_saved_configs(saved, tmp_pa
 
 
 def test_load_refuses_config_and_index_symlinked_out_of_the_directory(tmp_path):
-    _write_fake_checkpoint(tmp_path / "ckpt")
+    write_fake_checkpoint(tmp_path / "ckpt")
     for name in ("model.safetensors.index.json", "config.json"):
         real = tmp_path / "ckpt" / name
         real.rename(tmp_path / name)
