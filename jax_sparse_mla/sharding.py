@@ -1,6 +1,9 @@
 """One layer on a `jax.sharding.Mesh`: heads over a tensor axis, sequences over a data axis.
 
-The mesh has (at least) two named axes, `"data"` (size dp) and `"tensor"` (size tp).
+The mesh has (at least) two named axes, `"data"` (size dp) and `"tensor"` (size tp): those are the
+defaults of every function's `data_axis` / `tensor_axis` arguments, which take other names (a
+MaxText-style mesh's, say) and apply them to the mesh, the parameter and cache specs and the
+shard_map alike; "data" and "tensor" below stand for whatever names were given.
 `sharded_forward` wraps `model.forward` in `jax.shard_map`: every device runs the ordinary
 forward on its slice of heads and its own data shard's batch, with a per-shard config
 (`shard_config`: H / tp attention heads, Hi / tp index heads) and `tensor_axis="tensor"`, which
@@ -59,19 +62,23 @@ HEAD_ROWS = ("q_b_proj.weight", "kv_b_proj.weight", "indexer.wq_b.weight", "inde
 HEAD_COLUMNS = ("o_proj.weight",)
 
 
-def make_mesh(data: int, tensor: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, tensor) mesh over the first data * tensor devices (jax.devices() by default)."""
+def make_mesh(data: int, tensor: int, devices: Sequence[jax.Device] | None = None, *, data_axis: str = DATA,
+              tensor_axis: str = TENSOR) -> Mesh:
+    """A (data, tensor) mesh over the first data * tensor devices (jax.devices() by default),
+    its axes named data_axis and tensor_axis."""
     devices = list(jax.devices() if devices is None else devices)
     if data < 1 or tensor < 1 or data * tensor > len(devices):
         raise ValueError(f"a ({data}, {tensor}) mesh needs {data * tensor} devices, {len(devices)} are available")
-    return Mesh(np.array(devices[: data * tensor]).reshape(data, tensor), (DATA, TENSOR))
+    if data_axis == tensor_axis:
+        raise ValueError(f"data_axis and tensor_axis must differ, both are {data_axis!r}")
+    return Mesh(np.array(devices[: data * tensor]).reshape(data, tensor), (data_axis, tensor_axis))
 
 
-def _axis_sizes(mesh: Mesh) -> tuple[int, int]:
-    missing = [a for a in (DATA, TENSOR) if a not in mesh.shape]
+def _axis_sizes(mesh: Mesh, data_axis: str = DATA, tensor_axis: str = TENSOR) -> tuple[int, int]:
+    missing = [a for a in (data_axis, tensor_axis) if a not in mesh.shape]
     if missing:
-        raise ValueError(f"the mesh needs axes {DATA!r} and {TENSOR!r}; it has {tuple(mesh.axis_names)}")
-    return mesh.shape[DATA], mesh.shape[TENSOR]
+        raise ValueError(f"the mesh needs axes {data_axis!r} and {tensor_axis!r}; it has {tuple(mesh.axis_names)}")
+    return mesh.shape[data_axis], mesh.shape[tensor_axis]
 
 
 def shard_config(config: MLAConfig, tensor: int) -> MLAConfig:
@@ -83,35 +90,45 @@ def shard_config(config: MLAConfig, tensor: int) -> MLAConfig:
                                index_n_heads=config.index_n_heads // tensor)
 
 
-def param_specs(config: MLAConfig) -> dict[str, P]:
-    """PartitionSpec of each parameter (HF name): head-split rows / columns over "tensor", others replicated."""
+def param_specs(config: MLAConfig, *, tensor_axis: str = TENSOR) -> dict[str, P]:
+    """PartitionSpec of each parameter (HF name): head-split rows / columns over tensor_axis, others replicated."""
     specs = {}
     for name in param_shapes(config):
-        specs[name] = P(TENSOR, None) if name in HEAD_ROWS else P(None, TENSOR) if name in HEAD_COLUMNS else P()
+        specs[name] = (P(tensor_axis, None) if name in HEAD_ROWS else P(None, tensor_axis) if name in HEAD_COLUMNS
+                       else P())
     return specs
 
 
-def param_shardings(mesh: Mesh, config: MLAConfig) -> dict[str, NamedSharding]:
-    _, tp = _axis_sizes(mesh)
+def param_shardings(mesh: Mesh, config: MLAConfig, *, data_axis: str = DATA,
+                    tensor_axis: str = TENSOR) -> dict[str, NamedSharding]:
+    _, tp = _axis_sizes(mesh, data_axis, tensor_axis)
     shard_config(config, tp)  # heads must divide
-    return {name: NamedSharding(mesh, spec) for name, spec in param_specs(config).items()}
+    return {name: NamedSharding(mesh, spec) for name, spec in param_specs(config, tensor_axis=tensor_axis).items()}
 
 
-def shard_params(params: dict, mesh: Mesh, config: MLAConfig) -> dict[str, jax.Array]:
+def shard_params(params: dict, mesh: Mesh, config: MLAConfig, *, data_axis: str = DATA,
+                 tensor_axis: str = TENSOR) -> dict[str, jax.Array]:
     """Places full (unsharded) params on the mesh as `param_specs` says."""
-    return jax.device_put(params, param_shardings(mesh, config))
+    return jax.device_put(params, param_shardings(mesh, config, data_axis=data_axis, tensor_axis=tensor_axis))
 
 
-def cache_shardings(mesh: Mesh, config: MLAConfig) -> PagedCache:
-    """A PagedCache of NamedShardings (None where the config has no such field): pages over "data"."""
+def cache_specs(config: MLAConfig, *, data_axis: str = DATA) -> PagedCache:
+    """A PagedCache of PartitionSpecs (None where the config has no such field): pages over data_axis."""
     abstract = jax.eval_shape(lambda: init_cache(config, 1))
-    return jax.tree.map(lambda _: NamedSharding(mesh, P(DATA)), abstract)
+    return jax.tree.map(lambda _: P(data_axis), abstract)
 
 
-def init_sharded_cache(config: MLAConfig, mesh: Mesh, pages_per_shard: int) -> PagedCache:
+def cache_shardings(mesh: Mesh, config: MLAConfig, *, data_axis: str = DATA) -> PagedCache:
+    """A PagedCache of NamedShardings (None where the config has no such field): pages over data_axis."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), cache_specs(config, data_axis=data_axis))
+
+
+def init_sharded_cache(config: MLAConfig, mesh: Mesh, pages_per_shard: int, *, data_axis: str = DATA,
+                       tensor_axis: str = TENSOR) -> PagedCache:
     """An empty cache of data * pages_per_shard pages, created in place on the mesh."""
-    dp, _ = _axis_sizes(mesh)
-    return jax.jit(lambda: init_cache(config, dp * pages_per_shard), out_shardings=cache_shardings(mesh, config))()
+    dp, _ = _axis_sizes(mesh, data_axis, tensor_axis)
+    return jax.jit(lambda: init_cache(config, dp * pages_per_shard),
+                   out_shardings=cache_shardings(mesh, config, data_axis=data_axis))()
 
 
 # ---- data-parallel plans -----------------------------------------------------------------------
@@ -216,7 +233,7 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
 # ---- the sharded step ----------------------------------------------------------------------------
 
 def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh: Mesh, plan: BatchPlan,
-                    config: MLAConfig, kernels: str = "auto"):
+                    config: MLAConfig, kernels: str = "auto", data_axis: str = DATA, tensor_axis: str = TENSOR):
     """`model.forward` over a (data, tensor) mesh; see the module docstring for every layout.
 
     params: full HF-named dict (sharded as param_specs, or placed there by jit);
@@ -225,9 +242,10 @@ def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh:
     plan: planned with this (full) config, which is checked (BatchPlan.check_config), and for this
     mesh's tensor size (BatchPlan.tensor_parallel); each shard's forward checks its per-shard
     config against the plan's record with the same replacement.
-    Jit with mesh, plan, config and kernels static (`jit_sharded_forward`).
+    data_axis / tensor_axis: the mesh's axis names for the sequences and the heads.
+    Jit with mesh, plan, config, kernels and the axis names static (`jit_sharded_forward`).
     """
-    dp, tp = _axis_sizes(mesh)
+    dp, tp = _axis_sizes(mesh, data_axis, tensor_axis)
     if not isinstance(plan, BatchPlan):
         raise ValueError(f"plan must be a BatchPlan (from plan_data_parallel), got {type(plan).__name__}")
     plan.check_config(config)  # planned with the full config
@@ -250,14 +268,16 @@ def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh:
 
     def per_shard(params, hidden, cache, meta):
         return forward(params, hidden, cache, meta, plan=local_plan, config=local, kernels=kernels,
-                       tensor_axis=TENSOR if tp > 1 else None)
+                       tensor_axis=tensor_axis if tp > 1 else None)
 
     # check_vma=False: the Pallas kernels inside forward carry no varying-axes annotations. The
     # outputs are replicated over "tensor" by construction (psum; identical cache writes).
-    step = jax.shard_map(per_shard, mesh=mesh, in_specs=(param_specs(config), P(DATA), P(DATA), P(DATA)),
-                         out_specs=(P(DATA), P(DATA)), check_vma=False)
+    rows = P(data_axis)
+    step = jax.shard_map(per_shard, mesh=mesh, in_specs=(param_specs(config, tensor_axis=tensor_axis), rows, rows, rows),
+                         out_specs=(rows, rows), check_vma=False)
     return step(params, hidden, cache, meta)
 
 
-jit_sharded_forward = jax.jit(sharded_forward, static_argnames=("mesh", "plan", "config", "kernels"),
+jit_sharded_forward = jax.jit(sharded_forward,
+                              static_argnames=("mesh", "plan", "config", "kernels", "data_axis", "tensor_axis"),
                               donate_argnames=("cache",))
