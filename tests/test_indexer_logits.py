@@ -411,28 +411,6 @@ def test_fp8_logit_bound_rejects_wrong_logits(hi, d, page, lengths, rows):
             check(wrong)
 
 
-@pytest.mark.parametrize("num_rows,num_seqs,key_blocks,want", [
-    (32, 32, 512, (1, 128)),     # B=32, 32K keys: 4 chunks a row, 128 CTAs (one wave of 132 SMs)
-    (1, 1, 2048, (1, 16)),       # B=1, 128K keys: 128 chunks of 16 blocks
-    (128, 128, 2048, (1, 256)),  # B=128: chunks of 256 blocks (one TMA of the block table)
-    (64, 32, 512, (2, 128)),     # MTP: 2 rows per tile
-])
-def test_choose_decode_tiling(num_rows, num_seqs, key_blocks, want):
-    t = choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, num_sms=132)
-    step_blocks = 2 // want[0]  # 16 KiB of fp8 keys per slot and row
-    stages = 4 if want[1] // step_blocks <= 8 else 12 // step_blocks  # a short chunk: at most 4 in flight
-    assert (t.block_rows, t.chunk, t.step_blocks, t.stages) == want + (step_blocks, stages)
-    t = choose_decode_tiling(num_rows, num_seqs, key_blocks, jnp.bfloat16, 64, 128, num_sms=132)
-    assert (t.block_rows, t.chunk, t.step_blocks, t.stages) == want + (1, 4 if want[1] <= 8 else 6)
-    for chunk in (6, 260):
-        with pytest.raises(ValueError, match="multiple of 4"):
-            choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, chunk=chunk)
-    with pytest.raises(ValueError, match="at most 32"):
-        choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, stages=34)
-    with pytest.raises(ValueError, match="wgmma N"):
-        choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, block_rows=8)
-
-
 # ------------------------------------------------------------------------------------------------
 # the Mosaic GPU kernels: tiling choice, and lowering at real dimensions (CPU twins of the GPU runs)
 # ------------------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from jax_sparse_mla.checkpoint import (load_hf_config, load_layer_from_safetenso
 from jax_sparse_mla.params import param_shapes
 from jax_sparse_mla.serving import Engine
 from jax_sparse_mla.sharding import cache_shardings, make_mesh, param_shardings
-from tests.support.checkpoints import (HF_CONFIG, OVERRIDES, bits, run_with_cpu_devices, shard_names,
+from tests.support import run_with_cpu_devices
+from tests.support.checkpoints import (HF_CONFIG, OVERRIDES, bits, shard_names,
                                        write_fake_checkpoint)
 
 LAYERS = (0, 1, 2)  # num_hidden_layers=2, plus the MTP layer model.layers.2

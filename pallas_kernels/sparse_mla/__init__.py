@@ -8,8 +8,8 @@ from .api import (
     dequantize_latent,
     dequantize_pages,
     sparse_mla,
-    unsupported_reason,
 )
+from .mosaic import unsupported_reason
 from .reference import sparse_mla_reference
 
 __all__ = ["copy_rows", "dequantize_latent", "dequantize_pages", "sparse_mla", "sparse_mla_reference",

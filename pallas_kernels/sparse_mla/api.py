@@ -25,7 +25,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import mosaic
-from .mosaic import unsupported_reason
 from .triton import sparse_mla_triton
 
 

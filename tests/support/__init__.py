@@ -5,7 +5,11 @@ into each op per backend (the only place to adapt when a kernel signature change
 backends' limits; `tests.support.cases` the input builders more than one op's suite uses.
 """
 
+import json
 import os
+import pathlib
+import subprocess
+import sys
 
 # Mosaic GPU's interpreter needs a CPU thread per simulated warpgroup (see jax_sparse_mla.kernels.resolve);
 # set before jax creates its CPU client, so the dense kernel also runs inside the forward on a 2-core CI box.
@@ -39,3 +43,16 @@ def assert_same_as_clean(got, want, err_msg=""):
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert not np.isnan(got).any(), f"NaN leaked {err_msg}"
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=err_msg)
+
+
+def run_with_cpu_devices(code: str, devices: int = 4):
+    """Runs `code` (which prints 'RESULT <json>') in a subprocess with `devices` virtual CPU devices -> the json."""
+    import jax_sparse_mla
+
+    root = pathlib.Path(jax_sparse_mla.__file__).absolute().parent.parent  # the checkout under test
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])

@@ -4,10 +4,7 @@ suites, and the multi-device checks they run in a subprocess with virtual CPU de
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import ml_dtypes
 import numpy as np
@@ -108,19 +105,6 @@ def bits(a):
     """An array's bits, for exact comparison of any dtype (fp8 included)."""
     a = np.asarray(a)
     return a.view(np.dtype(f"u{a.dtype.itemsize}"))
-
-
-def run_with_cpu_devices(code: str, devices: int = 4):
-    """Runs `code` (which prints 'RESULT <json>') in a subprocess with `devices` virtual CPU devices -> the json."""
-    import jax_sparse_mla
-
-    root = pathlib.Path(jax_sparse_mla.__file__).absolute().parent.parent  # the checkout under test
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
 
 
 def sharded_load_report(directory, meshes, dtype="float32") -> dict:
