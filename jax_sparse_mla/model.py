@@ -166,19 +166,21 @@ def _dense_prefill(step: _Step):
     Returns (rows [T] = meta.dense_rows, out [T, H, v] f32 of those rows; padding rows 0).
     """
     c_, cache, meta = step.config, step.cache, step.meta
-    slots = meta.dense_key_slots  # [K]: each dense sequence's context + new keys, packed
-    scale = None if cache.latent_scale is None else take_rows(cache.flat("latent_scale"), slots)
-    c = kernel_ops.dequantize_latent(take_rows(cache.flat("latent"), slots), scale)  # [K, R]
-    k_pe = take_rows(cache.flat("k_pe"), slots).astype(jnp.float32)  # [K, rope]
-    k_nope = per_head("kr,hnr->khn", c, step.w_uk, c_)
-    v = per_head("kr,hvr->khv", c, step.w_uv, c_)
-    k_pe = jnp.broadcast_to(k_pe[:, None], (k_pe.shape[0], c_.num_attention_heads, k_pe.shape[-1]))
-    k = jnp.concatenate([k_nope, k_pe], -1)  # [K, H, qk]
-    rows = meta.dense_rows
-    q = jnp.concatenate([take_rows(step.q_nope, rows), take_rows(step.q_pe, rows)], -1)  # [T, H, qk]
+    with jax.named_scope("dense_kv_up"):
+        slots = meta.dense_key_slots  # [K]: each dense sequence's context + new keys, packed
+        scale = None if cache.latent_scale is None else take_rows(cache.flat("latent_scale"), slots)
+        c = kernel_ops.dequantize_latent(take_rows(cache.flat("latent"), slots), scale)  # [K, R]
+        k_pe = take_rows(cache.flat("k_pe"), slots).astype(jnp.float32)  # [K, rope]
+        k_nope = per_head("kr,hnr->khn", c, step.w_uk, c_)
+        v = per_head("kr,hvr->khv", c, step.w_uv, c_)
+        k_pe = jnp.broadcast_to(k_pe[:, None], (k_pe.shape[0], c_.num_attention_heads, k_pe.shape[-1]))
+        k = jnp.concatenate([k_nope, k_pe], -1)  # [K, H, qk]
+        rows = meta.dense_rows
+        q = jnp.concatenate([take_rows(step.q_nope, rows), take_rows(step.q_pe, rows)], -1)  # [T, H, qk]
     dt = c_.jnp_dtype
-    out = kernel_ops.dense_mha(q.astype(dt), k.astype(dt), v.astype(dt), meta.dense_query_start,
-                               meta.dense_key_start, scale=c_.softmax_scale, impl=step.impl.dense_mha)
+    with jax.named_scope("dense_mha"):
+        out = kernel_ops.dense_mha(q.astype(dt), k.astype(dt), v.astype(dt), meta.dense_query_start,
+                                   meta.dense_key_start, scale=c_.softmax_scale, impl=step.impl.dense_mha)
     return rows, out.astype(jnp.float32)
 
 
@@ -190,10 +192,11 @@ def _topk_slots(step: _Step, rows, group: RowGroup):
     row_end = jnp.where(row_pos >= 0, row_pos + 1, 0)
     if rows is not None:
         row_end = jnp.where(rows >= 0, row_end, 0)
-    with jax.named_scope("indexer_logits"):
+    with jax.named_scope("indexer_queries"):
         tp = 1 if step.tensor_axis is None else jax.lax.axis_size(step.tensor_axis)
         q_i, w_i = indexer_queries(step.params, _pick(step.x, rows), _pick(step.qr, rows), _pick(step.positions, rows),
                                    c_, total_index_heads=c_.index_n_heads * tp)
+    with jax.named_scope("indexer_logits"):
         logits = kernel_ops.indexer_logits(q_i, w_i, step.cache.flat("index_k"), step.cache.flat("index_k_scale"),
                                            meta.block_tables, _pick(meta.row_seq, rows), row_end,
                                            page_size=c_.page_size, impl=step.impl.indexer_logits,
@@ -209,12 +212,14 @@ def _sparse_attention(step: _Step, rows, slots, pages, group: RowGroup):
     """Absorbed sparse attention of `rows` (None: every row) over cache slots [N, topk] on `pages`
     (page ids, -1 ignored), the plan's row group `group` (its fp8 route) -> [N, H, v] f32."""
     c_, cache = step.config, step.cache
-    q_lat = per_head("thn,hnr->thr", _pick(step.q_nope, rows), step.w_uk, c_)
-    q_abs = jnp.concatenate([q_lat, _pick(step.q_pe, rows)], -1).astype(c_.jnp_dtype)
-    out_lat, _ = kernel_ops.sparse_mla(q_abs, cache.flat("latent"), cache.flat("latent_scale"), cache.flat("k_pe"),
-                                       slots, pages, scale=c_.softmax_scale, page_size=c_.page_size,
-                                       impl=step.impl.sparse_mla, dequantize=group.dequantize)
-    return per_head("thr,hvr->thv", out_lat, step.w_uv, c_)
+    with jax.named_scope("sparse_attention"):
+        q_lat = per_head("thn,hnr->thr", _pick(step.q_nope, rows), step.w_uk, c_)
+        q_abs = jnp.concatenate([q_lat, _pick(step.q_pe, rows)], -1).astype(c_.jnp_dtype)
+        out_lat, _ = kernel_ops.sparse_mla(q_abs, cache.flat("latent"), cache.flat("latent_scale"),
+                                           cache.flat("k_pe"), slots, pages, scale=c_.softmax_scale,
+                                           page_size=c_.page_size, impl=step.impl.sparse_mla,
+                                           dequantize=group.dequantize)
+        return per_head("thr,hvr->thv", out_lat, step.w_uv, c_)
 
 
 def _sparse_groups(plan: BatchPlan, meta: BatchMeta, rows):
@@ -284,12 +289,14 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
     x = hidden.astype(c_.jnp_dtype)
     positions = jnp.maximum(meta.positions, 0)
 
-    qr, q_nope, q_pe, c, k_pe = mla_projections(params, x, positions, c_)
-    k_index = indexer_keys(params, x, positions, c_)
+    with jax.named_scope("projections"):
+        qr, q_nope, q_pe, c, k_pe = mla_projections(params, x, positions, c_)
+        k_index = indexer_keys(params, x, positions, c_)
     # Both caches are written first: the dense program still fills the indexer key cache,
     # or later decode steps would score against stale keys.
-    cache = cache_lib.write(cache, meta.slot_mapping,
-                            {**cache_lib.encode_latent(c, k_pe, c_), **cache_lib.encode_index_keys(k_index, c_)})
+    with jax.named_scope("cache_write"):
+        cache = cache_lib.write(cache, meta.slot_mapping,
+                                {**cache_lib.encode_latent(c, k_pe, c_), **cache_lib.encode_index_keys(k_index, c_)})
 
     kv_b = params["kv_b_proj.weight"].reshape(H, c_.qk_nope_head_dim + c_.v_head_dim, c_.kv_lora_rank)
     step = _Step(params, x, qr, q_nope, q_pe, positions, cache, meta,
@@ -303,9 +310,10 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
     else:
         out_heads = _sparse_program(step, plan)
 
-    out = linear(out_heads.reshape(T, H * c_.v_head_dim), params["o_proj.weight"], c_)
-    if tensor_axis is not None:  # o_proj's columns are split by head: partial sums
-        out = jax.lax.psum(out, tensor_axis)
+    with jax.named_scope("o_proj"):
+        out = linear(out_heads.reshape(T, H * c_.v_head_dim), params["o_proj.weight"], c_)
+        if tensor_axis is not None:  # o_proj's columns are split by head: partial sums
+            out = jax.lax.psum(out, tensor_axis)
     return out.astype(c_.jnp_dtype), cache
 
 
