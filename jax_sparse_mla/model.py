@@ -10,7 +10,7 @@ are compiled and lax.cond picks at run time (dispatch="cond").
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -135,91 +135,79 @@ def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, confi
     check_params(params, config)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Step:
-    """What the attention programs share: projected rows [T, ...], the written cache, the plan's
-    metadata, the up-projections W_UK [H, nope, R] and W_UV [H, v, R], and static settings
-    (impl: each op's backend, from kernels.resolve)."""
-
-    params: dict
-    x: jax.Array
-    qr: jax.Array
-    q_nope: jax.Array
-    q_pe: jax.Array
-    positions: jax.Array
-    cache: cache_lib.PagedCache
-    meta: BatchMeta
-    w_uk: jax.Array
-    w_uv: jax.Array
-    config: MLAConfig
-    impl: kernel_ops.Implementations
-    tensor_axis: str | None
-
-
 def _pick(a, rows):
     return a if rows is None else take_rows(a, rows)
 
 
-def _dense_prefill(step: _Step):
+def _dense_prefill(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: BatchMeta, config: MLAConfig,
+                   impl: kernel_ops.OpImpl):
     """Dense causal MHA of the sequences routed dense, packed (no padding to the longest).
 
-    Returns (rows [T] = meta.dense_rows, out [T, H, v] f32 of those rows; padding rows 0).
+    q_nope [T, H, nope], q_pe [T, H, rope]: every row's queries; w_uk [H, nope, R], w_uv [H, v, R];
+    keys from the cache slots meta.dense_key_slots. Returns (rows [T] = meta.dense_rows, out
+    [T, H, v] f32 of those rows; padding rows 0).
     """
-    c_, cache, meta = step.config, step.cache, step.meta
+    c_ = config
     with jax.named_scope("dense_kv_up"):
         slots = meta.dense_key_slots  # [K]: each dense sequence's context + new keys, packed
         scale = None if cache.latent_scale is None else take_rows(cache.flat("latent_scale"), slots)
         c = kernel_ops.dequantize_latent(take_rows(cache.flat("latent"), slots), scale)  # [K, R]
         k_pe = take_rows(cache.flat("k_pe"), slots).astype(jnp.float32)  # [K, rope]
-        k_nope = per_head("kr,hnr->khn", c, step.w_uk, c_)
-        v = per_head("kr,hvr->khv", c, step.w_uv, c_)
+        k_nope = per_head("kr,hnr->khn", c, w_uk, c_)
+        v = per_head("kr,hvr->khv", c, w_uv, c_)
         k_pe = jnp.broadcast_to(k_pe[:, None], (k_pe.shape[0], c_.num_attention_heads, k_pe.shape[-1]))
         k = jnp.concatenate([k_nope, k_pe], -1)  # [K, H, qk]
         rows = meta.dense_rows
-        q = jnp.concatenate([take_rows(step.q_nope, rows), take_rows(step.q_pe, rows)], -1)  # [T, H, qk]
+        q = jnp.concatenate([take_rows(q_nope, rows), take_rows(q_pe, rows)], -1)  # [T, H, qk]
     dt = c_.jnp_dtype
     with jax.named_scope("dense_mha"):
         out = kernel_ops.dense_mha(q.astype(dt), k.astype(dt), v.astype(dt), meta.dense_query_start,
-                                   meta.dense_key_start, scale=c_.softmax_scale, impl=step.impl.dense_mha)
+                                   meta.dense_key_start, scale=c_.softmax_scale, impl=impl)
     return rows, out.astype(jnp.float32)
 
 
-def _topk_slots(step: _Step, rows, group: RowGroup):
-    """Indexer scoring and top-k of `rows` ([N] row ids, -1 padded; None: every row), the plan's
-    row group `group` (its indexer kernel shape) -> slots [N, topk]."""
-    c_, meta = step.config, step.meta
+def _topk_slots(params, x, qr, positions, cache: cache_lib.PagedCache, meta: BatchMeta, rows, group: RowGroup, *,
+                config: MLAConfig, impl: kernel_ops.Implementations, tensor_axis: str | None):
+    """Indexer scoring and top-k of `rows` ([N] row ids, -1 padded; None: every row) -> slots [N, topk].
+
+    x [T, hidden], qr [T, q_lora], positions [T]: every row's input, q latent and position (the
+    indexer's queries are projected here, for the scored rows only); group: the plan's RowGroup of
+    these rows (its Mosaic indexer kernel shape).
+    """
+    c_ = config
     row_pos = _pick(meta.positions, rows)
     row_end = jnp.where(row_pos >= 0, row_pos + 1, 0)
     if rows is not None:
         row_end = jnp.where(rows >= 0, row_end, 0)
     with jax.named_scope("indexer_queries"):
-        tp = 1 if step.tensor_axis is None else jax.lax.axis_size(step.tensor_axis)
-        q_i, w_i = indexer_queries(step.params, _pick(step.x, rows), _pick(step.qr, rows), _pick(step.positions, rows),
+        tp = 1 if tensor_axis is None else jax.lax.axis_size(tensor_axis)
+        q_i, w_i = indexer_queries(params, _pick(x, rows), _pick(qr, rows), _pick(positions, rows),
                                    c_, total_index_heads=c_.index_n_heads * tp)
     with jax.named_scope("indexer_logits"):
-        logits = kernel_ops.indexer_logits(q_i, w_i, step.cache.flat("index_k"), step.cache.flat("index_k_scale"),
+        logits = kernel_ops.indexer_logits(q_i, w_i, cache.flat("index_k"), cache.flat("index_k_scale"),
                                            meta.block_tables, _pick(meta.row_seq, rows), row_end,
-                                           page_size=c_.page_size, impl=step.impl.indexer_logits,
+                                           page_size=c_.page_size, impl=impl.indexer_logits,
                                            kernel=group.indexer_kernel)
-        if step.tensor_axis is not None:  # every shard holds some index heads: top-k needs their sum
-            logits = jax.lax.psum(logits, step.tensor_axis)
+        if tensor_axis is not None:  # every shard holds some index heads: top-k needs their sum
+            logits = jax.lax.psum(logits, tensor_axis)
     with jax.named_scope("indexer_topk"):
-        top_pos = kernel_ops.topk(logits, c_.index_topk, impl=step.impl.topk)
+        top_pos = kernel_ops.topk(logits, c_.index_topk, impl=impl.topk)
     return positions_to_slots(top_pos, meta.block_tables, _pick(meta.row_seq, rows), c_.page_size)
 
 
-def _sparse_attention(step: _Step, rows, slots, pages, group: RowGroup):
+def _sparse_attention(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, rows, slots, pages, group: RowGroup, *,
+                      config: MLAConfig, impl: kernel_ops.OpImpl):
     """Absorbed sparse attention of `rows` (None: every row) over cache slots [N, topk] on `pages`
-    (page ids, -1 ignored), the plan's row group `group` (its fp8 route) -> [N, H, v] f32."""
-    c_, cache = step.config, step.cache
+    (page ids, -1 ignored) -> [N, H, v] f32. q_nope, q_pe, w_uk, w_uv as in _dense_prefill;
+    group: the plan's RowGroup of these rows (its fp8 dequantisation route)."""
+    c_ = config
     with jax.named_scope("sparse_attention"):
-        q_lat = per_head("thn,hnr->thr", _pick(step.q_nope, rows), step.w_uk, c_)
-        q_abs = jnp.concatenate([q_lat, _pick(step.q_pe, rows)], -1).astype(c_.jnp_dtype)
+        q_lat = per_head("thn,hnr->thr", _pick(q_nope, rows), w_uk, c_)
+        q_abs = jnp.concatenate([q_lat, _pick(q_pe, rows)], -1).astype(c_.jnp_dtype)
         out_lat, _ = kernel_ops.sparse_mla(q_abs, cache.flat("latent"), cache.flat("latent_scale"),
                                            cache.flat("k_pe"), slots, pages, scale=c_.softmax_scale,
-                                           page_size=c_.page_size, impl=step.impl.sparse_mla,
-                                           dequantize=group.dequantize)
-        return per_head("thr,hvr->thv", out_lat, step.w_uv, c_)
+                                           page_size=c_.page_size, impl=impl, dequantize=group.dequantize)
+        return per_head("thr,hvr->thv", out_lat, w_uv, c_)
 
 
 def _sparse_groups(plan: BatchPlan, meta: BatchMeta, rows):
@@ -235,36 +223,34 @@ def _sparse_groups(plan: BatchPlan, meta: BatchMeta, rows):
     return groups
 
 
-def _attend_sparsely(step: _Step, plan: BatchPlan, out_heads, rows, all_slots=None):
+def _attend_sparsely(score, attend, plan: BatchPlan, meta: BatchMeta, out_heads, rows, all_slots=None):
     """out_heads [T, H, v] with `rows` (None: every row) attended sparsely, group by group
-    (`_sparse_groups`); slots from all_slots [T, topk] when given (every row scored), else scored
-    here for the group's rows."""
-    for group, group_rows, pages in _sparse_groups(plan, step.meta, rows):
-        slots = _topk_slots(step, group_rows, group) if all_slots is None else _pick(all_slots, group_rows)
-        out = _sparse_attention(step, group_rows, slots, pages, group)
+    (`_sparse_groups`). score(rows, group) -> slots [N, topk] (_topk_slots over the step's rows
+    and cache); attend(rows, slots, pages, group) -> [N, H, v] (_sparse_attention likewise);
+    slots from all_slots [T, topk] when given (every row scored), else scored per group."""
+    for group, group_rows, pages in _sparse_groups(plan, meta, rows):
+        slots = score(group_rows, group) if all_slots is None else _pick(all_slots, group_rows)
+        out = attend(group_rows, slots, pages, group)
         out_heads = out if group_rows is None else _put_rows(out_heads, group_rows, out)
     return out_heads
 
 
-def _sparse_program(step: _Step, plan: BatchPlan):
-    """Every row scored, top-k'd and attended sparsely -> [T, H, v] f32."""
-    c_ = step.config
-    out_heads = jnp.zeros((plan.num_tokens, c_.num_attention_heads, c_.v_head_dim), jnp.float32)
-    return _attend_sparsely(step, plan, out_heads, None)
+def _sparse_program(score, attend, plan: BatchPlan, meta: BatchMeta, out_shape):
+    """Every row scored, top-k'd and attended sparsely -> out_shape [T, H, v] f32."""
+    return _attend_sparsely(score, attend, plan, meta, jnp.zeros(out_shape, jnp.float32), None)
 
 
-def _dense_program(step: _Step, plan: BatchPlan):
-    """Short prefills as dense MHA, meta.sparse_rows sparsely -> [T, H, v] f32.
+def _dense_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out_shape):
+    """Short prefills as dense MHA (dense() -> (rows, out): _dense_prefill), meta.sparse_rows
+    sparsely -> out_shape [T, H, v] f32.
 
     Scores only the sparse rows, or every row when plan.skip_indexer is False (the baseline).
     """
-    c_, meta = step.config, step.meta
-    out_heads = jnp.zeros((plan.num_tokens, c_.num_attention_heads, c_.v_head_dim), jnp.float32)
-    rows, dense_out = _dense_prefill(step)
-    out_heads = _put_rows(out_heads, rows, dense_out)
-    all_slots = None if plan.skip_indexer else _topk_slots(step, None, plan.group("all"))
+    rows, dense_out = dense()
+    out_heads = _put_rows(jnp.zeros(out_shape, jnp.float32), rows, dense_out)
+    all_slots = None if plan.skip_indexer else score(None, plan.group("all"))
     if plan.num_sparse_tokens:
-        out_heads = _attend_sparsely(step, plan, out_heads, meta.sparse_rows, all_slots)
+        out_heads = _attend_sparsely(score, attend, plan, meta, out_heads, meta.sparse_rows, all_slots)
     if all_slots is not None:  # baseline: keep scoring that (mostly) no row reads
         out_heads = _depend_on(out_heads, all_slots)
     return out_heads
@@ -299,16 +285,21 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
                                 {**cache_lib.encode_latent(c, k_pe, c_), **cache_lib.encode_index_keys(k_index, c_)})
 
     kv_b = params["kv_b_proj.weight"].reshape(H, c_.qk_nope_head_dim + c_.v_head_dim, c_.kv_lora_rank)
-    step = _Step(params, x, qr, q_nope, q_pe, positions, cache, meta,
-                 w_uk=kv_b[:, : c_.qk_nope_head_dim], w_uv=kv_b[:, c_.qk_nope_head_dim:],  # [H, nope, R], [H, v, R]
-                 config=c_, impl=impl, tensor_axis=tensor_axis)
+    w_uk, w_uv = kv_b[:, : c_.qk_nope_head_dim], kv_b[:, c_.qk_nope_head_dim:]  # [H, nope, R], [H, v, R]
+    # The stages over this step's rows and written cache: what each reads is in its arguments.
+    score = functools.partial(_topk_slots, params, x, qr, positions, cache, meta, config=c_, impl=impl,
+                              tensor_axis=tensor_axis)
+    attend = functools.partial(_sparse_attention, q_nope, q_pe, w_uk, w_uv, cache, config=c_, impl=impl.sparse_mla)
+    dense = functools.partial(_dense_prefill, q_nope, q_pe, w_uk, w_uv, cache, meta, c_, impl.dense_mha)
+    out_shape = (T, H, c_.v_head_dim)
     if plan.use_dense_mha is None:  # dispatch="cond": both programs, one runs
-        out_heads = jax.lax.cond(meta.dense_flag > 0, lambda: _dense_program(step, plan),
-                                 lambda: _sparse_program(step, plan))
+        out_heads = jax.lax.cond(meta.dense_flag > 0,
+                                 lambda: _dense_program(score, attend, dense, plan, meta, out_shape),
+                                 lambda: _sparse_program(score, attend, plan, meta, out_shape))
     elif plan.use_dense_mha:
-        out_heads = _dense_program(step, plan)
+        out_heads = _dense_program(score, attend, dense, plan, meta, out_shape)
     else:
-        out_heads = _sparse_program(step, plan)
+        out_heads = _sparse_program(score, attend, plan, meta, out_shape)
 
     with jax.named_scope("o_proj"):
         out = linear(out_heads.reshape(T, H * c_.v_head_dim), params["o_proj.weight"], c_)
