@@ -19,6 +19,7 @@ _EXPORTS = {
     "forward": "model", "jit_forward": "model",
     "SparseMLA": "nnx_layer",
     "init_params": "params", "params_from_hf": "params",
+    "count_programs": "precompile", "enumerate_plans": "precompile",  # (precompile: jax_sparse_mla.precompile)
     "BatchMeta": "plan", "BatchPlan": "plan", "BucketPolicy": "plan", "Request": "plan", "plan_batch": "plan",
     "init_sharded_cache": "sharding", "jit_sharded_forward": "sharding", "make_mesh": "sharding",
     "plan_data_parallel": "sharding", "shard_params": "sharding", "sharded_forward": "sharding",
@@ -39,7 +40,8 @@ def __dir__():
 
 __all__ = [
     "BatchMeta", "BatchPlan", "BucketPolicy", "MLAConfig", "PagedCache", "Request", "RopeScaling",
-    "SparseMLA", "forward", "init_cache", "init_params", "init_sharded_cache", "jit_forward", "jit_sharded_forward",
+    "SparseMLA", "count_programs", "enumerate_plans", "forward", "init_cache", "init_params", "init_sharded_cache",
+    "jit_forward", "jit_sharded_forward",
     "load_layer_from_safetensors", "make_mesh", "params_from_hf", "plan_batch", "plan_data_parallel",
     "read_indexer_keys", "read_latent", "restore_checkpoint", "save_checkpoint", "shard_params", "sharded_forward",
 ]

@@ -19,7 +19,7 @@ from ..config import MLAConfig
 from ..kernels import CHOICES as KERNEL_CHOICES
 from ..model import jit_forward
 from ..params import init_params
-from ..plan import DISPATCH_MODES, BucketPolicy, Request, plan_batch
+from ..plan import DISPATCH_MODES, BatchMeta, BucketPolicy, Request, plan_batch
 from ..validate import INT32_MAX, as_bool, as_int, is_int
 from .metrics import RequestMetrics, ServeResult, StepRecord
 from .workload import RequestSpec, Workload, specs_of
@@ -195,6 +195,37 @@ class Engine:
             rows = jnp.full((plan.num_tokens,), self.pool_size, jnp.int32)  # the zero row
             self._forward(plan, meta, _gather_rows(self.pool, rows), opts.kernels).block_until_ready()
         return jit_forward._cache_size() - before
+
+    def precompile(self, *, method: str = "aot", cache_dir: str | None = None, max_model_len: int | None = None,
+                   progress: bool = True, **overrides):
+        """Compiles every program a run under these options can need, whatever the workload: the
+        plans of jax_sparse_mla.precompile.enumerate_plans for this engine's num_pages,
+        max_num_seqs, max_num_batched_tokens and max_model_len (default: the config's
+        max_position_embeddings), plus the step's row gather per num_tokens bucket. method "aot":
+        ahead-of-time compile of jit_forward (the first call of a plan still traces it and adds a
+        dispatch entry, which StepRecord.new_programs counts); "call": each plan run once through
+        the layers on padding-only metadata (writes no cache slot), after which a run compiles
+        nothing at all. cache_dir: jax's persistent compilation cache. Returns the PrecompileReport."""
+        from ..precompile import enumerate_plans, precompile
+
+        opts = self.options.with_overrides(overrides)
+        kw = opts.plan_kwargs()
+        plans = enumerate_plans(self.config, kw.pop("buckets"), num_pages=self.num_pages,
+                                max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens,
+                                max_model_len=max_model_len, **kw)
+
+        def call(plan):
+            rows = jnp.full((plan.num_tokens,), self.pool_size, jnp.int32)  # the zero row
+            meta = jax.tree.map(jnp.asarray, BatchMeta.empty(plan))
+            self._forward(plan, meta, _gather_rows(self.pool, rows), opts.kernels).block_until_ready()
+
+        report = precompile(self.config, opts.buckets, num_pages=self.num_pages, max_num_seqs=opts.max_num_seqs,
+                            max_num_batched_tokens=opts.max_num_batched_tokens, kernels=opts.kernels,
+                            params=self.params[0], method=method, cache_dir=cache_dir, plans=plans,
+                            call=call, progress=progress)
+        for n in sorted({p.num_tokens for p in plans}):
+            _gather_rows(self.pool, jnp.full((n,), self.pool_size, jnp.int32)).block_until_ready()
+        return report
 
     def forward_batch(self, requests: Sequence[Request], **overrides):
         """One batch through the layer stack outside the scheduler (benchmarks: time it, repeat it;

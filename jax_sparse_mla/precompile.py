@@ -1,0 +1,327 @@
+"""Bounded warm-up: every program a serving loop can need, enumerated and compiled ahead of time.
+
+A serving loop compiles one `jit_forward` executable per distinct BatchPlan, and at real
+dimensions one takes 6-15 s on an H200. Under a BucketPolicy and a loop's limits (max_num_seqs,
+max_num_batched_tokens, max_model_len, num_pages) the plans form a bounded set:
+`enumerate_plans` lists it, `count_programs` counts it per route (no compile), and `precompile`
+compiles each plan ahead of time.
+
+The enumeration. A plan's sizes are the bucketed raw quantities of plan.py's `_padded_sizes` and
+`_plan_host` (BucketPolicy.round_up of: the batch's query rows -> num_tokens, its request count ->
+num_seqs, its longest request's pages -> pages_per_seq, the dense program's sparsely attending
+rows -> num_sparse_tokens (minimum 1), the dense requests' keys -> num_dense_keys, the fp8
+split's rows and pages). Each bucket value stands for the interval of raw values that round to
+it (`_interval`); a combination of buckets is kept when raw values in those intervals can hold
+together under the limits (necessary conditions, in enumerate_plans: requests <= rows <= the
+step budget; a request's rows <= its tokens <= max_model_len and <= its pages x page_size; a
+dense request has <= index_topk tokens and at least as many keys as rows; more sparsely attending
+rows than sparse requests needs a prefill longer than index_topk; pages within num_pages). So the
+set is a superset of the plans plan_batch makes for batches within the limits (any batch, not
+only the ones the Engine's scheduler makes), and for a bf16 cache at small limits it is exactly
+that set (tests/test_precompile.py plans every batch of <= 2 requests; at larger limits random
+batches are checked). Not covered: batches whose requests share prefix pages (pages are counted
+once per request: two requests reading one page could reach a plan past the num_pages bounds).
+With an fp8 latent cache the split sizes are enumerated with the policy.dequantize_route test
+plan_batch applies to the bucketed sizes, a looser superset (the unsplit plan is kept beside
+each split, even where every batch of those buckets splits).
+
+AOT compile. `jax.jit(forward).lower(ShapeDtypeStructs).compile()` on the same `jit_forward`
+fills jax's compilation cache: a later call with those shapes runs no backend compile (checked
+with jax.monitoring's backend-compile event in the tests). It still traces and lowers once on its
+first call and then adds a dispatch entry (`jit_forward._cache_size()` grows), which the Engine's
+StepRecord.new_programs counts; `method="call"` instead runs each program once on zero-filled
+inputs (allocates a cache of num_pages pages), which leaves nothing for the first real call to do.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from . import policy
+from .cache import init_cache
+from .config import MLAConfig
+from .model import jit_forward
+from .params import init_params
+from .plan import DISPATCH_MODES, BatchMeta, BatchPlan, BucketPolicy, PlanConfig
+from .validate import as_bool, as_int
+
+
+def _values(hi: int, minimum: int, lo: int = 1) -> list[int]:
+    """The bucket values BucketPolicy.round_up(x, minimum) takes for x in [lo, hi] (ascending)."""
+    if hi < lo:
+        return []
+    out, v = [], BucketPolicy.round_up(lo, minimum)
+    while True:
+        out.append(v)
+        if v >= BucketPolicy.round_up(hi, minimum):
+            return out
+        v = BucketPolicy.round_up(max(v, 1) + 1, minimum)
+
+
+def _interval(v: int, minimum: int) -> tuple[int, int]:
+    """The raw values x >= 1 with round_up(x, minimum) == v: [lo, hi]."""
+    if v == BucketPolicy.round_up(1, minimum):
+        hi = 1
+        while BucketPolicy.round_up(hi * 2, minimum) == v:
+            hi *= 2
+        return 1, hi
+    return v // 2 + 1, v
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def enumerate_plans(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num_pages: int,
+                    max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None,
+                    dispatch: str = "static", skip_indexer: bool = True, force_sparse: bool = False,
+                    tensor_parallel: int = 1) -> list[BatchPlan]:
+    """Every BatchPlan plan_batch(config, batch, num_pages=num_pages, buckets=buckets, dispatch=...,
+    skip_indexer=..., force_sparse=..., tensor_parallel=...) can return for a batch of at most
+    max_num_seqs requests, at most max_num_batched_tokens new tokens, each request at most
+    max_model_len tokens long (context + new) and all holding at most num_pages pages (a superset:
+    see the module docstring). Sorted by (route, sizes)."""
+    if not isinstance(config, MLAConfig):
+        raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
+    if not isinstance(buckets, BucketPolicy):
+        raise ValueError(f"buckets must be a BucketPolicy, got {type(buckets).__name__}")
+    if dispatch not in DISPATCH_MODES:
+        raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
+    skip_indexer, force_sparse = as_bool(skip_indexer, "skip_indexer"), as_bool(force_sparse, "force_sparse")
+    P = as_int(num_pages, "num_pages", 1)
+    S_max = as_int(max_num_seqs, "max_num_seqs", 1)
+    B = as_int(max_num_batched_tokens, "max_num_batched_tokens", 1)
+    L = config.max_position_embeddings
+    if max_model_len is not None:
+        L = min(L, as_int(max_model_len, "max_model_len", 1))
+    tp = as_int(tensor_parallel, "tensor_parallel", 1)
+    ps, K, bp = config.page_size, config.index_topk, buckets
+    n_max = min(S_max, B, P)  # each request has >= 1 row and >= 1 page
+    m_max = min(_cdiv(L, ps), P)  # a request's pages
+    dense_m_max = min(_cdiv(min(K, L), ps), P)  # a dense request has <= index_topk tokens
+    long_ok = L > K  # a sparse prefill (more than one row) needs total_len > index_topk
+    common = dict(num_pages=P, config=PlanConfig.of(config), tensor_parallel=tp)
+    heads = config.num_attention_heads // tp
+
+    T_vals = _values(B, bp.min_tokens)
+    S_vals = _values(n_max, bp.min_seqs)
+    W_vals = _values(m_max, bp.min_pages_per_seq)
+    plans: set[BatchPlan] = set()
+
+    def clip(v, minimum, hi):
+        lo, top = _interval(v, minimum)
+        return lo, min(top, hi)
+
+    for T, S in itertools.product(T_vals, S_vals):
+        qlo, qhi = clip(T, bp.min_tokens, B)
+        nlo, nhi = clip(S, bp.min_seqs, n_max)
+        if nlo > qhi or nlo > nhi or qlo > qhi:
+            continue
+        if dispatch == "cond":
+            for W in W_vals:
+                wlo, whi = clip(W, bp.min_pages_per_seq, m_max)
+                if wlo > whi or nlo - 1 + wlo > P or qlo > nhi * min(L, whi * ps):
+                    continue
+                plans.add(BatchPlan(num_tokens=T, num_seqs=S, pages_per_seq=W, use_dense_mha=None,
+                                    num_sparse_tokens=T,
+                                    num_dense_keys=bp.round_up(S * K, bp.min_dense_keys),
+                                    skip_indexer=skip_indexer, **common))
+            continue
+        # the sparse program: no dense request (decodes; prefills longer than index_topk, or any with force_sparse)
+        # rows == requests: every request a decode (or, forced, a one-token first prefill)
+        all_decodes = max(nlo, qlo) <= min(nhi, qhi) and (force_sparse or L >= 2)
+        if force_sparse or all_decodes or long_ok:
+            prefill_needed = not all_decodes  # more rows than requests: some request is a prefill
+            if not (prefill_needed and not force_sparse and not long_ok) and qlo <= nhi * L:
+                m_lo = 1 if (force_sparse or not prefill_needed) else _cdiv(K + 1, ps)
+                for W in W_vals:
+                    wlo, whi = clip(W, bp.min_pages_per_seq, m_max)
+                    # each request's rows <= its tokens <= the widest request's pages
+                    if whi < m_lo or wlo > whi or nlo - 1 + wlo > P or qlo > nhi * min(L, whi * ps):
+                        continue
+                    base = BatchPlan(num_tokens=T, num_seqs=S, pages_per_seq=W, use_dense_mha=False,
+                                     num_sparse_tokens=0, num_dense_keys=0, skip_indexer=True, **common)
+                    plans.update(_with_splits(base, config, bp, heads, rows=qhi, nhi=nhi, P=P,
+                                              prefill_pages_lo=1 if force_sparse else _cdiv(K + 1, ps),
+                                              prefills_ok=force_sparse or long_ok))
+        if force_sparse:
+            continue
+        # the dense program: >= 1 dense request (a prefill of <= index_topk tokens, rows <= keys)
+        for NS in [0] + _values(qhi - 1, 1):
+            if NS:
+                slo, shi = _interval(NS, 1)
+                shi = min(shi, qhi - 1)
+                if slo > shi or nhi < 2:
+                    continue
+                if slo > (nhi - 1) * L:
+                    continue
+                if slo > nhi - 1 and not long_ok:  # more sparse rows than sparse requests: a long prefill
+                    continue
+                nd_hi = nhi - 1
+                qd_lo = max(1, qlo - shi)
+                if qd_lo > nd_hi * K:
+                    continue
+            else:
+                nd_hi, qd_lo = nhi, max(qlo, nlo)
+            k_hi = min(nd_hi * min(K, L), P * ps)
+            for DK in _values(k_hi, bp.min_dense_keys, lo=qd_lo):
+                klo, khi = _interval(DK, bp.min_dense_keys)
+                khi = min(khi, k_hi)
+                if max(klo, qd_lo) > khi or _cdiv(max(klo, qd_lo), ps) + (1 if NS else 0) > P:
+                    continue
+                w_hi = m_max if NS else dense_m_max
+                # more sparse rows than sparse requests: a long prefill, > index_topk tokens
+                w_lo = _cdiv(K + 1, ps) if NS and slo > nhi - 1 else 1
+                for W in W_vals:
+                    wlo, whi = clip(W, bp.min_pages_per_seq, w_hi)
+                    if max(wlo, w_lo) > whi or qlo > nhi * min(L, whi * ps):
+                        continue
+                    # a dense request's keys: <= min(index_topk, the widest request's pages); with no
+                    # sparse request, the widest request is dense
+                    k_lo = max(klo, qd_lo, (wlo - 1) * ps + 1 if not NS else 1)
+                    if k_lo > min(khi, nd_hi * min(K, L, whi * ps)):
+                        continue
+                    base = BatchPlan(num_tokens=T, num_seqs=S, pages_per_seq=W, use_dense_mha=True,
+                                     num_sparse_tokens=NS, num_dense_keys=DK, skip_indexer=skip_indexer, **common)
+                    if NS:
+                        plans.update(_with_splits(base, config, bp, heads, rows=shi, nhi=nhi - 1, P=P - 1,
+                                                  prefill_pages_lo=_cdiv(K + 1, ps), prefills_ok=long_ok))
+                    else:
+                        plans.add(base)
+    order = {"dense": 0, "sparse": 1, "cond": 2}
+    return sorted(plans, key=lambda p: (order[p.route], p.num_tokens, p.num_seqs, p.pages_per_seq,
+                                        p.num_sparse_tokens, p.num_dense_keys, p.num_upfront_rows,
+                                        p.num_kernel_rows, p.num_upfront_pages))
+
+
+def _with_splits(base: BatchPlan, config: MLAConfig, bp: BucketPolicy, heads: int, *, rows: int, nhi: int, P: int,
+                 prefill_pages_lo: int, prefills_ok: bool) -> list[BatchPlan]:
+    """base and, for an fp8 latent cache, its fp8-split variants (plan._upfront_split): upfront
+    rows U (sparse prefill rows, >= 1), kernel rows (decodes, 0 or more), upfront pages (the
+    prefills' pages), kept where policy.dequantize_route of the bucketed sizes says "upfront"."""
+    out = [base]
+    if config.kv_cache_dtype != "fp8" or not prefills_ok:
+        return out
+    for U in _values(rows, 1):
+        ulo = _interval(U, 1)[0]
+        for KR in [0] + _values(min(rows - ulo, nhi - 1), 1):
+            krlo = _interval(KR, 1)[0] if KR else 0
+            if ulo + krlo > rows or krlo + 1 > nhi:
+                continue
+            for PG in _values(P - krlo, bp.min_pages_per_seq, lo=prefill_pages_lo):
+                if _interval(PG, bp.min_pages_per_seq)[0] + krlo > P:
+                    continue
+                if policy.dequantize_route(U, heads, config.index_topk, PG * config.page_size) != "upfront":
+                    continue
+                out.append(dataclasses.replace(base, num_upfront_rows=U, num_kernel_rows=KR, num_upfront_pages=PG))
+    return out
+
+
+def count_programs(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), **limits) -> dict[str, int]:
+    """{"total": n, route: n per route} for enumerate_plans(config, buckets, **limits); compiles nothing."""
+    counts = collections.Counter(p.route for p in enumerate_plans(config, buckets, **limits))
+    return {"total": sum(counts.values()), **dict(sorted(counts.items()))}
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecompileReport:
+    """num_programs: plans compiled; compile_s: total wall time; per_route: programs per route;
+    seconds: each plan's compile time (same order as plans); cache_dir: the persistent
+    compilation cache used (None: none)."""
+
+    num_programs: int
+    compile_s: float
+    per_route: dict[str, int]
+    plans: tuple[BatchPlan, ...]
+    seconds: tuple[float, ...]
+    method: str
+    cache_dir: str | None
+
+    def __str__(self):
+        routes = ", ".join(f"{k} {v}" for k, v in self.per_route.items())
+        return f"{self.num_programs} programs ({routes}) compiled in {self.compile_s:.1f} s ({self.method})"
+
+
+def enable_persistent_cache(cache_dir: str | None, *, min_compile_time_s: float = 0.0,
+                            min_entry_size_bytes: int = 0) -> None:
+    """Points jax's persistent compilation cache at cache_dir (process-wide; None: off); the
+    minimums default to 0 so that even small CPU programs are written (jax's defaults: 1 s, 0)."""
+    jax.config.update("jax_compilation_cache_dir", None if cache_dir is None else str(cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", int(min_entry_size_bytes))
+    try:  # jax initialises the cache once, on first use: re-point it if it was already set up
+        from jax._src import compilation_cache
+        compilation_cache.reset_cache()
+    except Exception:  # noqa: BLE001 (a private helper; the config update alone is enough on first use)
+        pass
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num_pages: int, max_num_seqs: int,
+               max_num_batched_tokens: int, max_model_len: int | None = None, dispatch: str = "static",
+               kernels: str = "auto", skip_indexer: bool = True, force_sparse: bool = False,
+               params=None, hidden_dtype=None, method: str = "aot", cache_dir: str | None = None,
+               min_compile_time_s: float = 0.0, min_entry_size_bytes: int = 0, plans: Sequence[BatchPlan] | None = None,
+               call: Callable[[BatchPlan], object] | None = None, progress: bool = True) -> PrecompileReport:
+    """Compiles jit_forward for every plan of enumerate_plans (or `plans`) ahead of time.
+
+    params: a param dict (arrays or ShapeDtypeStructs) whose shapes and dtypes the serving loop
+      passes (default: init_params's). hidden_dtype: the dtype of hidden (default config's, as the
+      Engine feeds). method: "aot" (lower(...).compile() on ShapeDtypeStructs: fills the
+      compilation cache; the first call still traces) or "call" (runs each plan on zero-filled
+      inputs: also fills jit's dispatch cache; allocates params and a cache of num_pages pages, or
+      runs call(plan) instead when given, e.g. the Engine's layer stack on its own caches).
+    cache_dir: also write jax's persistent compilation cache there (enable_persistent_cache, with
+      min_compile_time_s / min_entry_size_bytes), so another process loads instead of compiling.
+    """
+    from tqdm.auto import tqdm
+
+    if method not in ("aot", "call"):
+        raise ValueError(f"method must be 'aot' or 'call', got {method!r}")
+    if plans is None:
+        plans = enumerate_plans(config, buckets, num_pages=num_pages, max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                                dispatch=dispatch, skip_indexer=skip_indexer, force_sparse=force_sparse)
+    if cache_dir is not None:
+        enable_persistent_cache(cache_dir, min_compile_time_s=min_compile_time_s,
+                                min_entry_size_bytes=min_entry_size_bytes)
+    hidden_dtype = config.jnp_dtype if hidden_dtype is None else jnp.dtype(hidden_dtype)
+    if params is None:
+        params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    abstract_params = _abstract(params)
+    abstract_cache = jax.eval_shape(lambda: init_cache(config, num_pages))
+    if method == "call" and call is None:
+        zeros = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), t)  # noqa: E731
+        params_zero, cache = zeros(abstract_params), zeros(abstract_cache)
+    seconds = []
+    t_all = time.perf_counter()
+    for plan in tqdm(plans, desc="precompile", unit="program", disable=not progress):
+        t0 = time.perf_counter()
+        shapes = BatchMeta.shapes(plan)
+        if method == "aot":
+            meta = BatchMeta(**{k: jax.ShapeDtypeStruct(s, jnp.int32) for k, s in shapes.items()})
+            x = jax.ShapeDtypeStruct((plan.num_tokens, config.hidden_size), hidden_dtype)
+            jit_forward.lower(abstract_params, x, abstract_cache, meta, plan=plan, config=config,
+                              kernels=kernels).compile()
+        elif call is not None:
+            call(plan)
+        else:
+            meta = jax.tree.map(jnp.asarray, BatchMeta.empty(plan))  # every row padding: writes nowhere
+            x = jnp.zeros((plan.num_tokens, config.hidden_size), hidden_dtype)
+            out, cache = jit_forward(params_zero, x, cache, meta, plan=plan, config=config, kernels=kernels)
+            out.block_until_ready()
+        seconds.append(time.perf_counter() - t0)
+    counts = collections.Counter(p.route for p in plans)
+    return PrecompileReport(num_programs=len(plans), compile_s=time.perf_counter() - t_all,
+                            per_route=dict(sorted(counts.items())), plans=tuple(plans), seconds=tuple(seconds),
+                            method=method, cache_dir=None if cache_dir is None else str(cache_dir))

@@ -1,0 +1,139 @@
+"""Bounded warm-up (jax_sparse_mla.precompile): the enumeration covers every batch within the
+limits, and after precompile a serving run compiles nothing; the persistent cache gets entries."""
+
+import dataclasses
+import itertools
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jax_sparse_mla import BucketPolicy, MLAConfig, Request, plan_batch
+from jax_sparse_mla.precompile import count_programs, enable_persistent_cache, enumerate_plans, precompile
+
+TINY = MLAConfig.tiny()
+LIMITS = dict(num_pages=17, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=32)
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+
+
+def random_batch(rng, config, *, num_pages, max_num_seqs, max_num_batched_tokens, max_model_len):
+    """A random batch within the limits (disjoint pages), biased to the edges: decodes, short and
+    long prefills, chunks with context, lengths at index_topk and max_model_len."""
+    K, ps, L = config.index_topk, config.page_size, min(max_model_len, config.max_position_embeddings)
+    budget, free, reqs = max_num_batched_tokens, list(rng.permutation(num_pages)), []
+    for _ in range(int(rng.integers(1, max_num_seqs + 1))):
+        if budget < 1:
+            break
+        kind = rng.integers(4)
+        if kind == 0:  # decode
+            total = int(rng.choice([2, K, K + 1, L, rng.integers(2, L + 1)]))
+            q = 1
+        else:
+            q = int(rng.choice([1, budget, rng.integers(1, budget + 1)]))
+            q = min(q, L)
+            total = int(rng.choice([q, K, K + 1, L, rng.integers(q, L + 1)]))
+            total = min(max(total, q), L)
+            if q == 1 and total > 1 and kind == 1:
+                total = 1
+        if total - q < 0 or q > budget:
+            continue
+        pages = -(-total // ps)
+        if pages > len(free):
+            continue
+        reqs.append(Request(total - q, q, [int(free.pop()) for _ in range(pages)]))
+        budget -= q
+    return reqs or [Request(0, 1, [0])]
+
+
+@pytest.mark.parametrize("config,options", [
+    (TINY, {}),
+    (TINY, {"skip_indexer": False}),
+    (TINY, {"force_sparse": True}),
+    (TINY, {"dispatch": "cond"}),
+    (dataclasses.replace(TINY, kv_cache_dtype="fp8"), {}),
+], ids=["static", "baseline", "force_sparse", "cond", "fp8"])
+@pytest.mark.parametrize("limits", [LIMITS, dict(num_pages=64, max_num_seqs=5, max_num_batched_tokens=48,
+                                                  max_model_len=64)], ids=["small", "wider"])
+def test_enumeration_covers_every_random_batch_within_the_limits(config, options, limits):
+    buckets = BucketPolicy(min_tokens=8, min_seqs=2, min_pages_per_seq=2, min_dense_keys=8)
+    plans = set(enumerate_plans(config, buckets, **limits, **options))
+    rng = np.random.default_rng(0)
+    hit = set()
+    for _ in range(1500):
+        reqs = random_batch(rng, config, **limits)
+        plan, _ = plan_batch(config, reqs, num_pages=limits["num_pages"], buckets=buckets, **options)
+        assert plan in plans, (reqs, plan)
+        hit.add(plan)
+
+
+@pytest.mark.parametrize("options", [{}, {"force_sparse": True}], ids=["static", "force_sparse"])
+def test_enumeration_is_exactly_the_reachable_set_of_small_limits(options):
+    """Every batch of <= 2 requests within the limits, planned: the enumeration is that set (bf16)."""
+    buckets = BucketPolicy(min_tokens=8, min_seqs=2, min_pages_per_seq=2, min_dense_keys=8)
+    limits = dict(num_pages=12, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=20)
+    L, B, ps = limits["max_model_len"], limits["max_num_batched_tokens"], TINY.page_size
+    shapes = [(c, q) for q in range(1, B + 1) for c in range(L - q + 1)]
+    reached = set()
+    for n in (1, 2):
+        for combo in itertools.combinations_with_replacement(shapes, n):
+            if sum(q for _, q in combo) > B:
+                continue
+            reqs, first = [], 0
+            for c, q in combo:
+                pages = -(-(c + q) // ps)
+                reqs.append(Request(c, q, list(range(first, first + pages))))
+                first += pages
+            reached.add(plan_batch(TINY, reqs, num_pages=12, buckets=buckets, **options)[0])
+    assert set(enumerate_plans(TINY, buckets, **limits, **options)) == reached
+
+
+def test_count_programs_per_route():
+    counts = count_programs(TINY, BucketPolicy(), **LIMITS)
+    assert counts["total"] == counts.get("dense", 0) + counts.get("sparse", 0) and 10 <= counts["total"] <= 40
+    cond = count_programs(TINY, BucketPolicy(), dispatch="cond", **LIMITS)
+    assert set(cond) == {"total", "cond"} and cond["total"] < counts["total"]
+
+
+def test_after_precompile_a_serving_run_compiles_nothing(tmp_path):
+    from jax_sparse_mla.serving import Engine, Workload
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(kw.get("fun_name"))
+        if event == _COMPILE_EVENT and "forward" in str(kw.get("fun_name")) else None)
+    limits = dict(LIMITS)
+    saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
+             jax.config.jax_persistent_cache_min_entry_size_bytes)
+    try:
+        report = precompile(TINY, BucketPolicy(), **limits, cache_dir=str(tmp_path / "jax_cache"), progress=False)
+    finally:  # the persistent cache is process-wide: point it back for the rest of the session
+        enable_persistent_cache(saved[0], min_compile_time_s=saved[1], min_entry_size_bytes=saved[2])
+    assert report.num_programs == sum(report.per_route.values()) == len(report.plans)
+    assert len(compiles) == report.num_programs  # one backend compile per plan
+    assert any(os.scandir(tmp_path / "jax_cache"))  # the persistent cache got entries
+    engine = Engine(TINY, num_layers=1, num_pages=limits["num_pages"], max_num_seqs=limits["max_num_seqs"],
+                    max_num_batched_tokens=limits["max_num_batched_tokens"])
+    before = len(compiles)
+    result = engine.run(Workload(num_requests=5, input_len=14, output_len=6, input_range_ratio=0.9,
+                                 output_range_ratio=0.5, seed=3), progress=False)
+    assert len(result.steps) > 5
+    assert {s.plan for s in result.steps} <= set(report.plans)
+    assert len(compiles) == before, compiles[before:]  # no backend compile of forward during the run
+
+
+def test_engine_precompile_call_leaves_nothing_to_compile():
+    """Engine.precompile(method="call"): a run then compiles nothing at all (no backend compile of
+    any function, and no new jit_forward dispatch entry: every StepRecord.new_programs is 0)."""
+    from jax_sparse_mla.serving import Engine, Workload
+
+    engine = Engine(TINY, num_layers=2, num_pages=LIMITS["num_pages"], max_num_seqs=LIMITS["max_num_seqs"],
+                    max_num_batched_tokens=LIMITS["max_num_batched_tokens"], dispatch="cond")
+    report = engine.precompile(method="call", max_model_len=LIMITS["max_model_len"], progress=False)
+    assert report.per_route == {"cond": report.num_programs} and report.method == "call"
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(kw.get("fun_name")) if event == _COMPILE_EVENT else None)
+    result = engine.run(Workload(num_requests=4, input_len=12, output_len=5, input_range_ratio=0.9, seed=1),
+                        progress=False)
+    assert compiles == [] and all(s.new_programs == 0 for s in result.steps)
