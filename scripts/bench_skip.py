@@ -12,6 +12,12 @@ side by side in one run, through the serving loop (jax_sparse_mla.serving) over 
 (c) per-step breakdown on fixed batches: one step through all layers with the skip and without,
     and the indexer scoring alone (logits + top-k through jax_sparse_mla.kernels, per layer) on
     the same rows: the indexer's share of a step.
+--block attention,decoder runs each phase for each layer stack in turn: "attention" (x = x +
+attn(x), the default) and "decoder" (DeepSeek-V3.2 decoder blocks, x = x + attn(RMSNorm(x));
+x = x + moe(RMSNorm(x)) with serving.block's MoE stand-in: 256 experts, 8 active, one shared,
+intermediate 2048 at the real dims; 22.5 GB of bf16 experts a layer, so 4 layers take ~92 GB),
+so the skip's gain is read off a model's step as well as the attention stack's; every row and
+table line names its block, and --time-limit applies to each block.
 Every workload is warmed up first (a dry run of the scheduler collects its plans; each is
 compiled and run once), then timed; skip on/off runs alternate. Writes results.json, table.md
 and PNG plots to --out-dir and prints the markdown table. Sizes are flags; --quick trims;
@@ -41,6 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from jax_sparse_mla import BucketPolicy, MLAConfig, Request  # noqa: E402
 from jax_sparse_mla import kernels as kernel_ops  # noqa: E402
 from jax_sparse_mla.serving import Engine, Workload  # noqa: E402
+from jax_sparse_mla.serving.block import BLOCKS  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 SETTINGS = {"skip": True, "no_skip": False}  # name -> skip_indexer
@@ -50,6 +57,14 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _blocks(text: str) -> list[str]:
+    blocks = [b for b in text.split(",") if b]
+    bad = [b for b in blocks if b not in BLOCKS]
+    if bad or not blocks or len(set(blocks)) != len(blocks):
+        raise argparse.ArgumentTypeError(f"expected distinct blocks from {BLOCKS}, comma-separated, got {text!r}")
+    return blocks
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny config, tiny sizes (CPU, ~1 minute)")
@@ -57,6 +72,11 @@ def parse_args(argv=None):
     p.add_argument("--config", choices=("tiny", "deepseek_v32"), default=None,
                    help="default: deepseek_v32 on a GPU, tiny otherwise (always tiny with --smoke)")
     p.add_argument("--layers", type=int, default=None, help="layers in the stack (default 4; 2 with --smoke)")
+    p.add_argument("--block", type=_blocks, default=["attention"],
+                   help="layer stacks to run, comma-separated from attention,decoder (default attention)")
+    p.add_argument("--ragged-dot-triton", action="store_true",
+                   help="decoder: lower the MoE's ragged_dot through jax's Pallas Triton kernel on GPU "
+                   "(jax_ragged_dot_use_gpu_pallas_triton_lowering) instead of XLA's default")
     p.add_argument("--kernels", default="auto", choices=("auto", "xla", "pallas"))
     p.add_argument("--dispatch", default="static", choices=("static", "cond"))
     p.add_argument("--out-dir", default="docs/skip")
@@ -239,30 +259,41 @@ def phase_breakdown(engine, args) -> list[dict]:
 
 def markdown(results) -> str:
     m = results["meta"]
+    blocks = m.get("blocks", ["attention"])
+    many = len(blocks) > 1  # then every table gets a leading block column
+    col, sep = ("| block ", "|---") if many else ("", "")
+    cell = (lambda r: f"| {r.get('block', 'attention')} ") if many else (lambda r: "")
+    stack = "" if blocks == ["attention"] else f" ({' and '.join(blocks)} blocks)"
     lines = [f"### Short-prefill skip, end to end (`scripts/bench_skip.py{' ' + m['argv'] if m['argv'] else ''}`)",
-             f"{m['device']}, config {m['config']}, {m['layers']} layers, kernels={m['kernels']}, "
-             f"dispatch={m['dispatch']}, max_num_batched_tokens {m['max_num_batched_tokens']}, {m['date']}.", "",
+             f"{m['device']}, config {m['config']}, {m['layers']} layers{stack}, kernels={m['kernels']}, "
+             f"dispatch={m['dispatch']}, max_num_batched_tokens {m['max_num_batched_tokens']}, {m['date']}."]
+    if "moe" in m:
+        e = m["moe"]
+        lines[-1] += (f" Decoder block: RMSNorm, attention, RMSNorm, MoE ({e['num_experts']} experts, "
+                      f"{e['num_experts_per_tok']} active, {e['num_shared_experts']} shared, intermediate "
+                      f"{e['intermediate_size']}, ragged_dot).")
+    lines += ["",
              f"(a) short prefills: input {m['prefill_input_len']} (range ratio {m['prefill_range_ratio']}), output 1.",
-             "", "| concurrency | requests | req/s skip | req/s no skip | gain | median TTFT ms skip | no skip |",
-             "|---|---|---|---|---|---|---|"]
+             "", col + "| concurrency | requests | req/s skip | req/s no skip | gain | median TTFT ms skip | no skip |",
+             sep + "|---|---|---|---|---|---|---|"]
     for r in results["prefill"]:
-        lines.append(f"| {r['concurrency']} | {r['num_requests']} | {r['skip']['request_throughput']:.2f} | "
+        lines.append(cell(r) + f"| {r['concurrency']} | {r['num_requests']} | {r['skip']['request_throughput']:.2f} | "
                      f"{r['no_skip']['request_throughput']:.2f} | {r['throughput_gain_pct']:+.2f}% | "
                      f"{r['skip']['median_ttft_ms']:.1f} | {r['no_skip']['median_ttft_ms']:.1f} |")
     lines += ["", f"(b) decode-heavy: input 1, output {m['decode_output_len']}.", "",
-              "| concurrency | median TPOT ms skip | no skip | ratio | output tok/s skip | no skip |",
-              "|---|---|---|---|---|---|"]
+              col + "| concurrency | median TPOT ms skip | no skip | ratio | output tok/s skip | no skip |",
+              sep + "|---|---|---|---|---|---|"]
     for r in results["decode"]:
-        lines.append(f"| {r['concurrency']} | {r['skip']['median_tpot_ms']:.3f} | "
+        lines.append(cell(r) + f"| {r['concurrency']} | {r['skip']['median_tpot_ms']:.3f} | "
                      f"{r['no_skip']['median_tpot_ms']:.3f} | "
                      f"{r['tpot_ratio']:.3f}{_regression_note(r['regressed'])} | "
                      f"{r['skip']['output_throughput']:.0f} | {r['no_skip']['output_throughput']:.0f} |")
     lines += ["", f"(c) one step through {m['layers']} layers (median ms) and the indexer scoring alone "
               "(logits + top-k, per layer, same rows).", "",
-              "| batch | step skip | step no skip | saved | scoring x layers | share of no-skip step |",
-              "|---|---|---|---|---|---|"]
+              col + "| batch | step skip | step no skip | saved | scoring x layers | share of no-skip step |",
+              sep + "|---|---|---|---|---|---|"]
     for r in results["breakdown"]:
-        lines.append(f"| {r['batch']} | {r['step_ms_skip']:.2f} | {r['step_ms_no_skip']:.2f} | "
+        lines.append(cell(r) + f"| {r['batch']} | {r['step_ms_skip']:.2f} | {r['step_ms_no_skip']:.2f} | "
                      f"{r['saved_ms']:.2f} ({r['saved_share_pct']:.1f}%) | {r['scoring_ms_all_layers']:.2f} | "
                      f"{r['scoring_share_pct']:.1f}% |")
     return "\n".join(lines) + "\n"
@@ -289,21 +320,34 @@ def plot(results, out_dir: str) -> list[str]:
         paths.append(os.path.join(out_dir, name))
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
+    blocks = results["meta"].get("blocks", ["attention"])
+
+    def lines(phase):
+        """(style, rows) per block and setting; a block's name joins the label when there are several."""
+        for b, color in zip(blocks, ("C0", "C1", "C2")):
+            rows = [r for r in results[phase] if r.get("block", "attention") == b]
+            for name in SETTINGS:
+                st = dict(style[name])
+                if len(blocks) > 1:
+                    st.update(color=color, label=f"{b}: {st['label']}")
+                yield st, name, rows
+
     if results["prefill"]:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-        cs = [r["concurrency"] for r in results["prefill"]]
-        for name in SETTINGS:
-            ax1.plot(cs, [r[name]["request_throughput"] for r in results["prefill"]], **style[name])
-            ax2.plot(cs, [r[name]["median_ttft_ms"] for r in results["prefill"]], **style[name])
+        cs = sorted({r["concurrency"] for r in results["prefill"]})
+        for st, name, rows in lines("prefill"):
+            rc = [r["concurrency"] for r in rows]
+            ax1.plot(rc, [r[name]["request_throughput"] for r in rows], **st)
+            ax2.plot(rc, [r[name]["median_ttft_ms"] for r in rows], **st)
         concurrency_axis(ax1, cs, "request throughput (req/s)")
         concurrency_axis(ax2, cs, "median TTFT (ms)")
         fig.suptitle(f"(a) short prefills, input {results['meta']['prefill_input_len']}, output 1")
         save(fig, "prefill.png")
     if results["decode"]:
         fig, ax = plt.subplots(figsize=(5, 4))
-        cs = [r["concurrency"] for r in results["decode"]]
-        for name in SETTINGS:
-            ax.plot(cs, [r[name]["median_tpot_ms"] for r in results["decode"]], **style[name])
+        cs = sorted({r["concurrency"] for r in results["decode"]})
+        for st, name, rows in lines("decode"):
+            ax.plot([r["concurrency"] for r in rows], [r[name]["median_tpot_ms"] for r in rows], **st)
         concurrency_axis(ax, cs, f"(b) decode: median TPOT (ms), output {results['meta']['decode_output_len']}")
         save(fig, "decode.png")
     if results["breakdown"]:
@@ -313,7 +357,7 @@ def plot(results, out_dir: str) -> list[str]:
         ax.bar(x - 0.27, [r["step_ms_skip"] for r in rows], 0.27, label="step, skip on")
         ax.bar(x, [r["step_ms_no_skip"] for r in rows], 0.27, label="step, skip off")
         ax.bar(x + 0.27, [r["scoring_ms_all_layers"] for r in rows], 0.27, label="scoring alone x layers")
-        ax.set_xticks(x, [r["batch"] for r in rows])
+        ax.set_xticks(x, [r["batch"] if len(blocks) == 1 else f"{r['block']}\n{r['batch']}" for r in rows])
         ax.set_ylabel("ms")
         ax.set_title(f"(c) one step, {results['meta']['layers']} layers")
         ax.legend()
@@ -335,13 +379,10 @@ def main(argv=None) -> int:
                max(args.decode_concurrency) * -(-args.decode_output_len // page),
                max(args.breakdown_prefills) * -(-args.prefill_input_len // page))
     num_pages = need + 16
+    if args.ragged_dot_triton:
+        jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
     t_start = time.perf_counter()
-    engine = Engine(config, num_layers=args.layers, num_pages=num_pages, seed=args.seed, kernels=args.kernels,
-                    dispatch=args.dispatch, max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_num_seqs=args.max_num_seqs, buckets=BucketPolicy(min_pages_per_seq=args.min_pages_per_seq))
     dev = jax.devices()[0]
-    print(f"{dev.device_kind} ({jax.default_backend()}), config {args.config}, {args.layers} layers, "
-          f"{num_pages} pages/layer, kernels={args.kernels}, dispatch={args.dispatch}", flush=True)
     results = {"meta": {
         "device": dev.device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "argv": " ".join(sys.argv[1:]),
@@ -350,10 +391,26 @@ def main(argv=None) -> int:
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
         "prefill_input_len": args.prefill_input_len, "prefill_range_ratio": args.prefill_range_ratio,
         "decode_output_len": args.decode_output_len, "repeats": args.repeats,
+        "blocks": args.block, "ragged_dot_triton": args.ragged_dot_triton,
         "clock": "each step's wall time (scheduling + planning + all layers to block_until_ready)"}}
-    results["prefill"] = phase_prefill(engine, args, t_start)
-    results["decode"] = phase_decode(engine, args, t_start)
-    results["breakdown"] = phase_breakdown(engine, args)
+    results["prefill"], results["decode"], results["breakdown"] = [], [], []
+    for block in args.block:
+        t_block = time.perf_counter()
+        engine = Engine(config, num_layers=args.layers, num_pages=num_pages, seed=args.seed, kernels=args.kernels,
+                        dispatch=args.dispatch, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_num_seqs=args.max_num_seqs, block=block,
+                        buckets=BucketPolicy(min_pages_per_seq=args.min_pages_per_seq))
+        moe = f", MoE {engine.moe}" if engine.moe else ""
+        print(f"{dev.device_kind} ({jax.default_backend()}), config {args.config}, {args.layers} {block} layers, "
+              f"{num_pages} pages/layer, kernels={args.kernels}, dispatch={args.dispatch}{moe}", flush=True)
+        if engine.moe:
+            results["meta"]["moe"] = dataclasses.asdict(engine.moe)
+        results["prefill"] += [{"block": block, **row} for row in phase_prefill(engine, args, t_block)]
+        results["decode"] += [{"block": block, **row} for row in phase_decode(engine, args, t_block)]
+        results["breakdown"] += [{"block": block, **row} for row in phase_breakdown(engine, args)]
+        results["meta"][f"{block}_s"] = time.perf_counter() - t_block
+        del engine  # (a decoder stack at the real dims holds ~23 GB of experts a layer)
+        gc.collect()
     results["meta"]["total_s"] = time.perf_counter() - t_start
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:

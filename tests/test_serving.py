@@ -275,3 +275,77 @@ def test_run_arguments_are_checked():
             engine.run([RequestSpec(0, 3, 2)], **{"progress": False, **kwargs})
     with pytest.raises(ValueError, match="num_pages must be an integer, got 2.5"):
         PageAllocator(2.5)
+
+
+# --- decoder-block mode: x = x + attn(RMSNorm(x)); x = x + moe(RMSNorm(x)) ----------------------
+
+def test_moe_stand_in_equals_the_dense_per_token_loop():
+    """ragged_dot grouped experts (sort by expert, group sizes, unsort, weighted sum) + the shared
+    expert equal every token run through its chosen experts one by one, for both scorings."""
+    import jax
+    from jax_sparse_mla.serving.block import MoEConfig, init_block_params, moe_ffn, reference_moe, route
+
+    assert MoEConfig.for_config(MLAConfig.deepseek_v32()) == MoEConfig(256, 8, 2048, 1)
+    assert MoEConfig.for_config(TINY) == MoEConfig(8, 2, 32, 1)
+    x = jax.random.normal(jax.random.key(1), (37, TINY.hidden_size))
+    for moe in (MoEConfig.tiny(), MoEConfig.tiny(scoring="softmax", num_shared_experts=0, num_experts_per_tok=3)):
+        params = init_block_params(TINY, moe, jax.random.key(0))
+        assert all(v.dtype == np.float32 for v in params.values())
+        ref, margin = reference_moe(params, np.asarray(x), moe)
+        assert margin.min() > 1e-6  # no near-tie: the same experts are picked
+        out = np.asarray(moe_ffn(params, x, moe))
+        assert out.shape == x.shape and np.abs(out - ref).max() < 1e-5 * max(1.0, np.abs(ref).max())
+        _, experts = route(params, x, moe)
+        assert len(np.unique(np.asarray(experts))) == moe.num_experts  # every expert got tokens
+
+
+def test_decoder_block_engine_matches_its_oracle_and_differs_from_the_attention_stack():
+    kw = dict(num_layers=2, num_pages=40, max_num_batched_tokens=12, max_num_seqs=3, seed=4)
+    w = Workload(5, input_len=14, output_len=4, input_range_ratio=0.5, output_range_ratio=0.5, concurrency=3, seed=2)
+    decoder = Engine(TINY, block="decoder", **kw)
+    assert decoder.block == "decoder" and decoder.moe.num_experts == 8 and len(decoder.block_params) == 2
+    result = decoder.run(w, progress=False, collect_outputs=True)
+    assert all(r.finished for r in result.requests) and {s.route for s in result.steps} == {"dense", "sparse"}
+    attention = Engine(TINY, **kw).run(w, progress=False, collect_outputs=True)
+    worst, decided = 0.0, 0
+    for spec in w.requests():
+        out = result.outputs[spec.id]
+        assert out.shape == (spec.cache_len, TINY.hidden_size) and np.isfinite(out).all()
+        assert np.abs(out - attention.outputs[spec.id]).min(axis=1).max() > 0 and \
+            np.abs(out - attention.outputs[spec.id]).max() > 0.1
+        ref, ambiguous = reference_outputs(decoder, spec)
+        keep = ~ambiguous
+        decided += int(keep.sum())
+        worst = max(worst, float(np.abs(out[keep] - ref[keep]).max() / np.abs(ref).max()))
+    assert decided > 50
+    assert worst < 3e-4, worst
+
+
+def test_block_arguments_are_checked():
+    from jax_sparse_mla.serving.block import MoEConfig
+
+    with pytest.raises(ValueError, match=r"block must be one of \('attention', 'decoder'\), got 'moe'"):
+        Engine(TINY, num_layers=1, num_pages=8, block="moe")
+    with pytest.raises(ValueError, match='moe and block_params are for block="decoder"'):
+        Engine(TINY, num_layers=1, num_pages=8, moe=MoEConfig.tiny())
+    with pytest.raises(ValueError, match="moe must be a MoEConfig or None, got dict"):
+        Engine(TINY, num_layers=1, num_pages=8, block="decoder", moe={})
+    with pytest.raises(ValueError, match="got 1 layers of block_params for num_layers=2"):
+        Engine(TINY, num_layers=2, num_pages=8, block="decoder", block_params=[{}])
+    with pytest.raises(ValueError, match="num_experts_per_tok = 9 exceeds num_experts = 8"):
+        MoEConfig.tiny(num_experts_per_tok=9)
+    with pytest.raises(ValueError, match="MoEConfig.scoring must be one of"):
+        MoEConfig(scoring="relu")
+    assert Engine(TINY, num_layers=1, num_pages=8).block == "attention"
+
+
+def test_decoder_block_precompile_covers_the_moe_programs():
+    from jax_sparse_mla.serving import block
+
+    engine = Engine(TINY, block="decoder", num_layers=1, num_pages=16, max_num_batched_tokens=8, max_num_seqs=2,
+                    buckets=BucketPolicy(min_tokens=8, min_seqs=2, min_pages_per_seq=4, min_dense_keys=32))
+    engine.precompile(method="call", max_model_len=16, progress=False)
+    ffn, attn_in = block.ffn_residual._cache_size(), block.attn_input._cache_size()
+    result = engine.run(Workload(6, input_len=6, output_len=3, seed=1), progress=False)
+    assert all(r.finished for r in result.requests) and sum(s.new_programs for s in result.steps) == 0
+    assert (block.ffn_residual._cache_size(), block.attn_input._cache_size()) == (ffn, attn_in)

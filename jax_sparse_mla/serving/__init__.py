@@ -1,6 +1,6 @@
 """A continuous-batching serving loop over a stack of sparse-MLA layers, with latency metrics.
 
-Pieces (each usable alone; modules workload, engine, metrics):
+Pieces (each usable alone; modules workload, engine, metrics, block):
   `Workload`    a vLLM-style random workload: input/output lengths uniform in
                 [len * (1 - ratio), len * (1 + ratio)], arrival times (all at once, or Poisson at
                 `request_rate`), and a client-side `concurrency` cap -> `RequestSpec`s.
@@ -10,7 +10,9 @@ Pieces (each usable alone; modules workload, engine, metrics):
                 scheduling policy (running decodes first, then prefill chunks under a per-step
                 token budget `max_num_batched_tokens`, at most `max_num_seqs` running), one
                 `plan_batch` per step shared by every layer, hidden flowing layer to layer as
-                x = x + attn(x).
+                x = x + attn(x) (block="attention"), or through decoder blocks
+                x = x + attn(RMSNorm(x)); x = x + moe(RMSNorm(x)) with a DeepSeek-V3.2 MoE FFN
+                stand-in (block="decoder", `block.MoEConfig`).
   `ServeResult` per-request metrics (TTFT, TPOT), per-step records, and a summary.
 
 Time. The loop keeps a clock that starts at 0 and advances by each step's measured wall time

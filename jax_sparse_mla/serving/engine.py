@@ -21,6 +21,8 @@ from ..model import jit_forward
 from ..params import init_params
 from ..plan import DISPATCH_MODES, BatchMeta, BucketPolicy, Request, plan_batch
 from ..validate import INT32_MAX, as_bool, as_int, is_int
+from . import block as _block
+from .block import BLOCKS, MoEConfig
 from .metrics import RequestMetrics, ServeResult, StepRecord
 from .workload import RequestSpec, Workload, specs_of
 
@@ -129,14 +131,22 @@ def _gather_rows(pool, rows):
 class Engine:
     """N sparse-MLA layers with their paged caches, served by a continuous-batching loop.
 
+    block: "attention" (default): each layer is x = x + attn(x); "decoder": each layer is a
+      DeepSeek-V3.2 decoder block, x = x + attn(RMSNorm(x)); x = x + moe(RMSNorm(x)), with the
+      MoE FFN stand-in of serving.block (random routing and experts through ragged_dot).
+    moe: the decoder block's MoEConfig (default MoEConfig.for_config(config): DeepSeek-V3.2's 256
+      experts, 8 active, intermediate 2048, one shared expert at hidden 7168; 8/2/32 otherwise).
     params: list of N per-layer param dicts (default: init_params with keys fold_in(seed, layer)).
+    block_params: list of N per-layer decoder-block param dicts (norms, router, experts; default
+      serving.block.init_block_params with keys fold_in(seed, 2**21 + layer)); decoder only.
     caches: one PagedCache of num_pages pages per layer (donated and replaced every step).
     pool: [pool_size + 1, hidden_size] seeded random token hidden states (the last row is zeros,
       used for padding rows).
     """
 
     def __init__(self, config: MLAConfig, *, num_layers: int = 2, num_pages: int = 1024, seed: int = 0,
-                 pool_size: int = 4096, params: Sequence[dict] | None = None, **options):
+                 pool_size: int = 4096, params: Sequence[dict] | None = None, block: str = "attention",
+                 moe: MoEConfig | None = None, block_params: Sequence[dict] | None = None, **options):
         if not isinstance(config, MLAConfig):
             raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
         num_layers = as_int(num_layers, "num_layers", 1)
@@ -147,6 +157,12 @@ class Engine:
         if not is_int(seed) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         self.config, self.num_pages, self.seed, self.pool_size = config, num_pages, int(seed), pool_size
+        if not isinstance(block, str) or block not in BLOCKS:
+            raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
+        if moe is not None and not isinstance(moe, MoEConfig):
+            raise ValueError(f"moe must be a MoEConfig or None, got {type(moe).__name__}")
+        if block == "attention" and (moe is not None or block_params is not None):
+            raise ValueError('moe and block_params are for block="decoder"')
         self.options = EngineOptions().with_overrides(options)
         key = jax.random.key(seed)
         if params is None:
@@ -154,6 +170,15 @@ class Engine:
         elif len(params) != num_layers:
             raise ValueError(f"got {len(params)} layers of params for num_layers={num_layers}")
         self.params = list(params)
+        self.block = block
+        self.moe = (moe or MoEConfig.for_config(config)) if block == "decoder" else None
+        if block == "decoder":
+            if block_params is None:
+                block_params = [_block.init_block_params(config, self.moe, jax.random.fold_in(key, (1 << 21) + layer))
+                                for layer in range(num_layers)]
+            elif len(block_params) != num_layers:
+                raise ValueError(f"got {len(block_params)} layers of block_params for num_layers={num_layers}")
+        self.block_params = list(block_params) if block_params is not None else None
         self.caches = [init_cache(config, num_pages) for _ in range(num_layers)]
         pool = jax.random.normal(jax.random.fold_in(key, 1 << 20), (pool_size, config.hidden_size), jnp.float32)
         self.pool = jnp.concatenate([pool, jnp.zeros((1, config.hidden_size))]).astype(config.jnp_dtype)
@@ -175,6 +200,12 @@ class Engine:
     def _forward(self, plan, meta, x, kernels: str):
         """x [plan.num_tokens, hidden] through every layer (residual) -> x, caches updated."""
         for layer, params in enumerate(self.params):
+            if self.block == "decoder":
+                bp, kw = self.block_params[layer], dict(config=self.config, moe=self.moe)
+                out, self.caches[layer] = jit_forward(params, _block.attn_input(bp, x, **kw), self.caches[layer],
+                                                      meta, plan=plan, config=self.config, kernels=kernels)
+                x = _block.ffn_residual(bp, x + out, **kw)
+                continue
             out, self.caches[layer] = jit_forward(params, x, self.caches[layer], meta, plan=plan,
                                                   config=self.config, kernels=kernels)
             x = x + out
@@ -224,7 +255,12 @@ class Engine:
                             params=self.params[0], method=method, cache_dir=cache_dir, plans=plans,
                             call=call, progress=progress)
         for n in sorted({p.num_tokens for p in plans}):
-            _gather_rows(self.pool, jnp.full((n,), self.pool_size, jnp.int32)).block_until_ready()
+            x = _gather_rows(self.pool, jnp.full((n,), self.pool_size, jnp.int32))
+            if self.block == "decoder":  # the block's norm and MoE programs, one per num_tokens
+                kw = dict(config=self.config, moe=self.moe)
+                x = _block.ffn_residual(self.block_params[0], x + _block.attn_input(self.block_params[0], x, **kw),
+                                        **kw)
+            x.block_until_ready()
         return report
 
     def forward_batch(self, requests: Sequence[Request], **overrides):
@@ -387,14 +423,26 @@ def _branch(route: str, dense_flag) -> str:
     return "dense" if int(np.asarray(dense_flag)) else "sparse"
 
 
-def reference_outputs(engine: Engine, spec: RequestSpec) -> tuple[np.ndarray, np.ndarray]:
+def reference_outputs(engine: Engine, spec: RequestSpec, *, route_margin: float = 1e-5
+                      ) -> tuple[np.ndarray, np.ndarray]:
     """The oracle for one request served alone: its tokens through every layer of
-    `reference.sequence_forward` with the residual. Returns (x [cache_len, hidden] float32 after the
-    last layer, ambiguous [cache_len] bool: a row whose top-k set hinged on a near-tie in any layer)."""
+    `reference.sequence_forward` with the residual (a decoder engine: through the norms and the
+    dense per-token MoE loop of serving.block.reference_moe too). Returns (x [cache_len, hidden]
+    float32 after the last layer, ambiguous [cache_len] bool: a row whose top-k set hinged on a
+    near-tie in any layer, the indexer's or, decoder only, the router's: a gap below route_margin
+    between the k-th and (k+1)-th expert score)."""
     from .. import reference
     x = engine.token_hidden(spec)
     ambiguous = np.zeros(len(x), bool)
-    for params in engine.params:
+    for layer, params in enumerate(engine.params):
+        if engine.block == "decoder":
+            bp, c = engine.block_params[layer], engine.config
+            out, amb = reference.sequence_forward(params, _block.reference_norm(bp, "attn_norm.weight", x, c)
+                                                  .astype(np.float32), c)
+            x = x + out
+            ffn, margin = _block.reference_moe(bp, _block.reference_norm(bp, "ffn_norm.weight", x, c), engine.moe)
+            x, ambiguous = (x + ffn).astype(np.float32), ambiguous | amb | (margin < route_margin)
+            continue
         out, amb = reference.sequence_forward(params, x, engine.config)
         x, ambiguous = x + out, ambiguous | amb
     return x, ambiguous
