@@ -17,7 +17,7 @@
   recorded: `copy_fraction`, the chain's time a call (`kernel_ms`) against the copy's chain, and
   `kernel_alone_fraction`, the kernel alone against the copy fusion alone (`copy_alone_GBps`,
   a profiler trace of the copy's chain). The 70% target is read against `kernel_alone_fraction`,
-  because it compares like with like: each kernel's own device time on the same bytes. The
+  because it compares like with like: each kernel's own GPU time on the same bytes. The
   chains are not alike: a decode call's time in its chain includes the harness's dependency
   fusion (row_end + a compare on the previous output, 0.93 us at B=1 on the H200), which the
   copy's chain (an optimization_barrier, no kernel) does not pay, while the decode call itself

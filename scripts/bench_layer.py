@@ -19,7 +19,7 @@ Columns: kv (latent cache format), kind (batch), rows (real rows / plan.num_toke
 route (the static plan's: dense | sparse), variant, ms (median per step), min (fastest round),
 vs static (ms / the static variant's ms), rel_err (||out - out_static|| / ||out_static|| over
 the real rows, of the last call). --profile DIR also writes a jax.profiler trace per (kv, kind)
-under DIR and prints each variant's device time by the layer's named scopes (projections,
+under DIR and prints each variant's GPU (or CPU) time by the layer's named scopes (projections,
 cache_write, indexer_queries, indexer_logits, indexer_topk, dense_kv_up, dense_mha,
 sparse_attention, o_proj; ops outside them are named by the source function that emitted them).
 """
@@ -127,7 +127,7 @@ def step_time(step, cache, reps: int):
 
 
 # ------------------------------------------------------------------------------------------------
-# --profile: device time by named scope
+# --profile: kernel time by named scope
 # ------------------------------------------------------------------------------------------------
 
 def _tables(text: str) -> dict[str, dict[int, str]]:
