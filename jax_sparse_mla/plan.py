@@ -510,15 +510,15 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
       shard. Plans for more than 1 run through sharding.sharded_forward.
     Raises ValueError naming the request and the problem before anything touches a device.
     """
-    requests, num_pages = _checked(config, requests, num_pages, force_sparse, skip_indexer, buckets, dispatch,
-                                   tensor_parallel)
-    plan, meta = _plan_host(config, requests, num_pages=num_pages, force_sparse=bool(force_sparse),
-                            skip_indexer=bool(skip_indexer), buckets=buckets, dispatch=dispatch,
-                            tensor_parallel=int(tensor_parallel))
+    requests, num_pages = check_batch(config, requests, num_pages, force_sparse, skip_indexer, buckets, dispatch,
+                                      tensor_parallel)
+    plan, meta = plan_host(config, requests, num_pages=num_pages, force_sparse=bool(force_sparse),
+                           skip_indexer=bool(skip_indexer), buckets=buckets, dispatch=dispatch,
+                           tensor_parallel=int(tensor_parallel))
     return plan, jax.tree.map(jax.numpy.asarray, meta)
 
 
-def _checked(config, requests, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel=1):
+def check_batch(config, requests, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel=1):
     """plan_batch's checks: -> (the requests with Python int lengths and list tables, num_pages as
     an int or None). Raises ValueError for the first problem."""
     num_pages = _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel)
@@ -532,8 +532,8 @@ def _dense_routes(config: MLAConfig, requests: Sequence[Request], force_sparse: 
     return [not force_sparse and not r.is_decode and r.total_len <= config.index_topk for r in requests]
 
 
-def _padded_sizes(config: MLAConfig, requests: Sequence[Request], force_sparse: bool,
-                  buckets: BucketPolicy) -> tuple[int, int, int, int]:
+def padded_sizes(config: MLAConfig, requests: Sequence[Request], force_sparse: bool,
+                 buckets: BucketPolicy) -> tuple[int, int, int, int]:
     """(num_tokens, num_seqs, pages_per_seq, num_dense_keys) of a static plan of the requests."""
     page, dense = config.page_size, _dense_routes(config, requests, force_sparse)
     dense_keys = sum(r.total_len for r, d in zip(requests, dense) if d)
@@ -543,13 +543,13 @@ def _padded_sizes(config: MLAConfig, requests: Sequence[Request], force_sparse: 
             buckets.round_up(dense_keys, buckets.min_dense_keys) if any(dense) else 0)
 
 
-def _plan_host(config: MLAConfig, requests: Sequence[Request], *, num_pages: int | None, force_sparse: bool,
-               skip_indexer: bool, buckets: BucketPolicy, dispatch: str,
-               tensor_parallel: int = 1) -> tuple[BatchPlan, BatchMeta]:
-    """plan_batch for requests and options that passed `_checked`; the metadata is numpy, on the host."""
+def plan_host(config: MLAConfig, requests: Sequence[Request], *, num_pages: int | None, force_sparse: bool,
+              skip_indexer: bool, buckets: BucketPolicy, dispatch: str,
+              tensor_parallel: int = 1) -> tuple[BatchPlan, BatchMeta]:
+    """plan_batch for requests and options that passed `check_batch`; the metadata is numpy, on the host."""
     page = config.page_size
     dense = _dense_routes(config, requests, force_sparse)
-    num_tokens, num_seqs, width, static_dense_keys = _padded_sizes(config, requests, force_sparse, buckets)
+    num_tokens, num_seqs, width, static_dense_keys = padded_sizes(config, requests, force_sparse, buckets)
 
     positions = np.full(num_tokens, -1, np.int32)
     slot_mapping = np.full(num_tokens, -1, np.int32)

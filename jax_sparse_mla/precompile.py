@@ -6,8 +6,8 @@ max_num_batched_tokens, max_model_len, num_pages) the plans form a bounded set:
 `enumerate_plans` lists it, `count_programs` counts it per route (no compile), and `precompile`
 compiles each plan ahead of time.
 
-The enumeration. A plan's sizes are the bucketed raw quantities of plan.py's `_padded_sizes` and
-`_plan_host` (BucketPolicy.round_up of: the batch's query rows -> num_tokens, its request count ->
+The enumeration. A plan's sizes are the bucketed raw quantities of plan.py's `padded_sizes` and
+`plan_host` (BucketPolicy.round_up of: the batch's query rows -> num_tokens, its request count ->
 num_seqs, its longest request's pages -> pages_per_seq, the dense program's sparsely attending
 rows -> num_sparse_tokens (minimum 1), the dense requests' keys -> num_dense_keys, the fp8
 split's rows and pages). Each bucket value stands for the interval of raw values that round to

@@ -53,8 +53,9 @@ from .cache import PagedCache, init_cache
 from .config import MLAConfig
 from .model import forward
 from .params import param_shapes
-from .plan import (BatchMeta, BatchPlan, BucketPolicy, PlanConfig, Request, _checked, _padded_sizes, _plan_host,
+from .plan import (BatchMeta, BatchPlan, BucketPolicy, PlanConfig, Request, check_batch, padded_sizes, plan_host,
                    pad_ids)
+from .validate import is_int
 
 DATA = "data"
 TENSOR = "tensor"
@@ -183,7 +184,7 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
     for d, reqs in enumerate(shards):
         if isinstance(reqs, (str, bytes, Request)) or not isinstance(reqs, Sequence):
             raise ValueError(f"data shard {d}: expected a sequence of Requests, got {type(reqs).__name__}")
-    if isinstance(pages_per_shard, bool) or not isinstance(pages_per_shard, (int, np.integer)) or pages_per_shard < 1:
+    if not is_int(pages_per_shard) or pages_per_shard < 1:
         raise ValueError(f"pages_per_shard must be a positive int, got {pages_per_shard!r}")
     active = [d for d, reqs in enumerate(shards) if len(reqs)]
     if not active:
@@ -192,18 +193,18 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
     checked = {}
     for d in active:
         try:
-            checked[d], num_pages = _checked(config, shards[d], pages_per_shard, force_sparse, skip_indexer,
-                                             buckets, "static", tensor_parallel)
+            checked[d], num_pages = check_batch(config, shards[d], pages_per_shard, force_sparse, skip_indexer,
+                                                buckets, "static", tensor_parallel)
         except ValueError as e:
             raise ValueError(f"data shard {d}: {e}") from None
     force_sparse, skip_indexer = bool(force_sparse), bool(skip_indexer)
     # every shard's sizes padded to the largest shard's buckets
-    sizes = [_padded_sizes(config, reqs, force_sparse, buckets) for reqs in checked.values()]
+    sizes = [padded_sizes(config, reqs, force_sparse, buckets) for reqs in checked.values()]
     common = dataclasses.replace(
         buckets, min_tokens=max(s[0] for s in sizes), min_seqs=max(s[1] for s in sizes),
         min_pages_per_seq=max(s[2] for s in sizes), min_dense_keys=max([buckets.min_dense_keys] + [s[3] for s in sizes]))
-    plans = {d: _plan_host(config, reqs, num_pages=num_pages, force_sparse=force_sparse, skip_indexer=skip_indexer,
-                           buckets=common, dispatch="static", tensor_parallel=int(tensor_parallel))
+    plans = {d: plan_host(config, reqs, num_pages=num_pages, force_sparse=force_sparse, skip_indexer=skip_indexer,
+                          buckets=common, dispatch="static", tensor_parallel=int(tensor_parallel))
              for d, reqs in checked.items()}
     base = next(iter(plans.values()))[0]
     dense = any(p.use_dense_mha for p, _ in plans.values())

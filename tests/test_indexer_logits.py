@@ -38,12 +38,19 @@ def reference(*args, page_size):
 # checks
 # ------------------------------------------------------------------------------------------------
 
-def check_logits(out, ref, tol):
+def _check_masked_logits(out, ref):
+    """-> (out, ref as numpy, where ref is finite), after checking shape, dtype, and that out is
+    finite exactly where ref is and equal to it (-inf) elsewhere."""
     out, ref = np.asarray(out), np.asarray(ref)
     assert out.shape == ref.shape and out.dtype == np.float32
     fin = np.isfinite(ref)
     np.testing.assert_array_equal(np.isfinite(out), fin)
     np.testing.assert_array_equal(out[~fin], ref[~fin])  # -inf exactly
+    return out, ref, fin
+
+
+def check_logits(out, ref, tol):
+    out, ref, fin = _check_masked_logits(out, ref)
     if fin.any():
         err = np.linalg.norm(out[fin] - ref[fin]) / max(np.linalg.norm(ref[fin]), 1e-30)
         assert err <= tol, err
@@ -109,11 +116,7 @@ def fp8_logit_bound(args, page_size):
 
 def check_logits_within(out, ref, bound):
     """As check_logits, with |out - ref| <= bound elementwise where ref is finite."""
-    out, ref = np.asarray(out), np.asarray(ref)
-    assert out.shape == ref.shape and out.dtype == np.float32
-    fin = np.isfinite(ref)
-    np.testing.assert_array_equal(np.isfinite(out), fin)
-    np.testing.assert_array_equal(out[~fin], ref[~fin])  # -inf exactly
+    out, ref, fin = _check_masked_logits(out, ref)
     err = np.abs(out[fin].astype(np.float64) - ref[fin])
     over = err > bound[fin]
     if over.any():

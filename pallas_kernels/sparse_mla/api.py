@@ -108,7 +108,7 @@ def sparse_mla(q, latent, latent_scale, k_pe, slots, *, scale, backend, dequanti
     the listed pages once, to q's dtype (the kernel's rounding), and runs the kernel on that copy
     (a transient [pages * page_size, R] buffer): it pays for prefill rows, which gather each
     row many times (jax_sparse_mla.policy.dequantize_route; docs/design/sparse_mla.md).
-    Ignored ("kernel") without latent_scale.
+    "upfront" needs latent_scale (an fp8 cache; ValueError otherwise).
 
     Why two backends: the Mosaic kernel (cp.async gather producer + wgmma consumers) is ~2x the
     Triton one on Hopper; the Triton one is the portable path (interprets on CPU, any
