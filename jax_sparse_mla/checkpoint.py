@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 
 from .cache import PagedCache, check_cache, init_cache
 from .config import MLAConfig, RopeScaling
-from .params import FP8_WEIGHT_BLOCK, check_params, dequantize_fp8_weight, param_shapes, params_from_hf
+from .params import FP8_WEIGHT_BLOCK, check_params, hf_tensor_to_param, param_shapes, params_from_hf
 
 FORMAT = "jax_sparse_mla.checkpoint/1"
 INDEX_FILE = "model.safetensors.index.json"
@@ -491,16 +491,6 @@ def _is_param_sharding(value) -> bool:
     return isinstance(value, (jax.sharding.Sharding, Mapping))
 
 
-def _to_param(full: str, weight: np.ndarray, scale: np.ndarray | None, config: MLAConfig) -> np.ndarray:
-    """One tensor as params_from_hf converts it (fp8 dequantised with its block scales, finite,
-    config.dtype), on the host."""
-    value = weight if scale is None else dequantize_fp8_weight(weight, scale, full)
-    value = np.asarray(value, dtype=np.float32)
-    if not np.all(np.isfinite(value)):
-        raise ValueError(f"tensor {full!r} has non-finite values")
-    return value.astype(config.jnp_dtype)
-
-
 def _place(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     """value as a jax.Array with `sharding`: each device receives only its own slice."""
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
@@ -580,7 +570,7 @@ def load_model_from_safetensors(path, *, layers: Sequence[int] | None = None, sh
                 scale_name = full + "_scale_inv"
                 scale = files[weight_map[scale_name]].read(scale_name) if scale_name in wanted else None
                 try:
-                    value = _to_param(full, weight, scale, config)
+                    value = hf_tensor_to_param(full, weight, scale, config)
                 except ValueError as e:
                     raise ValueError(f"layer {layer_idx} of {directory}: {e} (in {file_name})") from None
                 del weight, scale

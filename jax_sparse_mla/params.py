@@ -121,6 +121,17 @@ def dequantize_fp8_weight(weight, scale_inv, name: str = "weight") -> np.ndarray
     return w * full
 
 
+def hf_tensor_to_param(name: str, value, scale_inv, config: MLAConfig) -> np.ndarray:
+    """One checked HF tensor as a parameter, on the host: fp8 dequantised with its block scales
+    (scale_inv; None for other dtypes), float32, refused if not finite, cast to config.dtype."""
+    if scale_inv is not None:
+        value = dequantize_fp8_weight(value, scale_inv, name)
+    value = np.asarray(value, dtype=np.float32)
+    if not np.all(np.isfinite(value)):
+        raise ValueError(f"tensor {name!r} has non-finite values")
+    return value.astype(config.jnp_dtype)
+
+
 def params_from_hf(state_dict: Mapping[str, Any], config: MLAConfig) -> dict[str, jax.Array]:
     """Builds params from a Hugging Face state dict of one attention module.
 
@@ -161,11 +172,7 @@ def params_from_hf(state_dict: Mapping[str, Any], config: MLAConfig) -> dict[str
                                  "only 2-D weights are fp8 with block scales")
             if not is_fp8(dtype):
                 raise ValueError(f"tensor {name!r} has a {name}_scale_inv but is {dtype}, not fp8")
-            value = dequantize_fp8_weight(value, local[name + "_scale_inv"], name)
         elif is_fp8(dtype):
             raise ValueError(f"tensor {name!r} is fp8 but has no {name}_scale_inv")
-        value = np.asarray(value, dtype=np.float32)
-        if not np.all(np.isfinite(value)):
-            raise ValueError(f"tensor {name!r} has non-finite values")
-        params[name] = jnp.asarray(value).astype(config.jnp_dtype)
+        params[name] = jnp.asarray(hf_tensor_to_param(name, value, local.get(name + "_scale_inv"), config))
     return params
