@@ -157,10 +157,9 @@ def norm(params, name: str, x, config: MLAConfig):
     return ops.rms_norm(x, params[name], config.rms_norm_eps).astype(config.jnp_dtype)
 
 
-@partial(jax.jit, static_argnames=("config", "moe"))
-def attn_input(params, x, *, config: MLAConfig, moe: MoEConfig):
+@partial(jax.jit, static_argnames=("config",))
+def attn_input(params, x, *, config: MLAConfig):
     """RMSNorm(x) with the attention norm: the attention layer's input."""
-    del moe
     return norm(params, "attn_norm.weight", x, config)
 
 

@@ -201,10 +201,11 @@ class Engine:
         """x [plan.num_tokens, hidden] through every layer (residual) -> x, caches updated."""
         for layer, params in enumerate(self.params):
             if self.block == "decoder":
-                bp, kw = self.block_params[layer], dict(config=self.config, moe=self.moe)
-                out, self.caches[layer] = jit_forward(params, _block.attn_input(bp, x, **kw), self.caches[layer],
-                                                      meta, plan=plan, config=self.config, kernels=kernels)
-                x = _block.ffn_residual(bp, x + out, **kw)
+                bp = self.block_params[layer]
+                out, self.caches[layer] = jit_forward(params, _block.attn_input(bp, x, config=self.config),
+                                                      self.caches[layer], meta, plan=plan, config=self.config,
+                                                      kernels=kernels)
+                x = _block.ffn_residual(bp, x + out, config=self.config, moe=self.moe)
                 continue
             out, self.caches[layer] = jit_forward(params, x, self.caches[layer], meta, plan=plan,
                                                   config=self.config, kernels=kernels)
@@ -257,9 +258,8 @@ class Engine:
         for n in sorted({p.num_tokens for p in plans}):
             x = _gather_rows(self.pool, jnp.full((n,), self.pool_size, jnp.int32))
             if self.block == "decoder":  # the block's norm and MoE programs, one per num_tokens
-                kw = dict(config=self.config, moe=self.moe)
-                x = _block.ffn_residual(self.block_params[0], x + _block.attn_input(self.block_params[0], x, **kw),
-                                        **kw)
+                attn_in = _block.attn_input(self.block_params[0], x, config=self.config)
+                x = _block.ffn_residual(self.block_params[0], x + attn_in, config=self.config, moe=self.moe)
             x.block_until_ready()
         return report
 
