@@ -24,8 +24,7 @@ from .plan import BatchMeta, BatchPlan, RowGroup
 
 
 def _precision(config: MLAConfig):
-    # float32 configs are used as oracles: keep GPU matmuls out of tf32.
-    return jax.lax.Precision.HIGHEST if config.dtype == "float32" else jax.lax.Precision.DEFAULT
+    return ops.matmul_precision(config.jnp_dtype)
 
 
 def linear(x, weight, config: MLAConfig):

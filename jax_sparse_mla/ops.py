@@ -27,6 +27,12 @@ def cast_rounded(x, dtype):
     return jax.lax.optimization_barrier(x.astype(dtype))
 
 
+def matmul_precision(dtype):
+    """HIGHEST for float32 operands, DEFAULT otherwise: float32 computations serve as oracles, and a
+    GPU runs DEFAULT float32 matmuls in tf32 (~1e-3 relative)."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
 def rms_norm(x, weight, eps):
     """RMSNorm over the last axis. x: [..., D], weight: [D]."""
     x = x.astype(jnp.float32)

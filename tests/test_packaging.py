@@ -1,7 +1,10 @@
 """Packaging: version, license, typing marker, declared dependencies, the jax version gate and the CLI.
 
-CPU only, no network. The installed metadata is the editable install's (`pip install -e .`): a
-stale install (pyproject or the version changed since) fails here until reinstalled.
+CPU only, no network. The declarations are read from pyproject.toml, so the checks hold for a
+checkout run as it is (`scripts/dev.sh test --no-install`, the GPU runner's pre-built environment).
+Where the distribution is installed (`pip install -e .`, what `scripts/dev.sh test` does), its
+metadata must say the same: a stale install (pyproject or the version changed since) fails here
+until reinstalled.
 """
 
 from __future__ import annotations
@@ -29,16 +32,33 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _requirements(extra: str | None = None) -> dict[str, str]:
-    """{normalised distribution name: specifier} of the installed metadata's requirements (one extra or none)."""
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _parse(requirements: list[str]) -> dict[str, str]:
+    """{normalised distribution name: specifier} of PEP 508 requirement strings (markers dropped)."""
     out = {}
-    for req in importlib.metadata.requires(DIST) or []:
-        spec, _, marker = req.partition(";")
-        if (extra is None) != (not marker.strip()) or (extra and f'extra == "{extra}"' not in marker):
-            continue
+    for req in requirements:
+        spec = req.partition(";")[0]
         m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?\s*(.*)", spec)
         out[_norm(m[1])] = m[3].strip()
     return out
+
+
+def _requirements(extra: str | None = None) -> dict[str, str]:
+    """The requirements pyproject declares: the runtime ones (extra None) or one extra's."""
+    project = PYPROJECT["project"]
+    return _parse(project["dependencies"] if extra is None else project["optional-dependencies"][extra])
+
+
+def _installed_requirements(extra: str | None = None) -> dict[str, str]:
+    """The same from the installed distribution's metadata."""
+    reqs = []
+    for req in importlib.metadata.requires(DIST) or []:
+        marker = req.partition(";")[2]
+        if (extra is None) == (not marker.strip()) and (extra is None or f'extra == "{extra}"' in marker):
+            reqs.append(req)
+    return _parse(reqs)
 
 
 def _specifiers(spec: str) -> set[str]:
@@ -50,8 +70,21 @@ def _run(*args, env=None, timeout=120):
                           env={**os.environ, **(env or {})})
 
 
-def test_version_matches_installed_metadata():
-    assert jax_sparse_mla.__version__ == importlib.metadata.version(DIST)
+def test_installed_metadata_matches_pyproject():
+    """An installed distribution says what pyproject says; without one, the package under test is
+    this checkout's (so the pyproject checks below are about the code that runs)."""
+    try:
+        meta = importlib.metadata.metadata(DIST)
+    except importlib.metadata.PackageNotFoundError:
+        assert pathlib.Path(jax_sparse_mla.__file__).resolve().is_relative_to(ROOT)
+        return
+    assert meta["Version"] == jax_sparse_mla.__version__
+    assert meta["License-Expression"] == PYPROJECT["project"]["license"]
+    assert sorted(meta.get_all("License-File") or []) == sorted(PYPROJECT["project"]["license-files"])
+    for extra in (None, *PYPROJECT["project"]["optional-dependencies"]):
+        installed, declared = _installed_requirements(extra), _requirements(extra)
+        assert {name: _specifiers(spec) for name, spec in installed.items()} == \
+            {name: _specifiers(spec) for name, spec in declared.items()}, extra
 
 
 def test_version_is_a_literal_setuptools_reads_without_importing():
@@ -61,9 +94,8 @@ def test_version_is_a_literal_setuptools_reads_without_importing():
                 and [getattr(t, "id", None) for t in node.targets] == ["__version__"]
                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)]
     assert literals == [jax_sparse_mla.__version__]
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert "version" in pyproject["project"]["dynamic"]
-    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "jax_sparse_mla.__version__"}
+    assert "version" in PYPROJECT["project"]["dynamic"]
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "jax_sparse_mla.__version__"}
 
 
 def test_changelog_has_this_version():
@@ -74,15 +106,13 @@ def test_license_file_and_metadata():
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert "the jax_sparse_mla authors" in text
-    meta = importlib.metadata.metadata(DIST)
-    assert meta["License-Expression"] == "Apache-2.0"
-    assert "LICENSE" in (meta.get_all("License-File") or [])
+    assert PYPROJECT["project"]["license"] == "Apache-2.0"
+    assert PYPROJECT["project"]["license-files"] == ["LICENSE"]
 
 
 def test_py_typed_is_package_data():
     assert (pathlib.Path(jax_sparse_mla.__file__).parent / "py.typed").is_file()
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert "py.typed" in pyproject["tool"]["setuptools"]["package-data"]["jax_sparse_mla"]
+    assert "py.typed" in PYPROJECT["tool"]["setuptools"]["package-data"]["jax_sparse_mla"]
 
 
 def _third_party_imports() -> dict[str, list[str]]:

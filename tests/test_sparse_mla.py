@@ -31,7 +31,7 @@ from jax_sparse_mla.config import FP8_TILE
 from jax_sparse_mla.ops import quantize_tiles
 from jax_sparse_mla.policy import UPFRONT_MIN_USES
 from pallas_kernels.sparse_mla import dequantize_latent, dequantize_pages
-from tests.support import assert_same_as_clean, ops
+from tests.support import INTERPRET, assert_same_as_clean, ops
 
 OP = "sparse_mla"
 param = functools.partial(ops.backend_param, OP)
@@ -203,8 +203,11 @@ def test_dequantize_pages_renumbers_slots():
 @pytest.mark.parametrize("backend,q_dtype", [p for q_dtype in (jnp.bfloat16, jnp.float32)
                                              for p in kernels(q_dtype, q_dtype, id=jnp.dtype(q_dtype).name)])
 def test_fp8_upfront_equals_in_kernel(backend, q_dtype):
-    """Dequantising the sequence's pages upfront gives the in-kernel route's results exactly (both
-    round e4m3 x scale to q's dtype), and both match the reference."""
+    """Dequantising the sequence's pages upfront gives the in-kernel route's results (both round
+    e4m3 x scale to q's dtype, so the products see the same operands), and both match the
+    reference. Bit for bit where both routes run the same instructions (interpret mode, the Mosaic
+    kernel); compiled Triton feeds a dot from registers (in-kernel) or memory (upfront) and Hopper's
+    bf16 MMA sums in a different order then: there, float32 accumulation-order noise only."""
     q, latent, latent_scale, k_pe, slots, pages = paged_inputs(
         8, rows=6, heads=4, rank=128, rope=8, topk=24, page_size=8, cache_pages=20, seq_pages=9)
     q = q.astype(q_dtype)
@@ -212,8 +215,12 @@ def test_fp8_upfront_equals_in_kernel(backend, q_dtype):
     kw = dict(pages=pages, page_size=8, **tol)
     in_kernel = check(backend, (q, latent, latent_scale, k_pe, slots), scale=0.1, dequantize="kernel", **kw)
     upfront = check(backend, (q, latent, latent_scale, k_pe, slots), scale=0.1, dequantize="upfront", **kw)
-    np.testing.assert_array_equal(upfront[0], in_kernel[0])
-    np.testing.assert_array_equal(upfront[1], in_kernel[1])
+    if INTERPRET or backend != "triton" or q_dtype == jnp.float32:
+        np.testing.assert_array_equal(upfront[0], in_kernel[0])
+        np.testing.assert_array_equal(upfront[1], in_kernel[1])
+    else:
+        assert np.linalg.norm(upfront[0] - in_kernel[0]) <= 1e-5 * np.linalg.norm(in_kernel[0])
+        np.testing.assert_allclose(upfront[1], in_kernel[1], rtol=1e-5, atol=1e-5)
 
 
 def _kernel_latent_dtype(rows, *, whole_cache=False):

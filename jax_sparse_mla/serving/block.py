@@ -118,7 +118,8 @@ def init_block_params(config: MLAConfig, moe: MoEConfig, key: jax.Array) -> dict
 
 def route(params, x, moe: MoEConfig):
     """x [T, hidden] -> (weights [T, k] float32, experts [T, k] int32)."""
-    logits = jnp.dot(x, params["router.weight"], preferred_element_type=jnp.float32)
+    logits = jnp.dot(x, params["router.weight"], precision=ops.matmul_precision(x.dtype),
+                     preferred_element_type=jnp.float32)
     scores = jax.nn.sigmoid(logits) if moe.scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(scores, moe.num_experts_per_tok)
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True) * moe.routed_scaling_factor
@@ -126,9 +127,10 @@ def route(params, x, moe: MoEConfig):
 
 
 def _swiglu(x, gate, up, down, dtype):
-    g = jnp.dot(x, gate, preferred_element_type=jnp.float32)
-    u = jnp.dot(x, up, preferred_element_type=jnp.float32)
-    return jnp.dot((jax.nn.silu(g) * u).astype(dtype), down, preferred_element_type=jnp.float32)
+    kw = dict(precision=ops.matmul_precision(dtype), preferred_element_type=jnp.float32)
+    g = jnp.dot(x, gate, **kw)
+    u = jnp.dot(x, up, **kw)
+    return jnp.dot((jax.nn.silu(g) * u).astype(dtype), down, **kw)
 
 
 def moe_ffn(params, x, moe: MoEConfig):
@@ -141,12 +143,13 @@ def moe_ffn(params, x, moe: MoEConfig):
     order = jnp.argsort(flat, stable=True)           # pairs grouped by expert
     group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     xs = x[order // k]                               # [T * k, hidden] each pair's token
-    g = jax.lax.ragged_dot(xs, params["experts.gate"], group_sizes, preferred_element_type=jnp.float32)
-    u = jax.lax.ragged_dot(xs, params["experts.up"], group_sizes, preferred_element_type=jnp.float32)
+    kw = dict(precision=ops.matmul_precision(dtype), preferred_element_type=jnp.float32)
+    g = jax.lax.ragged_dot(xs, params["experts.gate"], group_sizes, **kw)
+    u = jax.lax.ragged_dot(xs, params["experts.up"], group_sizes, **kw)
     h = (jax.nn.silu(g) * u).astype(dtype)
-    y = jax.lax.ragged_dot(h, params["experts.down"], group_sizes, preferred_element_type=jnp.float32)
+    y = jax.lax.ragged_dot(h, params["experts.down"], group_sizes, **kw)
     y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # unsort: back to (token, slot) order
-    out = jnp.einsum("tkh,tk->th", y.reshape(T, k, -1), weights)
+    out = jnp.einsum("tkh,tk->th", y.reshape(T, k, -1), weights, precision=kw["precision"])
     if moe.shared_size:
         out = out + _swiglu(x, params["shared.gate"], params["shared.up"], params["shared.down"], dtype)
     return out
