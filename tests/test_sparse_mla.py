@@ -31,6 +31,7 @@ from jax_sparse_mla.config import FP8_TILE
 from jax_sparse_mla.ops import quantize_tiles
 from jax_sparse_mla.policy import UPFRONT_MIN_USES
 from pallas_kernels.sparse_mla import dequantize_latent, dequantize_pages
+from pallas_kernels.sparse_mla.splits import live_blocks
 from tests.support import INTERPRET, assert_same_as_clean, ops
 
 OP = "sparse_mla"
@@ -154,6 +155,33 @@ def test_split_slot_list(backend, num_splits):
     slots = slots.at[0, 16:].set(-1)   # only the first split has work
     slots = slots.at[1, :40].set(-1)   # only the last split has work
     slots = slots.at[2].set(-1)        # nothing at all
+    check(backend, (q, latent, latent_scale, k_pe, slots), scale=0.1, block_k=16, num_splits=num_splits, **BF16)
+
+
+def test_live_blocks_reach_the_last_valid_slot():
+    slots = np.full((5, 70), -1, np.int32)
+    slots[1, :3] = [4, 5, 6]        # a short prefix: one block
+    slots[2, 69] = 9                # only the very last slot: every block
+    slots[3, [0, 40]] = [1, 2]      # an interior run of -1 is walked (blocks up to the last valid)
+    slots[4] = np.arange(70)
+    np.testing.assert_array_equal(np.asarray(live_blocks(jnp.asarray(slots), 16)), [0, 1, 5, 3, 5])
+    np.testing.assert_array_equal(np.asarray(live_blocks(jnp.asarray(slots), 64)), [0, 1, 2, 1, 2])
+
+
+@pytest.mark.parametrize("backend", kernels(jnp.bfloat16))
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_work_stops_at_the_last_valid_slot(backend, num_splits):
+    """The kernels walk a row's slots only up to its last valid one (`splits.live_blocks`): rows
+    whose valid slots end early, start late, lie in the last block only or are absent, over
+    several slot blocks of both kernels (Triton 16, Mosaic 64) and splits that end up with none."""
+    q, latent, latent_scale, k_pe, slots = make_inputs(
+        11, rows=7, heads=4, topk=300, cache="bf16", q_dtype=jnp.bfloat16, hole_frac=0.0, **dict(TINY, num_slots=400))
+    slots = slots.at[0].set(-1)                 # nothing at all
+    slots = slots.at[1, 5:].set(-1)             # the first block only
+    slots = slots.at[2, :299].set(-1)           # the very last slot only
+    slots = slots.at[3, 70:].set(-1)            # two Mosaic blocks, the second barely
+    slots = slots.at[4, 20:200].set(-1)         # an interior gap, then more
+    slots = slots.at[5, 128:].set(-1)           # ends on a block boundary
     check(backend, (q, latent, latent_scale, k_pe, slots), scale=0.1, block_k=16, num_splits=num_splits, **BF16)
 
 

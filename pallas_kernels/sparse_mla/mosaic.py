@@ -52,7 +52,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
 from ..device import HOPPER_SMS, LN2, LOG2E, MAX_SWIZZLE, SMEM_BYTES
-from .splits import auto_num_splits, combine_splits
+from .splits import auto_num_splits, combine_splits, live_blocks
 
 HEADS_PER_CTA = 64  # wgmma's M
 BLOCK_K = 64  # slots per pipeline stage
@@ -299,10 +299,12 @@ def _wait_copies(ctx):
     nvvm.cp_async_wait_group(0)
 
 
-def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split, num_stages, qk_scale):
+def _kernel(*refs, scoped, rank, rope, width, tile, blocks_per_split, num_stages, qk_scale):
     """refs: q [N, Hp, width] bf16, latent [S, R], (latent_scale [S, R / tile] f32 if fp8,)
-    k_pe [S, P] bf16, slots [N, K_pad] i32; out [splits, N, Hp, R] f32, lse [splits, N, Hp] f32."""
-    q_gmem, latent_gmem, *cache_gmem, slots_gmem, out_gmem, lse_gmem = refs
+    k_pe [S, P] bf16, slots [N, K_pad] i32, live [N] i32 (the row's blocks up to its last valid
+    slot); out [splits, N, Hp, R] f32, lse [splits, N, Hp] f32. A CTA walks only its split's live
+    blocks; one with none loads nothing and writes zeros and lse -inf."""
+    q_gmem, latent_gmem, *cache_gmem, slots_gmem, live_gmem, out_gmem, lse_gmem = refs
     (q_smem, stage_mem, p_smem, x_smem, ids_smem), (q_bar, kv_ready, kv_free, ids_bar, p_ready, p_free) = scoped
     kv_smem, (o_smem, lse_smem) = stage_mem
     a_smem, l_smem = x_smem.at[0], x_smem.at[1]  # block i's rescale factor; 1 / l at the end
@@ -310,7 +312,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
     wg = lax.axis_index("wg")
     h0 = head_block * HEADS_PER_CTA
     first = split * blocks_per_split
-    count = jnp.minimum(blocks_per_split, num_blocks - first)  # >= 1 (the wrapper drops empty splits)
+    count = jnp.maximum(jnp.minimum(blocks_per_split, live_gmem[row] - first), 0)
     half_r = rank // 2
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     col_layout = plgpu.Layout.WGMMA.reduce(0)
@@ -325,8 +327,11 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
     @pl.when(wg == 0)
     def _scorer():
         plgpu.set_max_registers(_SCORER_REGS, action="increase")
-        plgpu.copy_gmem_to_smem(q_gmem.at[row, pl.ds(h0, HEADS_PER_CTA)], q_smem, q_bar)
-        plgpu.barrier_wait(q_bar)
+
+        @pl.when(count > 0)
+        def _():
+            plgpu.copy_gmem_to_smem(q_gmem.at[row, pl.ds(h0, HEADS_PER_CTA)], q_smem, q_bar)
+            plgpu.barrier_wait(q_bar)
 
         def step(i, carry):
             acc, m, l = carry  # acc [64, R/2] f32 (WGMMA); m, l [64] f32 (log2 units)
@@ -421,8 +426,10 @@ def _kernel(*refs, scoped, rank, rope, width, tile, num_blocks, blocks_per_split
             plgpu.copy_gmem_to_smem(slots_gmem.at[row, pl.ds((first + i) * BLOCK_K, BLOCK_K)],
                                     ids_smem.at[stage], ids_bar.at[stage])
 
-        fetch_ids(0)
-        plgpu.barrier_wait(ids_bar.at[0])
+        @pl.when(count > 0)
+        def _():
+            fetch_ids(0)
+            plgpu.barrier_wait(ids_bar.at[0])
 
         @pl.loop(0, count)
         def _(i):
@@ -489,6 +496,7 @@ def sparse_mla_mosaic(q, latent, latent_scale, k_pe, slots, *, scale, num_splits
     num_blocks = pl.cdiv(topk, BLOCK_K)
     q = jnp.pad(q, ((0, 0), (0, padded_heads - heads), (0, width - rank - rope)))
     slots = jnp.pad(slots.astype(jnp.int32), ((0, 0), (0, num_blocks * BLOCK_K - topk)), constant_values=-1)
+    live = live_blocks(slots, BLOCK_K)
     head_blocks = padded_heads // HEADS_PER_CTA
     if num_splits is None:
         num_splits = auto_num_splits(n_rows, head_blocks, num_blocks, target_programs=HOPPER_SMS,
@@ -503,7 +511,7 @@ def sparse_mla_mosaic(q, latent, latent_scale, k_pe, slots, *, scale, num_splits
     fixed_bytes = HEADS_PER_CTA * width * 2 + HEADS_PER_CTA * BLOCK_K * 2 + 3 * 1024
     num_stages = min(_MAX_STAGES, (SMEM_BYTES - fixed_bytes) // stage_bytes)
     num_stages = max(num_stages, pl.cdiv(HEADS_PER_CTA * rank * 4, stage_bytes))
-    kernel = functools.partial(_kernel, rank=rank, rope=rope, width=width, tile=tile, num_blocks=num_blocks,
+    kernel = functools.partial(_kernel, rank=rank, rope=rope, width=width, tile=tile,
                                blocks_per_split=blocks_per_split, num_stages=num_stages,
                                qk_scale=float(scale) * LOG2E)
 
@@ -537,6 +545,6 @@ def sparse_mla_mosaic(q, latent, latent_scale, k_pe, slots, *, scale, num_splits
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-    )(q, *cache, k_pe, slots)
+    )(q, *cache, k_pe, slots, live)
     out, lse = combine_splits(out, lse)
     return out[:, :heads], lse[:, :heads]

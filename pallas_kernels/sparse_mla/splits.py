@@ -11,6 +11,17 @@ from jax.experimental import pallas as pl
 from ..device import HOPPER_SMS
 
 
+def live_blocks(slots, block: int):
+    """slots [N, K] i32 (-1 = skip) -> [N] i32: blocks of `block` slots up to a row's last valid one.
+
+    The kernels walk a row's slot list only that far: top-k pads its selection with trailing -1,
+    so a row of padding (every slot -1) costs no gathers and no products, and a row with fewer
+    valid keys than K (short contexts) walks only the blocks that hold them.
+    """
+    extent = jnp.max(jnp.where(slots >= 0, jnp.arange(1, slots.shape[-1] + 1, dtype=jnp.int32), 0), axis=-1)
+    return pl.cdiv(extent, block).astype(jnp.int32)
+
+
 def combine_splits(out, lse):
     """Merge per-split partial results: out [S, N, H, R], lse [S, N, H] (-inf = empty) -> final."""
     if out.shape[0] == 1:

@@ -12,7 +12,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ..device import LN2, LOG2E, next_pow2
-from .splits import auto_num_splits, combine_splits
+from .splits import auto_num_splits, combine_splits, live_blocks
 
 _MIN_DOT = 16  # Triton's tl.dot needs every matrix dimension >= 16
 
@@ -22,16 +22,20 @@ def _sparse_mla_kernel(q_ref, latent_ref, *rest, heads, rank, rope, topk, tile, 
     """One program: one query row, `block_h` heads, one split of the row's slot blocks.
 
     Refs are whole arrays (raw pointers on Triton): q [N, H, R+P], latent [S, R],
-    latent_scale [S, R // tile] (fp8 only), k_pe [S, P], slots [N, K];
-    outputs out [splits, N, H, R] f32 and lse [splits, N, H] f32 (natural log, -inf if empty).
+    latent_scale [S, R // tile] (fp8 only), k_pe [S, P], slots [N, K], live [N] (the row's slot
+    blocks up to its last valid slot, `splits.live_blocks`); outputs out [splits, N, H, R] f32 and
+    lse [splits, N, H] f32 (natural log, -inf if empty). Only the row's live blocks are walked,
+    and a program with none loads nothing (its q loads are masked off).
     """
     has_scale = tile is not None
     if has_scale:
-        scale_ref, kpe_ref, slots_ref, out_ref, lse_ref = rest
+        scale_ref, kpe_ref, slots_ref, live_ref, out_ref, lse_ref = rest
     else:
         scale_ref = None
-        kpe_ref, slots_ref, out_ref, lse_ref = rest
+        kpe_ref, slots_ref, live_ref, out_ref, lse_ref = rest
     head_block, row, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    first = split * blocks_per_split
+    last = jnp.minimum(first + blocks_per_split, live_ref[row])  # <= first: nothing to do
     dot_dtype = q_ref.dtype  # matrix products run in q's dtype (bf16 -> tensor cores, f32 -> exact)
     # HIGHEST keeps f32 products in IEEE f32 (Triton's default for f32 is TF32); no effect on bf16.
     dot = functools.partial(pltriton.dot, precision=lax.Precision.HIGHEST)
@@ -51,7 +55,8 @@ def _sparse_mla_kernel(q_ref, latent_ref, *rest, heads, rank, rope, topk, tile, 
     def load_q(cols, col_ok=None):
         # Indices are clamped into the array (the values there are masked to 0 anyway).
         rows_ = jnp.minimum(head_ids, heads - 1)[:, None]
-        mask = head_ok[:, None] if col_ok is None else head_ok[:, None] & col_ok[None, :]
+        ok = head_ok & (last > first)
+        mask = ok[:, None] if col_ok is None else ok[:, None] & col_ok[None, :]
         mask = jnp.broadcast_to(mask, (block_h, cols.shape[0]))
         return pltriton.load(q_ref.at[row, rows_, cols[None, :]], mask=mask, other=zero(q_ref))
 
@@ -100,10 +105,7 @@ def _sparse_mla_kernel(q_ref, latent_ref, *rest, heads, rank, rope, topk, tile, 
     m0 = jnp.full((block_h,), -jnp.inf, jnp.float32)
     l0 = jnp.zeros((block_h,), jnp.float32)
     acc0 = jnp.zeros((block_h, rank), jnp.float32)
-    num_blocks = pl.cdiv(topk, block_k)
-    first = split * blocks_per_split
-    last = jnp.minimum(first + blocks_per_split, num_blocks)
-    m, l, acc = lax.fori_loop(first, last, body, (m0, l0, acc0))
+    m, l, acc = lax.fori_loop(first, jnp.maximum(first, last), body, (m0, l0, acc0))
 
     empty = l == 0.0
     inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
@@ -130,8 +132,9 @@ def sparse_mla_triton(q, latent, latent_scale, k_pe, slots, *, scale, interpret=
       * the 576-wide q.k product is split into R (512 | 128) latent columns + P (64 | 8) rope
         columns; rope is padded to max(16, next_pow2(P)) with masked (zero) loads;
       * heads are padded to a power of two >= 16 and masked on store (H=4 or 6 -> 16 rows);
-      * the slot list is walked in blocks of `block_k` (>= 16); the tail block and -1 entries
-        are masked, and a K smaller than the block just masks more.
+      * the slot list is walked in blocks of `block_k` (>= 16) up to the row's last valid slot
+        (a row of -1 does no work); the tail block and -1 entries are masked, and a K smaller
+        than the block just masks more.
     An fp8 latent is dequantised once per gathered tile (e4m3 x its row's per-`tile` f32 scale,
     rounded to q's dtype), so each block runs as the same two dots as a bf16 cache (faster than
     scaling scores and probabilities per 128-column chunk).
@@ -181,8 +184,9 @@ def sparse_mla_triton(q, latent, latent_scale, k_pe, slots, *, scale, interpret=
         _sparse_mla_kernel, heads=heads, rank=rank, rope=rope, topk=topk, tile=tile,
         block_h=block_h, block_k=block_k, rope_pad=rope_pad,
         blocks_per_split=blocks_per_split, qk_scale=float(scale) * LOG2E)
+    slots = slots.astype(jnp.int32)
     operands = (q, latent) + (() if tile is None else (latent_scale.astype(jnp.float32),)) + (
-        k_pe, slots.astype(jnp.int32))
+        k_pe, slots, live_blocks(slots, block_k))
     out, lse = pl.pallas_call(
         kernel,
         grid=(head_blocks, n_rows, num_splits),
