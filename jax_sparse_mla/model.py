@@ -222,7 +222,7 @@ def _sparse_groups(plan: BatchPlan, meta: BatchMeta, rows):
     return groups
 
 
-def _attend_sparsely(score, attend, plan: BatchPlan, meta: BatchMeta, out_heads, rows, all_slots=None):
+def _attend_sparsely(score, attend, plan: BatchPlan, meta: BatchMeta, out_heads, *, rows, all_slots=None):
     """out_heads [T, H, v] with `rows` (None: every row) attended sparsely, group by group
     (`_sparse_groups`). score(rows, group) -> slots [N, topk] (_topk_slots over the step's rows
     and cache); attend(rows, slots, pages, group) -> [N, H, v] (_sparse_attention likewise);
@@ -236,7 +236,7 @@ def _attend_sparsely(score, attend, plan: BatchPlan, meta: BatchMeta, out_heads,
 
 def _sparse_program(score, attend, plan: BatchPlan, meta: BatchMeta, out_shape):
     """Every row scored, top-k'd and attended sparsely -> out_shape [T, H, v] f32."""
-    return _attend_sparsely(score, attend, plan, meta, jnp.zeros(out_shape, jnp.float32), None)
+    return _attend_sparsely(score, attend, plan, meta, jnp.zeros(out_shape, jnp.float32), rows=None)
 
 
 def _dense_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out_shape):
@@ -244,12 +244,20 @@ def _dense_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out_s
     sparsely -> out_shape [T, H, v] f32.
 
     Scores only the sparse rows, or every row when plan.skip_indexer is False (the baseline).
+    In a cond plan meta.sparse_rows is sized for the bucket (any row may attend sparsely): the
+    sparse rows' projections, scoring and attention then run only when one exists (lax.cond),
+    so a batch of short prefills pays what the static dense program does.
     """
     rows, dense_out = dense()
     out_heads = _put_rows(jnp.zeros(out_shape, jnp.float32), rows, dense_out)
     all_slots = None if plan.skip_indexer else score(None, plan.group("all"))
     if plan.num_sparse_tokens:
-        out_heads = _attend_sparsely(score, attend, plan, meta, out_heads, meta.sparse_rows, all_slots)
+        sparse = functools.partial(_attend_sparsely, score, attend, plan, meta, rows=meta.sparse_rows,
+                                   all_slots=all_slots)
+        if plan.use_dense_mha is None and all_slots is None:
+            out_heads = jax.lax.cond(jnp.any(meta.sparse_rows >= 0), sparse, lambda o: o, out_heads)
+        else:
+            out_heads = sparse(out_heads)
     if all_slots is not None:  # baseline: keep scoring that (mostly) no row reads
         out_heads = _depend_on(out_heads, all_slots)
     return out_heads
