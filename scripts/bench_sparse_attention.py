@@ -1,6 +1,7 @@
 """Benchmark the Pallas sparse MLA kernels against the XLA path (jit of the jnp reference).
 
     python scripts/bench_sparse_attention.py --out results.json [--quick] [--sweep] [--impls triton,mosaic]
+                                             [--empty 0,0.5,1]
 
 Kernels, side by side in one run (--impls): "triton" (the Pallas Triton kernel, the earlier
 implementation) and "mosaic" (the Pallas Mosaic GPU kernel, Hopper only); "xla" is the reference.
@@ -20,6 +21,9 @@ TFLOP/s follow FlashMLA's convention: 2 * rows * topk * heads * (d_qk + d_v), d_
 GB/s counts the gathered cache bytes (rows * topk * bytes per token) plus q and out.
 A config whose kernel fails to compile or mismatches is recorded with its error; the run goes on.
 --sweep also times a few kernel tilings (block_h, block_k, num_warps, num_stages) on two configs.
+--empty F,..: each config again with the last fraction F of its rows padding (every slot -1, as
+a bucket's padding rows are); TFLOP/s and GB/s then count the real rows' work only, so a kernel
+whose cost follows the real rows keeps its rate.
 """
 
 from __future__ import annotations
@@ -117,6 +121,11 @@ def make_problem(kind, a, b):
 
 def rel_err(out, ref_out, lse, ref_lse, slots):
     live = np.asarray((slots >= 0).any(axis=1))
+    if not np.array_equal(np.asarray(out)[~live], np.zeros_like(np.asarray(out)[~live])) or \
+            not (np.asarray(lse)[~live] == np.inf).all():
+        return float("inf"), float("inf")  # padding rows must give out 0, lse +inf
+    if not live.any():
+        return 0.0, 0.0
     out, ref_out = np.asarray(out)[live], np.asarray(ref_out)[live]
     err = float(np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out))
     lse_err = float(np.max(np.abs(np.asarray(lse)[live] - np.asarray(ref_lse)[live])))
@@ -130,14 +139,17 @@ def kernel_fn(impl, tiling, dequantize):
                                      page_size=PAGE_SIZE, **kw))
 
 
-def run_config(kind, fmt, a, b, num_slots, reference_fn, impls, tilings=(None,), time_reference=True):
+def run_config(kind, fmt, a, b, num_slots, reference_fn, impls, tilings=(None,), time_reference=True, empty=0.0):
     q, slots, s_kv, batch, s_q = make_problem(kind, a, b)
     latent, latent_scale, k_pe = get_cache(fmt, num_slots)
     rows = q.shape[0]
-    flops = 2 * rows * TOPK * HEADS * (RANK + ROPE + RANK)
-    moved = rows * TOPK * BYTES_PER_TOKEN[fmt] + q.size * 2 + rows * HEADS * RANK * 4
+    real = rows - int(round(empty * rows))
+    slots = slots.at[real:].set(-1)  # padding rows
+    flops = 2 * real * TOPK * HEADS * (RANK + ROPE + RANK)
+    moved = real * (TOPK * BYTES_PER_TOKEN[fmt] + HEADS * (RANK + ROPE) * 2 + HEADS * RANK * 4)
     pages = jnp.arange(batch * s_kv // PAGE_SIZE, dtype=jnp.int32)  # the problem's sequences, from slot 0
-    base = dict(kind=kind, cache=fmt, rows=rows, batch=batch, s_q=s_q, s_kv=s_kv, topk=TOPK, heads=HEADS)
+    base = dict(kind=kind, cache=fmt, rows=rows, batch=batch, s_q=s_q, s_kv=s_kv, topk=TOPK, heads=HEADS,
+                empty=empty)
     if fmt == "fp8":
         base["auto"] = dequantize_route(rows, HEADS, TOPK, pages.size * PAGE_SIZE)
     records = []
@@ -148,6 +160,7 @@ def run_config(kind, fmt, a, b, num_slots, reference_fn, impls, tilings=(None,),
             rec["tiling"] = dict(zip(TILING_KEYS, tiling))
         if "seconds" in rec:
             rec["ms"] = rec["seconds"] * 1e3
+        if "seconds" in rec and real:
             rec["tflops"] = flops / rec["seconds"] / 1e12
             rec["gbps"] = moved / rec["seconds"] / 1e9
         records.append(rec)
@@ -189,6 +202,8 @@ def print_table(records):
             note = f"dequantize {r['dequantize']}{' (auto)' if r['dequantize'] == r['auto'] else ''} " + note
         if "tiling" in r:
             note = f"{tuple(r['tiling'].values())} " + note
+        if r.get("empty"):
+            note = f"{r['empty']:.0%} padding rows " + note
         ms = f"{r['ms']:9.3f}" if "ms" in r else f"{'-':>9}"
         tf = f"{r['tflops']:8.1f}" if "tflops" in r else f"{'-':>8}"
         gb = f"{r['gbps']:7.0f}" if "gbps" in r else f"{'-':>7}"
@@ -205,6 +220,7 @@ def main():
     parser.add_argument("--kinds", default="prefill,decode", help="comma list of prefill, decode")
     parser.add_argument("--impls", default="triton,mosaic", help="comma list of triton, mosaic")
     parser.add_argument("--dequantize", default=",".join(DEQUANTIZE), help="fp8 routes: comma list of kernel, upfront")
+    parser.add_argument("--empty", default="0", help="comma list of padding-row fractions (see above)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes in Pallas interpret mode: checks this script on a CPU")
     args = parser.parse_args()
@@ -224,6 +240,7 @@ def main():
     impls = args.impls.split(",")
     if args.smoke:  # Mosaic GPU kernels need a GPU (their inline gathers do not interpret)
         impls = [i for i in impls if i != "mosaic"]
+    empties = [float(e) for e in args.empty.split(",")]
     plan = [(kind, fmt, a, b) for kind in kinds for fmt in formats for a, b in configs[kind]]
     sweep = [(kind, fmt, a, b) for kind, a, b in (("prefill", 4096, 32768), ("decode", 64, 2))
              for fmt in formats] if args.sweep else []
@@ -239,8 +256,9 @@ def main():
                            elapsed_s=time.perf_counter() - start, records=records), f, indent=1)
 
     for kind, fmt, a, b in plan:
-        records += run_config(kind, fmt, a, b, num_slots, reference_fn, impls)
-        save()
+        for empty in empties:
+            records += run_config(kind, fmt, a, b, num_slots, reference_fn, impls, empty=empty)
+            save()
     for kind, fmt, a, b in sweep:
         records += run_config(kind, fmt, a, b, num_slots, reference_fn, ("triton",), tilings=tuple(SWEEP),
                               time_reference=False)
