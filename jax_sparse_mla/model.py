@@ -139,16 +139,17 @@ def _pick(a, rows):
 
 
 def _dense_prefill(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: BatchMeta, config: MLAConfig,
-                   impl: kernel_ops.OpImpl):
+                   impl: kernel_ops.OpImpl, num_keys: int | None = None):
     """Dense causal MHA of the sequences routed dense, packed (no padding to the longest).
 
     q_nope [T, H, nope], q_pe [T, H, rope]: every row's queries; w_uk [H, nope, R], w_uv [H, v, R];
-    keys from the cache slots meta.dense_key_slots. Returns (rows [T] = meta.dense_rows, out
-    [T, H, v] f32 of those rows; padding rows 0).
+    keys from the cache slots meta.dense_key_slots (their first num_keys only, when given: the
+    caller knows the real keys fit). Returns (rows [T] = meta.dense_rows, out [T, H, v] f32 of
+    those rows; padding rows 0).
     """
     c_ = config
     with jax.named_scope("dense_kv_up"):
-        slots = meta.dense_key_slots  # [K]: each dense sequence's context + new keys, packed
+        slots = meta.dense_key_slots[:num_keys]  # [K]: each dense sequence's context + new keys, packed
         scale = None if cache.latent_scale is None else take_rows(cache.flat("latent_scale"), slots)
         c = kernel_ops.dequantize_latent(take_rows(cache.flat("latent"), slots), scale)  # [K, R]
         k_pe = take_rows(cache.flat("k_pe"), slots).astype(jnp.float32)  # [K, rope]
@@ -244,11 +245,18 @@ def _dense_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out_s
     sparsely -> out_shape [T, H, v] f32.
 
     Scores only the sparse rows, or every row when plan.skip_indexer is False (the baseline).
-    In a cond plan meta.sparse_rows is sized for the bucket (any row may attend sparsely): the
-    sparse rows' projections, scoring and attention then run only when one exists (lax.cond),
-    so a batch of short prefills pays what the static dense program does.
+    A cond plan sizes meta.sparse_rows and meta.dense_key_slots for any batch of its buckets, so
+    work follows the batch through lax.cond: the sparse rows' projections, scoring and attention
+    run only when one exists, and the dense keys' up-projection covers num_tokens keys when the
+    batch's fit there; a batch of short prefills then pays what the static dense program does.
     """
-    rows, dense_out = dense()
+    T = plan.num_tokens
+    if plan.use_dense_mha is None and plan.num_dense_keys > T:
+        # a cond plan's dense keys are sized for sequences with context (num_seqs * index_topk):
+        # when the batch's keys fit in num_tokens (prefills without context), up-project only those
+        rows, dense_out = jax.lax.cond(meta.dense_key_start[-1] <= T, lambda: dense(num_keys=T), dense)
+    else:
+        rows, dense_out = dense()
     out_heads = _put_rows(jnp.zeros(out_shape, jnp.float32), rows, dense_out)
     all_slots = None if plan.skip_indexer else score(None, plan.group("all"))
     if plan.num_sparse_tokens:

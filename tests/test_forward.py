@@ -294,3 +294,36 @@ def test_cond_dispatch_matches_static_dispatch(skip_indexer):
             assert rel_err(b[sid], a[sid]) < 1e-6
     for a, b in zip(jax.tree.leaves(s_cache), jax.tree.leaves(c_cache)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_cond_dense_program_follows_the_batch():
+    """dispatch="cond": the dense program sizes its keys for sequences with context and its sparse
+    rows for the bucket, and runs only what the batch needs (lax.cond): short prefills whose keys
+    fit in num_tokens, short prefills with context (keys beyond), short prefills beside a decode
+    (sparse rows) and an all-sparse batch each give the static plan's outputs and cache."""
+    work = [[(0, 6), (1, 5)], [(0, 6), (1, 5)], [(2, 20)], [(2, 1), (3, 4)]]
+    seen, results = [], {}
+    for dispatch in ("static", "cond"):
+        h = Harness(TINY, seed=15)
+        for sid, n in [(0, 12), (1, 10), (2, 21), (3, 4)]:
+            h.add(sid, n)
+        outs = []
+        for w in work:
+            if dispatch == "cond":
+                reqs = [Request(h.done[sid], n, h.tables[sid]) for sid, n in w]
+                plan, meta = plan_batch(TINY, reqs, num_pages=h.num_pages, dispatch="cond")
+                seen.append((bool(meta.dense_flag), int(meta.dense_key_start[-1]) <= plan.num_tokens,
+                             bool((meta.sparse_rows >= 0).any()), plan.num_dense_keys > plan.num_tokens))
+            out, _, _ = h.step(w, dispatch=dispatch)
+            h.check(out, TOL_F32)
+            outs.append(out)
+        results[dispatch] = (outs, h.cache)
+    # (dense program, keys fit num_tokens, sparse rows, keys sized beyond num_tokens) per step
+    assert seen == [(True, True, False, True), (True, False, False, True), (False, True, True, True),
+                    (True, True, True, True)]
+    (s_outs, s_cache), (c_outs, c_cache) = results["static"], results["cond"]
+    for a, b in zip(s_outs, c_outs):
+        for sid in a:
+            assert rel_err(b[sid], a[sid]) < 1e-6, sid
+    for a, b in zip(jax.tree.leaves(s_cache), jax.tree.leaves(c_cache)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
