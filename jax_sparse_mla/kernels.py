@@ -137,11 +137,13 @@ def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
                                              **dict(impl.tuning))
 
 
-def topk(logits, k: int, *, impl: OpImpl):
-    """[N, k] int32 positions of the k largest finite logits per row, -1 padded."""
+def topk(logits, k: int, *, lengths, impl: OpImpl):
+    """[N, k] int32 positions of the k largest finite logits per row among its first lengths[n]
+    ([N] int32) columns, -1 padded."""
     if impl.backend == "xla":
-        return topk_lib.topk_reference(logits, k)
-    return topk_lib.topk(logits, k, backend=impl.backend, interpret=impl.interpret, **dict(impl.tuning))
+        return topk_lib.topk_reference(logits, k, lengths)
+    return topk_lib.topk(logits, k, lengths=lengths, backend=impl.backend, interpret=impl.interpret,
+                         **dict(impl.tuning))
 
 
 def sparse_mla(q, latent, latent_scale, k_pe, slots, pages, *, scale, page_size, impl: OpImpl, dequantize: str):

@@ -191,7 +191,7 @@ def _topk_slots(params, x, qr, positions, cache: cache_lib.PagedCache, meta: Bat
         if tensor_axis is not None:  # every shard holds some index heads: top-k needs their sum
             logits = jax.lax.psum(logits, tensor_axis)
     with jax.named_scope("indexer_topk"):
-        top_pos = kernel_ops.topk(logits, c_.index_topk, impl=impl.topk)
+        top_pos = kernel_ops.topk(logits, c_.index_topk, lengths=row_end, impl=impl.topk)  # a row reads its causal keys
     return positions_to_slots(top_pos, meta.block_tables, _pick(meta.row_seq, rows), c_.page_size)
 
 

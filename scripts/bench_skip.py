@@ -220,7 +220,7 @@ def _scoring_fn(engine: Engine, requests, args):
         logits = kernel_ops.indexer_logits(q, w, k, k_scale, block_tables, row_seq, row_end,
                                            page_size=cfg.page_size, impl=impl.indexer_logits,
                                            kernel=policy.indexer_kernel(T, plan.num_seqs))
-        return kernel_ops.topk(logits, cfg.index_topk, impl=impl.topk)
+        return kernel_ops.topk(logits, cfg.index_topk, lengths=row_end, impl=impl.topk)
 
     return lambda: score(q, w, cache.flat("index_k"), cache.flat("index_k_scale"), meta.block_tables,
                          meta.row_seq, row_end)

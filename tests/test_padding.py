@@ -6,7 +6,7 @@ after the real ones (-1 block tables, empty start-location ranges).
 
 (a) Only padding: each op's documented output for a row with no work, through the public api
     (tests/support/ops.py) on the reference and a Pallas backend (interpret mode on CPU):
-    indexer logits with row_end 0 -> all -inf; top-k of all -inf rows -> all -1; sparse MLA
+    indexer logits with row_end 0 -> all -inf; top-k of all -inf rows or of length 0 -> all -1; sparse MLA
     with every slot -1 -> out 0, lse +inf (FlashMLA's convention: pallas_kernels/sparse_mla/api.py);
     dense MHA with no sequence owning a row -> zeros.
 (b) Padding added around real rows (before and after them at the op level; after them at the
@@ -114,6 +114,14 @@ TOPK = ("reference", "triton")
 def test_topk_of_neg_inf_rows_is_all_minus_one(backend):
     out = ops.topk(backend, jnp.full((6, 256), -jnp.inf, jnp.float32), 16)
     assert out.shape == (6, 16) and out.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(out), -1)
+
+
+@pytest.mark.parametrize("backend", TOPK)
+def test_topk_of_zero_length_rows_is_all_minus_one(backend):
+    """The layer passes a padding row's row_end 0 as its length: whatever its logits hold."""
+    junk = jnp.asarray(np.random.default_rng(4).standard_normal((6, 256)), jnp.float32).at[2].set(jnp.nan)
+    out = ops.topk(backend, junk, 16, lengths=jnp.zeros((6,), jnp.int32))
     np.testing.assert_array_equal(np.asarray(out), -1)
 
 

@@ -176,6 +176,59 @@ def test_topk_rows_are_independent(backend):
     np.testing.assert_array_equal(np.sort(got[5]), want)
 
 
+def _with_garbage_past(x, lengths, rng):
+    """x with every column at or past a row's length replaced by garbage that would win: large
+    values, +inf and NaN."""
+    g = x.copy()
+    for r, n in enumerate(lengths):
+        tail = g.shape[1] - min(max(n, 0), g.shape[1])
+        if tail:
+            g[r, g.shape[1] - tail:] = rng.choice(np.array([1e30, np.inf, np.nan, 50.0], np.float32), tail)
+    return g
+
+
+def _masked(x, lengths):
+    return np.where(np.arange(x.shape[1])[None, :] < np.asarray(lengths)[:, None], x, -np.inf)
+
+
+@pytest.mark.parametrize("backend", BOTH)
+@pytest.mark.parametrize("num_keys,k,block,slices", [(300, 37, 64, 1), (1000, 40, 64, 4), (150, 200, 64, None)])
+def test_lengths_ignore_the_columns_past_them(backend, num_keys, k, block, slices):
+    """With lengths, a row's keys are its first lengths[n] columns whatever the rest holds: the
+    result equals top-k of the row with its tail set to -inf, at lengths 0, 1, below k, around
+    the block and slice boundaries, the whole row and past it (clipped), one slice a row and several."""
+    rng = np.random.default_rng(num_keys)
+    lengths = [0, 1, k - 1, k, k + 1, block, block + 1, num_keys // 2, num_keys - 1, num_keys, num_keys + 7, -3]
+    x = rng.standard_normal((len(lengths), num_keys)).astype(np.float32)
+    x[3, ::2] = -np.inf  # -inf inside a row's own range still counts as invalid
+    garbage = _with_garbage_past(x, lengths, rng)
+    tuning = dict(block=block) if slices is None else dict(block=block, slices=slices)
+    got = ops.topk(backend, jnp.asarray(garbage), k, lengths=jnp.asarray(lengths, jnp.int32),
+                   **(tuning if backend == "triton" else {}))
+    check_topk(got, _masked(x, np.clip(lengths, 0, num_keys)), k)
+
+
+def test_lengths_keep_the_band_path():
+    """Rows shorter than the logits (causal prefill rows) still find their answer on the band
+    path: the sample keeps the whole row's stride, so the thresholds' ranks stay right."""
+    rng = np.random.default_rng(7)
+    num_keys, k = 2048, 64
+    lengths = np.array([2048, 1536, 1024, 700, 400], np.int32)
+    x = _with_garbage_past(rng.standard_normal((5, num_keys)).astype(np.float32), lengths, rng)
+    st = stages(x, k, lengths=jnp.asarray(lengths), block=128, sample=256)
+    assert band_path(st, k).all()
+    check_topk(st["out"], _masked(x, lengths), k)
+    cnt = np.asarray(st["counts"])
+    np.testing.assert_array_equal(cnt[:, :, 2].sum(1), lengths)  # valid keys counted: the rows' own only
+
+
+def test_lengths_are_checked():
+    x = jnp.zeros((3, 10), jnp.float32)
+    for bad in (jnp.zeros((2,), jnp.int32), jnp.zeros((3,), jnp.float32), [1, 2, 3]):
+        with pytest.raises(ValueError, match=r"lengths must be an integer array of shape \[N\] = \(3,\)"):
+            ops.topk("triton", x, 4, lengths=bad)
+
+
 # ------------------------------------------------------------------------------------------------
 # the Triton kernels (CPU: interpret mode): sampled thresholds, band buffers, fallbacks
 # ------------------------------------------------------------------------------------------------

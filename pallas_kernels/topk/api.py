@@ -11,11 +11,15 @@ from .triton import topk_stages
 BACKENDS = ("triton",)
 
 
-def topk(logits, k: int, *, backend="triton", interpret=False, block=None, num_warps=None, num_stages=None,
-         sample=None, capacity=None, slices=None):
+def topk(logits, k: int, *, lengths=None, backend="triton", interpret=False, block=None, num_warps=None,
+         num_stages=None, sample=None, capacity=None, slices=None):
     """[N, L] f32 (-inf = invalid) -> [N, k] int32: indices of the k largest finite entries per
     row, -1 padded. Same contract as `reference.topk_reference` (order within a row unspecified;
     among equal values at the threshold any choice is valid; NaN counts as invalid).
+    lengths: [N] int (optional): row n's keys are its first lengths[n] columns, the rest ignored
+    whatever they hold (clipped to [0, L]). The kernels read only those columns (the sample's
+    loads past them are masked off): a causal prefill's rows cost their own keys, a padding row
+    (length 0) next to nothing.
     Deterministic: the definite keys, then the band's selected keys, each in column order.
 
     Keys: float32 bits mapped to an int32 whose order is the float order. Exact whatever the
@@ -53,10 +57,16 @@ def topk(logits, k: int, *, backend="triton", interpret=False, block=None, num_w
     if k < 0:
         raise ValueError(f"topk: k must be >= 0, got {k}")
     n, num_keys = logits.shape
+    if lengths is not None and (getattr(lengths, "shape", None) != (n,)
+                                or not jnp.issubdtype(jnp.asarray(lengths).dtype, jnp.integer)):
+        raise ValueError(f"topk: lengths must be an integer array of shape [N] = ({n},), got "
+                         f"{getattr(lengths, 'shape', type(lengths).__name__)} "
+                         f"{getattr(lengths, 'dtype', '')}")
     if n == 0 or k == 0:
         return jnp.zeros((n, k), jnp.int32)
     if num_keys == 0:
         return jnp.full((n, k), -1, jnp.int32)
-    return topk_stages(logits, k, interpret=interpret, block=block, num_warps=num_warps,
+    lengths = jnp.full((n,), num_keys, jnp.int32) if lengths is None else jnp.clip(lengths, 0, num_keys).astype(jnp.int32)
+    return topk_stages(logits, k, lengths, interpret=interpret, block=block, num_warps=num_warps,
                        num_stages=num_stages, sample=sample, capacity=capacity,
                        slices=slices)["out"]

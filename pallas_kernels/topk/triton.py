@@ -166,14 +166,17 @@ _COARSE_KEYS = (_KEY_LOW,) + tuple(_float_key(v) for v in (
     4.0, 16.0, 256.0))
 
 
-def _threshold_kernel(x_ref, thr_ref, *pub_refs, num_keys, sample, chunk, group, r_lo, r_hi,
+def _threshold_kernel(x_ref, len_ref, thr_ref, *pub_refs, num_keys, sample, chunk, group, r_lo, r_hi,
                       tol):
     """thr[n] = (t_lo, t_hi): ~r_lo * stride row keys are >= t_lo and ~r_hi * stride >= t_hi.
     The sample is reloaded chunk by chunk each pass (L1/L2 hits): holding it in registers
-    (8192 keys) was slower.
+    (8192 keys) was slower. Sampled positions at or past the row's length read as invalid
+    (masked loads): the sample keeps the whole row's stride, so the ranks stay right for a
+    shorter row (it just has fewer valid samples).
     pub_refs: () or ([N, P] f32 published slice counts, set to -1 here for the "lookback"
     write)."""
     n = pl.program_id(0)
+    row_len = len_ref[n]
     for pub_ref in pub_refs:
         pltriton.store(pub_ref.at[n, pl.ds(0, pub_ref.shape[1])],
                        jnp.full(pub_ref.shape[1:], -1.0, jnp.float32))
@@ -182,13 +185,13 @@ def _threshold_kernel(x_ref, thr_ref, *pub_refs, num_keys, sample, chunk, group,
     def sample_keys(c):
         j = c * chunk + lane
         if sample >= num_keys:  # the whole row: exact thresholds
-            return _row_keys(pltriton.load(x_ref.at[n, j], mask=j < num_keys, other=-jnp.inf))
+            return _row_keys(pltriton.load(x_ref.at[n, j], mask=j < row_len, other=-jnp.inf))
         n_runs = sample // _RUN
         q = num_keys // n_runs  # >= _RUN
         run = j // _RUN
         h = jax.lax.shift_right_logical(run * -1640531535, 16)  # hash of the run in [0, 65536)
         pos = run * q + (h % (q // _RUN)) * _RUN + j % _RUN  # runs 8-aligned when q is
-        return _row_keys(pltriton.load(x_ref.at[n, pos]))
+        return _row_keys(pltriton.load(x_ref.at[n, pos], mask=pos < row_len, other=-jnp.inf))
 
     n_chunks = sample // chunk
     count_ge = _count_ge_chunks(sample_keys, n_chunks, min(group, n_chunks))  # divides n_chunks
@@ -216,23 +219,23 @@ def _threshold_kernel(x_ref, thr_ref, *pub_refs, num_keys, sample, chunk, group,
     pltriton.store(thr_ref.at[n, pl.ds(0, 2)], jnp.where(jnp.arange(2) == 0, t_lo, t_hi))
 
 
-def _slice_chunks(s, num_keys, slice_len, block):
+def _slice_chunks(s, row_len, slice_len, block):
     """Chunks of `block` columns in slice s (0 past the row's end)."""
-    left = num_keys - s * slice_len
+    left = row_len - s * slice_len
     return jnp.clip((left + block - 1) // block, 0, slice_len // block)
 
 
-def _slice_keys(x_ref, n, s, i, n_chunks, *, num_keys, slice_len, block):
+def _slice_keys(x_ref, n, s, i, n_chunks, *, row_len, slice_len, block):
     """Chunk i of slice s of row n -> ([block] columns, [block] keys); _INVALID past the row's
-    end and for i >= n_chunks."""
+    end (row_len) and for i >= n_chunks."""
     cols = s * slice_len + i * block + jnp.arange(block, dtype=jnp.int32)
-    x = pltriton.load(x_ref.at[n, cols], mask=(cols < num_keys) & (i < n_chunks), other=-jnp.inf)
+    x = pltriton.load(x_ref.at[n, cols], mask=(cols < row_len) & (i < n_chunks), other=-jnp.inf)
     return cols, _row_keys(x)
 
 
-def _slice_counts(x_ref, n, s, t_lo, t_hi, *, num_keys, slice_len, block, group):
+def _slice_counts(x_ref, n, s, t_lo, t_hi, *, row_len, slice_len, block, group):
     """(#keys >= t_hi (definite), #keys in [t_lo, t_hi) (band), #valid keys) of slice s of row n."""
-    n_chunks = _slice_chunks(s, num_keys, slice_len, block)
+    n_chunks = _slice_chunks(s, row_len, slice_len, block)
 
     def step(loaded, acc):
         key = loaded[1]
@@ -242,7 +245,7 @@ def _slice_counts(x_ref, n, s, t_lo, t_hi, *, num_keys, slice_len, block, group)
                 n_valid + (key != _INVALID).astype(jnp.int32))
 
     zeros = jnp.zeros((block,), jnp.int32)
-    load = functools.partial(_slice_keys, x_ref, n, s, n_chunks=n_chunks, num_keys=num_keys,
+    load = functools.partial(_slice_keys, x_ref, n, s, n_chunks=n_chunks, row_len=row_len,
                              slice_len=slice_len, block=block)
     acc = _chunk_loop(n_chunks, group, load, step, (zeros, zeros, zeros))
     return tuple(jnp.sum(a) for a in acc)
@@ -280,7 +283,7 @@ def _offsets_after_lookback(pub_ref, n, s, n_def, n_band):
     return jnp.sum(jnp.where(j % 2 == 0, c, 0)), jnp.sum(jnp.where(j % 2 == 1, c, 0))
 
 
-def _write_kernel(x_ref, thr_ref, *refs, k, cap, num_keys, slice_len, block, group):
+def _write_kernel(x_ref, len_ref, thr_ref, *refs, k, cap, slice_len, block, group):
     """Slice s of row n: columns of definite keys -> out[n, offset..], band keys and columns ->
     band[n, offset..], in column order (offsets: the counts of slices 0..s-1; entries past k
     or cap are dropped: the select kernel then finds the row off the band path); cnt[n, s] =
@@ -289,7 +292,8 @@ def _write_kernel(x_ref, thr_ref, *refs, k, cap, num_keys, slice_len, block, gro
     writes. Several (grid (N, S)): refs = (pub [N, P] f32 of -1, out, band keys, band columns,
     cnt, pub aliasing the input): counts its slice, publishes the counts, waits for the earlier
     slices' and writes (a second read of the slice, from L2). One kernel rather than a count
-    kernel and a write kernel: one launch fewer (and, one slice a row, one read of it)."""
+    kernel and a write kernel: one launch fewer (and, one slice a row, one read of it). Only the
+    row's first len[n] columns are read: slices past them do nothing but publish zeros."""
     sliced = len(refs) == 6
     if sliced:
         _, out_ref, bkey_ref, bcol_ref, cnt_ref, pub_ref = refs
@@ -298,10 +302,11 @@ def _write_kernel(x_ref, thr_ref, *refs, k, cap, num_keys, slice_len, block, gro
     n, s = pl.program_id(0), pl.program_id(1)
     lane = jnp.arange(block, dtype=jnp.int32)
     t_lo, t_hi = _load_thresholds(thr_ref, n)
-    n_chunks = _slice_chunks(s, num_keys, slice_len, block)
+    row_len = len_ref[n]
+    n_chunks = _slice_chunks(s, row_len, slice_len, block)
     def_off = band_off = jnp.int32(0)
     if sliced:
-        counts = _slice_counts(x_ref, n, s, t_lo, t_hi, num_keys=num_keys, slice_len=slice_len,
+        counts = _slice_counts(x_ref, n, s, t_lo, t_hi, row_len=row_len, slice_len=slice_len,
                                block=block, group=group)
         _store_counts(cnt_ref, n, s, *counts)
         def_off, band_off = _offsets_after_lookback(pub_ref, n, s, *counts[:2])
@@ -327,7 +332,7 @@ def _write_kernel(x_ref, thr_ref, *refs, k, cap, num_keys, slice_len, block, gro
             valid = valid + (key != _INVALID).astype(jnp.int32)
         return c_def + (total & 0xFFFF), c_band + (total >> 16), valid
 
-    load = functools.partial(_slice_keys, x_ref, n, s, n_chunks=n_chunks, num_keys=num_keys,
+    load = functools.partial(_slice_keys, x_ref, n, s, n_chunks=n_chunks, row_len=row_len,
                              slice_len=slice_len, block=block)
     c_def, c_band, valid = _chunk_loop(n_chunks, group, load, step,
                                        (jnp.int32(0), jnp.int32(0), jnp.zeros((block,), jnp.int32)))
@@ -335,12 +340,13 @@ def _write_kernel(x_ref, thr_ref, *refs, k, cap, num_keys, slice_len, block, gro
         _store_counts(cnt_ref, n, s, c_def, c_band, jnp.sum(valid))
 
 
-def _select_kernel(x_ref, thr_ref, cnt_ref, bkey_ref, bcol_ref, out_in_ref, out_ref, *, k, cap,
-                   num_keys, block, group):
+def _select_kernel(x_ref, len_ref, thr_ref, cnt_ref, bkey_ref, bcol_ref, out_in_ref, out_ref, *, k, cap,
+                   block, group):
     """Row n: the band's selected keys after the definite ones (out_in_ref aliases out_ref), or
-    the whole answer from the whole row when the band cannot hold it; -1 padding."""
+    the whole answer from the row's len[n] columns when the band cannot hold it; -1 padding."""
     del out_in_ref
     n = pl.program_id(0)
+    row_len = len_ref[n]
     lane = jnp.arange(block, dtype=jnp.int32)
     t_lo, t_hi = _load_thresholds(thr_ref, n)
     n_def, n_band, n_valid = (jnp.sum(c) for c in _load_counts(cnt_ref, n))
@@ -348,7 +354,7 @@ def _select_kernel(x_ref, thr_ref, cnt_ref, bkey_ref, bcol_ref, out_in_ref, out_
     ok = _band_holds_answer(n_def, n_band, n_valid, k, cap)
     # Source of the selection: the band (keys in [t_lo, t_hi)) or, failing that, the row.
     rank = jnp.where(ok, n_sel - n_def, n_sel)
-    n_src = jnp.where(ok, n_band, num_keys)
+    n_src = jnp.where(ok, n_band, row_len)
     take_all = jnp.where(ok, rank == n_band, n_valid <= k)  # every valid source key
     base = jnp.where(ok, n_def, 0)
 
@@ -426,9 +432,10 @@ def _sample_plan(num_keys, k, sample, capacity):
     return sample, r_lo, r_hi, tol, capacity or default_cap
 
 
-def topk_stages(logits, k, *, interpret, block, num_warps, num_stages, sample, capacity, slices,
+def topk_stages(logits, k, lengths, *, interpret, block, num_warps, num_stages, sample, capacity, slices,
                 group=None):
-    """`api.topk`'s kernels for N, L, k >= 1 -> {"out": [N, k], "thresholds": [N, 2] (t_lo, t_hi),
+    """`api.topk`'s kernels for N, L, k >= 1 and lengths [N] i32 in [0, L] (row n's keys: its first
+    lengths[n] columns) -> {"out": [N, k], "thresholds": [N, 2] (t_lo, t_hi),
     "counts": [N, S, 4] (definite, band, valid, 0 per slice), "band_keys": [N, cap (+block)],
     "capacity": cap}; the intermediates let tests see which path each row took. group: chunks
     whose loads are issued together (default: 4 with several slices a row, else 1)."""
@@ -453,22 +460,20 @@ def topk_stages(logits, k, *, interpret, block, num_warps, num_stages, sample, c
     thr_kernel = functools.partial(_threshold_kernel, num_keys=num_keys, sample=sample,
                                    chunk=min(sample, 1024), group=group, r_lo=r_lo, r_hi=r_hi,
                                    tol=tol)
-    write = functools.partial(_write_kernel, k=k, cap=cap, num_keys=num_keys, slice_len=slice_len,
-                              block=block, group=group)
+    write = functools.partial(_write_kernel, k=k, cap=cap, slice_len=slice_len, block=block, group=group)
     written = (i32((n, k + spare)), i32((n, cap + spare)), i32((n, cap + spare)),
                i32((n, n_slices, 4)))
     if sliced:  # published slice counts: >= one f32 per thread of the write kernel
         pub = jax.ShapeDtypeStruct((n, next_pow2(max(2 * n_slices, 32 * num_warps))), jnp.float32)
         thr, pub = call(thr_kernel, out_shape=(i32((n, 2)), pub), grid=(n,),
-                        name="topk_thresholds")(x)
+                        name="topk_thresholds")(x, lengths)
         out, bkey, bcol, cnt, _ = call(write, out_shape=written + (pub,), grid=(n, n_slices),
-                                       input_output_aliases={2: 4}, name="topk_write")(x, thr, pub)
+                                       input_output_aliases={3: 4}, name="topk_write")(x, lengths, thr, pub)
     else:
-        thr = call(thr_kernel, out_shape=i32((n, 2)), grid=(n,), name="topk_thresholds")(x)
+        thr = call(thr_kernel, out_shape=i32((n, 2)), grid=(n,), name="topk_thresholds")(x, lengths)
         out, bkey, bcol, cnt = call(write, out_shape=written, grid=(n, 1),
-                                    name="topk_write")(x, thr)
-    out = call(functools.partial(_select_kernel, k=k, cap=cap, num_keys=num_keys, block=block,
-                                 group=group),
-               out_shape=i32((n, k + spare)), grid=(n,), input_output_aliases={5: 0},
-               name="topk_select")(x, thr, cnt, bkey, bcol, out)
+                                    name="topk_write")(x, lengths, thr)
+    out = call(functools.partial(_select_kernel, k=k, cap=cap, block=block, group=group),
+               out_shape=i32((n, k + spare)), grid=(n,), input_output_aliases={6: 0},
+               name="topk_select")(x, lengths, thr, cnt, bkey, bcol, out)
     return dict(out=out[:, :k], thresholds=thr, counts=cnt, band_keys=bkey, capacity=cap)

@@ -89,23 +89,27 @@ def indexer_logits_auto(q, k_cache, block_tables, *, interpret, tiling):
 # top-k
 # ------------------------------------------------------------------------------------------------
 
-def topk(backend, logits, k, *, interpret=None, **tuning):
-    """[N, k] int32 top-k positions by `backend`; tuning: the Triton kernels' knobs (block, sample, ...)."""
+def topk(backend, logits, k, *, lengths=None, interpret=None, **tuning):
+    """[N, k] int32 top-k positions by `backend` (of each row's first lengths[n] columns, when
+    given); tuning: the Triton kernels' knobs (block, sample, ...)."""
     if backend == "reference":
         if tuning:
             raise ValueError(f"the reference takes no tuning, got {tuning}")
-        return topk_lib.topk_reference(logits, k)
+        return topk_lib.topk_reference(logits, k, lengths)
     if backend != "triton":
         raise ValueError(f"topk: unknown backend {backend!r}")
-    return topk_lib.topk(logits, k, backend=backend, interpret=_interpret(interpret), **tuning)
+    return topk_lib.topk(logits, k, lengths=lengths, backend=backend, interpret=_interpret(interpret), **tuning)
 
 
-def topk_stages(logits, k, *, interpret=None, **tuning):
+def topk_stages(logits, k, *, lengths=None, interpret=None, **tuning):
     """Every intermediate of the Triton top-k (`pallas_kernels.topk.triton.topk_stages`): "out",
-    "counts" [N, slices, 3] (definite, band, valid keys per slice), "capacity", ..."""
+    "counts" [N, slices, 3] (definite, band, valid keys per slice), "capacity", ...;
+    lengths default to whole rows."""
     opts = dict(block=None, num_warps=None, num_stages=None, sample=None, capacity=None, slices=None, group=None)
     opts.update(tuning)
-    return topk_stages_triton(logits, k, interpret=_interpret(interpret), **opts)
+    n, num_keys = logits.shape
+    lengths = jnp.full((n,), num_keys, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+    return topk_stages_triton(logits, k, lengths, interpret=_interpret(interpret), **opts)
 
 
 # ------------------------------------------------------------------------------------------------
