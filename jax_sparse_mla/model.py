@@ -62,15 +62,13 @@ def indexer_keys(params, x, positions, config: MLAConfig):
     return ops.hadamard(ops.rope_neox_prefix(k, positions, config))
 
 
-def indexer_queries(params, x, qr, positions, config: MLAConfig, *, total_index_heads: int | None = None):
+def indexer_queries(params, x, qr, positions, config: MLAConfig):
     """Indexer queries and head weights: (q [N, Hi, D] in the indexer dtype, weights [N, Hi] f32).
 
     On the fp8 path q is e4m3 and each (row, head) scale is folded into the weights.
-    total_index_heads: the layer's index head count when params and config hold only a slice of
-    the heads (tensor parallelism); the weights' scale is total_index_heads^-0.5 (default: Hi).
     """
     c_ = config
-    n_heads = c_.index_n_heads if total_index_heads is None else total_index_heads
+    n_heads = c_.index_n_heads
     q = linear(qr, params["indexer.wq_b.weight"], c_).reshape(qr.shape[0], c_.index_n_heads, c_.index_head_dim)
     q = ops.hadamard(ops.rope_neox_prefix(q, positions, c_))
     weights = linear(x, params["indexer.weights_proj.weight"], c_) * (n_heads ** -0.5 * c_.index_head_dim ** -0.5)
@@ -108,15 +106,15 @@ def _depend_on(x, unused):
     return x + jnp.where(jnp.min(unused) < -1, jnp.nan, 0.0)
 
 
-def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, config: MLAConfig):
+def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, config: MLAConfig, tensor_parallel: int):
     if not isinstance(plan, BatchPlan):
         raise ValueError(f"plan must be a BatchPlan (from plan_batch), got {type(plan).__name__}")
     if not isinstance(meta, BatchMeta):
         raise ValueError(f"meta must be a BatchMeta (from plan_batch), got {type(meta).__name__}")
-    plan.check_config(config)  # slots, routes and the fp8 split were computed for that config
-    if plan.tensor_parallel != 1:
-        raise ValueError(f"the plan was made for a tensor axis of size {plan.tensor_parallel}: run it through "
-                         "sharding.sharded_forward on such a mesh (forward runs one shard's plan)")
+    if plan.tensor_parallel != tensor_parallel:
+        raise ValueError(f"the plan was made for a tensor axis of size {plan.tensor_parallel}, this forward runs "
+                         f"under one of size {tensor_parallel}: run it through sharding.sharded_forward on such a mesh")
+    plan.check_config(config, tensor_parallel)  # slots, routes and the fp8 split were computed for that config
     if hidden.ndim != 2 or hidden.shape != (plan.num_tokens, config.hidden_size):
         raise ValueError(f"hidden has shape {hidden.shape}, expected [plan.num_tokens, hidden_size] = "
                          f"{[plan.num_tokens, config.hidden_size]}")
@@ -172,24 +170,35 @@ def _topk_slots(params, x, qr, positions, cache: cache_lib.PagedCache, meta: Bat
 
     x [T, hidden], qr [T, q_lora], positions [T]: every row's input, q latent and position (the
     indexer's queries are projected here, for the scored rows only); group: the plan's RowGroup of
-    these rows (its Mosaic indexer kernel shape).
+    these rows (its Mosaic indexer kernel shape and its split over tensor shards). The indexer's
+    weights are whole on every tensor shard: with group.indexer_shards > 1 each shard scores its
+    contiguous share of the rows and the shards all-gather the slots; else every shard scores
+    every row (the same slots everywhere, no communication).
     """
+    if group.indexer_shards > 1:
+        ids = jnp.arange(meta.positions.shape[0], dtype=jnp.int32) if rows is None else rows
+        share = ids.shape[0] // group.indexer_shards
+        mine = jax.lax.dynamic_slice_in_dim(ids, jax.lax.axis_index(tensor_axis) * share, share)
+        slots = _score_rows(params, x, qr, positions, cache, meta, mine, group, config=config, impl=impl)
+        return jax.lax.all_gather(slots, tensor_axis, tiled=True)
+    return _score_rows(params, x, qr, positions, cache, meta, rows, group, config=config, impl=impl)
+
+
+def _score_rows(params, x, qr, positions, cache: cache_lib.PagedCache, meta: BatchMeta, rows, group: RowGroup, *,
+                config: MLAConfig, impl: kernel_ops.Implementations):
+    """_topk_slots on one device: indexer queries, logits and top-k of `rows` (None: every row)."""
     c_ = config
     row_pos = _pick(meta.positions, rows)
     row_end = jnp.where(row_pos >= 0, row_pos + 1, 0)
     if rows is not None:
         row_end = jnp.where(rows >= 0, row_end, 0)
     with jax.named_scope("indexer_queries"):
-        tp = 1 if tensor_axis is None else jax.lax.axis_size(tensor_axis)
-        q_i, w_i = indexer_queries(params, _pick(x, rows), _pick(qr, rows), _pick(positions, rows),
-                                   c_, total_index_heads=c_.index_n_heads * tp)
+        q_i, w_i = indexer_queries(params, _pick(x, rows), _pick(qr, rows), _pick(positions, rows), c_)
     with jax.named_scope("indexer_logits"):
         logits = kernel_ops.indexer_logits(q_i, w_i, cache.flat("index_k"), cache.flat("index_k_scale"),
                                            meta.block_tables, _pick(meta.row_seq, rows), row_end,
                                            page_size=c_.page_size, impl=impl.indexer_logits,
                                            kernel=group.indexer_kernel)
-        if tensor_axis is not None:  # every shard holds some index heads: top-k needs their sum
-            logits = jax.lax.psum(logits, tensor_axis)
     with jax.named_scope("indexer_topk"):
         top_pos = kernel_ops.topk(logits, c_.index_topk, lengths=row_end, impl=impl.topk)  # a row reads its causal keys
     return positions_to_slots(top_pos, meta.block_tables, _pick(meta.row_seq, rows), c_.page_size)
@@ -279,11 +288,12 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
     plan_batch's order, padding last; cache: PagedCache (donate it under jit); meta: BatchMeta.
     Returns (out [num_tokens, hidden_size] in config.dtype, new cache). Padding rows give 0.
     Jit with plan, config and kernels static.
-    tensor_axis: inside shard_map, the mesh axis that splits the heads (sharding.py): params and
-      config hold this shard's attention and index heads; the indexer logits (before top-k) and
-      the output are summed over the axis.
+    tensor_axis: inside shard_map, the mesh axis that splits the attention heads (sharding.py):
+      params and config hold this shard's attention heads and the whole indexer; the output is
+      summed over the axis, and scoring is split over it by rows where the plan says so
+      (RowGroup.indexer_shards: the slots are all-gathered).
     """
-    _check_inputs(params, hidden, cache, meta, plan, config)
+    _check_inputs(params, hidden, cache, meta, plan, config, 1 if tensor_axis is None else jax.lax.axis_size(tensor_axis))
     impl = kernel_ops.resolve(kernels, config)  # every device-dependent choice, once
     c_ = config
     T, H = plan.num_tokens, c_.num_attention_heads

@@ -43,10 +43,10 @@ class SparseMLA(nnx.Module):
     kv_a_layernorm.weight         [kv_lora_rank]                      replicated
     kv_b_proj.weight              [H * (nope + v), kv_lora_rank]      (tensor, None): rows by head
     o_proj.weight                 [hidden, H * v_head_dim]            (None, tensor): columns by head
-    indexer.wq_b.weight           [Hi * index_head_dim, q_lora_rank]  (tensor, None): rows by head
+    indexer.wq_b.weight           [Hi * index_head_dim, q_lora_rank]  replicated
     indexer.wk.weight             [index_head_dim, hidden]            replicated
     indexer.k_norm.weight / bias  [index_head_dim]                    replicated
-    indexer.weights_proj.weight   [Hi, hidden]                        (tensor, None): rows by head
+    indexer.weights_proj.weight   [Hi, hidden]                        replicated
     ============================  ==================================  ==============================
 
     Every Param carries its partition as `out_sharding` metadata (the tensor_axis name in place

@@ -101,8 +101,12 @@ class RowGroup:
       "sparse" (meta.sparse_rows: the dense program's sparsely attending rows), "upfront"
       (meta.upfront_rows) or "kernel" (meta.kernel_rows), the fp8 split's two groups.
     num_rows: the call's padded row count.
-    indexer_kernel: "prefill" | "decode", the Mosaic indexer kernel shape for num_rows rows over
-      the plan's num_seqs sequences (policy.indexer_kernel; used where the indexer runs Mosaic).
+    indexer_shards: tensor shards that split the group's scoring by rows (policy.indexer_shards:
+      each scores num_rows / indexer_shards rows and the shards all-gather the slots; 1: every
+      shard scores every row, as one device does).
+    indexer_kernel: "prefill" | "decode", the Mosaic indexer kernel shape for the rows one shard
+      scores over the plan's num_seqs sequences (policy.indexer_kernel; used where the indexer
+      runs Mosaic).
     dequantize: "upfront" | "kernel", how an fp8 latent cache is dequantised for the group's
       sparse attention (policy.dequantize_route over the per-shard heads and the pages the group
       reads: meta.upfront_pages for "upfront", every block table otherwise); "kernel" for
@@ -111,6 +115,7 @@ class RowGroup:
 
     name: str
     num_rows: int
+    indexer_shards: int
     indexer_kernel: str
     dequantize: str
 
@@ -127,7 +132,8 @@ def _row_groups(plan: BatchPlan) -> tuple[RowGroup, ...]:
         copy_rows = plan.num_upfront_pages * c.page_size if name == "upfront" else table_rows
         route = (policy.dequantize_route(num_rows, heads, c.index_topk, copy_rows) if c.kv_cache_dtype == "fp8"
                  else "kernel")
-        return RowGroup(name, num_rows, policy.indexer_kernel(num_rows, plan.num_seqs), route)
+        shards = policy.indexer_shards(num_rows, plan.tensor_parallel)
+        return RowGroup(name, num_rows, shards, policy.indexer_kernel(num_rows // shards, plan.num_seqs), route)
 
     split = [("upfront", plan.num_upfront_rows)] + ([("kernel", plan.num_kernel_rows)] if plan.num_kernel_rows else [])
     calls = []
@@ -203,14 +209,17 @@ class BatchPlan:
                 return g
         raise ValueError(f"the plan has no {name!r} row group (it has {[g.name for g in self.groups]})")
 
-    def check_config(self, config: MLAConfig) -> None:
-        """Raises ValueError naming each field in which `config` differs from the one planned for."""
+    def check_config(self, config: MLAConfig, shards: int = 1) -> None:
+        """Raises ValueError naming each field in which `config` differs from the one planned for.
+        shards: config is one of this many tensor shards' (sharding.shard_config: its attention
+        heads count 1 / shards of the layer's)."""
         if not isinstance(config, MLAConfig):
             raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
         if not isinstance(self.config, PlanConfig):
             raise ValueError(f"plan.config must be a PlanConfig (make plans with plan_batch), got {self.config!r}")
-        diff = [f"{f.name}={getattr(self.config, f.name)!r} (the config has {getattr(config, f.name)!r})"
-                for f in dataclasses.fields(PlanConfig) if getattr(self.config, f.name) != getattr(config, f.name)]
+        layer = dataclasses.replace(PlanConfig.of(config), num_attention_heads=config.num_attention_heads * shards)
+        diff = [f"{f.name}={getattr(self.config, f.name)!r} (the config has {getattr(layer, f.name)!r})"
+                for f in dataclasses.fields(PlanConfig) if getattr(self.config, f.name) != getattr(layer, f.name)]
         if diff:
             raise ValueError(f"the plan was made for a config with {', '.join(diff)}: plan the batch with the "
                              "config it runs under")
@@ -432,9 +441,9 @@ def _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispa
         raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
     if not is_int(tensor_parallel) or tensor_parallel < 1:
         raise ValueError(f"tensor_parallel must be a positive int, got {tensor_parallel!r}")
-    for name in ("num_attention_heads", "index_n_heads"):
-        if getattr(config, name) % tensor_parallel:
-            raise ValueError(f"tensor_parallel={tensor_parallel} does not divide {name}={getattr(config, name)}")
+    if config.num_attention_heads % tensor_parallel:
+        raise ValueError(f"tensor_parallel={tensor_parallel} does not divide num_attention_heads="
+                         f"{config.num_attention_heads}")
     if not isinstance(dispatch, str) or dispatch not in DISPATCH_MODES:
         raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
     for name, value in (("force_sparse", force_sparse), ("skip_indexer", skip_indexer)):
@@ -506,8 +515,9 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
     dispatch: "static" (the route is in the plan) or "cond" (in meta.dense_flag; the plan's
       sizes then depend on the shape buckets only).
     tensor_parallel: the tensor-axis size the batch will run under (a positive divisor of
-      num_attention_heads and index_n_heads): the kernel choices are made for the heads of one
-      shard. Plans for more than 1 run through sharding.sharded_forward.
+      num_attention_heads): the kernel choices are made for the heads of one shard, and the
+      indexer's split over the shards (RowGroup.indexer_shards). Plans for more than 1 run
+      through sharding.sharded_forward.
     Raises ValueError naming the request and the problem before anything touches a device.
     """
     requests, num_pages = check_batch(config, requests, num_pages, force_sparse, skip_indexer, buckets, dispatch,

@@ -18,6 +18,15 @@ HEADS_PER_PROGRAM = 64  # heads of one sparse-attention program: each gathers (a
 # sequence (docs/design/indexer.md).
 MGPU_MIN_ROWS_PER_SEQ = 16
 
+# indexer under tensor parallelism: its weights are replicated (~14M parameters a layer), so each
+# tensor shard can score any row with every index head. A group of at least this many rows is
+# split by rows over the tensor shards, each scoring and top-k'ing its share and the shards
+# all-gathering the slots (rows x topk int32); a smaller group is scored whole on every shard
+# (no communication). An estimate, not a measurement: scoring + top-k of a row at 8K context
+# costs ~0.19 us on one H200 (1.55 ms for 8K rows), its slots' all-gather ~0.03 us over NVLink,
+# plus ~20 us a collective; to be settled on several GPUs (docs/design/sharding.md).
+INDEXER_SPLIT_MIN_ROWS = 256
+
 DEQUANTIZE_ROUTES = ("kernel", "upfront")
 INDEXER_KERNELS = ("prefill", "decode")
 
@@ -28,6 +37,14 @@ def dequantize_route(rows: int, heads: int, topk: int, copy_rows: int) -> str:
     pages x page_size); else "kernel". heads: per shard."""
     programs = -(-heads // HEADS_PER_PROGRAM)
     return "upfront" if rows * topk * programs >= UPFRONT_MIN_USES * copy_rows else "kernel"
+
+
+def indexer_shards(rows: int, tensor_parallel: int) -> int:
+    """Tensor shards that split a scoring call of `rows` rows between them: tensor_parallel for
+    >= INDEXER_SPLIT_MIN_ROWS rows that divide evenly, else 1 (every shard scores every row)."""
+    if tensor_parallel > 1 and rows >= INDEXER_SPLIT_MIN_ROWS and rows % tensor_parallel == 0:
+        return tensor_parallel
+    return 1
 
 
 def indexer_kernel(rows: int, seqs: int) -> str:

@@ -6,20 +6,23 @@ MaxText-style mesh's, say) and apply them to the mesh, the parameter and cache s
 shard_map alike; "data" and "tensor" below stand for whatever names were given.
 `sharded_forward` wraps `model.forward` in `jax.shard_map`: every device runs the ordinary
 forward on its slice of heads and its own data shard's batch, with a per-shard config
-(`shard_config`: H / tp attention heads, Hi / tp index heads) and `tensor_axis="tensor"`, which
-makes forward sum two things over the tensor axis: the indexer logits (every index head
-contributes to each logit, and top-k needs the full sum) and o_proj's output (its columns are
-split by head, so each device holds a partial sum).
+(`shard_config`: H / tp attention heads) and `tensor_axis="tensor"`, which makes forward sum
+o_proj's output over the tensor axis (its columns are split by head, so each device holds a
+partial sum).
 
 Tensor parallelism (the heads, as in vLLM / SGLang's TP attention). Parameters (`param_specs`):
-  split by head over "tensor": q_b_proj rows, kv_b_proj rows, o_proj columns, indexer.wq_b rows,
-    indexer.weights_proj rows (all head-major, so a contiguous block is a block of heads);
-  replicated: q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm, indexer.wk,
-    indexer.k_norm (what produces the latent, the shared rope key and the indexer key).
+  split by head over "tensor": q_b_proj rows, kv_b_proj rows, o_proj columns (all head-major, so
+    a contiguous block is a block of heads);
+  replicated: q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm (what produces the
+    latent and the shared rope key) and the whole indexer (wq_b, weights_proj, wk, k_norm: ~14M
+    parameters a layer at DeepSeek-V3.2's dimensions).
 Every device of a tensor group computes the same latent rows and indexer keys and writes them to
 its own copy of the caches: MLA's latent is shared by all heads, so nothing in the caches is
-per-head. The indexer's top-k is computed redundantly on every device of the group (after the
-psum), so each device's sparse attention reads the same slots.
+per-head. With the indexer whole on every device, no [rows, keys] logits cross devices: a group
+of few rows (decodes) is scored and top-k'd by every device of the tensor group (the same slots
+everywhere, no communication), a large one is split by rows over the group and the slots
+[rows, topk] are all-gathered (RowGroup.indexer_shards, policy.indexer_shards). Either way each
+device's sparse attention reads the same slots as one device would.
 
 Data parallelism (the sequences). Each data shard serves its own batch with its own pages; one
 program serves all shards, so `plan_data_parallel` gives them a common static plan (common
@@ -53,13 +56,13 @@ from .cache import PagedCache, init_cache
 from .config import MLAConfig
 from .model import forward
 from .params import param_shapes
-from .plan import (BatchMeta, BatchPlan, BucketPolicy, PlanConfig, Request, check_batch, padded_sizes, plan_host,
+from .plan import (BatchMeta, BatchPlan, BucketPolicy, Request, check_batch, padded_sizes, plan_host,
                    pad_ids)
 from .validate import is_int
 
 DATA = "data"
 TENSOR = "tensor"
-HEAD_ROWS = ("q_b_proj.weight", "kv_b_proj.weight", "indexer.wq_b.weight", "indexer.weights_proj.weight")
+HEAD_ROWS = ("q_b_proj.weight", "kv_b_proj.weight")
 HEAD_COLUMNS = ("o_proj.weight",)
 
 
@@ -83,12 +86,11 @@ def _axis_sizes(mesh: Mesh, data_axis: str = DATA, tensor_axis: str = TENSOR) ->
 
 
 def shard_config(config: MLAConfig, tensor: int) -> MLAConfig:
-    """The config one tensor shard sees: H / tensor attention heads and Hi / tensor index heads."""
-    for name in ("num_attention_heads", "index_n_heads"):
-        if getattr(config, name) % tensor:
-            raise ValueError(f"{name}={getattr(config, name)} does not split over a tensor axis of size {tensor}")
-    return dataclasses.replace(config, num_attention_heads=config.num_attention_heads // tensor,
-                               index_n_heads=config.index_n_heads // tensor)
+    """The config one tensor shard sees: H / tensor attention heads (the indexer is whole on every shard)."""
+    if config.num_attention_heads % tensor:
+        raise ValueError(f"num_attention_heads={config.num_attention_heads} does not split over a tensor axis "
+                         f"of size {tensor}")
+    return dataclasses.replace(config, num_attention_heads=config.num_attention_heads // tensor)
 
 
 def param_specs(config: MLAConfig, *, tensor_axis: str = TENSOR) -> dict[str, P]:
@@ -254,10 +256,6 @@ def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh:
         raise ValueError(f"the plan was made for a tensor axis of size {plan.tensor_parallel}, the mesh's has {tp}: "
                          f"plan with plan_data_parallel(..., tensor_parallel={tp})")
     local = shard_config(config, tp)
-    # what each shard's forward checks its per-shard config against (the same plan otherwise: its
-    # row groups, decided for one shard's heads, are unchanged)
-    local_plan = dataclasses.replace(plan, config=PlanConfig.of(local), tensor_parallel=1)
-    assert local_plan.groups == plan.groups, (local_plan.groups, plan.groups)
     if hidden.shape != (dp * plan.num_tokens, config.hidden_size):
         raise ValueError(f"hidden has shape {hidden.shape}, expected [data * plan.num_tokens, hidden_size] = "
                          f"{[dp * plan.num_tokens, config.hidden_size]}")
@@ -268,7 +266,7 @@ def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh:
                          "make meta with plan_data_parallel for this mesh's data axis")
 
     def per_shard(params, hidden, cache, meta):
-        return forward(params, hidden, cache, meta, plan=local_plan, config=local, kernels=kernels,
+        return forward(params, hidden, cache, meta, plan=plan, config=local, kernels=kernels,
                        tensor_axis=tensor_axis if tp > 1 else None)
 
     # check_vma=False: the Pallas kernels inside forward carry no varying-axes annotations. The

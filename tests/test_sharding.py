@@ -15,23 +15,38 @@ from jax_sparse_mla.sharding import param_specs, plan_data_parallel, shard_confi
 from tests.support import run_with_cpu_devices
 from tests.support.sharding import PAGES, ROUTES, TINY, mesh_errors
 
-MESHES = [(1, 2), (2, 2), (1, 4)]  # (data, tensor)
+# (data, tensor) meshes by virtual device count: tensor, data and mixed; and whether the indexer
+# splits its scoring by rows over the tensor shards for every group it divides
+# (INDEXER_SPLIT_MIN_ROWS 1; by default the tiny batches are far below it: every shard scores
+# every row). One subprocess each (a CPU suite budget: ~1 minute a subprocess).
+MESHES = {2: ([(1, 2), (2, 1)], False), 4: ([(2, 2), (1, 4)], True), 8: ([(2, 4)], False)}
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def mesh_results():
-    return run_with_cpu_devices(f"import json; from tests.support.sharding import mesh_errors; "
-                                f"print('RESULT', json.dumps(mesh_errors({MESHES!r})))")
+    results = {}
+    for devices, (meshes, split_rows) in MESHES.items():
+        patch = "from jax_sparse_mla import policy; policy.INDEXER_SPLIT_MIN_ROWS = 1; " if split_rows else ""
+        results.update(run_with_cpu_devices(f"import json; {patch}from tests.support.sharding import mesh_errors; "
+                                            f"print('RESULT', json.dumps(mesh_errors({meshes!r})))", devices=devices))
+    return results
 
 
-@pytest.mark.parametrize("dp,tp", MESHES)
-def test_mesh_matches_one_device(mesh_results, dp, tp):
+@pytest.mark.parametrize("dp,tp,split_rows", [(*m, split) for ms, split in MESHES.values() for m in ms])
+def test_mesh_matches_one_device(mesh_results, dp, tp, split_rows):
     r = mesh_results[f"{dp}x{tp}"]
     assert r["routes"] == ROUTES
     assert r["err"] < TOL, r
     assert r["cache_pages"] == r["index_pages"] == [PAGES] * (dp * tp)  # split over data, copied over tensor
     assert r["q_b_rows"] == [TINY.num_attention_heads // tp * TINY.qk_head_dim] * (dp * tp)
+    assert r["wq_b_rows"] == [TINY.index_n_heads * TINY.index_head_dim] * (dp * tp)  # the indexer is whole
+    # scoring split by rows over the tensor shards where asked for (the groups whose rows tp divides:
+    # some), nowhere otherwise
+    if split_rows and tp > 1:
+        assert tp in r["indexer_shards"] and set(r["indexer_shards"]) <= {1, tp}, r["indexer_shards"]
+    else:
+        assert set(r["indexer_shards"]) == {1}, r["indexer_shards"]
 
 
 def test_fp8_split_mesh_matches_one_device():
@@ -50,10 +65,10 @@ def test_param_specs_split_heads():
     specs = param_specs(TINY)
     assert specs["q_b_proj.weight"] == jax.sharding.PartitionSpec("tensor", None)
     assert specs["o_proj.weight"] == jax.sharding.PartitionSpec(None, "tensor")
-    assert specs["indexer.weights_proj.weight"] == jax.sharding.PartitionSpec("tensor", None)
-    assert specs["indexer.wk.weight"] == jax.sharding.PartitionSpec()
+    for name in ("indexer.wq_b.weight", "indexer.weights_proj.weight", "indexer.wk.weight"):
+        assert specs[name] == jax.sharding.PartitionSpec(), name  # the indexer is whole on every shard
     local = shard_config(TINY, 2)
-    assert (local.num_attention_heads, local.index_n_heads) == (2, 2)
+    assert (local.num_attention_heads, local.index_n_heads) == (2, 4)
     with pytest.raises(ValueError, match="num_attention_heads=4 does not split over a tensor axis of size 3"):
         shard_config(TINY, 3)
 
@@ -96,3 +111,24 @@ def test_two_gpus_match_one_device():
         pytest.skip("needs 2 GPUs")
     for name, r in mesh_errors([(1, 2), (2, 1)]).items():
         assert r["routes"] == ROUTES and r["err"] < TOL, (name, r)
+
+
+def test_indexer_split_by_rows_is_a_plan_decision(monkeypatch):
+    """Whether tensor shards split a scoring call by rows is decided once, in the plan
+    (RowGroup.indexer_shards from policy.indexer_shards), with the Mosaic kernel shape chosen for
+    one shard's rows; the index heads need not divide the tensor axis (the indexer is whole)."""
+    from jax_sparse_mla import policy
+
+    n = policy.INDEXER_SPLIT_MIN_ROWS
+    assert [policy.indexer_shards(rows, tp) for rows, tp in [(n, 4), (n - 1, 4), (n * 3 + 1, 3), (4 * n, 1)]] == \
+        [4, 1, 1, 1]
+    long_ = [Request(0, 20, list(range(5)))]  # 32 padded rows, all scored (the sparse program)
+    assert [g.indexer_shards for g in plan_batch(TINY, long_, tensor_parallel=2)[0].groups] == [1]
+    monkeypatch.setattr(policy, "INDEXER_SPLIT_MIN_ROWS", 16)
+    (group,) = plan_batch(TINY, long_, tensor_parallel=2)[0].groups
+    assert (group.num_rows, group.indexer_shards) == (32, 2)
+    assert group.indexer_kernel == policy.indexer_kernel(16, 4)  # one shard's 16 rows over the 4 padded sequences
+    three_index_heads = dataclasses.replace(TINY, index_n_heads=3)
+    assert plan_batch(three_index_heads, long_, tensor_parallel=2)[0].tensor_parallel == 2
+    with pytest.raises(ValueError, match="tensor_parallel=3 does not divide num_attention_heads=4"):
+        plan_batch(TINY, long_, tensor_parallel=3)

@@ -42,7 +42,7 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16"):
         local_caches = [init_cache(config, PAGES) for _ in range(dp)]
         seqs = [dict() for _ in range(dp)]  # per shard: seq_id -> [hidden rows, done, block table]
         free = [list(range(PAGES)) for _ in range(dp)]
-        worst, routes, splits = 0.0, [], []
+        worst, routes, splits, indexer_shards = 0.0, [], [], []
         for step in STEPS:
             shards, rows = [], []
             for d in range(dp):
@@ -63,6 +63,7 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16"):
             plan, meta = plan_data_parallel(config, shards, pages_per_shard=PAGES, tensor_parallel=tp)
             routes.append(plan.route)
             splits.append(plan.num_upfront_rows)
+            indexer_shards += [g.indexer_shards for g in plan.groups]
             T = plan.num_tokens
             hidden = np.zeros((dp * T, config.hidden_size), np.float32)
             for d in range(dp):
@@ -92,5 +93,7 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16"):
             # pages per device (each holds its data shard's pages) and q_b_proj rows per device (its heads)
             "cache_pages": sorted(s.data.shape[0] for s in cache.latent.addressable_shards),
             "index_pages": sorted(s.data.shape[0] for s in cache.index_k.addressable_shards),
-            "q_b_rows": sorted(s.data.shape[0] for s in sharded_params["q_b_proj.weight"].addressable_shards)}
+            "q_b_rows": sorted(s.data.shape[0] for s in sharded_params["q_b_proj.weight"].addressable_shards),
+            "wq_b_rows": sorted(s.data.shape[0] for s in sharded_params["indexer.wq_b.weight"].addressable_shards),
+            "indexer_shards": indexer_shards}
     return results
