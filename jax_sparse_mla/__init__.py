@@ -2,7 +2,8 @@
 
 Functional core: MLAConfig, init_params / params_from_hf, init_cache, plan_batch, forward.
 Flax NNX wrapper: SparseMLA. Oracle: jax_sparse_mla.reference.
-Meshes (heads over "tensor", sequences over "data"): jax_sparse_mla.sharding.
+Meshes (heads over "tensor", sequences over "data"): jax_sparse_mla.sharding; a program per
+device (data-parallel attention, each device its own plan and cache): jax_sparse_mla.data_parallel.
 Checkpoints (orbax; Hugging Face safetensors layers): jax_sparse_mla.checkpoint.
 """
 

@@ -132,3 +132,29 @@ def test_indexer_split_by_rows_is_a_plan_decision(monkeypatch):
     assert plan_batch(three_index_heads, long_, tensor_parallel=2)[0].tensor_parallel == 2
     with pytest.raises(ValueError, match="tensor_parallel=3 does not divide num_attention_heads=4"):
         plan_batch(TINY, long_, tensor_parallel=3)
+
+
+def test_data_parallel_programs_per_device():
+    """jax_sparse_mla.data_parallel: each device plans and runs its own batch (its own route), on
+    its own cache, and gets exactly what one device running that batch alone gets; outputs and
+    caches never leave their device; an idle device keeps its cache."""
+    r = run_with_cpu_devices("import json; from tests.support.sharding import device_parallel_errors; "
+                             "print('RESULT', json.dumps(device_parallel_errors()))", devices=2)
+    assert r["routes"] == [["sparse", "dense"], ["sparse", "dense"], [None, "sparse"]], r
+    assert r["err"] == 0.0 and r["placed"], r
+
+
+def test_data_parallel_checks_its_arguments():
+    from jax_sparse_mla.data_parallel import data_parallel_step, plan_shards
+
+    dev = jax.devices()[:1]
+    with pytest.raises(ValueError, match="2 request lists for 1 devices"):
+        plan_shards(TINY, [[], []], dev, pages_per_device=8)
+    with pytest.raises(ValueError, match="data shard 0: request 0: page id 9 is outside"):
+        plan_shards(TINY, [[Request(0, 3, [9])]], dev, pages_per_device=8)
+    with pytest.raises(ValueError, match="data shard 0: expected a sequence of Requests"):
+        plan_shards(TINY, [Request(0, 3, [1])], dev, pages_per_device=8)
+    with pytest.raises(ValueError, match="one entry per device"):
+        data_parallel_step([{}], [], [None], [None], config=TINY)
+    with pytest.raises(ValueError, match="data shard 0 is idle"):
+        data_parallel_step([{}], [np.zeros(1)], [None], [None], config=TINY)

@@ -97,3 +97,68 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16"):
             "wq_b_rows": sorted(s.data.shape[0] for s in sharded_params["indexer.wq_b.weight"].addressable_shards),
             "indexer_shards": indexer_shards}
     return results
+
+
+# Steps per device for data_parallel: each device's own requests, routes differing by device.
+DEVICE_STEPS = [
+    [[("a", 37, 37)], [("b", 11, 11), ("c", 5, 5)]],   # sparse program | dense program
+    [[("a", 0, 1)], [("b", 0, 1), ("d", 6, 6)]],       # sparse | dense (a prefill beside a decode)
+    [[], [("c", 0, 1)]],                               # idle | sparse
+]
+
+
+def device_parallel_errors(kv_cache_dtype="bfloat16"):
+    """data_parallel on every device of the process against one-device jit_forward runs of each
+    device's own batch: the largest relative difference of any output or final cache, the routes
+    per step and device, and whether every output and cache stayed on its own device."""
+    from jax_sparse_mla.data_parallel import data_parallel_step, init_device_caches, plan_shards, replicate_params
+
+    config = dataclasses.replace(TINY, kv_cache_dtype=kv_cache_dtype)
+    devices = jax.devices()[:2]
+    rng = np.random.default_rng(1)
+    params = init_params(config, jax.random.key(0))
+    per_device = replicate_params(params, devices)
+    caches = init_device_caches(config, devices, PAGES)
+    local = [init_cache(config, PAGES) for _ in devices]  # the one-device runs, on the default device
+    seqs = [dict() for _ in devices]
+    free = [list(range(PAGES)) for _ in devices]
+    worst, routes, placed = 0.0, [], True
+    for step in DEVICE_STEPS:
+        shards, rows = [], []
+        for d, work in enumerate(step):
+            reqs, x = [], []
+            for sid, length, n in work:
+                if sid not in seqs[d]:
+                    pages = [free[d].pop(int(rng.integers(len(free[d])))) for _ in range(-(-length // config.page_size) + 1)]
+                    seqs[d][sid] = [rng.standard_normal((length + 4, config.hidden_size)).astype(np.float32), 0, pages]
+                h, done, table = seqs[d][sid]
+                reqs.append(Request(done, n, table))
+                x.append(h[done:done + n])
+                seqs[d][sid][1] += n
+            shards.append(reqs)
+            rows.append(np.concatenate(x) if x else None)
+        plans = plan_shards(config, shards, devices, pages_per_device=PAGES)
+        routes.append([None if p is None else p[0].route for p in plans])
+        hidden = []
+        for p, r in zip(plans, rows):
+            if p is None:
+                hidden.append(None)
+                continue
+            x = np.zeros((p[0].num_tokens, config.hidden_size), np.float32)
+            x[:len(r)] = r
+            hidden.append(jnp.asarray(x))
+        outs, caches = data_parallel_step(per_device, hidden, caches, plans, config=config)
+        for d, (out, p) in enumerate(zip(outs, plans)):
+            if p is None:
+                placed &= out is None
+                continue
+            placed &= out.devices() == {devices[d]}
+            p1, m1 = plan_batch(config, shards[d], num_pages=PAGES)
+            ref, local[d] = jit_forward(params, hidden[d], local[d], m1, plan=p1, config=config)
+            worst = max(worst, float(np.abs(np.asarray(out) - np.asarray(ref)).max() / np.abs(np.asarray(ref)).max()))
+    for d, (cache, want) in enumerate(zip(caches, local)):
+        placed &= all(leaf.devices() == {devices[d]} for leaf in jax.tree.leaves(cache))
+        for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(want)):
+            a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
+            worst = max(worst, float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)))
+    return {"err": worst, "routes": routes, "placed": bool(placed)}
