@@ -434,6 +434,15 @@ def _validate(config: MLAConfig, requests, num_pages: int | None) -> list[Reques
     return out
 
 
+def check_slot_range(config: MLAConfig, num_pages: int) -> None:
+    """ValueError unless every slot number of a cache of num_pages pages (page * page_size +
+    offset) fits int32: the caches and every slot list are int32."""
+    slot_pages = (INT32_MAX + 1) // config.page_size
+    if num_pages > slot_pages:
+        raise ValueError(f"num_pages = {num_pages} pages of {config.page_size} tokens: slot numbers would overflow "
+                         f"int32 (at most {slot_pages} pages)")
+
+
 def _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch,
                    tensor_parallel=1) -> int | None:
     """Checks plan_batch's arguments other than the requests; returns num_pages as an int (or None)."""
@@ -454,10 +463,7 @@ def _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispa
         return None
     if not is_int(num_pages) or num_pages < 1:
         raise ValueError(f"num_pages must be a positive int or None, got {num_pages!r}")
-    slot_pages = (INT32_MAX + 1) // config.page_size
-    if num_pages > slot_pages:
-        raise ValueError(f"num_pages = {num_pages} pages of {config.page_size} tokens: slot numbers would overflow "
-                         f"int32 (at most {slot_pages} pages)")
+    check_slot_range(config, num_pages)
     return int(num_pages)
 
 

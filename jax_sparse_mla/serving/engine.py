@@ -19,8 +19,8 @@ from ..config import MLAConfig
 from ..kernels import CHOICES as KERNEL_CHOICES
 from ..model import jit_forward
 from ..params import init_params
-from ..plan import DISPATCH_MODES, BatchMeta, BucketPolicy, Request, plan_batch
-from ..validate import INT32_MAX, as_bool, as_int, is_int
+from ..plan import DISPATCH_MODES, BatchMeta, BucketPolicy, Request, check_slot_range, plan_batch
+from ..validate import as_bool, as_int, is_int
 from . import block as _block
 from .block import BLOCKS, MoEConfig
 from .metrics import RequestMetrics, ServeResult, StepRecord
@@ -151,9 +151,7 @@ class Engine:
             raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
         num_layers = as_int(num_layers, "num_layers", 1)
         num_pages, pool_size = as_int(num_pages, "num_pages", 1), as_int(pool_size, "pool_size", 1)
-        if num_pages * config.page_size - 1 > INT32_MAX:
-            raise ValueError(f"num_pages = {num_pages} pages of {config.page_size} tokens: slot numbers would "
-                             "overflow int32")
+        check_slot_range(config, num_pages)
         if not is_int(seed) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         self.config, self.num_pages, self.seed, self.pool_size = config, num_pages, int(seed), pool_size
