@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from .cache import PagedCache, check_cache, init_cache
 from .config import MLAConfig, RopeScaling
 from .params import FP8_WEIGHT_BLOCK, check_params, hf_tensor_to_param, param_shapes, params_from_hf
+from .validate import is_int
 
 FORMAT = "jax_sparse_mla.checkpoint/1"
 INDEX_FILE = "model.safetensors.index.json"
@@ -189,7 +190,7 @@ def restore_checkpoint(directory, *, param_shardings=None, cache_shardings=None,
                              + _config_diff(saved_config, config))
         config = saved_config
         num_pages = meta["num_pages"]
-        if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1):
+        if num_pages is not None and (not is_int(num_pages) or num_pages < 1):
             raise ValueError(f"{path}: the saved meta's num_pages is {num_pages!r}, not null or a positive int")
         shapes = param_shapes(config)
         dtypes = meta["param_dtypes"]
@@ -348,7 +349,7 @@ def _optional_int(hf: Mapping[str, Any], key: str, default):
     value = hf.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_int(value) or value < 0:
         raise ValueError(f"{key} must be a non-negative int, got {value!r}")
     return value
 
@@ -451,8 +452,8 @@ def load_layer_from_safetensors(path, layer_idx: int, **config_overrides) -> tup
     outside the directory (index entries with `..`, absolute paths, symlinks out of it).
     """
     directory = pathlib.Path(path)
-    if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
-        raise ValueError(f"layer_idx must be an int, got {layer_idx!r}")
+    if not is_int(layer_idx):
+        raise ValueError(f"layer_idx must be an integer, got {layer_idx!r}")
     config, num_layers, config_file = _hf_config(directory, config_overrides)
     if num_layers is not None and not 0 <= layer_idx < num_layers:
         raise ValueError(f"layer_idx {layer_idx} is out of range: {config_file} has {num_layers} layers")
@@ -527,8 +528,8 @@ def load_model_from_safetensors(path, *, layers: Sequence[int] | None = None, sh
         raise ValueError(f"layers must be a non-empty sequence of layer indices, got {layers!r}")
     layers = list(layers)
     for layer_idx in layers:
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
-            raise ValueError(f"layers must hold ints, got {layer_idx!r}")
+        if not is_int(layer_idx):
+            raise ValueError(f"layers must hold integers, got {layer_idx!r}")
         if num_layers is not None and not 0 <= layer_idx < num_layers:
             raise ValueError(f"layer {layer_idx} is out of range: {config_file} has {num_layers} layers")
     if len(set(layers)) != len(layers):
@@ -677,7 +678,7 @@ def restore_model_checkpoint(directory, *, param_shardings=None, cache_shardings
         raise FileNotFoundError(f"no checkpoint directory {path}")
     meta = _read_stack_meta(path)
     num_layers, with_caches = meta.get("num_layers"), meta.get("caches")
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+    if not is_int(num_layers) or num_layers < 1:
         raise ValueError(f"{path}: the saved stack meta's num_layers is {num_layers!r}, not a positive int")
     if not isinstance(with_caches, bool):
         raise ValueError(f"{path}: the saved stack meta's caches is {with_caches!r}, not true or false")

@@ -8,39 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import Any, Mapping
 
 import jax.numpy as jnp
+
+from .validate import as_int, as_real
 
 ACTIVATION_DTYPES = ("bfloat16", "float32")
 KV_CACHE_DTYPES = ("bfloat16", "float32", "fp8")
 INDEXER_DTYPES = ("fp8", "bfloat16", "float32")
 FP8_TILE = 128  # values per fp32 scale in the fp8 latent cache (FlashMLA's layout)
-
-
-def _as_int(value, what: str, *, minimum: int | None = None) -> int:
-    """value as an int (Python or numpy integer, not bool); ValueError naming `what` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{what} must be an int, got {type(value).__name__} {value!r}")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value}")
-    return value
-
-
-def _as_float(value, what: str, *, positive: bool = False, nonnegative: bool = False) -> float:
-    """value as a finite float (ints accepted, bools and strings not); ValueError naming `what` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{what} must be a real number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{what} must be finite, got {value}")
-    if positive and not value > 0:
-        raise ValueError(f"{what} must be positive, got {value}")
-    if nonnegative and not value >= 0:
-        raise ValueError(f"{what} must be >= 0, got {value}")
-    return value
 
 
 # rope types of config.json's rope_scaling / rope_parameters: "yarn" is supported, "default" means none.
@@ -71,13 +48,13 @@ class RopeScaling:
             object.__setattr__(self, name, value)
 
         try:
-            put("factor", _as_float(self.factor, "factor", positive=True))
+            put("factor", as_real(self.factor, "factor", finite=True, positive=True))
             put("original_max_position_embeddings",
-                _as_int(self.original_max_position_embeddings, "original_max_position_embeddings", minimum=1))
-            put("beta_fast", _as_float(self.beta_fast, "beta_fast", positive=True))
-            put("beta_slow", _as_float(self.beta_slow, "beta_slow", positive=True))
-            put("mscale", _as_float(self.mscale, "mscale", nonnegative=True))
-            put("mscale_all_dim", _as_float(self.mscale_all_dim, "mscale_all_dim", nonnegative=True))
+                as_int(self.original_max_position_embeddings, "original_max_position_embeddings", 1))
+            put("beta_fast", as_real(self.beta_fast, "beta_fast", finite=True, positive=True))
+            put("beta_slow", as_real(self.beta_slow, "beta_slow", finite=True, positive=True))
+            put("mscale", as_real(self.mscale, "mscale", finite=True, nonnegative=True))
+            put("mscale_all_dim", as_real(self.mscale_all_dim, "mscale_all_dim", finite=True, nonnegative=True))
         except ValueError as e:
             raise ValueError(f"invalid rope_scaling: {e}") from None
         if self.beta_fast < self.beta_slow:
@@ -108,7 +85,7 @@ class RopeScaling:
         if kind != "yarn":
             raise ValueError(f"{what} type {kind!r} is not supported (only 'yarn', or 'default' for none)")
         attention_factor = d.get("attention_factor")
-        if attention_factor is not None and _as_float(attention_factor, f"{what}.attention_factor") != 1.0:
+        if attention_factor is not None and as_real(attention_factor, f"{what}.attention_factor", finite=True) != 1.0:
             raise ValueError(f"{what}.attention_factor={attention_factor!r} is not supported (only 1)")
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
@@ -171,9 +148,9 @@ class MLAConfig:
                 raise ValueError(f"invalid MLAConfig: {e}") from None
 
         for f in _INT_FIELDS:
-            put(f, lambda v, name: _as_int(v, name, minimum=1))
+            put(f, lambda v, name: as_int(v, name, 1))
         for f in _FLOAT_FIELDS:
-            put(f, lambda v, name: _as_float(v, name, positive=True))
+            put(f, lambda v, name: as_real(v, name, finite=True, positive=True))
         for f, choices in _CHOICE_FIELDS.items():
             v = getattr(self, f)
             need(isinstance(v, str) and v in choices, f"{f} must be one of {choices}, got {v!r}")
@@ -221,7 +198,7 @@ class MLAConfig:
                 params = {**params, "rope_type": "default"}
             scaling["rope_parameters"] = RopeScaling.from_hf(params, what="rope_parameters")
         if theta:
-            values = {k: _as_float(v, k, positive=True) for k, v in theta.items()}
+            values = {k: as_real(v, k, finite=True, positive=True) for k, v in theta.items()}
             if len(set(values.values())) > 1:
                 raise ValueError(f"rope_theta and rope_parameters.rope_theta disagree: {values}")
             kw["rope_theta"] = next(iter(values.values()))

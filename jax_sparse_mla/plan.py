@@ -29,7 +29,7 @@ import numpy as np
 
 from . import policy
 from .config import MLAConfig
-from .validate import INT32_MAX, as_bool, is_int
+from .validate import INT32_MAX, as_bool, as_int, is_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,16 +297,6 @@ class BatchMeta:
                             for name, shape in BatchMeta.shapes(plan).items()})
 
 
-def _length(i: int, name: str, value, minimum: int) -> int:
-    if not is_int(value):
-        raise ValueError(f"request {i}: {name} must be an integer, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"request {i}: {name} must be >= {minimum}, got {value}")
-    if value > INT32_MAX:
-        raise ValueError(f"request {i}: {name} must be < 2**31 (int32), got {value}")
-    return int(value)
-
-
 def _page_ids(i: int, table) -> list[int]:
     """Request i's block table as a list of Python ints, each in int32 range."""
     where = f"request {i}: block_table"
@@ -414,8 +404,8 @@ def _validate(config: MLAConfig, requests, num_pages: int | None) -> list[Reques
         if not isinstance(r, Request):
             refuse(f"request {i}: expected a Request, got {type(r).__name__}")
         try:
-            context_len = _length(i, "context_len", r.context_len, 0)
-            query_len = _length(i, "query_len", r.query_len, 1)
+            context_len = as_int(r.context_len, f"request {i}: context_len", 0)
+            query_len = as_int(r.query_len, f"request {i}: query_len", 1)
             table = _page_ids(i, r.block_table)
         except ValueError as e:
             refuse(str(e))

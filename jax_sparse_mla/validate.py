@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 INT32_MAX = 2 ** 31 - 1
@@ -22,11 +24,19 @@ def as_int(value, what: str, minimum: int) -> int:
     return int(value)
 
 
-def as_real(value, what: str) -> float:
-    """value (an int or float, numpy's too, not bool) as a float; ValueError naming `what`."""
+def as_real(value, what: str, *, finite: bool = False, positive: bool = False, nonnegative: bool = False) -> float:
+    """value (an int or float, numpy's too, not bool) as a float, optionally finite, > 0 or >= 0;
+    ValueError naming `what`."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"{what} must be a real number, got {value!r} ({type(value).__name__})")
-    return float(value)
+    value = float(value)
+    if finite and not math.isfinite(value):
+        raise ValueError(f"{what} must be finite, got {value}")
+    if positive and not value > 0:
+        raise ValueError(f"{what} must be positive, got {value}")
+    if nonnegative and not value >= 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+    return value
 
 
 def as_bool(value, what: str) -> bool:

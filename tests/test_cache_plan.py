@@ -285,7 +285,7 @@ def test_sharded_forward_refuses_a_plan_made_for_another_config():
     (Request(False, 3, [0]), "request 0: context_len must be an integer, got False"),
     (Request(None, 3, [0]), "request 0: context_len must be an integer, got None"),
     (Request(0, "3", [0]), "request 0: query_len must be an integer, got '3'"),
-    (Request(2 ** 31, 1, [0]), r"request 0: context_len must be < 2\*\*31"),
+    (Request(2 ** 31, 1, [0]), r"request 0: context_len must be >= 0 and < 2\*\*31"),
     (Request(TINY.max_position_embeddings, 1, list(range(40961))),
      "request 0: context_len \\+ query_len = 163841 tokens exceeds max_position_embeddings = 163840"),
 ])
