@@ -125,7 +125,9 @@ def cpu_threads() -> int:
 
 def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size, impl: OpImpl,
                    kernel: str):
-    """[N, W * page_size] f32 indexer logits, -inf outside [0, row_end) (see pallas_kernels.indexer_logits).
+    """[N, W * page_size] f32 indexer logits of columns [0, row_end); the rest unspecified (the
+    Mosaic kernels skip the -inf fill past a row tile's computed blocks: clean=False in
+    pallas_kernels.indexer_logits): read them through topk(lengths=row_end).
     kernel: "prefill" | "decode", the Mosaic kernel shape the plan chose for these rows
     (RowGroup.indexer_kernel; used when impl runs Mosaic)."""
     if impl.backend == "xla":
@@ -133,8 +135,8 @@ def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
                                                            row_end, page_size=page_size)
     backend = f"mosaic_{kernel}" if impl.backend == "mosaic" else impl.backend
     return indexer_logits_lib.indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
-                                             page_size=page_size, backend=backend, interpret=impl.interpret,
-                                             **dict(impl.tuning))
+                                             page_size=page_size, backend=backend, clean=False,
+                                             interpret=impl.interpret, **dict(impl.tuning))
 
 
 def topk(logits, k: int, *, lengths, impl: OpImpl):

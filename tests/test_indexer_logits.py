@@ -480,3 +480,29 @@ def test_mosaic_decode_lowers_at_tiny_dims(rows_per_seq):
     args = (sd((n, hi, d), jnp.bfloat16), sd((n, hi), jnp.float32), sd((page * num_seqs * width, d), jnp.bfloat16),
             None, sd((num_seqs, width), jnp.int32), sd((n,), jnp.int32), sd((n,), jnp.int32))
     assert _lowers_to_mosaic_gpu("mosaic_decode", args, page)
+
+
+@pytest.mark.parametrize("backend,case,tiling", [
+    param("mosaic_prefill", dict(dtype=FP8, scaled=True, page=4, lengths=[37, 1, 300, 12], rows_per_seq=[5, 1, 9, 3]),
+          dict(block_rows=4, group=2, stages=2), id="mosaic_prefill-ragged"),
+    param("mosaic_prefill", dict(dtype=FP8, scaled=False, page=64, lengths=[150], rows_per_seq=[150]),
+          dict(block_rows=8, splits=3), id="mosaic_prefill-causal"),
+    param("mosaic_decode", dict(dtype=FP8, scaled=True, page=64, lengths=[520, 1, 77], rows_per_seq=[1, 1, 1]),
+          dict(chunk=4, step_blocks=2, stages=2), id="mosaic_decode-ragged"),
+    param("triton", dict(dtype=FP8, scaled=True, page=4, lengths=[37, 1, 90, 12], rows_per_seq=[5, 1, 7, 3]),
+          dict(block_rows=2, block_keys=32, chunk=32), id="triton"),
+])
+def test_unclean_logits_agree_within_each_row(backend, case, tiling):
+    """clean=False (the layer's call: top-k reads each row's first row_end columns only): the
+    columns [0, row_end) equal the clean call's bit for bit, and top-k with lengths=row_end picks
+    the same keys from either."""
+    args, page = make_indexer_case(3, **{**_TINY_DIMS, **case})
+    row_end = np.asarray(args[6])
+    clean = np.asarray(ops.indexer_logits(backend, *args, page_size=page, **tiling))
+    unclean = np.asarray(ops.indexer_logits(backend, *args, page_size=page, clean=False, **tiling))
+    inside = np.arange(clean.shape[1])[None, :] < row_end[:, None]
+    np.testing.assert_array_equal(unclean[inside], clean[inside])
+    k = 8
+    lengths = jnp.asarray(row_end, jnp.int32)
+    np.testing.assert_array_equal(np.sort(np.asarray(ops.topk("reference", jnp.asarray(unclean), k, lengths=lengths)), 1),
+                                  np.sort(np.asarray(ops.topk("reference", jnp.asarray(clean), k)), 1))

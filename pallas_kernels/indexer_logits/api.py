@@ -35,7 +35,7 @@ def dequantize_index_keys(keys, scale):
 
 
 def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size, backend,
-                   interpret=False, **tuning):
+                   clean=True, interpret=False, **tuning):
     """Indexer logits, Pallas kernels. Same contract as `reference.indexer_logits_reference`.
 
     q: [N, Hi, D]; weights [N, Hi] f32; k_cache [num_slots, D]; k_scale [num_slots] f32 or None;
@@ -50,6 +50,12 @@ def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
       "mosaic_decode": `mosaic_decode.indexer_logits_mosaic_decode`, Mosaic GPU, for 1-2 rows
         per sequence (a TMA stream of the key pages through a deep SMEM ring; bandwidth-bound).
     Which Mosaic kernel suits a batch: jax_sparse_mla.policy.indexer_kernel (docs/design/indexer.md).
+    clean: False lets the Mosaic kernels leave a row's columns unwritten past the last key block
+      its row tile computes (anything may be there; columns in [0, row_end) and -inf in computed
+      blocks as ever), as DeepGEMM's clean_logits=False: for a consumer that reads only each
+      row's first row_end columns (topk with lengths=row_end, as the layer does). It spares the
+      -inf fill of causal tails and padding rows (one 256-byte store per row per 64-key block).
+      The Triton kernel writes -inf there either way.
     tuning: keyword overrides the backend's kernel takes (BACKENDS[backend][1]); another name is
     a ValueError.
     """
@@ -59,5 +65,7 @@ def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
     unknown = sorted(set(tuning) - set(takes))
     if unknown:
         raise ValueError(f"the {backend} indexer kernel takes no {', '.join(unknown)} (its tuning: {', '.join(takes)})")
+    if backend != "triton":
+        tuning = dict(tuning, clean=clean)
     return kernel(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, page_size=page_size,
                   interpret=interpret, **tuning)

@@ -102,19 +102,20 @@ def load_ring(n_steps, stages, consumed_bar, load, init_carry=None):
     pl.loop(0, n_steps, init_carry=init_carry)(body)
 
 
-def fill_tail_and_drain(rows, fill_smem, stop, first, chunk, out_blocks, out_block):
-    """The memory warpgroup's end: -inf (fill_smem, 2 key blocks of SMEM) stored to out_block(row, b)
-    for each of the tile's rows (row ids, -1 = none) and the chunk's key blocks b at or past
-    `stop` (the tile's end) and before out_blocks; then waits until the stores have read SMEM
-    (the writes land by kernel end)."""
-    fill_smem[...] = jnp.full(fill_smem.shape, -jnp.inf, jnp.float32)
-    plgpu.commit_smem()
-    for row in rows:
-        @pl.when(row >= 0)
-        def _fill_row():
-            @pl.loop(jnp.maximum(stop, first), jnp.minimum(first + chunk, out_blocks))
-            def _fill(b):
-                plgpu.copy_smem_to_gmem(fill_smem.at[:BLOCK_KEYS], out_block(row, b))
+def fill_tail_and_drain(rows, fill_smem, stop, first, chunk, out_blocks, out_block, *, clean):
+    """The memory warpgroup's end: with `clean`, -inf (fill_smem, 2 key blocks of SMEM) stored to
+    out_block(row, b) for each of the tile's rows (row ids, -1 = none) and the chunk's key blocks
+    b at or past `stop` (the tile's end) and before out_blocks (without, those blocks stay
+    unwritten); then waits until the stores have read SMEM (the writes land by kernel end)."""
+    if clean:
+        fill_smem[...] = jnp.full(fill_smem.shape, -jnp.inf, jnp.float32)
+        plgpu.commit_smem()
+        for row in rows:
+            @pl.when(row >= 0)
+            def _fill_row():
+                @pl.loop(jnp.maximum(stop, first), jnp.minimum(first + chunk, out_blocks))
+                def _fill(b):
+                    plgpu.copy_smem_to_gmem(fill_smem.at[:BLOCK_KEYS], out_block(row, b))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 

@@ -122,7 +122,7 @@ def choose_decode_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_
     return DecodeTiling(block_rows, chunk, step_blocks, stages)
 
 
-def _kernel(*refs, tiling: DecodeTiling, swizzle, num_keys, scaled):
+def _kernel(*refs, tiling: DecodeTiling, swizzle, num_keys, scaled, clean):
     """One row per tile (block_rows 1): row_seq [N], row_end [N] int32 read by the kernel itself,
     bt [S, Wp] int32 (the sequences' 64-key pages, Wp a multiple of chunk). Else: meta [T, M]
     int32 (sequence, tile end, row ids, row ends), bt [T, Wp] (each tile's sequence's row,
@@ -208,7 +208,8 @@ def _kernel(*refs, tiling: DecodeTiling, swizzle, num_keys, scaled):
                         plgpu.copy_gmem_to_smem(ks_ref.at[keys], ks_smem.at[slot, b], k_bar.at[slot])
 
             load_ring(n_steps, stages, consumed_bar, load_keys)
-            fill_tail_and_drain(rows, fill_smem, stop, first, chunk, out_blocks, lambda row, b: out_ref.at[row, b])
+            fill_tail_and_drain(rows, fill_smem, stop, first, chunk, out_blocks, lambda row, b: out_ref.at[row, b],
+                                clean=clean)
 
         def compute(wg):
             rows, ends, (_, n_blocks, n_steps) = tile_header(meta)
@@ -298,13 +299,14 @@ def _pages_of_64(k_cache, k_scale, block_tables, page_size):
 
 
 def indexer_logits_mosaic_decode(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *,
-                               page_size, interpret=False, **tiling_overrides):
+                               page_size, clean=True, interpret=False, **tiling_overrides):
     """Indexer logits for decode-shaped batches (1-2 rows per sequence, long contexts), Pallas
     Mosaic GPU kernel (Hopper). Same contract as `indexer_logits_reference`.
 
     q: [N, Hi, D] e4m3 or bf16; weights [N, Hi] f32; k_cache [num_slots, D] (same dtype as q);
     k_scale [num_slots] f32 or None; block_tables [S, W] int32; row_seq, row_end [N] int32.
-    Returns [N, W * page_size] f32, -inf at positions >= row_end[n].
+    Returns [N, W * page_size] f32, -inf at positions >= row_end[n] (clean=False: past the row's
+    tile's last computed key block unwritten, see `api`).
     tiling_overrides: block_rows, chunk, step_blocks, stages, num_sms (see `choose_decode_tiling`).
     interpret: run in the Mosaic GPU interpreter (CPU tests; eager only, it deadlocks under jit,
     and on a 2-core host once the key ring wraps unless PJRT_NPROC raises XLA's CPU thread count).
@@ -333,7 +335,7 @@ def indexer_logits_mosaic_decode(q, weights, k_cache, k_scale, block_tables, row
     args.append(k_cache)
     if k_scale is not None:
         args.append(k_scale.astype(jnp.float32))
-    kernel = ring_kernel(functools.partial(_kernel, tiling=tiling, swizzle=swizzle, num_keys=num_keys,
+    kernel = ring_kernel(functools.partial(_kernel, tiling=tiling, swizzle=swizzle, num_keys=num_keys, clean=clean,
                                             scaled=k_scale is not None),
                           jax.ShapeDtypeStruct((n, key_blocks, BLOCK_KEYS), jnp.float32), (splits, num_tiles),
                           "indexer_logits_decode_mgpu", interpret)

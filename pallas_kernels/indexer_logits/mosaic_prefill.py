@@ -97,7 +97,7 @@ def choose_prefill_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block
 
 
 def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: PrefillTiling, page_size, chunk,
-            swizzle):
+            swizzle, clean):
     """meta [T, M] int32 (sequence, tile end, row ids, row ends); q [N, Hi, D]; w [T, BR, Hi] f32;
     bt [S, W] int32; k [slots, D]; k_scale [slots] f32 (if present); out [N, Lp] f32."""
     *ks_ref, out_ref = rest
@@ -137,7 +137,7 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: PrefillTiling,
 
             load_ring(n_steps, stages, consumed_bar, load_keys, init_carry=block_slot(0))
             fill_tail_and_drain([meta_smem[2 + j] for j in range(br)], fill_smem, stop, first, chunk, out_blocks,
-                                 lambda row, b: out_ref.at[row, pl.ds(b * bk, bk)])
+                                 lambda row, b: out_ref.at[row, pl.ds(b * bk, bk)], clean=clean)
 
         def compute(wg):
             _, _, n_steps = chunk_header(meta_smem, meta_bar, first, chunk)
@@ -205,13 +205,14 @@ def _tiles(row_seq, row_end, num_seqs, num_keys, block_rows):
 
 
 def indexer_logits_mosaic_prefill(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size,
-                        interpret=False, **tiling_overrides):
+                        clean=True, interpret=False, **tiling_overrides):
     """Indexer logits, Pallas Mosaic GPU kernel (Hopper). Same contract as
     `indexer_logits_reference`.
 
     q: [N, Hi, D] e4m3 or bf16; weights [N, Hi] f32; k_cache [num_slots, D] (same dtype as q);
     k_scale [num_slots] f32 or None; block_tables [S, W] int32; row_seq, row_end [N] int32.
-    Returns [N, W * page_size] f32, -inf at positions >= row_end[n].
+    Returns [N, W * page_size] f32, -inf at positions >= row_end[n] (clean=False: -inf only up to
+    the end of the row's tile's last computed key block; past it unwritten, see `api`).
     tiling_overrides: block_rows, group, stages, splits (see `PrefillTiling`). interpret: run in
     the Mosaic GPU interpreter (CPU tests).
     """
@@ -242,7 +243,7 @@ def indexer_logits_mosaic_prefill(q, weights, k_cache, k_scale, block_tables, ro
     if k_scale is not None:
         args.append(k_scale.astype(jnp.float32))
     kernel = ring_kernel(
-        functools.partial(_kernel, tiling=tiling, page_size=page_size, chunk=chunk, swizzle=swizzle),
+        functools.partial(_kernel, tiling=tiling, page_size=page_size, chunk=chunk, swizzle=swizzle, clean=clean),
         jax.ShapeDtypeStruct((n, key_blocks * BLOCK_KEYS), jnp.float32), (tiling.splits, meta.shape[0]),
         "indexer_logits_mgpu", interpret)
     out = kernel(*args)
