@@ -16,11 +16,11 @@ run concurrently):
 The cost: a program is compiled per (plan, device), where the SPMD mesh program is compiled once
 per plan; a device's step time follows its own batch (no padding to the largest shard).
 
-When to use which (docs/design/sharding.md): data parallelism keeps every kernel at the layer's
-full head counts (128 attention heads, 64 index heads: the kernels' most efficient shapes) and
-needs no collective, at the memory cost of a whole attention layer per device (~0.2B parameters
-a layer at DeepSeek-V3.2's dimensions); tensor parallelism splits the weights and each token's
-work over devices, for a latency-bound batch or when the weights must be split.
+When to use which (docs/design/sharding.md): data parallelism keeps the attention kernels at the
+layer's 128 heads (their most efficient shape) and needs no collective, at the memory cost of a
+whole attention layer per device (~0.2B parameters a layer at DeepSeek-V3.2's dimensions);
+tensor parallelism splits every weight but the indexer's and each token's attention work over
+devices, for a latency-bound batch or when the weights must be split.
 """
 
 from __future__ import annotations

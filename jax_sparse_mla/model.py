@@ -171,16 +171,19 @@ def _topk_slots(params, x, qr, positions, cache: cache_lib.PagedCache, meta: Bat
     x [T, hidden], qr [T, q_lora], positions [T]: every row's input, q latent and position (the
     indexer's queries are projected here, for the scored rows only); group: the plan's RowGroup of
     these rows (its Mosaic indexer kernel shape and its split over tensor shards). The indexer's
-    weights are whole on every tensor shard: with group.indexer_shards > 1 each shard scores its
-    contiguous share of the rows and the shards all-gather the slots; else every shard scores
-    every row (the same slots everywhere, no communication).
+    weights are whole on every tensor shard: with group.indexer_shards = tp > 1 shard s scores
+    rows s, s + tp, s + 2 tp, ... (striped: a causal prefill's row costs grow with its position,
+    so contiguous shares would leave the last shard the most work; each share stays in sequence
+    order) and the shards all-gather the slots; else every shard scores every row (the same
+    slots everywhere, no communication).
     """
-    if group.indexer_shards > 1:
+    tp = group.indexer_shards
+    if tp > 1:
         ids = jnp.arange(meta.positions.shape[0], dtype=jnp.int32) if rows is None else rows
-        share = ids.shape[0] // group.indexer_shards
-        mine = jax.lax.dynamic_slice_in_dim(ids, jax.lax.axis_index(tensor_axis) * share, share)
+        mine = ids.reshape(-1, tp)[:, jax.lax.axis_index(tensor_axis)]  # [N / tp]
         slots = _score_rows(params, x, qr, positions, cache, meta, mine, group, config=config, impl=impl)
-        return jax.lax.all_gather(slots, tensor_axis, tiled=True)
+        gathered = jax.lax.all_gather(slots, tensor_axis)  # [tp, N / tp, topk]: shard s holds rows s::tp
+        return jnp.swapaxes(gathered, 0, 1).reshape(ids.shape[0], -1)
     return _score_rows(params, x, qr, positions, cache, meta, rows, group, config=config, impl=impl)
 
 

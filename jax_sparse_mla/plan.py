@@ -175,8 +175,9 @@ class BatchPlan:
       (policy.dequantize_route): a prefill gathers each row of its sequence many times. The
       three sizes are power-of-two buckets, so an fp8 cache compiles more programs.
     tensor_parallel: the tensor-axis size the plan was made for (its fp8 split decided with
-      num_attention_heads / tensor_parallel heads per shard). Keyword-only; forward runs 1
-      (sharding.sharded_forward refuses a plan made for another tensor size).
+      num_attention_heads / tensor_parallel heads per shard, its indexer split per group).
+      Keyword-only; forward requires the size of the tensor axis it runs under (1 without one;
+      sharding.sharded_forward refuses a plan made for another tensor size).
     groups: every RowGroup the program calls the indexer or sparse attention on, with the
       kernel shape and fp8 route decided for it (computed from the other fields: not an
       argument, and recomputed by dataclasses.replace).
@@ -218,7 +219,12 @@ class BatchPlan:
         if not isinstance(self.config, PlanConfig):
             raise ValueError(f"plan.config must be a PlanConfig (make plans with plan_batch), got {self.config!r}")
         layer = dataclasses.replace(PlanConfig.of(config), num_attention_heads=config.num_attention_heads * shards)
-        diff = [f"{f.name}={getattr(self.config, f.name)!r} (the config has {getattr(layer, f.name)!r})"
+
+        def has(name):  # what the config gives for a field (heads: per shard x shards)
+            if name == "num_attention_heads" and shards > 1:
+                return f"{config.num_attention_heads} a shard x {shards} shards"
+            return repr(getattr(config, name))
+        diff = [f"{f.name}={getattr(self.config, f.name)!r} (the config has {has(f.name)})"
                 for f in dataclasses.fields(PlanConfig) if getattr(self.config, f.name) != getattr(layer, f.name)]
         if diff:
             raise ValueError(f"the plan was made for a config with {', '.join(diff)}: plan the batch with the "
@@ -388,11 +394,11 @@ def _validate(config: MLAConfig, requests, num_pages: int | None) -> list[Reques
     if len(requests) == 0:
         raise ValueError("empty batch: plan_batch needs at least one request")
     ps = config.page_size
-    slot_pages = (INT32_MAX + 1) // ps  # pages whose slot numbers page * page_size + offset fit int32
+    slot_pages = max_slot_pages(config)
     limit = slot_pages if num_pages is None else num_pages
     bound = (f"[0, {num_pages})" if num_pages is not None else
              f"[0, {slot_pages}), the pages of {ps} tokens whose slot numbers fit int32")
-    max_len = min(config.max_position_embeddings, INT32_MAX)
+    max_len = config.max_position_embeddings  # < 2**31 (MLAConfig checks it)
     out: list[Request] = []
 
     def refuse(message: str):  # a problem of request len(out); an earlier request's pages come first
@@ -424,10 +430,15 @@ def _validate(config: MLAConfig, requests, num_pages: int | None) -> list[Reques
     return out
 
 
+def max_slot_pages(config: MLAConfig) -> int:
+    """The most pages a cache can have: its slot numbers (page * page_size + offset) are int32."""
+    return (INT32_MAX + 1) // config.page_size
+
+
 def check_slot_range(config: MLAConfig, num_pages: int) -> None:
-    """ValueError unless every slot number of a cache of num_pages pages (page * page_size +
-    offset) fits int32: the caches and every slot list are int32."""
-    slot_pages = (INT32_MAX + 1) // config.page_size
+    """ValueError unless every slot number of a cache of num_pages pages fits int32 (the caches
+    and every slot list are int32)."""
+    slot_pages = max_slot_pages(config)
     if num_pages > slot_pages:
         raise ValueError(f"num_pages = {num_pages} pages of {config.page_size} tokens: slot numbers would overflow "
                          f"int32 (at most {slot_pages} pages)")

@@ -24,7 +24,10 @@ MGPU_MIN_ROWS_PER_SEQ = 16
 # all-gathering the slots (rows x topk int32); a smaller group is scored whole on every shard
 # (no communication). An estimate, not a measurement: scoring + top-k of a row at 8K context
 # costs ~0.19 us on one H200 (1.55 ms for 8K rows), its slots' all-gather ~0.03 us over NVLink,
-# plus ~20 us a collective; to be settled on several GPUs (docs/design/sharding.md).
+# plus ~20 us a collective; to be settled on several GPUs (docs/design/sharding.md). Unmeasured
+# costs of a split: the Mosaic decode kernel guesses a row's sequence from its index (row i ->
+# sequence i, right for a batch of decodes in plan order) and reloads the table row when wrong,
+# which every row of a split share is (shard s scores rows s, s + tp, ...).
 INDEXER_SPLIT_MIN_ROWS = 256
 
 DEQUANTIZE_ROUTES = ("kernel", "upfront")

@@ -243,8 +243,8 @@ def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh:
     hidden: [dp * plan.num_tokens, hidden_size]; cache: PagedCache of dp * pages_per_shard pages;
     meta: from plan_data_parallel. Returns (out [dp * plan.num_tokens, hidden_size], new cache).
     plan: planned with this (full) config, which is checked (BatchPlan.check_config), and for this
-    mesh's tensor size (BatchPlan.tensor_parallel); each shard's forward checks its per-shard
-    config against the plan's record with the same replacement.
+    mesh's tensor size (BatchPlan.tensor_parallel); each shard's forward gets this plan and its
+    per-shard config, and checks one against the other (BatchPlan.check_config(config, shards=tp)).
     data_axis / tensor_axis: the mesh's axis names for the sequences and the heads.
     Jit with mesh, plan, config, kernels and the axis names static (`jit_sharded_forward`).
     """

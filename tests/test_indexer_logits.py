@@ -502,7 +502,13 @@ def test_unclean_logits_agree_within_each_row(backend, case, tiling):
     unclean = np.asarray(ops.indexer_logits(backend, *args, page_size=page, clean=False, **tiling))
     inside = np.arange(clean.shape[1])[None, :] < row_end[:, None]
     np.testing.assert_array_equal(unclean[inside], clean[inside])
+    if backend.startswith("mosaic"):  # the fill was skipped: the interpreter leaves NaN unwritten
+        assert np.isnan(unclean[~inside]).any()
+    else:  # the Triton kernel fills either way
+        np.testing.assert_array_equal(unclean, clean)
     k = 8
     lengths = jnp.asarray(row_end, jnp.int32)
-    np.testing.assert_array_equal(np.sort(np.asarray(ops.topk("reference", jnp.asarray(unclean), k, lengths=lengths)), 1),
-                                  np.sort(np.asarray(ops.topk("reference", jnp.asarray(clean), k)), 1))
+    want = np.sort(np.asarray(ops.topk("reference", jnp.asarray(clean), k)), 1)
+    for topk_backend in ("reference", "triton"):
+        got = ops.topk(topk_backend, jnp.asarray(unclean), k, lengths=lengths)
+        np.testing.assert_array_equal(np.sort(np.asarray(got), 1), want, err_msg=topk_backend)

@@ -158,3 +158,12 @@ def test_data_parallel_checks_its_arguments():
         data_parallel_step([{}], [], [None], [None], config=TINY)
     with pytest.raises(ValueError, match="data shard 0 is idle"):
         data_parallel_step([{}], [np.zeros(1)], [None], [None], config=TINY)
+
+
+def test_a_shard_config_is_checked_against_the_layer_plan():
+    plan, _ = plan_batch(TINY, [Request(0, 5, [0, 1])], tensor_parallel=2)
+    plan.check_config(shard_config(TINY, 2), 2)  # what sharded_forward's shards do
+    with pytest.raises(ValueError, match=r"num_attention_heads=4 \(the config has 1 a shard x 2 shards\)"):
+        plan.check_config(shard_config(TINY, 4), 2)
+    with pytest.raises(ValueError, match=r"num_attention_heads=4 \(the config has 2\)"):
+        plan.check_config(shard_config(TINY, 2))

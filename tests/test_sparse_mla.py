@@ -185,6 +185,26 @@ def test_work_stops_at_the_last_valid_slot(backend, num_splits):
     check(backend, (q, latent, latent_scale, k_pe, slots), scale=0.1, block_k=16, num_splits=num_splits, **BF16)
 
 
+def test_triton_kernel_walks_only_the_live_blocks(monkeypatch):
+    """The Triton kernel stops where `live_blocks` says, whatever the slots hold: told that row 1
+    has no live block (and row 2 one), row 1 comes out empty and row 2 attends its first block
+    only, while the other rows are unchanged bit for bit."""
+    from pallas_kernels.sparse_mla import triton as triton_kernel
+
+    inputs = make_inputs(12, rows=4, heads=4, topk=64, cache="bf16", q_dtype=jnp.bfloat16, hole_frac=0.0, **TINY)
+    q, latent, latent_scale, k_pe, slots = inputs
+    kw = dict(scale=0.1, block_k=16, num_splits=1)
+    want_out, want_lse = map(np.asarray, ops.sparse_mla("triton", *inputs, **kw))
+    real = triton_kernel.live_blocks
+    monkeypatch.setattr(triton_kernel, "live_blocks", lambda s, b: real(s, b).at[1].set(0).at[2].set(1))
+    out, lse = map(np.asarray, ops.sparse_mla("triton", *inputs, **kw))
+    np.testing.assert_array_equal(out[[0, 3]], want_out[[0, 3]])
+    np.testing.assert_array_equal(out[1], 0.0)
+    np.testing.assert_array_equal(lse[1], np.inf)
+    first_block = np.asarray(ops.sparse_mla("triton", q, latent, latent_scale, k_pe, slots.at[:, 16:].set(-1), **kw)[0])
+    np.testing.assert_array_equal(out[2], first_block[2])
+
+
 @pytest.mark.parametrize("backend", kernels(jnp.float32))
 def test_large_scores_are_stable(backend):
     """Scores in the hundreds: the online softmax must rescale, not overflow."""

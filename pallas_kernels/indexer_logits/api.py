@@ -2,11 +2,11 @@
 
 For each scored row n (a query token), over the keys of its own sequence:
     logits[n, s] = sum_h weights[n, h] * relu(q[n, h] . k[s]) * k_scale[s]   for s < row_end[n]
-and -inf elsewhere. Keys are addressed by position s of the row's sequence through its block
+and -inf elsewhere (with clean=True, the default; clean=False: see `indexer_logits`). Keys are addressed by position s of the row's sequence through its block
 table: slot = block_tables[seq, s // page_size] * page_size + s % page_size.
 Isolation (every implementation, the Mosaic GPU kernels included): a key enters only its own
 logit (q . k contracts D, the head sum runs per key), and a logit at s >= row_end is replaced by
--inf (select), so NaN / inf in keys past row_end, on -1 table entries (which read page 0, or
+-inf (select) or left unwritten (clean=False), never computed from such keys, so NaN / inf in keys past row_end, on -1 table entries (which read page 0, or
 zeros where keys are gathered first) or in other sequences' pages reach no valid logit.
 """
 
@@ -36,7 +36,8 @@ def dequantize_index_keys(keys, scale):
 
 def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size, backend,
                    clean=True, interpret=False, **tuning):
-    """Indexer logits, Pallas kernels. Same contract as `reference.indexer_logits_reference`.
+    """Indexer logits, Pallas kernels. Same contract as `reference.indexer_logits_reference`
+    (with clean=True; clean=False below).
 
     q: [N, Hi, D]; weights [N, Hi] f32; k_cache [num_slots, D]; k_scale [num_slots] f32 or None;
     block_tables [S, W] int32; row_seq, row_end [N] int32 -> [N, W * page_size] f32.

@@ -176,7 +176,8 @@ def sparse_mla_triton(q, latent, latent_scale, k_pe, slots, *, scale, interpret=
         num_splits = auto_num_splits(n_rows, head_blocks, num_blocks)
     num_splits = max(1, min(num_splits, num_blocks))
     blocks_per_split = pl.cdiv(num_blocks, num_splits)
-    num_splits = pl.cdiv(num_blocks, blocks_per_split)  # no split left without work
+    # no split past the slot list (a split past a row's live blocks writes 0 and lse -inf)
+    num_splits = pl.cdiv(num_blocks, blocks_per_split)
     if num_warps is None:
         num_warps = 4 if block_h <= 16 else 8
 
