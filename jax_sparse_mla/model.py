@@ -68,10 +68,10 @@ def indexer_queries(params, x, qr, positions, config: MLAConfig):
     On the fp8 path q is e4m3 and each (row, head) scale is folded into the weights.
     """
     c_ = config
-    n_heads = c_.index_n_heads
     q = linear(qr, params["indexer.wq_b.weight"], c_).reshape(qr.shape[0], c_.index_n_heads, c_.index_head_dim)
     q = ops.hadamard(ops.rope_neox_prefix(q, positions, c_))
-    weights = linear(x, params["indexer.weights_proj.weight"], c_) * (n_heads ** -0.5 * c_.index_head_dim ** -0.5)
+    weights = linear(x, params["indexer.weights_proj.weight"], c_) * (
+        c_.index_n_heads ** -0.5 * c_.index_head_dim ** -0.5)
     if c_.indexer_dtype == "fp8":
         q, q_scale = ops.act_quant(q)
         return q, weights * q_scale

@@ -2,12 +2,14 @@
 
 For each scored row n (a query token), over the keys of its own sequence:
     logits[n, s] = sum_h weights[n, h] * relu(q[n, h] . k[s]) * k_scale[s]   for s < row_end[n]
-and -inf elsewhere (with clean=True, the default; clean=False: see `indexer_logits`). Keys are addressed by position s of the row's sequence through its block
-table: slot = block_tables[seq, s // page_size] * page_size + s % page_size.
+and -inf elsewhere (with clean=True, the default; clean=False: see `indexer_logits`). Keys are
+addressed by position s of the row's sequence through its block table:
+slot = block_tables[seq, s // page_size] * page_size + s % page_size.
 Isolation (every implementation, the Mosaic GPU kernels included): a key enters only its own
 logit (q . k contracts D, the head sum runs per key), and a logit at s >= row_end is replaced by
--inf (select) or left unwritten (clean=False), never computed from such keys, so NaN / inf in keys past row_end, on -1 table entries (which read page 0, or
-zeros where keys are gathered first) or in other sequences' pages reach no valid logit.
+-inf (select) or left unwritten (clean=False), so NaN / inf in keys past row_end, on -1 table
+entries (which read page 0, or zeros where keys are gathered first) or in other sequences'
+pages reach no valid logit.
 """
 
 from __future__ import annotations

@@ -66,7 +66,6 @@ def topk(logits, k: int, *, lengths=None, backend="triton", interpret=False, blo
         return jnp.zeros((n, k), jnp.int32)
     if num_keys == 0:
         return jnp.full((n, k), -1, jnp.int32)
-    lengths = jnp.full((n,), num_keys, jnp.int32) if lengths is None else jnp.clip(lengths, 0, num_keys).astype(jnp.int32)
-    return topk_stages(logits, k, lengths, interpret=interpret, block=block, num_warps=num_warps,
+    return topk_stages(logits, k, lengths=lengths, interpret=interpret, block=block, num_warps=num_warps,
                        num_stages=num_stages, sample=sample, capacity=capacity,
                        slices=slices)["out"]

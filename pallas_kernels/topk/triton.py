@@ -432,10 +432,11 @@ def _sample_plan(num_keys, k, sample, capacity):
     return sample, r_lo, r_hi, tol, capacity or default_cap
 
 
-def topk_stages(logits, k, lengths, *, interpret, block, num_warps, num_stages, sample, capacity, slices,
+def topk_stages(logits, k, *, lengths, interpret, block, num_warps, num_stages, sample, capacity, slices,
                 group=None):
-    """`api.topk`'s kernels for N, L, k >= 1 and lengths [N] i32 in [0, L] (row n's keys: its first
-    lengths[n] columns) -> {"out": [N, k], "thresholds": [N, 2] (t_lo, t_hi),
+    """`api.topk`'s kernels for N, L, k >= 1 and lengths [N] int or None (row n's keys: its first
+    lengths[n] columns, clipped to [0, L]; None: whole rows)
+    -> {"out": [N, k], "thresholds": [N, 2] (t_lo, t_hi),
     "counts": [N, S, 4] (definite, band, valid, 0 per slice), "band_keys": [N, cap (+block)],
     "capacity": cap}; the intermediates let tests see which path each row took. group: chunks
     whose loads are issued together (default: 4 with several slices a row, else 1)."""
@@ -453,6 +454,8 @@ def topk_stages(logits, k, lengths, *, interpret, block, num_warps, num_stages, 
     spare = block if interpret else 0
     num_warps = num_warps or 8
     x = logits.astype(jnp.float32)
+    lengths = (jnp.full((n,), num_keys, jnp.int32) if lengths is None
+               else jnp.clip(lengths, 0, num_keys).astype(jnp.int32))
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages or 3)
     call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)

@@ -107,9 +107,7 @@ def topk_stages(logits, k, *, lengths=None, interpret=None, **tuning):
     lengths default to whole rows."""
     opts = dict(block=None, num_warps=None, num_stages=None, sample=None, capacity=None, slices=None, group=None)
     opts.update(tuning)
-    n, num_keys = logits.shape
-    lengths = jnp.full((n,), num_keys, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
-    return topk_stages_triton(logits, k, lengths, interpret=_interpret(interpret), **opts)
+    return topk_stages_triton(logits, k, lengths=lengths, interpret=_interpret(interpret), **opts)
 
 
 # ------------------------------------------------------------------------------------------------
