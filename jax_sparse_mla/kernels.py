@@ -163,12 +163,14 @@ def sparse_mla(q, latent, latent_scale, k_pe, slots, pages, *, scale, page_size,
                                      interpret=impl.interpret, **dict(impl.tuning))
 
 
-def dense_mha(q, k, v, q_start_loc, k_start_loc, *, scale, impl: OpImpl):
-    """[T, H, Dv] causal attention of packed ragged sequences (see pallas_kernels.dense_mha)."""
+def dense_mha(q, k, v, q_start_loc, k_start_loc, *, scale, impl: OpImpl, selection=None, max_kv_len=None):
+    """[T, H, Dv] causal attention of packed ragged sequences, each row restricted to the key
+    positions of its selection row when one is given (masked MHA; see pallas_kernels.dense_mha)."""
     if impl.backend == "xla":
-        return dense_mha_lib.dense_mha_reference(q, k, v, q_start_loc, k_start_loc, scale=scale)
-    return dense_mha_lib.dense_mha(q, k, v, q_start_loc, k_start_loc, scale=scale, backend=impl.backend,
-                                   interpret=impl.interpret, **dict(impl.tuning))
+        return dense_mha_lib.dense_mha_reference(q, k, v, q_start_loc, k_start_loc, scale=scale, selection=selection)
+    return dense_mha_lib.dense_mha(q, k, v, q_start_loc, k_start_loc, scale=scale, selection=selection,
+                                   max_kv_len=max_kv_len, backend=impl.backend, interpret=impl.interpret,
+                                   **dict(impl.tuning))
 
 
 gather_paged_rows = indexer_logits_lib.gather_paged_rows

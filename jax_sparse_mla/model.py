@@ -2,8 +2,9 @@
 
 `forward` projects every row and writes both paged caches, then runs one of two programs: the
 dense program sends short prefills through dense causal MHA (k_nope and v up-projected from the
-latent cache) and scores and attends sparsely only the rows in meta.sparse_rows (decodes, long
-prefills); the sparse program scores every row with the lightning indexer, takes top-k and runs
+latent cache) and scores the rows in meta.sparse_rows (decodes, long prefills): those of them
+routed masked run in the same dense MHA call restricted to their top-k positions (masked MHA),
+the others attend sparsely; the sparse program scores every row with the lightning indexer, takes top-k and runs
 absorbed sparse attention over the selected latent rows. The plan picks one statically, or both
 are compiled and lax.cond picks at run time (dispatch="cond").
 """
@@ -137,13 +138,14 @@ def _pick(a, rows):
 
 
 def _dense_prefill(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: BatchMeta, config: MLAConfig,
-                   impl: kernel_ops.OpImpl, num_keys: int | None = None):
-    """Dense causal MHA of the sequences routed dense, packed (no padding to the longest).
+                   impl: kernel_ops.OpImpl, num_keys: int | None = None, selection=None, max_kv_len=None):
+    """Dense causal MHA of the sequences routed dense or masked, packed (no padding to the longest).
 
     q_nope [T, H, nope], q_pe [T, H, rope]: every row's queries; w_uk [H, nope, R], w_uv [H, v, R];
     keys from the cache slots meta.dense_key_slots (their first num_keys only, when given: the
-    caller knows the real keys fit). Returns (rows [T] = meta.dense_rows, out [T, H, v] f32 of
-    those rows; padding rows 0).
+    caller knows the real keys fit). selection: None, or [T, K] key positions per row of
+    meta.dense_rows (masked MHA: `_dense_selection`), with max_kv_len a bound on a sequence's keys.
+    Returns (rows [T] = meta.dense_rows, out [T, H, v] f32 of those rows; padding rows 0).
     """
     c_ = config
     with jax.named_scope("dense_kv_up"):
@@ -160,13 +162,27 @@ def _dense_prefill(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: 
     dt = c_.jnp_dtype
     with jax.named_scope("dense_mha"):
         out = kernel_ops.dense_mha(q.astype(dt), k.astype(dt), v.astype(dt), meta.dense_query_start,
-                                   meta.dense_key_start, scale=c_.softmax_scale, impl=impl)
+                                   meta.dense_key_start, scale=c_.softmax_scale, selection=selection,
+                                   max_kv_len=max_kv_len, impl=impl)
     return rows, out.astype(jnp.float32)
 
 
-def _topk_slots(params, x, qr, positions, cache: cache_lib.PagedCache, meta: BatchMeta, rows, group: RowGroup, *,
-                config: MLAConfig, impl: kernel_ops.Implementations, tensor_axis: str | None):
-    """Indexer scoring and top-k of `rows` ([N] row ids, -1 padded; None: every row) -> slots [N, topk].
+def _dense_selection(meta: BatchMeta, top_positions, topk: int):
+    """[T, topk] key positions for each row of meta.dense_rows (-1 padded): a masked row's top-k
+    (top_positions [num_sparse_tokens, topk], of meta.sparse_rows, where meta.masked_flags is
+    set), every causal position of a dense row's (its sequence has <= topk tokens)."""
+    k = jnp.arange(topk, dtype=jnp.int32)
+    every = jnp.where(k[None, :] <= meta.positions[:, None], k[None, :], -1)  # [T, topk]
+    masked_rows = jnp.where(meta.masked_flags > 0, meta.sparse_rows, -1)
+    chosen = _put_rows(every, masked_rows, top_positions)
+    rows = meta.dense_rows
+    return jnp.where(rows[:, None] >= 0, chosen[jnp.maximum(rows, 0)], -1)
+
+
+def _topk_positions(params, x, qr, positions, cache: cache_lib.PagedCache, meta: BatchMeta, rows, group: RowGroup,
+                    *, config: MLAConfig, impl: kernel_ops.Implementations, tensor_axis: str | None):
+    """Indexer scoring and top-k of `rows` ([N] row ids, -1 padded; None: every row) -> key
+    positions [N, topk] in each row's sequence (-1 padded).
 
     x [T, hidden], qr [T, q_lora], positions [T]: every row's input, q latent and position (the
     indexer's queries are projected here, for the scored rows only); group: the plan's RowGroup of
@@ -174,22 +190,22 @@ def _topk_slots(params, x, qr, positions, cache: cache_lib.PagedCache, meta: Bat
     weights are whole on every tensor shard: with group.indexer_shards = tp > 1 shard s scores
     rows s, s + tp, s + 2 tp, ... (striped: a causal prefill's row costs grow with its position,
     so contiguous shares would leave the last shard the most work; each share stays in sequence
-    order) and the shards all-gather the slots; else every shard scores every row (the same
-    slots everywhere, no communication).
+    order) and the shards all-gather the positions; else every shard scores every row (the same
+    positions everywhere, no communication).
     """
     tp = group.indexer_shards
     if tp > 1:
         ids = jnp.arange(meta.positions.shape[0], dtype=jnp.int32) if rows is None else rows
         mine = ids.reshape(-1, tp)[:, jax.lax.axis_index(tensor_axis)]  # [N / tp]
-        slots = _score_rows(params, x, qr, positions, cache, meta, mine, group, config=config, impl=impl)
-        gathered = jax.lax.all_gather(slots, tensor_axis)  # [tp, N / tp, topk]: shard s holds rows s::tp
+        top = _score_rows(params, x, qr, positions, cache, meta, mine, group, config=config, impl=impl)
+        gathered = jax.lax.all_gather(top, tensor_axis)  # [tp, N / tp, topk]: shard s holds rows s::tp
         return jnp.swapaxes(gathered, 0, 1).reshape(ids.shape[0], -1)
     return _score_rows(params, x, qr, positions, cache, meta, rows, group, config=config, impl=impl)
 
 
 def _score_rows(params, x, qr, positions, cache: cache_lib.PagedCache, meta: BatchMeta, rows, group: RowGroup, *,
                 config: MLAConfig, impl: kernel_ops.Implementations):
-    """_topk_slots on one device: indexer queries, logits and top-k of `rows` (None: every row)."""
+    """_topk_positions on one device: indexer queries, logits and top-k of `rows` (None: every row)."""
     c_ = config
     row_pos = _pick(meta.positions, rows)
     row_end = jnp.where(row_pos >= 0, row_pos + 1, 0)
@@ -203,16 +219,17 @@ def _score_rows(params, x, qr, positions, cache: cache_lib.PagedCache, meta: Bat
                                            page_size=c_.page_size, impl=impl.indexer_logits,
                                            kernel=group.indexer_kernel)
     with jax.named_scope("indexer_topk"):
-        top_pos = kernel_ops.topk(logits, c_.index_topk, lengths=row_end, impl=impl.topk)  # a row reads its causal keys
-    return positions_to_slots(top_pos, meta.block_tables, _pick(meta.row_seq, rows), c_.page_size)
+        return kernel_ops.topk(logits, c_.index_topk, lengths=row_end, impl=impl.topk)  # a row reads its causal keys
 
 
-def _sparse_attention(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, rows, slots, pages, group: RowGroup, *,
-                      config: MLAConfig, impl: kernel_ops.OpImpl):
-    """Absorbed sparse attention of `rows` (None: every row) over cache slots [N, topk] on `pages`
-    (page ids, -1 ignored) -> [N, H, v] f32. q_nope, q_pe, w_uk, w_uv as in _dense_prefill;
-    group: the plan's RowGroup of these rows (its fp8 dequantisation route)."""
+def _sparse_attention(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: BatchMeta, rows, top_positions,
+                      pages, group: RowGroup, *, config: MLAConfig, impl: kernel_ops.OpImpl):
+    """Absorbed sparse attention of `rows` (None: every row) over their top-k key positions [N,
+    topk] (-1 padded), on `pages` (page ids, -1 ignored) -> [N, H, v] f32. q_nope, q_pe, w_uk,
+    w_uv as in _dense_prefill; group: the plan's RowGroup of these rows (its fp8 dequantisation
+    route)."""
     c_ = config
+    slots = positions_to_slots(top_positions, meta.block_tables, _pick(meta.row_seq, rows), c_.page_size)
     with jax.named_scope("sparse_attention"):
         q_lat = per_head("thn,hnr->thr", _pick(q_nope, rows), w_uk, c_)
         q_abs = jnp.concatenate([q_lat, _pick(q_pe, rows)], -1).astype(c_.jnp_dtype)
@@ -235,14 +252,15 @@ def _sparse_groups(plan: BatchPlan, meta: BatchMeta, rows):
     return groups
 
 
-def _attend_sparsely(score, attend, plan: BatchPlan, meta: BatchMeta, out_heads, *, rows, all_slots=None):
+def _attend_sparsely(score, attend, plan: BatchPlan, meta: BatchMeta, out_heads, *, rows, all_positions=None):
     """out_heads [T, H, v] with `rows` (None: every row) attended sparsely, group by group
-    (`_sparse_groups`). score(rows, group) -> slots [N, topk] (_topk_slots over the step's rows
-    and cache); attend(rows, slots, pages, group) -> [N, H, v] (_sparse_attention likewise);
-    slots from all_slots [T, topk] when given (every row scored), else scored per group."""
+    (`_sparse_groups`). score(rows, group) -> top-k positions [N, topk] (_topk_positions over
+    the step's rows and cache); attend(rows, positions, pages, group) -> [N, H, v]
+    (_sparse_attention likewise); positions from all_positions [T, topk] when given (every row
+    scored), else scored per group."""
     for group, group_rows, pages in _sparse_groups(plan, meta, rows):
-        slots = score(group_rows, group) if all_slots is None else _pick(all_slots, group_rows)
-        out = attend(group_rows, slots, pages, group)
+        top = score(group_rows, group) if all_positions is None else _pick(all_positions, group_rows)
+        out = attend(group_rows, top, pages, group)
         out_heads = out if group_rows is None else _put_rows(out_heads, group_rows, out)
     return out_heads
 
@@ -252,34 +270,45 @@ def _sparse_program(score, attend, plan: BatchPlan, meta: BatchMeta, out_shape):
     return _attend_sparsely(score, attend, plan, meta, jnp.zeros(out_shape, jnp.float32), rows=None)
 
 
-def _dense_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out_shape):
-    """Short prefills as dense MHA (dense() -> (rows, out): _dense_prefill), meta.sparse_rows
-    sparsely -> out_shape [T, H, v] f32.
+def _dense_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out_shape, topk: int):
+    """Short prefills as dense MHA (dense(...) -> (rows, out): _dense_prefill), meta.sparse_rows
+    scored, those of them meta.masked_flags marks as masked MHA in the same dense call (a plan
+    with `masked`) and the others sparsely -> out_shape [T, H, v] f32.
 
-    Scores only the sparse rows, or every row when plan.skip_indexer is False (the baseline).
+    Scores only meta.sparse_rows, or every row when plan.skip_indexer is False (the baseline).
     A cond plan sizes meta.sparse_rows and meta.dense_key_slots for any batch of its buckets, so
     work follows the batch through lax.cond: the sparse rows' projections, scoring and attention
     run only when one exists, and the dense keys' up-projection covers num_tokens keys when the
     batch's fit there; a batch of short prefills then pays what the static dense program does.
     """
     T = plan.num_tokens
-    if plan.use_dense_mha is None and plan.num_dense_keys > T:
+    all_positions = None if plan.skip_indexer else score(None, plan.group("all"))
+    attending = meta.sparse_rows
+    if plan.masked != "none":
+        # every scored row at once; the masked ones' positions select their keys in the dense call
+        if all_positions is None:
+            all_positions = _put_rows(jnp.full((T, topk), -1, jnp.int32), meta.sparse_rows,
+                                      score(meta.sparse_rows, plan.group("sparse")))
+        top = _pick(all_positions, meta.sparse_rows)
+        rows, dense_out = dense(selection=_dense_selection(meta, top, topk), max_kv_len=plan.num_dense_keys)
+        attending = jnp.where(meta.masked_flags > 0, -1, meta.sparse_rows)
+    elif plan.use_dense_mha is None and plan.num_dense_keys > T:
         # a cond plan's dense keys are sized for sequences with context (num_seqs * index_topk):
         # when the batch's keys fit in num_tokens (prefills without context), up-project only those
         rows, dense_out = jax.lax.cond(meta.dense_key_start[-1] <= T, lambda: dense(num_keys=T), dense)
     else:
         rows, dense_out = dense()
     out_heads = _put_rows(jnp.zeros(out_shape, jnp.float32), rows, dense_out)
-    all_slots = None if plan.skip_indexer else score(None, plan.group("all"))
-    if plan.num_sparse_tokens:
-        sparse = functools.partial(_attend_sparsely, score, attend, plan, meta, rows=meta.sparse_rows,
-                                   all_slots=all_slots)
-        if plan.use_dense_mha is None and all_slots is None:
+    if plan.num_sparse_tokens and plan.masked != "all":
+        sparse = functools.partial(_attend_sparsely, score, attend, plan, meta, rows=attending,
+                                   all_positions=all_positions)
+        if plan.use_dense_mha is None and all_positions is None:
+            # cond plans size their sparse rows for any batch: attend only when one exists
             out_heads = jax.lax.cond(jnp.any(meta.sparse_rows >= 0), sparse, lambda o: o, out_heads)
         else:
             out_heads = sparse(out_heads)
-    if all_slots is not None:  # baseline: keep scoring that (mostly) no row reads
-        out_heads = _depend_on(out_heads, all_slots)
+    if not plan.skip_indexer:  # baseline: keep scoring that (mostly) no row reads
+        out_heads = _depend_on(out_heads, all_positions)
     return out_heads
 
 
@@ -315,17 +344,18 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
     kv_b = params["kv_b_proj.weight"].reshape(H, c_.qk_nope_head_dim + c_.v_head_dim, c_.kv_lora_rank)
     w_uk, w_uv = kv_b[:, : c_.qk_nope_head_dim], kv_b[:, c_.qk_nope_head_dim:]  # [H, nope, R], [H, v, R]
     # The stages over this step's rows and written cache: what each reads is in its arguments.
-    score = functools.partial(_topk_slots, params, x, qr, positions, cache, meta, config=c_, impl=impl,
+    score = functools.partial(_topk_positions, params, x, qr, positions, cache, meta, config=c_, impl=impl,
                               tensor_axis=tensor_axis)
-    attend = functools.partial(_sparse_attention, q_nope, q_pe, w_uk, w_uv, cache, config=c_, impl=impl.sparse_mla)
+    attend = functools.partial(_sparse_attention, q_nope, q_pe, w_uk, w_uv, cache, meta, config=c_,
+                               impl=impl.sparse_mla)
     dense = functools.partial(_dense_prefill, q_nope, q_pe, w_uk, w_uv, cache, meta, c_, impl.dense_mha)
     out_shape = (T, H, c_.v_head_dim)
     if plan.use_dense_mha is None:  # dispatch="cond": both programs, one runs
         out_heads = jax.lax.cond(meta.dense_flag > 0,
-                                 lambda: _dense_program(score, attend, dense, plan, meta, out_shape),
+                                 lambda: _dense_program(score, attend, dense, plan, meta, out_shape, c_.index_topk),
                                  lambda: _sparse_program(score, attend, plan, meta, out_shape))
     elif plan.use_dense_mha:
-        out_heads = _dense_program(score, attend, dense, plan, meta, out_shape)
+        out_heads = _dense_program(score, attend, dense, plan, meta, out_shape, c_.index_topk)
     else:
         out_heads = _sparse_program(score, attend, plan, meta, out_shape)
 

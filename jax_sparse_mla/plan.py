@@ -6,16 +6,23 @@ ones. Rows of `hidden` are the new tokens, request after request in the given or
 Routing. A request is a *decode* when it adds one token to a non-empty context, otherwise a
 *prefill*. A prefill whose total length (context + new) is <= index_topk would have top-k select
 every causal position, so it runs as dense causal MHA: its rows are neither scored nor top-k'd
-(DeepSeek-V3.2 / vLLM's short-prefill skip). Each prefill is routed by its own length, and only
-the rows that attend sparsely (decodes and long prefills) are scored; vLLM and SGLang instead
-score every row as soon as one row needs it. A batch with no short prefill runs the all-sparse
+(DeepSeek-V3.2 / vLLM's short-prefill skip). A longer prefill is scored and top-k'd, then
+attends either as *masked* MHA (dense causal attention over its sequence's keys, each row
+restricted to its top-k positions: DeepSeek-V3.2's prefill mode, the same result in the MHA
+form) or sparsely (absorbed attention over the gathered latent rows), whichever
+policy.prefill_route's cost model says is cheaper for its context and length (`prefill_route`
+forces one). Decodes attend sparsely. Each prefill is routed by its own lengths, and only the
+rows that need top-k (decodes, long prefills) are scored; vLLM and SGLang instead score every
+row as soon as one row needs it. A batch with no dense or masked prefill runs the all-sparse
 program. `skip_indexer=False` is the baseline that scores every row whatever the route. The
 indexer key cache is written for every row either way.
 
 Dispatch. `dispatch="static"`: the route is a static plan field, one executable per plan, chosen
 on the host. `dispatch="cond"`: one executable per shape bucket holds both programs and picks
 one at run time with lax.cond on a traced flag (meta.dense_flag), for engines that keep a
-single captured program per shape.
+single captured program per shape. Cond plans keep those two programs only: their long
+prefills attend sparsely (a masked route's keys and bitmask are sized by its sequences,
+which a shape bucket does not bound).
 """
 
 from __future__ import annotations
@@ -98,8 +105,9 @@ class RowGroup:
     and the kernel choices made for it on the host (policy.py), so that no kernel re-decides.
 
     name: "all" (every row: the sparse program, the skip_indexer=False baseline's scoring),
-      "sparse" (meta.sparse_rows: the dense program's sparsely attending rows), "upfront"
-      (meta.upfront_rows) or "kernel" (meta.kernel_rows), the fp8 split's two groups.
+      "sparse" (meta.sparse_rows: the dense program's scored rows, which attend sparsely or,
+      where meta.masked_flags says so, as masked MHA), "upfront" (meta.upfront_rows) or
+      "kernel" (meta.kernel_rows), the fp8 split's two groups.
     num_rows: the call's padded row count.
     indexer_shards: tensor shards that split the group's scoring by rows (policy.indexer_shards:
       each scores num_rows / indexer_shards rows and the shards all-gather the slots; 1: every
@@ -130,8 +138,8 @@ def _row_groups(plan: BatchPlan) -> tuple[RowGroup, ...]:
 
     def group(name: str, num_rows: int) -> RowGroup:
         copy_rows = plan.num_upfront_pages * c.page_size if name == "upfront" else table_rows
-        route = (policy.dequantize_route(num_rows, heads, c.index_topk, copy_rows) if c.kv_cache_dtype == "fp8"
-                 else "kernel")
+        attends = c.kv_cache_dtype == "fp8" and name != "masked"  # (masked rows attend in dense MHA)
+        route = policy.dequantize_route(num_rows, heads, c.index_topk, copy_rows) if attends else "kernel"
         shards = policy.indexer_shards(num_rows, plan.tensor_parallel)
         return RowGroup(name, num_rows, shards, policy.indexer_kernel(num_rows // shards, plan.num_seqs), route)
 
@@ -143,7 +151,10 @@ def _row_groups(plan: BatchPlan) -> tuple[RowGroup, ...]:
         if not plan.skip_indexer:
             calls.append(("all", plan.num_tokens))
         if plan.num_sparse_tokens:
-            calls += split if plan.num_upfront_rows else [("sparse", plan.num_sparse_tokens)]
+            if plan.masked != "none" and plan.skip_indexer:  # every scored row in one call
+                calls.append(("sparse", plan.num_sparse_tokens))
+            if plan.masked != "all":  # the sparse attention's calls
+                calls += split if plan.num_upfront_rows else [("sparse", plan.num_sparse_tokens)]
     return tuple(group(name, n) for name, n in dict(calls).items())
 
 
@@ -157,10 +168,12 @@ class BatchPlan:
     use_dense_mha: True: the dense program (short prefills run dense MHA, the rows in
       meta.sparse_rows attend sparsely); False: the all-sparse program; None: both, picked at
       run time by meta.dense_flag (dispatch="cond").
-    num_sparse_tokens: padded count of meta.sparse_rows, the dense program's sparsely attending
-      rows (decodes and long prefills); 0 when there are none or use_dense_mha is False.
-    num_dense_keys: padded count of the key rows of the sequences run as dense MHA (their context
-      and new tokens, packed sequence after sequence); 0 when use_dense_mha is False.
+    num_sparse_tokens: padded count of meta.sparse_rows, the dense program's scored rows (decodes
+      and long prefills, attending sparsely or as masked MHA); 0 when there are none or
+      use_dense_mha is False.
+    num_dense_keys: padded count of the key rows of the sequences run as dense or masked MHA
+      (their context and new tokens, packed sequence after sequence); 0 when use_dense_mha is
+      False.
     skip_indexer: the dense program scores only meta.sparse_rows (False: every row, the
       baseline without the skip). Always True where it changes nothing (the sparse program).
     num_pages: the cache size the page ids were validated against (None: not validated);
@@ -174,6 +187,10 @@ class BatchPlan:
       cache, dequantised in the kernel. Split when dequantising those pages upfront pays
       (policy.dequantize_route): a prefill gathers each row of its sequence many times. The
       three sizes are power-of-two buckets, so an fp8 cache compiles more programs.
+    masked: whether the dense program's MHA call restricts rows to their top-k positions (masked
+      MHA: the rows of meta.sparse_rows that meta.masked_flags marks; static dispatch): "none",
+      "some" (the other scored rows attend sparsely) or "all" (every scored row: the program
+      has no sparse attention).
     tensor_parallel: the tensor-axis size the plan was made for (its fp8 split decided with
       num_attention_heads / tensor_parallel heads per shard, its indexer split per group).
       Keyword-only; forward requires the size of the tensor axis it runs under (1 without one;
@@ -196,6 +213,7 @@ class BatchPlan:
     num_upfront_rows: int = 0
     num_kernel_rows: int = 0
     num_upfront_pages: int = 0
+    masked: str = "none"
     config: PlanConfig = dataclasses.field(kw_only=True)
     tensor_parallel: int = dataclasses.field(default=1, kw_only=True)
     groups: tuple[RowGroup, ...] = dataclasses.field(init=False)
@@ -277,6 +295,8 @@ class BatchMeta:
     upfront_rows: jax.Array  # [num_upfront_rows]
     kernel_rows: jax.Array  # [num_kernel_rows]
     upfront_pages: jax.Array  # [num_upfront_pages]
+    # [num_sparse_tokens]: 1 where that row of sparse_rows attends as masked MHA, else 0 [0]
+    masked_flags: jax.Array
     # []: 1 when the cond program should take its dense branch; None unless dispatch="cond"
     # (plan.use_dense_mha is None).
     dense_flag: jax.Array | None = None
@@ -289,7 +309,7 @@ class BatchMeta:
                   "sparse_rows": (plan.num_sparse_tokens,), "dense_rows": (T,), "dense_query_start": (S + 1,),
                   "dense_key_slots": (plan.num_dense_keys,), "dense_key_start": (S + 1,),
                   "upfront_rows": (plan.num_upfront_rows,), "kernel_rows": (plan.num_kernel_rows,),
-                  "upfront_pages": (plan.num_upfront_pages,)}
+                  "upfront_pages": (plan.num_upfront_pages,), "masked_flags": (plan.num_sparse_tokens,)}
         if plan.use_dense_mha is None:
             shapes["dense_flag"] = ()
         return shapes
@@ -298,7 +318,7 @@ class BatchMeta:
     def empty(plan: BatchPlan) -> BatchMeta:
         """Host (numpy) metadata of a batch with no work for `plan`: every row padding, every
         sequence empty (the padding values above; a cond plan's dense_flag 0)."""
-        zero = ("row_seq", "dense_query_start", "dense_key_start", "dense_flag")
+        zero = ("row_seq", "dense_query_start", "dense_key_start", "dense_flag", "masked_flags")
         return BatchMeta(**{name: np.full(shape, 0 if name in zero else -1, np.int32)
                             for name, shape in BatchMeta.shapes(plan).items()})
 
@@ -445,7 +465,7 @@ def check_slot_range(config: MLAConfig, num_pages: int) -> None:
 
 
 def _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch,
-                   tensor_parallel=1) -> int | None:
+                   tensor_parallel=1, prefill_route="auto") -> int | None:
     """Checks plan_batch's arguments other than the requests; returns num_pages as an int (or None)."""
     if not isinstance(config, MLAConfig):
         raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
@@ -456,6 +476,8 @@ def _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispa
                          f"{config.num_attention_heads}")
     if not isinstance(dispatch, str) or dispatch not in DISPATCH_MODES:
         raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
+    if not isinstance(prefill_route, str) or prefill_route not in policy.PREFILL_ROUTES:
+        raise ValueError(f"prefill_route must be one of {policy.PREFILL_ROUTES}, got {prefill_route!r}")
     for name, value in (("force_sparse", force_sparse), ("skip_indexer", skip_indexer)):
         as_bool(value, name)
     if not isinstance(buckets, BucketPolicy):
@@ -505,10 +527,14 @@ def pad_ids(values, size: int):
 def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int | None = None,
                force_sparse: bool = False, skip_indexer: bool = True,
                buckets: BucketPolicy = BucketPolicy(), dispatch: str = "static",
-               tensor_parallel: int = 1) -> tuple[BatchPlan, BatchMeta]:
+               tensor_parallel: int = 1, prefill_route: str = "auto") -> tuple[BatchPlan, BatchMeta]:
     """Validates a batch on the host and returns its static plan and traced metadata.
 
-    force_sparse: route short prefills through the indexer and sparse attention too.
+    force_sparse: route every prefill through the indexer and sparse attention (no dense or
+      masked MHA).
+    prefill_route: how prefills longer than index_topk attend: "auto" (policy.prefill_route's
+      cost model, per request), "masked" or "sparse" (every such prefill). Static dispatch only
+      (cond plans attend them sparsely).
     skip_indexer: score only the rows that attend sparsely (False: every row, the baseline).
     num_pages: the cache's page count; page ids outside [0, num_pages) are rejected. Without
       it page ids are only checked to be >= 0 and to have int32 slot numbers (an id past the
@@ -528,31 +554,49 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
     Raises ValueError naming the request and the problem before anything touches a device.
     """
     requests, num_pages = check_batch(config, requests, num_pages, force_sparse, skip_indexer, buckets, dispatch,
-                                      tensor_parallel)
+                                      tensor_parallel, prefill_route)
     plan, meta = plan_host(config, requests, num_pages=num_pages, force_sparse=bool(force_sparse),
                            skip_indexer=bool(skip_indexer), buckets=buckets, dispatch=dispatch,
-                           tensor_parallel=int(tensor_parallel))
+                           tensor_parallel=int(tensor_parallel), prefill_route=prefill_route)
     return plan, jax.tree.map(jax.numpy.asarray, meta)
 
 
-def check_batch(config, requests, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel=1):
+def check_batch(config, requests, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel=1,
+                prefill_route="auto"):
     """plan_batch's checks: -> (the requests with Python int lengths and list tables, num_pages as
     an int or None). Raises ValueError for the first problem."""
-    num_pages = _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel)
+    num_pages = _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel,
+                               prefill_route)
     if isinstance(requests, (str, bytes, Request)) or not isinstance(requests, collections.abc.Iterable):
         raise ValueError(f"requests must be a sequence of Requests, got {type(requests).__name__}")
     return _validate(config, list(requests), num_pages), num_pages
 
 
-def _dense_routes(config: MLAConfig, requests: Sequence[Request], force_sparse: bool) -> list[bool]:
-    """Whether each request runs as dense MHA in the dense program (a short prefill)."""
-    return [not force_sparse and not r.is_decode and r.total_len <= config.index_topk for r in requests]
+ROUTES = ("dense", "masked", "sparse")
+MASKED = ("none", "some", "all")  # BatchPlan.masked
+
+
+def request_routes(config: MLAConfig, requests: Sequence[Request], force_sparse: bool,
+                   prefill_route: str = "auto") -> list[str]:
+    """Each request's route in a static plan: "dense" (a prefill of <= index_topk tokens: dense
+    MHA, not scored), "masked" (a longer prefill: scored, then masked MHA) or "sparse" (decodes,
+    longer prefills the cost model or prefill_route sends there, everything under force_sparse)."""
+    def route(r: Request) -> str:
+        if force_sparse or r.is_decode:
+            return "sparse"
+        if r.total_len <= config.index_topk:
+            return "dense"
+        if prefill_route != "auto":
+            return prefill_route
+        return policy.prefill_route(r.context_len, r.query_len, config.index_topk)
+    return [route(r) for r in requests]
 
 
 def padded_sizes(config: MLAConfig, requests: Sequence[Request], force_sparse: bool,
-                 buckets: BucketPolicy) -> tuple[int, int, int, int]:
+                 buckets: BucketPolicy, prefill_route: str = "auto") -> tuple[int, int, int, int]:
     """(num_tokens, num_seqs, pages_per_seq, num_dense_keys) of a static plan of the requests."""
-    page, dense = config.page_size, _dense_routes(config, requests, force_sparse)
+    page = config.page_size
+    dense = [route != "sparse" for route in request_routes(config, requests, force_sparse, prefill_route)]
     dense_keys = sum(r.total_len for r, d in zip(requests, dense) if d)
     return (buckets.round_up(sum(r.query_len for r in requests), buckets.min_tokens),
             buckets.round_up(len(requests), buckets.min_seqs),
@@ -562,11 +606,15 @@ def padded_sizes(config: MLAConfig, requests: Sequence[Request], force_sparse: b
 
 def plan_host(config: MLAConfig, requests: Sequence[Request], *, num_pages: int | None, force_sparse: bool,
               skip_indexer: bool, buckets: BucketPolicy, dispatch: str,
-              tensor_parallel: int = 1) -> tuple[BatchPlan, BatchMeta]:
+              tensor_parallel: int = 1, prefill_route: str = "auto") -> tuple[BatchPlan, BatchMeta]:
     """plan_batch for requests and options that passed `check_batch`; the metadata is numpy, on the host."""
     page = config.page_size
-    dense = _dense_routes(config, requests, force_sparse)
-    num_tokens, num_seqs, width, static_dense_keys = padded_sizes(config, requests, force_sparse, buckets)
+    if dispatch == "cond":
+        prefill_route = "sparse"
+    routes = request_routes(config, requests, force_sparse, prefill_route)
+    dense = [route != "sparse" for route in routes]  # run in the dense program's dense MHA call
+    num_tokens, num_seqs, width, static_dense_keys = padded_sizes(config, requests, force_sparse, buckets,
+                                                                  prefill_route)
 
     positions = np.full(num_tokens, -1, np.int32)
     slot_mapping = np.full(num_tokens, -1, np.int32)
@@ -574,7 +622,7 @@ def plan_host(config: MLAConfig, requests: Sequence[Request], *, num_pages: int 
     block_tables = np.full((num_seqs, width), -1, np.int32)
     dense_query_len = np.zeros(num_seqs, np.int32)
     dense_key_len = np.zeros(num_seqs, np.int32)
-    sparse_rows, dense_rows, dense_key_slots, row_starts, tables = [], [], [], [], []
+    sparse_rows, masked_flags, dense_rows, dense_key_slots, row_starts, tables = [], [], [], [], [], []
     row = 0
     for i, r in enumerate(requests):
         pos = np.arange(r.context_len, r.total_len)
@@ -590,8 +638,9 @@ def plan_host(config: MLAConfig, requests: Sequence[Request], *, num_pages: int 
             dense_rows.extend(range(row, row + r.query_len))
             all_pos = np.arange(r.total_len)
             dense_key_slots.extend(table[all_pos // page] * page + all_pos % page)
-        else:
+        if routes[i] != "dense":  # scored: attends sparsely or as masked MHA
             sparse_rows.extend(range(row, row + r.query_len))
+            masked_flags.extend([int(routes[i] == "masked")] * r.query_len)
         row += r.query_len
 
     if dispatch == "cond":  # sizes from the buckets alone: one program per shape bucket
@@ -602,6 +651,7 @@ def plan_host(config: MLAConfig, requests: Sequence[Request], *, num_pages: int 
         use_dense = any(dense)
         num_sparse = buckets.round_up(len(sparse_rows), 1) if use_dense and sparse_rows else 0
         num_dense_keys = static_dense_keys
+
     split = None if dispatch == "cond" else _upfront_split(config, requests, [not d for d in dense], row_starts,
                                                              tables, buckets, tensor_parallel)
     upfront_rows, kernel_rows, upfront_pages, (num_upfront_rows, num_kernel_rows, num_upfront_pages) = (
@@ -611,6 +661,7 @@ def plan_host(config: MLAConfig, requests: Sequence[Request], *, num_pages: int 
                      skip_indexer=skip_indexer or use_dense is False, num_pages=num_pages,
                      num_upfront_rows=num_upfront_rows, num_kernel_rows=num_kernel_rows,
                      num_upfront_pages=num_upfront_pages, config=PlanConfig.of(config),
+                     masked=("none" if "masked" not in routes else "all" if "sparse" not in routes else "some"),
                      tensor_parallel=tensor_parallel)
     meta = BatchMeta(
         positions=positions, slot_mapping=slot_mapping, row_seq=row_seq, block_tables=block_tables,
@@ -621,5 +672,6 @@ def plan_host(config: MLAConfig, requests: Sequence[Request], *, num_pages: int 
         dense_key_start=np.concatenate([[0], np.cumsum(dense_key_len)]).astype(np.int32),
         upfront_rows=pad_ids(upfront_rows, num_upfront_rows), kernel_rows=pad_ids(kernel_rows, num_kernel_rows),
         upfront_pages=pad_ids(upfront_pages, num_upfront_pages),
+        masked_flags=np.maximum(pad_ids(masked_flags if num_sparse else [], num_sparse), 0),
         dense_flag=np.int32(any(dense)) if dispatch == "cond" else None)
     return plan, meta

@@ -56,3 +56,44 @@ def indexer_kernel(rows: int, seqs: int) -> str:
     (min(seqs, rows) sequences can hold rows), else "decode" (1-2 rows per sequence; a single
     sequence too, where both kernels are latency-bound)."""
     return "prefill" if rows >= MGPU_MIN_ROWS_PER_SEQ * min(seqs, rows) else "decode"
+
+
+# Prefills longer than index_topk: masked MHA (dense causal attention over the sequence's keys,
+# each row restricted to its top-k positions; DeepSeek-V3.2's prefill mode) or absorbed sparse
+# attention. Both score and top-k the rows; they differ in the attention and its projections.
+# Cost per shard head, in ns (scripts/calibrate_routes.py measures and prints these on a GPU;
+# docs/design/dense_mha.md has the measurement):
+#   sparse: SPARSE_NS_PER_KEY x sum over rows of min(position + 1, topk) (the gathered rows,
+#           576 + 512 values each) + ABSORB_NS_PER_ROW x rows (q into the latent and the output
+#           out of it: 2 x 128 x 512 x 2 FLOPs a row);
+#   masked: MASKED_NS_PER_KEY x sum over rows of (position + 1) (every causal key of a live tile
+#           is computed, 192 + 128 values each) + UP_NS_PER_KEY x (context + rows) (k_nope and v
+#           up-projected from the latent: 512 x 256 x 2 FLOPs a key).
+SPARSE_NS_PER_KEY = 4.7e-3
+ABSORB_NS_PER_ROW = 1.0
+MASKED_NS_PER_KEY = 1.2e-3
+UP_NS_PER_KEY = 1.0
+PREFILL_ROUTES = ("auto", "masked", "sparse")
+
+
+def _positions_sum(start: int, end: int, cap: int | None = None) -> int:
+    """sum of min(p + 1, cap) for p in [start, end) (cap None: no cap)."""
+    def upto(n):  # sum of min(i, cap) for i in 1..n
+        if cap is None or n <= cap:
+            return n * (n + 1) // 2
+        return cap * (cap + 1) // 2 + (n - cap) * cap
+    return upto(end) - upto(start)
+
+
+def route_costs(context_len: int, query_len: int, topk: int) -> dict[str, float]:
+    """{"sparse": ns, "masked": ns} per shard head of a prefill's attention (see the constants)."""
+    end = context_len + query_len
+    return {"sparse": SPARSE_NS_PER_KEY * _positions_sum(context_len, end, topk) + ABSORB_NS_PER_ROW * query_len,
+            "masked": MASKED_NS_PER_KEY * _positions_sum(context_len, end) + UP_NS_PER_KEY * end}
+
+
+def prefill_route(context_len: int, query_len: int, topk: int) -> str:
+    """"masked" or "sparse" for a prefill whose total length exceeds topk: the cheaper by
+    route_costs (ties: sparse)."""
+    costs = route_costs(context_len, query_len, topk)
+    return "masked" if costs["masked"] < costs["sparse"] else "sparse"

@@ -23,7 +23,11 @@ batches are checked). Not covered: batches whose requests share prefix pages (pa
 once per request: two requests reading one page could reach a plan past the num_pages bounds).
 With an fp8 latent cache the split sizes are enumerated with the policy.dequantize_route test
 plan_batch applies to the bucketed sizes, a looser superset (the unsplit plan is kept beside
-each split, even where every batch of those buckets splits).
+each split, even where every batch of those buckets splits). Masked MHA: with
+prefill_route="auto" any prefill longer than index_topk may attend masked or sparsely (the
+cost model's choice is not followed through the buckets: a superset of both routes' plans);
+prefill_route="masked" or "sparse" enumerate that route's plans (BatchPlan.masked "all" or
+"some": >= 2 scored rows, > index_topk dense keys, a request longer than index_topk).
 
 AOT compile. `jax.jit(forward).lower(ShapeDtypeStructs).compile()` on the same `jit_forward`
 fills jax's compilation cache: a later call with those shapes runs no backend compile (checked
@@ -49,7 +53,7 @@ from .cache import init_cache
 from .config import MLAConfig
 from .model import jit_forward
 from .params import init_params
-from .plan import DISPATCH_MODES, BatchMeta, BatchPlan, BucketPolicy, PlanConfig
+from .plan import DISPATCH_MODES, MASKED, BatchMeta, BatchPlan, BucketPolicy, PlanConfig
 from .validate import as_bool, as_int
 
 
@@ -82,9 +86,9 @@ def _cdiv(a: int, b: int) -> int:
 def enumerate_plans(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num_pages: int,
                     max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None,
                     dispatch: str = "static", skip_indexer: bool = True, force_sparse: bool = False,
-                    tensor_parallel: int = 1) -> list[BatchPlan]:
+                    tensor_parallel: int = 1, prefill_route: str = "auto") -> list[BatchPlan]:
     """Every BatchPlan plan_batch(config, batch, num_pages=num_pages, buckets=buckets, dispatch=...,
-    skip_indexer=..., force_sparse=..., tensor_parallel=...) can return for a batch of at most
+    skip_indexer=..., force_sparse=..., tensor_parallel=..., prefill_route=...) can return for a batch of at most
     max_num_seqs requests, at most max_num_batched_tokens new tokens, each request at most
     max_model_len tokens long (context + new) and all holding at most num_pages pages (a superset:
     see the module docstring). Sorted by (route, sizes)."""
@@ -95,6 +99,8 @@ def enumerate_plans(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *
     if dispatch not in DISPATCH_MODES:
         raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
     skip_indexer, force_sparse = as_bool(skip_indexer, "skip_indexer"), as_bool(force_sparse, "force_sparse")
+    if prefill_route not in policy.PREFILL_ROUTES:
+        raise ValueError(f"prefill_route must be one of {policy.PREFILL_ROUTES}, got {prefill_route!r}")
     P = as_int(num_pages, "num_pages", 1)
     S_max = as_int(max_num_seqs, "max_num_seqs", 1)
     B = as_int(max_num_batched_tokens, "max_num_batched_tokens", 1)
@@ -106,7 +112,8 @@ def enumerate_plans(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *
     n_max = min(S_max, B, P)  # each request has >= 1 row and >= 1 page
     m_max = min(_cdiv(L, ps), P)  # a request's pages
     dense_m_max = min(_cdiv(min(K, L), ps), P)  # a dense request has <= index_topk tokens
-    long_ok = L > K  # a sparse prefill (more than one row) needs total_len > index_topk
+    long_ok = L > K  # a scored prefill (more than one row) needs total_len > index_topk
+    sparse_long = long_ok and (force_sparse or prefill_route != "masked")  # one that may attend sparsely
     common = dict(num_pages=P, config=PlanConfig.of(config), tensor_parallel=tp)
     heads = config.num_attention_heads // tp
 
@@ -137,9 +144,9 @@ def enumerate_plans(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *
         # the sparse program: no dense request (decodes; prefills longer than index_topk, or any with force_sparse)
         # rows == requests: every request a decode (or, forced, a one-token first prefill)
         all_decodes = max(nlo, qlo) <= min(nhi, qhi) and (force_sparse or L >= 2)
-        if force_sparse or all_decodes or long_ok:
+        if force_sparse or all_decodes or sparse_long:
             prefill_needed = not all_decodes  # more rows than requests: some request is a prefill
-            if not (prefill_needed and not force_sparse and not long_ok) and qlo <= nhi * L:
+            if not (prefill_needed and not force_sparse and not sparse_long) and qlo <= nhi * L:
                 m_lo = 1 if (force_sparse or not prefill_needed) else _cdiv(K + 1, ps)
                 for W in W_vals:
                     wlo, whi = clip(W, bp.min_pages_per_seq, m_max)
@@ -150,9 +157,12 @@ def enumerate_plans(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *
                                      num_sparse_tokens=0, num_dense_keys=0, skip_indexer=True, **common)
                     plans.update(_with_splits(base, config, bp, heads, rows=qhi, nhi=nhi, P=P,
                                               prefill_pages_lo=1 if force_sparse else _cdiv(K + 1, ps),
-                                              prefills_ok=force_sparse or long_ok))
+                                              prefills_ok=force_sparse or sparse_long))
         if force_sparse:
             continue
+        if prefill_route != "sparse" and long_ok:
+            plans.update(_masked_plans(config, bp, heads, T, S, qlo, qhi, nhi, nlo, L, P, m_max, W_vals,
+                                       skip_indexer=skip_indexer, splits=prefill_route == "auto", common=common))
         # the dense program: >= 1 dense request (a prefill of <= index_topk tokens, rows <= keys)
         for NS in [0] + _values(qhi - 1, 1):
             if NS:
@@ -162,7 +172,7 @@ def enumerate_plans(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *
                     continue
                 if slo > (nhi - 1) * L:
                     continue
-                if slo > nhi - 1 and not long_ok:  # more sparse rows than sparse requests: a long prefill
+                if slo > nhi - 1 and not sparse_long:  # more sparse rows than sparse requests: a long prefill
                     continue
                 nd_hi = nhi - 1
                 qd_lo = max(1, qlo - shi)
@@ -192,13 +202,58 @@ def enumerate_plans(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *
                                      num_sparse_tokens=NS, num_dense_keys=DK, skip_indexer=skip_indexer, **common)
                     if NS:
                         plans.update(_with_splits(base, config, bp, heads, rows=shi, nhi=nhi - 1, P=P - 1,
-                                                  prefill_pages_lo=_cdiv(K + 1, ps), prefills_ok=long_ok))
+                                                  prefill_pages_lo=_cdiv(K + 1, ps), prefills_ok=sparse_long))
                     else:
                         plans.add(base)
     order = {"dense": 0, "sparse": 1, "cond": 2}
-    return sorted(plans, key=lambda p: (order[p.route], p.num_tokens, p.num_seqs, p.pages_per_seq,
+    return sorted(plans, key=lambda p: (order[p.route], MASKED.index(p.masked), p.num_tokens, p.num_seqs, p.pages_per_seq,
                                         p.num_sparse_tokens, p.num_dense_keys, p.num_upfront_rows,
                                         p.num_kernel_rows, p.num_upfront_pages))
+
+
+def _masked_plans(config: MLAConfig, bp: BucketPolicy, heads: int, T: int, S: int, qlo: int, qhi: int, nhi: int,
+                  nlo: int, L: int, P: int, m_max: int, W_vals: list[int], *, skip_indexer: bool, splits: bool,
+                  common: dict) -> list[BatchPlan]:
+    """The dense programs with masked rows (BatchPlan.masked) of the T, S buckets (rows
+    [qlo, qhi], requests [nlo, nhi]): >= 1 masked prefill (> index_topk tokens, >= 2 rows: a
+    one-row request with context is a decode), so >= 2 scored rows (NS) and > index_topk dense
+    keys (DK) on its >= cdiv(index_topk + 1, page_size) pages, the widest request that long;
+    the other rows are short prefills (<= index_topk rows each) or scored. A superset (see the
+    module docstring): masked "all", and "some" (>= 1 more scored row, attending sparsely) with,
+    given splits, the fp8 split's variants over the sparse prefills beside it."""
+    ps, K = config.page_size, config.index_topk
+    long_pages = _cdiv(K + 1, ps)
+    out = []
+    if qhi < 2 or long_pages > min(P, m_max):
+        return out
+    # "all": every request a masked or short prefill; "some": one at least attends sparsely
+    for masked, others in (("all", nhi - 1), ("some", nhi - 2)):
+        if others < 0:
+            continue
+        k_top = min((others + 1) * L, P * ps)  # the dense call's keys: the masked and short prefills'
+        for NS in _values(qhi, 1, lo=2 if masked == "all" else 3):
+            slo, shi = _interval(NS, 1)
+            shi = min(shi, qhi)
+            if max(slo, 2) > shi or qlo > shi + others * min(K, L):  # short prefills: <= index_topk rows
+                continue
+            for DK in _values(k_top, bp.min_dense_keys, lo=K + 1):
+                klo, khi = _interval(DK, bp.min_dense_keys)
+                if max(klo, K + 1) > min(khi, k_top) or _cdiv(max(klo, K + 1), ps) > P:
+                    continue
+                for W in W_vals:
+                    wlo, whi = _interval(W, bp.min_pages_per_seq)
+                    whi = min(whi, m_max)
+                    if wlo > whi or whi < long_pages or nlo - 1 + max(wlo, long_pages) > P:
+                        continue
+                    base = BatchPlan(num_tokens=T, num_seqs=S, pages_per_seq=W, use_dense_mha=True,
+                                     num_sparse_tokens=NS, num_dense_keys=DK, skip_indexer=skip_indexer,
+                                     masked=masked, **common)
+                    if masked == "all":
+                        out.append(base)
+                    else:
+                        out += _with_splits(base, config, bp, heads, rows=shi - 2, nhi=nhi - 1, P=P - long_pages,
+                                            prefill_pages_lo=long_pages, prefills_ok=splits)
+    return out
 
 
 def _with_splits(base: BatchPlan, config: MLAConfig, bp: BucketPolicy, heads: int, *, rows: int, nhi: int, P: int,
@@ -270,7 +325,7 @@ def _abstract(tree):
 def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num_pages: int, max_num_seqs: int,
                max_num_batched_tokens: int, max_model_len: int | None = None, dispatch: str = "static",
                kernels: str = "auto", skip_indexer: bool = True, force_sparse: bool = False,
-               params=None, hidden_dtype=None, method: str = "aot", cache_dir: str | None = None,
+               prefill_route: str = "auto", params=None, hidden_dtype=None, method: str = "aot", cache_dir: str | None = None,
                min_compile_time_s: float = 0.0, min_entry_size_bytes: int = 0, plans: Sequence[BatchPlan] | None = None,
                call: Callable[[BatchPlan], object] | None = None, progress: bool = True) -> PrecompileReport:
     """Compiles jit_forward for every plan of enumerate_plans (or `plans`) ahead of time.
@@ -291,7 +346,8 @@ def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num
     if plans is None:
         plans = enumerate_plans(config, buckets, num_pages=num_pages, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                dispatch=dispatch, skip_indexer=skip_indexer, force_sparse=force_sparse)
+                                dispatch=dispatch, skip_indexer=skip_indexer, force_sparse=force_sparse,
+                                prefill_route=prefill_route)
     if cache_dir is not None:
         enable_persistent_cache(cache_dir, min_compile_time_s=min_compile_time_s,
                                 min_entry_size_bytes=min_entry_size_bytes)

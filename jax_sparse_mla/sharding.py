@@ -171,7 +171,9 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
     shards[d]: data shard d's requests (may be empty), block tables in local page ids
     [0, pages_per_shard). Sizes are padded to the largest shard's buckets. Route: the dense
     program when any shard has a short prefill (every other row of every shard, decodes and
-    long prefills alike, attends sparsely in it); otherwise the all-sparse program. An fp8
+    long prefills alike, attends sparsely in it); otherwise the all-sparse program. Long
+    prefills attend sparsely (prefill_route="sparse": one program for every shard has no
+    masked rows; per-device plans, jax_sparse_mla.data_parallel, route them as plan_batch does). An fp8
     cache's prefill / decode split (BatchPlan.num_upfront_rows) applies to every shard as soon
     as one shard's own plan splits.
     tensor_parallel: the mesh's tensor-axis size (BatchPlan.tensor_parallel: the kernel choices
@@ -201,12 +203,13 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
             raise ValueError(f"data shard {d}: {e}") from None
     force_sparse, skip_indexer = bool(force_sparse), bool(skip_indexer)
     # every shard's sizes padded to the largest shard's buckets
-    sizes = [padded_sizes(config, reqs, force_sparse, buckets) for reqs in checked.values()]
+    sizes = [padded_sizes(config, reqs, force_sparse, buckets, "sparse") for reqs in checked.values()]
     common = dataclasses.replace(
         buckets, min_tokens=max(s[0] for s in sizes), min_seqs=max(s[1] for s in sizes),
         min_pages_per_seq=max(s[2] for s in sizes), min_dense_keys=max([buckets.min_dense_keys] + [s[3] for s in sizes]))
     plans = {d: plan_host(config, reqs, num_pages=num_pages, force_sparse=force_sparse, skip_indexer=skip_indexer,
-                          buckets=common, dispatch="static", tensor_parallel=int(tensor_parallel))
+                          buckets=common, dispatch="static", tensor_parallel=int(tensor_parallel),
+                          prefill_route="sparse")
              for d, reqs in checked.items()}
     base = next(iter(plans.values()))[0]
     dense = any(p.use_dense_mha for p, _ in plans.values())
@@ -219,6 +222,7 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
                                    num_dense_keys=common.min_dense_keys)
         for d, (p, m) in plans.items():  # (dense_key_slots is empty for a shard planned all-sparse)
             plans[d] = (plan, dataclasses.replace(m, sparse_rows=pad_ids(rows[d], num_sparse),
+                                                  masked_flags=np.zeros(num_sparse, np.int32),
                                                   dense_key_slots=pad_ids(m.dense_key_slots, plan.num_dense_keys)))
     else:
         plan = base

@@ -1,22 +1,24 @@
 """One layer at real dimensions: wall time of a `jit_forward` step (cache donated) per batch kind,
 latent cache format and variant, the variants interleaved in one run.
 
-    python scripts/bench_layer.py [--kinds a,b] [--variants static,cond,no_skip,xla] [--kv bf16,fp8]
+    python scripts/bench_layer.py [--kinds a,b] [--variants static,cond,no_skip,xla,masked,sparse] [--kv bf16,fp8]
                                   [--repeats 7] [--out results.json] [--profile DIR]   # GPU, deepseek_v32
-    python scripts/bench_layer.py --smoke    # CPU: tiny config, 2 kinds, every variant, 1 repeat
+    python scripts/bench_layer.py --smoke    # CPU: tiny config, 3 kinds, every variant, 1 repeat
 
 Variants: static (plan_batch's default, kernels="auto"), cond (dispatch="cond"), no_skip
-(skip_indexer=False: every row scored), xla (static plan, kernels="xla"). Hidden states are
+(skip_indexer=False: every row scored), xla (static plan, kernels="xla"), masked and sparse
+(prefill_route forced: every prefill longer than index_topk as masked MHA, or sparse). Hidden states are
 random; every cache slot holds random values of the cache's dtypes (contents do not change the
 work). Each call takes the cache the previous call returned (it is donated). A round times every
 variant once (the order alternates round by round): back-to-back calls, at least ~20 ms of them,
 then block_until_ready; the median over rounds is reported, after compilation and a warm-up call.
 A variant that fails (out of memory, say: XLA's indexer materialises [rows, heads, keys]) is
-reported with its error and the run goes on; no_skip where its plan is the static one (the
-sparse route: nothing to skip) is not timed again.
+reported with its error and the run goes on; a variant whose plan is the static one (no_skip
+on the sparse route: nothing to skip; masked or sparse where the plan picks that route) is not
+timed again.
 
 Columns: kv (latent cache format), kind (batch), rows (real rows / plan.num_tokens, the bucket),
-route (the static plan's: dense | sparse), variant, ms (median per step), min (fastest round),
+route (the static plan's: dense | masked | sparse; masked: its dense program has masked rows), variant, ms (median per step), min (fastest round),
 vs static (ms / the static variant's ms), rel_err (||out - out_static|| / ||out_static|| over
 the real rows, of the last call). --profile DIR also writes a jax.profiler trace per (kv, kind)
 under DIR and prints each variant's GPU (or CPU) time by the layer's named scopes (projections,
@@ -49,16 +51,19 @@ from jax_sparse_mla import MLAConfig, Request, init_cache, init_params, jit_forw
 
 KINDS = {  # name -> [(context_len, query_len)] per request
     "prefill_8x256": [(0, 256)] * 8, "prefill_4x1024": [(0, 1024)] * 4,
-    "prefill_8k": [(0, 8192)], "prefill_32k": [(0, 32768)], "chunk_4k_after_28k": [(28672, 4096)],
+    "prefill_4k": [(0, 4096)], "prefill_8k": [(0, 8192)], "prefill_16k": [(0, 16384)], "prefill_32k": [(0, 32768)],
+    "chunk_4k_after_4k": [(4096, 4096)], "chunk_4k_after_28k": [(28672, 4096)],
     "decode_64x4k": [(4096, 1)] * 64, "decode_128x4k": [(4096, 1)] * 128,
     "decode_64x32k": [(32768, 1)] * 64, "decode_128x32k": [(32768, 1)] * 128,
     "mixed_2x1024_64x4k": [(0, 1024)] * 2 + [(4096, 1)] * 64,
     "pad50_4097": [(0, 4097)],  # bucket 8192: ~50% padding rows
 }
-SMOKE_KINDS = {"decode_4x40": [(40, 1)] * 4, "mixed_12_4x40": [(0, 12)] + [(40, 1)] * 4}  # tiny: sparse, dense
+SMOKE_KINDS = {"decode_4x40": [(40, 1)] * 4, "mixed_12_4x40": [(0, 12)] + [(40, 1)] * 4,  # tiny: sparse, dense,
+               "prefill_40": [(0, 40)]}  # masked
 VARIANTS = {  # name -> (plan_batch options, kernels)
     "static": ({}, "auto"), "cond": ({"dispatch": "cond"}, "auto"),
     "no_skip": ({"skip_indexer": False}, "auto"), "xla": ({}, "xla"),
+    "masked": ({"prefill_route": "masked"}, "auto"), "sparse": ({"prefill_route": "sparse"}, "auto"),
 }
 KV = {"bf16": "bfloat16", "fp8": "fp8"}
 LIBRARY_SCOPES = ("projections", "cache_write", "indexer_queries", "indexer_logits", "indexer_topk",
@@ -68,7 +73,7 @@ LIBRARY_SCOPES = ("projections", "cache_write", "indexer_queries", "indexer_logi
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    p.add_argument("--smoke", action="store_true", help="tiny config on CPU, 2 kinds, 1 repeat")
+    p.add_argument("--smoke", action="store_true", help="tiny config on CPU, 3 kinds, 1 repeat")
     p.add_argument("--kinds", type=csv, default=None, help=f"default: all of {','.join(KINDS)}")
     p.add_argument("--variants", type=csv, default=list(VARIANTS))
     p.add_argument("--kv", type=csv, default=list(KV), help="latent cache formats: bf16,fp8")
@@ -218,7 +223,8 @@ def run_kind(config, kv, params, kind, specs, args, key):
     plans = {v: plan_batch(config, requests, num_pages=num_pages, **VARIANTS[v][0]) for v in args.variants}
     T = next(iter(plans.values()))[0].num_tokens
     n = sum(q for _, q in specs)
-    route = plan_batch(config, requests, num_pages=num_pages)[0].route
+    static_plan = plan_batch(config, requests, num_pages=num_pages)[0]
+    route = "masked" if static_plan.masked != "none" else static_plan.route
     hidden = jax.random.normal(key, (T, config.hidden_size), jnp.float32).astype(config.jnp_dtype)
     cache = random_cache(config, num_pages, jax.random.fold_in(key, 1))
     steps = {v: functools.partial(lambda c, p, m, k: jit_forward(params, hidden, c, m, plan=p, config=config,
@@ -226,7 +232,7 @@ def run_kind(config, kv, params, kind, specs, args, key):
                                   k=VARIANTS[v][1]) for v in args.variants}
     ms, outs, errors, reps = defaultdict(list), {}, {}, {}
     same = {v for v in args.variants if v != "static" and "static" in plans and VARIANTS[v][1] == "auto"
-            and plans[v][0] == plans["static"][0]}  # no_skip on the sparse route: the static program
+            and plans[v][0] == plans["static"][0]}  # e.g. no_skip on the sparse route: the static program
     for v, step in steps.items():  # compile, warm up, size the batches of calls
         if v in same:
             continue

@@ -63,8 +63,9 @@ def make_batch(seed, q_lens, ctx_lens, *, heads, d_qk=192, d_v=128, pad_q=0, pad
             jnp.asarray(q_start), jnp.asarray(k_start))
 
 
-def naive(q, k, v, q_start, k_start, scale):
-    """Per-sequence float64 softmax attention with an explicit causal loop: [T, H, Dv]."""
+def naive(q, k, v, q_start, k_start, scale, selection=None):
+    """Per-sequence float64 softmax attention with an explicit causal loop: [T, H, Dv]; with a
+    selection [T, K], each row over the distinct causal positions it lists (none: 0)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     q_start, k_start = np.asarray(q_start), np.asarray(k_start)
     out = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
@@ -72,11 +73,41 @@ def naive(q, k, v, q_start, k_start, scale):
         q_len = q_start[s + 1] - q_start[s]
         ctx = (k_start[s + 1] - k_start[s]) - q_len
         for i in range(q_len):
-            keys = slice(k_start[s], k_start[s] + ctx + i + 1)
+            keys = k_start[s] + np.arange(ctx + i + 1)
+            if selection is not None:
+                listed = np.unique(np.asarray(selection)[q_start[s] + i])
+                keys = keys[np.isin(np.arange(ctx + i + 1), listed)]
+                if not len(keys):
+                    continue
             logits = np.einsum("hd,khd->hk", q[q_start[s] + i], k[keys]) * scale
             w = np.exp(logits - logits.max(axis=1, keepdims=True))
             out[q_start[s] + i] = np.einsum("hk,khd->hd", w / w.sum(axis=1, keepdims=True), v[keys])
     return out
+
+
+def random_selection(seed, q_start, k_start, num_rows, width, *, recent=None):
+    """[num_rows, width] int32 selections: per row a random subset of its causal positions (the
+    `recent` latest of them only, when given), then a duplicate, a position past the row's, one
+    past its sequence, -5 and -1 padding (all of which the op ignores); the first row of each
+    sequence with a context lists nothing. Rows no sequence owns list random positions."""
+    rng = np.random.default_rng(seed)
+    q_start, k_start = np.asarray(q_start), np.asarray(k_start)
+    sel = rng.integers(0, 50, (num_rows, width)).astype(np.int32)
+    for s in range(len(q_start) - 1):
+        q_len = q_start[s + 1] - q_start[s]
+        kv_len = k_start[s + 1] - k_start[s]
+        ctx = kv_len - q_len
+        for i in range(q_len):
+            pos, row = ctx + i, q_start[s] + i
+            lo = 0 if recent is None else max(0, pos + 1 - recent)
+            n = min(width - 5, pos + 1 - lo)
+            picked = lo + rng.choice(pos + 1 - lo, n, replace=False)
+            sel[row] = -1
+            sel[row, :n] = picked
+            sel[row, n:n + 4] = [picked[0], pos + 1, kv_len + 3, -5]
+            if i == 0 and ctx:
+                sel[row] = -1
+    return jnp.asarray(sel)
 
 
 def rel_err(out, ref, rows):
@@ -140,6 +171,72 @@ def test_short_and_aligned_prefills(backend, q_lens, ctx_lens):
     np.testing.assert_array_equal(np.asarray(out[owned:], np.float32), 0.0)
 
 
+def test_selection_reference_matches_naive():
+    q, k, v, q_start, k_start = make_batch(11, [5, 0, 1, 9], [0, 4, 3, 6], heads=2, d_qk=16,
+                                           d_v=8, pad_q=3, pad_k=2, dtype=jnp.float32)
+    sel = random_selection(11, q_start, k_start, q.shape[0], 12)
+    expected = naive(q, k, v, q_start, k_start, 0.3, selection=sel)
+    for max_scores in (1 << 27, 4 * 2 * k.shape[0]):
+        ref = ops.dense_mha("reference", q, k, v, q_start, k_start, scale=0.3, selection=sel,
+                            max_scores=max_scores)
+        np.testing.assert_allclose(np.asarray(ref), expected, rtol=1e-5, atol=1e-5)
+
+
+# Masked MHA: ragged sequences with contexts, a sequence whose rows select only their 40 most
+# recent keys (its blocks skip the early key tiles of a 300-key context), tilings with 128- and
+# 96-key tiles, several items per program.
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("block_kv", [128, 96])
+def test_selection_matches_reference(backend, block_kv):
+    q, k, v, q_start, k_start = make_batch(12, [70, 1, 0, 130, 129], [0, 5, 3, 300, 64], heads=2,
+                                           d_qk=64, d_v=64, pad_q=9, pad_k=5)
+    sel = random_selection(12, q_start, k_start, q.shape[0], 48)
+    recent = random_selection(13, q_start, k_start, q.shape[0], 48, recent=40)
+    s3 = slice(int(q_start[3]), int(q_start[4]))
+    sel = sel.at[s3].set(recent[s3])
+    kw = dict(block_kv=block_kv, num_stages=2, num_programs=3)
+    out = run(backend, q, k, v, q_start, k_start, scale=0.2, selection=sel, **kw)
+    ref = ops.dense_mha("reference", q, k, v, q_start, k_start, scale=0.2, selection=sel)
+    owned = int(q_start[-1])
+    assert out.shape == (q.shape[0], 2, 64) and out.dtype == q.dtype
+    assert rel_err(out, ref, owned) < TOL
+    out = np.asarray(out, np.float32)
+    np.testing.assert_array_equal(out[owned:], 0.0)
+    for s in (1, 3, 4):  # the rows listing nothing
+        np.testing.assert_array_equal(out[int(q_start[s])], 0.0)
+    # every causal position listed: causal attention
+    every = jnp.where(jnp.arange(512)[None] <= jnp.arange(512)[:, None], jnp.arange(512)[None], -1)
+    _, pos = ref_positions(q_start, k_start, q.shape[0])
+    full = run(backend, q, k, v, q_start, k_start, scale=0.2, selection=every[jnp.maximum(pos, 0)], **kw)
+    assert rel_err(full, ops.dense_mha("reference", q, k, v, q_start, k_start, scale=0.2), owned) < TOL
+
+
+def ref_positions(q_start, k_start, num_rows):
+    """(sequence [T] (-1: none), position [T]) of each packed query row."""
+    q_start, k_start = np.asarray(q_start), np.asarray(k_start)
+    seq = np.full(num_rows, -1)
+    pos = np.full(num_rows, -1)
+    for s in range(len(q_start) - 1):
+        ctx = (k_start[s + 1] - k_start[s]) - (q_start[s + 1] - q_start[s])
+        seq[q_start[s]:q_start[s + 1]] = s
+        pos[q_start[s]:q_start[s + 1]] = ctx + np.arange(q_start[s + 1] - q_start[s])
+    return seq, jnp.asarray(pos)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+@pytest.mark.parametrize("backend", KERNELS)
+def test_selection_past_max_kv_len_is_nan(backend):
+    """A sequence longer than max_kv_len (its bitmask would drop keys) comes out NaN, loudly;
+    the shorter sequences are unaffected."""
+    q, k, v, q_start, k_start = make_batch(14, [40, 90], [0, 200], heads=1, d_qk=64, d_v=64)
+    sel = random_selection(14, q_start, k_start, q.shape[0], 32)
+    out = np.asarray(run(backend, q, k, v, q_start, k_start, scale=0.2, selection=sel,
+                         max_kv_len=100, num_programs=2), np.float32)
+    ref = np.asarray(ops.dense_mha("reference", q, k, v, q_start, k_start, scale=0.2, selection=sel))
+    assert np.isnan(out[40:]).all()
+    assert rel_err(out[:40], ref[:40], 40) < TOL
+
+
 @pytest.mark.parametrize("backend", [param("reference")] + KERNELS)
 def test_all_padding(backend):
     q, k, v, q_start, k_start = make_batch(3, [0, 0], [0, 4], heads=1, d_qk=64, d_v=64, pad_q=5)
@@ -165,6 +262,15 @@ def test_bad_inputs(backend):
         call(*make_batch(4, [3], [0], heads=1)[:3], q_start, k_start, block_kv=128, num_stages=3)
     with pytest.raises(ValueError, match="both"):
         call(q, k, v, q_start, k_start, block_kv=128)
+    sel = jnp.zeros((3, 4), jnp.int32)
+    with pytest.raises(ValueError, match=r"selection must be \[T, K\] with T = 3"):
+        call(q, k, v, q_start, k_start, selection=sel[:2])
+    with pytest.raises(ValueError, match="selection must be int32"):
+        call(q, k, v, q_start, k_start, selection=sel.astype(jnp.int16))
+    with pytest.raises(ValueError, match="max_kv_len must be a positive int"):
+        call(q, k, v, q_start, k_start, selection=sel, max_kv_len=0)
+    with pytest.raises(ValueError, match="give it with a selection"):
+        call(q, k, v, q_start, k_start, max_kv_len=8)
 
 
 @pytest.mark.gpu
@@ -178,6 +284,17 @@ def test_real_dims_compiled(backend):
     ref = ops.dense_mha("reference", q[:, heads], k[:, heads], v[:, heads], q_start, k_start,
                         scale=192 ** -0.5)
     owned = int(q_start[-1])
+    assert rel_err(out[:, heads], ref, owned) < TOL
+    np.testing.assert_array_equal(np.asarray(out[owned:], np.float32), 0.0)
+    # masked MHA: top-k-like selections of 2048 positions (the 1000 most recent for sequence 3)
+    sel = random_selection(5, q_start, k_start, q.shape[0], 2048)
+    recent = random_selection(6, q_start, k_start, q.shape[0], 2048, recent=1000)
+    s3 = slice(int(q_start[3]), int(q_start[4]))
+    sel = sel.at[s3].set(recent[s3])
+    out = jax.jit(lambda *a: ops.dense_mha(backend, *a, scale=192 ** -0.5, selection=sel, max_kv_len=2048))(
+        q, k, v, q_start, k_start)
+    ref = ops.dense_mha("reference", q[:, heads], k[:, heads], v[:, heads], q_start, k_start,
+                        scale=192 ** -0.5, selection=sel)
     assert rel_err(out[:, heads], ref, owned) < TOL
     np.testing.assert_array_equal(np.asarray(out[owned:], np.float32), 0.0)
 
@@ -200,6 +317,10 @@ def test_kernel_lowers_for_the_gpu_at_real_dims(d_qk, d_v):
             sd((6144, 128, d_v), jnp.bfloat16), sd((5,), jnp.int32), sd((5,), jnp.int32))
     fn = jax.jit(lambda *a: ops.dense_mha("mosaic", *a, scale=0.07, interpret=False))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    masked = jax.jit(lambda *a: ops.dense_mha("mosaic", *a[:5], scale=0.07, selection=a[5],
+                                              max_kv_len=8192, interpret=False))
+    sel = sd((4096, 2048), jnp.int32)
+    assert "mosaic_gpu" in masked.trace(*args, sel).lower(lowering_platforms=("cuda",)).as_text()
 
 
 # Isolation: sequences whose first keys sit off the 8-row grid (key tiles start k_shift = 1..7
@@ -249,6 +370,7 @@ def check_isolation(run, q, k, v, q_start, k_start, *, clean):
     param("reference", dict(max_scores=7 * 2 * 300), id="reference-query_blocks_of_7"),
     param("mosaic", dict(block_kv=128), id="mosaic-block_kv128"),
     param("mosaic", dict(block_kv=96), id="mosaic-block_kv96"),  # 96: 64-row pieces of the V tile overlap
+    param("mosaic", dict(block_kv=128, masked=True), id="mosaic-masked"),  # with a selection
 ])
 def test_rows_see_only_their_sequence(backend, tiling):
     """NaN / inf in other sequences' q, k, v rows and in rows no sequence owns never reach a
@@ -264,13 +386,16 @@ def test_rows_see_only_their_sequence(backend, tiling):
         q, k, v, q_start, k_start = make_batch(9, **ISOLATION, heads=2, d_qk=64, d_v=64, pad_q=8,
                                                pad_k=9)
         scale, tiling = 0.2, dict(tiling, num_stages=2, num_programs=2)
+        if tiling.pop("masked", False):
+            tiling["selection"] = random_selection(9, q_start, k_start, q.shape[0], 24)
     attend = lambda q, k, v: run(backend, q, k, v, q_start, k_start, scale=scale, **tiling)  # noqa: E731
     clean = np.asarray(attend(q, k, v), np.float32)
     owned = int(q_start[-1])
     if backend == "reference":
         np.testing.assert_allclose(clean, naive(q, k, v, q_start, k_start, scale), rtol=1e-5, atol=1e-5)
     else:
-        assert rel_err(clean, ops.dense_mha("reference", q, k, v, q_start, k_start, scale=scale), owned) < TOL
+        ref = ops.dense_mha("reference", q, k, v, q_start, k_start, scale=scale, selection=tiling.get("selection"))
+        assert rel_err(clean, ref, owned) < TOL
         np.testing.assert_array_equal(clean[owned:], 0.0)
     for out, expected in check_isolation(attend, q, k, v, q_start, k_start, clean=clean):
         if backend == "reference":

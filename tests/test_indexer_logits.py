@@ -502,8 +502,9 @@ def test_unclean_logits_agree_within_each_row(backend, case, tiling):
     unclean = np.asarray(ops.indexer_logits(backend, *args, page_size=page, clean=False, **tiling))
     inside = np.arange(clean.shape[1])[None, :] < row_end[:, None]
     np.testing.assert_array_equal(unclean[inside], clean[inside])
-    if backend.startswith("mosaic"):  # the fill was skipped: the interpreter leaves NaN unwritten
-        assert np.isnan(unclean[~inside]).any()
+    if backend.startswith("mosaic"):
+        if INTERPRET:  # the fill was skipped: the interpreter leaves unwritten memory NaN (on a
+            assert np.isnan(unclean[~inside]).any()  # GPU it holds what the buffer held before)
     else:  # the Triton kernel fills either way
         np.testing.assert_array_equal(unclean, clean)
     k = 8

@@ -32,14 +32,16 @@ from jax_sparse_mla import cache as cache_lib
 from jax_sparse_mla.config import FP8_TILE
 from jax_sparse_mla.model import forward
 from jax_sparse_mla.ops import quantize_tiles
-from tests.support import ops
+from tests.support import INTERPRET, ops
 from tests.support.cases import FP8, make_indexer_case
 
 # The (op, backend) pairs whose real rows are bitwise unchanged by padding (measured on CPU,
 # interpret mode). The one exception: dense MHA's reference (the XLA path) contracts its P.V
 # and score products over every key row, padding keys included (masked to p = 0), so a longer
 # key axis changes XLA's dot tiling and moves the real rows by float32 round-off (~5e-7
-# absolute at these sizes); it is compared to 1e-6.
+# absolute at these sizes); it is compared to 1e-6. On a GPU the references are compared to
+# 1e-6 too: XLA's GPU reductions pick their tiling by shape (measured: sparse MLA's reference
+# over an fp8 cache moves by 4.8e-7 when padding rows are added).
 BITWISE = {("indexer_logits", "reference"), ("indexer_logits", "triton"), ("topk", "reference"),
            ("topk", "triton"), ("sparse_mla", "reference"), ("sparse_mla", "triton"),
            ("dense_mha", "mosaic")}
@@ -47,7 +49,7 @@ BITWISE = {("indexer_logits", "reference"), ("indexer_logits", "triton"), ("topk
 
 def same(op, backend, got, want, msg=""):
     got, want = np.asarray(got), np.asarray(want)
-    if (op, backend) in BITWISE:
+    if (op, backend) in BITWISE and (INTERPRET or backend != "reference"):
         np.testing.assert_array_equal(got, want, err_msg=msg)
     else:
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=msg)

@@ -51,8 +51,9 @@ def random_batch(rng, config, *, num_pages, max_num_seqs, max_num_batched_tokens
     (TINY, {"skip_indexer": False}),
     (TINY, {"force_sparse": True}),
     (TINY, {"dispatch": "cond"}),
+    (TINY, {"prefill_route": "masked"}),
     (dataclasses.replace(TINY, kv_cache_dtype="fp8"), {}),
-], ids=["static", "baseline", "force_sparse", "cond", "fp8"])
+], ids=["static", "baseline", "force_sparse", "cond", "masked", "fp8"])
 @pytest.mark.parametrize("limits", [LIMITS, dict(num_pages=64, max_num_seqs=5, max_num_batched_tokens=48,
                                                   max_model_len=64)], ids=["small", "wider"])
 def test_enumeration_covers_every_random_batch_within_the_limits(config, options, limits):
@@ -67,9 +68,11 @@ def test_enumeration_covers_every_random_batch_within_the_limits(config, options
         hit.add(plan)
 
 
-@pytest.mark.parametrize("options", [{}, {"force_sparse": True}], ids=["static", "force_sparse"])
+@pytest.mark.parametrize("options", [{"prefill_route": "sparse"}, {"prefill_route": "masked"}, {"force_sparse": True}],
+                         ids=["sparse", "masked", "force_sparse"])
 def test_enumeration_is_exactly_the_reachable_set_of_small_limits(options):
-    """Every batch of <= 2 requests within the limits, planned: the enumeration is that set (bf16)."""
+    """Every batch of <= 2 requests within the limits, planned: the enumeration is that set (bf16)
+    when every long prefill takes one route (prefill_route "auto" enumerates both: a superset)."""
     buckets = BucketPolicy(min_tokens=8, min_seqs=2, min_pages_per_seq=2, min_dense_keys=8)
     limits = dict(num_pages=12, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=20)
     L, B, ps = limits["max_model_len"], limits["max_num_batched_tokens"], TINY.page_size
@@ -86,11 +89,15 @@ def test_enumeration_is_exactly_the_reachable_set_of_small_limits(options):
                 first += pages
             reached.add(plan_batch(TINY, reqs, num_pages=12, buckets=buckets, **options)[0])
     assert set(enumerate_plans(TINY, buckets, **limits, **options)) == reached
+    if "prefill_route" in options:
+        assert reached <= set(enumerate_plans(TINY, buckets, **limits))  # "auto" holds both routes
 
 
 def test_count_programs_per_route():
-    counts = count_programs(TINY, BucketPolicy(), **LIMITS)
+    counts = count_programs(TINY, BucketPolicy(), prefill_route="sparse", **LIMITS)
     assert counts["total"] == counts.get("dense", 0) + counts.get("sparse", 0) and 10 <= counts["total"] <= 40
+    plans = {r: set(enumerate_plans(TINY, BucketPolicy(), prefill_route=r, **LIMITS)) for r in ("auto", "masked", "sparse")}
+    assert plans["auto"] == plans["masked"] | plans["sparse"]  # "auto": either route for each long prefill
     cond = count_programs(TINY, BucketPolicy(), dispatch="cond", **LIMITS)
     assert set(cond) == {"total", "cond"} and cond["total"] < counts["total"]
 

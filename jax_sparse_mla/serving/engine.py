@@ -20,6 +20,7 @@ from ..kernels import CHOICES as KERNEL_CHOICES
 from ..model import jit_forward
 from ..params import init_params
 from ..plan import DISPATCH_MODES, BatchMeta, BucketPolicy, Request, check_slot_range, plan_batch
+from ..policy import PREFILL_ROUTES
 from ..validate import as_bool, as_int, is_int
 from . import block as _block
 from .block import BLOCKS, MoEConfig
@@ -68,7 +69,8 @@ class EngineOptions:
 
     max_num_batched_tokens: token budget of one step (decode tokens + prefill chunk tokens).
     max_num_seqs: most requests running (holding pages and being scheduled) at once.
-    skip_indexer, force_sparse, buckets, dispatch: passed to plan_batch; kernels: to jit_forward.
+    skip_indexer, force_sparse, buckets, dispatch, prefill_route: passed to plan_batch; kernels:
+    to jit_forward.
     """
 
     max_num_batched_tokens: int = 8192
@@ -78,6 +80,7 @@ class EngineOptions:
     dispatch: str = "static"
     kernels: str = "auto"
     buckets: BucketPolicy = BucketPolicy()
+    prefill_route: str = "auto"
 
     def __post_init__(self):
         def put(name, value):
@@ -93,6 +96,8 @@ class EngineOptions:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         if not isinstance(self.buckets, BucketPolicy):
             raise ValueError(f"buckets must be a BucketPolicy, got {type(self.buckets).__name__}")
+        if not isinstance(self.prefill_route, str) or self.prefill_route not in PREFILL_ROUTES:
+            raise ValueError(f"prefill_route must be one of {PREFILL_ROUTES}, got {self.prefill_route!r}")
 
     def with_overrides(self, overrides: dict) -> EngineOptions:
         """These options with `overrides` (EngineOptions fields, checked); ValueError naming an unknown one."""
@@ -104,7 +109,7 @@ class EngineOptions:
 
     def plan_kwargs(self) -> dict:
         return dict(skip_indexer=self.skip_indexer, force_sparse=self.force_sparse, buckets=self.buckets,
-                    dispatch=self.dispatch)
+                    dispatch=self.dispatch, prefill_route=self.prefill_route)
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""Dense causal attention for short prefills (MHA form: qk head dim 192, v head dim 128 real).
+"""Dense causal attention for short prefills (MHA form: qk head dim 192, v head dim 128 real),
+and masked MHA: the same attention restricted to each row's selected keys.
 
 `dense_mha` runs the Pallas Mosaic GPU flash attention of `mosaic` over a packed ragged batch of
 causal prefills; `reference.dense_mha_reference` is the float32 XLA path and oracle.
@@ -48,11 +49,28 @@ def check_inputs(q, k, v, q_start_loc, k_start_loc, dtypes):
         raise ValueError(f"q_start_loc {q_start_loc.shape} and k_start_loc {k_start_loc.shape} differ")
 
 
+def check_selection(selection, num_rows: int, max_kv_len):
+    """ValueError unless selection is None or int32 [T, K] (K >= 1) for q's T rows, and
+    max_kv_len is None or a positive int (given only with a selection)."""
+    if selection is None:
+        if max_kv_len is not None:
+            raise ValueError("max_kv_len bounds a selection's key positions: give it with a selection")
+        return
+    if selection.ndim != 2 or selection.shape[0] != num_rows or selection.shape[1] < 1:
+        raise ValueError(f"selection must be [T, K] with T = {num_rows} (q's rows) and K >= 1; "
+                         f"got {selection.shape}")
+    if selection.dtype != jnp.int32:
+        raise ValueError(f"selection must be int32, got {selection.dtype}")
+    if max_kv_len is not None and (isinstance(max_kv_len, bool) or not isinstance(max_kv_len, int)
+                                   or max_kv_len < 1):
+        raise ValueError(f"max_kv_len must be a positive int, got {max_kv_len!r}")
+
+
 BACKENDS = ("mosaic",)
 
 
-def dense_mha(q, k, v, q_start_loc, k_start_loc, *, scale, backend="mosaic", interpret=False, block_kv=None,
-              num_stages=None, num_programs=None):
+def dense_mha(q, k, v, q_start_loc, k_start_loc, *, scale, selection=None, max_kv_len=None, backend="mosaic",
+              interpret=False, block_kv=None, num_stages=None, num_programs=None):
     """Causal flash attention of a packed ragged batch of prefills (Pallas Mosaic GPU, Hopper).
 
     q: [T, H, Dqk] packed queries, sequence s owns rows q_start_loc[s]..q_start_loc[s+1]
@@ -65,6 +83,15 @@ def dense_mha(q, k, v, q_start_loc, k_start_loc, *, scale, backend="mosaic", int
     included); a sequence's own non-finite values reach its own rows (a non-finite v of a key
     in a diagonal key tile also reaches the sequence's earlier queries in that tile: P = 0
     times it).
+    selection: None, or [T, K] int32 (masked MHA): row r attends only the key positions it lists
+    (positions in its own sequence, context included; -1 pads; entries < 0 or past the row's
+    position are ignored, a position listed twice counts once). A row listing none of its keys
+    gives 0. Key tiles no row of a 128-row block selects are skipped. DeepSeek-V3.2's masked
+    prefill: with selection = the indexer's top-k positions this equals sparse attention over
+    the same keys in the MHA form.
+    max_kv_len: with a selection, a bound on every sequence's kv_len (static; default Tk): it
+    sizes the selection's bitmask ([T, max_kv_len / 8] bytes and a [T, max_kv_len] boolean
+    scatter). Rows of a sequence longer than that come out NaN.
     dtypes: bf16 or f16 (wgmma operands), f32 softmax. Dqk and Dv: multiples of 64, <= 256.
     block_kv, num_stages, num_programs: the kernel's tiling (see `mosaic.dense_mha_mosaic`).
     interpret=True runs the same kernel in Mosaic GPU interpret mode (CPU).
@@ -74,8 +101,12 @@ def dense_mha(q, k, v, q_start_loc, k_start_loc, *, scale, backend="mosaic", int
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     check_inputs(q, k, v, q_start_loc, k_start_loc, KERNEL_DTYPES)
+    check_selection(selection, q.shape[0], max_kv_len)
     reason = unsupported_reason(q.dtype, q.shape[2], v.shape[2])
     if reason:
         raise ValueError(reason)
-    return dense_mha_mosaic(q, k, v, q_start_loc, k_start_loc, scale=scale, interpret=interpret,
-                            block_kv=block_kv, num_stages=num_stages, num_programs=num_programs)
+    if selection is not None and max_kv_len is None:
+        max_kv_len = max(k.shape[0], 1)
+    return dense_mha_mosaic(q, k, v, q_start_loc, k_start_loc, scale=scale, selection=selection,
+                            max_kv_len=max_kv_len, interpret=interpret, block_kv=block_kv,
+                            num_stages=num_stages, num_programs=num_programs)

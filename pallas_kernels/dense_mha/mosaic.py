@@ -27,6 +27,8 @@ _ALIGN = 8  # rows: TMA into (8, 64)-tiled shared memory starts at a multiple of
 # Block table columns (one row per kernel block, int32), see _block_table:
 _ROW0, _LO, _HI, _POS0, _KROW0, _KSHIFT, _KV_END = range(7)
 _TABLE_COLS = 7
+_NUM_LIVE = 7  # with a selection: the block's live key tiles (an 8th column, see _selection_masks)
+_WORD = 32  # keys per word of the selection bitmask
 _O_COLS = 64  # output columns per store round (one 64 x 64 tile per consumer)
 # (block_kv, num_stages) by preference (measured: docs/design/dense_mha.md): the first whose
 # shared memory fits the head dims
@@ -58,9 +60,7 @@ def _block_table(q_start_loc, k_start_loc, num_rows, num_blocks):
     seq_end = jnp.append(q_start_loc[1:], num_rows)
     seq_ctx = jnp.append(kv_len - q_len, 0)
     seq_krow = jnp.append(k_start_loc[:-1], 0)
-    seq_base = seq_start // _ALIGN * _ALIGN
-    seq_blocks = jnp.where(seq_end > seq_start, (seq_end - seq_base + _BLOCK_Q - 1) // _BLOCK_Q, 0)
-    blocks_end = jnp.cumsum(seq_blocks)
+    seq_base, blocks_end = _sequence_blocks(q_start_loc, num_rows)
     blk = jnp.arange(num_blocks, dtype=jnp.int32)
     # compare_all: one fused kernel (the default scan is a loop of small ones)
     seq = jnp.minimum(jnp.searchsorted(blocks_end, blk, side="right", method="compare_all"),
@@ -76,8 +76,63 @@ def _block_table(q_start_loc, k_start_loc, num_rows, num_blocks):
     return table.astype(jnp.int32), blocks_end[-1:].astype(jnp.int32)
 
 
-def dense_mha_mosaic(q, k, v, q_start_loc, k_start_loc, *, scale, interpret=False, block_kv=None,
-                     num_stages=None, num_programs=None):
+def _sequence_blocks(q_start_loc, num_rows):
+    """([S+1] packed row of each sequence's block row 0: its start rounded down to 8, [S+1]
+    cumulative block counts): sequence s (S: the padding rows) owns table rows
+    blocks_end[s-1]..blocks_end[s], its last block first."""
+    seq_start = q_start_loc
+    seq_end = jnp.append(q_start_loc[1:], num_rows)
+    seq_base = seq_start // _ALIGN * _ALIGN
+    seq_blocks = jnp.where(seq_end > seq_start, (seq_end - seq_base + _BLOCK_Q - 1) // _BLOCK_Q, 0)
+    return seq_base, jnp.cumsum(seq_blocks)
+
+
+def _selection_masks(selection, q_start_loc, k_start_loc, num_blocks, key_tiles, block_kv):
+    """The kernel's form of a selection: the keys each row attends, as bits and live tiles.
+
+    selection: [T, K] int32 key positions per row (-1 padded; entries < 0 or past the row's own
+    position are dropped). Key position p of sequence s sits at tile coordinate j = p + k_shift_s
+    (k_shift_s = k_start_loc[s] % 8: the kernel's key tiles start on the 8-row grid), in key
+    tile j // block_kv of key_tiles (coordinates past them are dropped; the kernel makes the
+    rows of a block whose keys reach there NaN).
+    Returns (bits [key_tiles * block_kv / 32, round_up(T, 8) + _BLOCK_Q] int32: bit j % 32 of
+    bits[j // 32, r] is set when row r attends coordinate j (word-major: a warpgroup's 64 rows
+    of a word are one contiguous load; zero columns past T cover the blocks' overhang);
+    live tiles [num_blocks, key_tiles] int32: each table row's key tiles holding a bit of a row
+    it stores, ascending, then the others; live counts [num_blocks] int32).
+    The bits come from a [T, key_tiles * block_kv] boolean scatter (a position listed twice
+    sets its bit once), packed 32 to a word.
+    """
+    num_rows = selection.shape[0]
+    num_seqs = q_start_loc.shape[0] - 1
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(q_start_loc, rows, side="right", method="compare_all") - 1,
+                   0, num_seqs - 1).astype(jnp.int32)
+    owned = rows < q_start_loc[-1]
+    ctx = jnp.diff(k_start_loc) - jnp.diff(q_start_loc)
+    pos = ctx[seq] + rows - q_start_loc[seq]
+    coord = selection + (k_start_loc[seq] % _ALIGN)[:, None]
+    num_coords = key_tiles * block_kv
+    valid = (owned[:, None] & (selection >= 0) & (selection <= pos[:, None])
+             & (coord < num_coords))
+    hit = jnp.zeros((num_rows, num_coords), jnp.bool_).at[
+        rows[:, None], jnp.where(valid, coord, num_coords)].set(True, mode="drop")
+    weights = jnp.left_shift(jnp.uint32(1), jnp.arange(_WORD, dtype=jnp.uint32))
+    words = jnp.sum(hit.reshape(num_rows, num_coords // _WORD, _WORD).astype(jnp.uint32) * weights,
+                    axis=-1, dtype=jnp.uint32)  # distinct bits: their sum is their OR
+    bits = jnp.pad(lax.bitcast_convert_type(words, jnp.int32).T,
+                   ((0, 0), (0, -num_rows % _ALIGN + _BLOCK_Q)))
+    seq_base, blocks_end = _sequence_blocks(q_start_loc, num_rows)
+    block = blocks_end[seq] - 1 - (rows - seq_base[seq]) // _BLOCK_Q  # the table row storing row r
+    live = jnp.zeros((num_blocks, key_tiles), jnp.bool_).at[
+        jnp.where(owned, block, num_blocks)[:, None],
+        jnp.where(valid, coord // block_kv, key_tiles)].set(True, mode="drop")
+    tiles = jnp.argsort(~live, axis=1, stable=True).astype(jnp.int32)
+    return bits, tiles, jnp.sum(live, axis=1, dtype=jnp.int32)
+
+
+def dense_mha_mosaic(q, k, v, q_start_loc, k_start_loc, *, scale, selection=None, max_kv_len=None,
+                     interpret=False, block_kv=None, num_stages=None, num_programs=None):
     """`api.dense_mha`'s kernel, on inputs it has checked.
 
     Work items are (block of 128 packed q rows, 8-row aligned, holding queries of one sequence,
@@ -106,6 +161,16 @@ def dense_mha_mosaic(q, k, v, q_start_loc, k_start_loc, *, scale, interpret=Fals
     tile holds such rows: none where keys start on the 8-row grid and end on a key tile
     boundary, e.g. 4 x 2048); other sequences' query rows are computed and not stored. T or Tk
     not a multiple of 8 costs a padded copy of q or of k and v.
+
+    With a selection (masked MHA) a row attends only the keys it lists, given to the kernel as
+    a bitmask and each block's list of live key tiles (`_selection_masks`, XLA ahead of the
+    kernel). An item walks only its live tiles (the producer loads no other), and each step
+    tests every score's bit instead of the causal mask (the bits hold causality): the rows'
+    words of the tile are loaded from global memory (L2-resident across the heads) before the
+    QK product is awaited. Both consumers walk every live tile (no per-warpgroup trimming, no
+    half steps), and a row's running max stays -inf until its first selected key. Rows of a
+    block whose last position + k_shift lies past the bitmask (max_kv_len + 7 keys, rounded up
+    to a tile) come out NaN.
     """
     num_rows, heads, d_qk = q.shape
     d_v = v.shape[2]
@@ -134,6 +199,13 @@ def dense_mha_mosaic(q, k, v, q_start_loc, k_start_loc, *, scale, interpret=Fals
     if num_programs is None:
         num_programs = num_sms()
     table, blocks_used = _block_table(q_start_loc, k_start_loc, num_rows, num_blocks)
+    masks = ()
+    if selection is not None:
+        key_tiles = -(-(max_kv_len + _ALIGN - 1) // block_kv)
+        bits, tiles, num_live = _selection_masks(selection, q_start_loc, k_start_loc, num_blocks,
+                                                 key_tiles, block_kv)
+        table = jnp.concatenate([table, num_live[:, None]], axis=1)
+        masks = (bits, tiles)
     pad_rows = (lambda x: jnp.pad(x, ((0, -x.shape[0] % _ALIGN), (0, 0), (0, 0))))
     if num_rows % _ALIGN:
         q = pad_rows(q)
@@ -145,25 +217,35 @@ def dense_mha_mosaic(q, k, v, q_start_loc, k_start_loc, *, scale, interpret=Fals
     # together (their keys are reused from L2).
     heads_per_group = heads if num_rows <= num_seqs * _BLOCK_Q else 1
     call = functools.partial(_attention_call, num_programs=min(num_programs, num_blocks * heads),
-                             heads_per_group=heads_per_group,
+                             heads_per_group=heads_per_group, selective=selection is not None,
                              scale=float(scale), block_kv=block_kv, num_stages=num_stages,
                              interpret=interpret)
     if interpret:
         with plgpu.force_gpu_interpret_mode():
-            return call(table, blocks_used, q, k, v)[:num_rows]
-    return call(table, blocks_used, q, k, v)[:num_rows]
+            return call(table, blocks_used, q, k, v, *masks)[:num_rows]
+    return call(table, blocks_used, q, k, v, *masks)[:num_rows]
 
 
-def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_group, scale,
-                    block_kv, num_stages, interpret):
+def _attention_call(table, blocks_used, q, k, v, *masks, num_programs, heads_per_group, selective,
+                    scale, block_kv, num_stages, interpret):
     num_rows, heads, d_qk = q.shape
     d_v = v.shape[2]
     dtype = q.dtype
     # exp2 of scores pre-multiplied by scale * log2(e): one FMA per score
     qk_scale = scale * LOG2E
 
-    def kernel(table_ref, used_ref, q_ref, k_ref, v_ref, out_ref, q_smem, o_smems, k_smem, v_smem,
-               q_ready, k_ready, v_ready, k_free, v_free, turn, p_smem=None):
+    table_cols = table.shape[1]
+    tile_words = block_kv // _WORD
+    num_coords = masks[0].shape[0] * _WORD if selective else 0
+
+    def kernel(*refs):
+        if selective:
+            (table_ref, used_ref, q_ref, k_ref, v_ref, bits_ref, tiles_ref, out_ref, q_smem, o_smems,
+             k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, turn, *p_smem) = refs
+        else:
+            (table_ref, used_ref, q_ref, k_ref, v_ref, out_ref, q_smem, o_smems, k_smem, v_smem,
+             q_ready, k_ready, v_ready, k_free, v_free, turn, *p_smem) = refs
+        p_smem = p_smem[0] if p_smem else None
         wg = lax.axis_index("wg")
 
         def schedule():
@@ -190,7 +272,8 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                 within = item - group * group_items
                 blk = within // heads_per_group
                 head = group * heads_per_group + (within - blk * heads_per_group)
-                return head, tuple(table_ref[blk, c] for c in range(_TABLE_COLS))
+                # the table row's columns, then its index (the row of its live tiles)
+                return head, (*(table_ref[blk, c] for c in range(table_cols)), blk)
 
             num_items = last_round + (position(last_round) < num_total % num_programs).astype(
                 jnp.int32)
@@ -203,7 +286,13 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
             return lax.rem(tile, num_stages)
 
         def block_steps(info):
+            if selective:
+                return info[_NUM_LIVE]
             return (info[_KV_END] + info[_KSHIFT] + block_kv - 1) // block_kv
+
+        def key_tile(info, step):
+            # the key tile of an item's step: its live tiles in order, else every tile from 0
+            return tiles_ref[info[-1], step] if selective else step
 
         def aligned_rows(row_div8, offset):
             # row_div8 * 8 + offset, written so Mosaic sees a multiple of 8 (offset: one too)
@@ -264,12 +353,35 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                 # release / acquire of the turn barrier that orders its P.V product after ours
                 plgpu.commit_smem()
 
+            def load_words(info, tile):
+                # this warpgroup's rows' bitmask words of key tile `tile` (selective)
+                rows = pl.ds(aligned_rows(info[_ROW0], wg * _WG_ROWS), _WG_ROWS)
+                return [plgpu.load(bits_ref.at[tile * tile_words + w, rows], layout=row_layout,
+                                   optimized=False) for w in range(tile_words)]
+
+            def select(s, words):
+                # scores whose key's bit is clear -> -inf (bit c % 32 of word c // 32, column c)
+                cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                word = lax.broadcast_in_dim(words[0], s.shape, [0])
+                for w in range(1, len(words)):
+                    word = jnp.where(cols >= w * _WORD, lax.broadcast_in_dim(words[w], s.shape, [0]),
+                                     word)
+                bit = lax.shift_right_logical(word, cols & (_WORD - 1)) & 1
+                return jnp.where(bit != 0, s, -jnp.inf)
+
             def kv_step(step, carry, *, tile0, wg_pos0, k_shift, masked, after_qk, steps,
-                        kv_end=None, zero_from=None, keys=block_kv):
+                        kv_end=None, zero_from=None, keys=block_kv, info=None):
                 # Reads the tile's first `keys` keys (< block_kv: see half_last). Its K tile was
                 # awaited before the item's loops (step 0) or during the previous step's PV
-                # product.
-                acc, m_i, l_i = carry
+                # product. Selective: the carry holds this step's key tile, the next step's is
+                # loaded now (its first use is a step away) and this tile's bitmask words too.
+                if selective:
+                    acc, m_i, l_i, tile = carry
+                    next_tile = key_tile(info, jnp.minimum(step + 1, tiles_ref.shape[1] - 1))
+                    words = load_words(info, tile)
+                else:
+                    acc, m_i, l_i = carry
+                    tile = step
                 slot = slot_of(tile0 + step)
                 k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
                 if keys < block_kv:
@@ -282,7 +394,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                     # reads the tile, by the consumer that runs it first: warpgroup 0, or 1 on
                     # the tiles after warpgroup 0's last (zero_from: the first step this
                     # consumer zeroes). Whole tile: the other consumer may read past a half step.
-                    key0 = step * block_kv - k_shift
+                    key0 = tile * block_kv - k_shift
                     zeroes = (step >= zero_from) & ((key0 < 0) | (key0 + block_kv > kv_end))
 
                     @pl.when(zeroes)
@@ -298,7 +410,9 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                 s = pl.run_scoped(qk_product, plgpu.ACC((_WG_ROWS, keys), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 after_qk(step)
-                if masked:
+                if selective:
+                    s = select(s, words)
+                elif masked:
                     # key 0 of the sequence sits k_shift columns into tile 0
                     q_pos = wg_pos0 + plgpu.broadcasted_iota(
                         jnp.int32, (_WG_ROWS, keys), 0, layout=plgpu.Layout.WGMMA)
@@ -307,8 +421,10 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                     s = jnp.where((k_pos <= q_pos) & (k_pos >= 0), s, -jnp.inf)
                 # the scale rides on the max and on one FMA per score
                 m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
-                p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                alpha = jnp.exp2(m_i - m_new)
+                # selective: rows with no selected key yet keep m = -inf, exponentiated from 0
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if selective else m_new
+                p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                alpha = jnp.exp2(m_i - m_use)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 if zeroes is None:
                     l_i = l_i * alpha  # + p's row sums, added while the tensor cores work
@@ -352,6 +468,8 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
 
                     acc, l_i = pl.run_state(pv_then_sum)((plgpu.ACC.init(acc), l_i))
                 plgpu.barrier_arrive(v_free.at[slot])
+                if selective:
+                    return acc, m_new, l_i, next_tile
                 return acc, m_new, l_i
 
             def skip_step(step, _, *, tile0):
@@ -382,16 +500,12 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                 hi = jnp.clip(info[_HI] - wg * _WG_ROWS, lo, _WG_ROWS)
                 wg_pos0 = info[_POS0] + wg * _WG_ROWS
                 tiles = block_steps(info)
-                steps = jnp.where((hi > lo) & (info[_KV_END] > 0),
-                                  (wg_pos0 + hi + k_shift + block_kv - 1) // block_kv, 0)
-                # Unmasked: key tiles after the first when that one starts k_shift keys early,
-                # and entirely at or before the position of query row lo.
-                first_full = jnp.minimum(jnp.where(k_shift > 0, 1, 0), steps)
-                end_full = jnp.clip((wg_pos0 + lo + 1 + k_shift) // block_kv, first_full, steps)
+                causal_steps = tiles if selective else (wg_pos0 + hi + k_shift + block_kv - 1) // block_kv
+                steps = jnp.where((hi > lo) & (info[_KV_END] > 0), causal_steps, 0)
                 # warpgroup 1 zeroes the foreign V rows of the tiles after warpgroup 0's last
                 # (warpgroup 0 holds rows of every block in use: _LO < 8)
                 hi0 = jnp.clip(info[_HI], 0, _WG_ROWS)
-                steps0 = (info[_POS0] + hi0 + k_shift + block_kv - 1) // block_kv
+                steps0 = tiles if selective else (info[_POS0] + hi0 + k_shift + block_kv - 1) // block_kv
                 zero_from = jnp.where(wg == 0, 0, steps0)
                 plgpu.barrier_wait(q_ready.at[wg])
                 pl.when(steps > 0)(lambda: plgpu.barrier_wait(k_ready.at[slot_of(tile0)]))
@@ -408,24 +522,34 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
 
                 step_fn = functools.partial(kv_step, tile0=tile0, wg_pos0=wg_pos0, k_shift=k_shift,
                                             after_qk=after_qk, steps=steps,
-                                            kv_end=info[_KV_END], zero_from=zero_from)
-                carry = lax.fori_loop(0, first_full, functools.partial(step_fn, masked=True), carry)
-                carry = lax.fori_loop(first_full, end_full, functools.partial(step_fn, masked=False),
-                                      carry)
-                # The last masked tile as a half step when the last row's position falls in its
-                # first half (warpgroup 0 of every block of an aligned prefill): a quarter of the
-                # diagonal tiles' matmuls skipped. Half steps need block_kv / 2 a multiple of 64
-                # (V's 128-byte swizzle spans 64 keys).
-                halves = block_kv % 128 == 0
-                half_keys = block_kv // 2
-                half_last = halves & (end_full < steps) & (
-                    wg_pos0 + hi - 1 < (steps - 1) * block_kv - k_shift + half_keys)
-                masked_end = steps - half_last.astype(jnp.int32)
-                carry = lax.fori_loop(end_full, masked_end, functools.partial(step_fn, masked=True),
-                                      carry)
-                if halves:
-                    carry = lax.fori_loop(masked_end, steps, functools.partial(
-                        step_fn, masked=True, keys=half_keys), carry)
+                                            kv_end=info[_KV_END], zero_from=zero_from, info=info)
+                if selective:
+                    # every live tile, bit-masked (the bits hold causality)
+                    carry = lax.fori_loop(0, steps, functools.partial(step_fn, masked=True),
+                                          (*carry, key_tile(info, 0)))[:3]
+                else:
+                    # Unmasked: key tiles after the first when that one starts k_shift keys early,
+                    # and entirely at or before the position of query row lo.
+                    first_full = jnp.minimum(jnp.where(k_shift > 0, 1, 0), steps)
+                    end_full = jnp.clip((wg_pos0 + lo + 1 + k_shift) // block_kv, first_full, steps)
+                    carry = lax.fori_loop(0, first_full, functools.partial(step_fn, masked=True),
+                                          carry)
+                    carry = lax.fori_loop(first_full, end_full, functools.partial(step_fn, masked=False),
+                                          carry)
+                    # The last masked tile as a half step when the last row's position falls in its
+                    # first half (warpgroup 0 of every block of an aligned prefill): a quarter of the
+                    # diagonal tiles' matmuls skipped. Half steps need block_kv / 2 a multiple of 64
+                    # (V's 128-byte swizzle spans 64 keys).
+                    halves = block_kv % 128 == 0
+                    half_keys = block_kv // 2
+                    half_last = halves & (end_full < steps) & (
+                        wg_pos0 + hi - 1 < (steps - 1) * block_kv - k_shift + half_keys)
+                    masked_end = steps - half_last.astype(jnp.int32)
+                    carry = lax.fori_loop(end_full, masked_end, functools.partial(step_fn, masked=True),
+                                          carry)
+                    if halves:
+                        carry = lax.fori_loop(masked_end, steps, functools.partial(
+                            step_fn, masked=True, keys=half_keys), carry)
 
                 @pl.when(has_next & (steps == 0))
                 def _():
@@ -436,6 +560,8 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                 acc, _, l_i = carry
                 # l_i >= 1 in any row that saw a key; rows that saw none (zero blocks) stay 0
                 inv_l = 1.0 / jnp.where(l_i > 0, l_i, 1.0)
+                if selective:  # keys past the bitmask were dropped: NaN rather than partly attended
+                    inv_l = inv_l + jnp.where(info[_KV_END] + k_shift > num_coords, jnp.nan, 0.0)
                 out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
                 wg_row0 = aligned_rows(info[_ROW0], wg * _WG_ROWS)
                 count = hi - lo
@@ -488,7 +614,7 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
                 def _fetch(step):
                     tile = tile0 + step
                     slot = slot_of(tile)
-                    keys = pl.ds(aligned_rows(info[_KROW0], step * block_kv), block_kv)
+                    keys = pl.ds(aligned_rows(info[_KROW0], key_tile(info, step) * block_kv), block_kv)
 
                     @pl.when(tile >= num_stages)
                     def _():
@@ -554,4 +680,4 @@ def _attention_call(table, blocks_used, q, k, v, *, num_programs, heads_per_grou
         # leave free).
         compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
                                              reduction_scratch_bytes=0),
-    )(table, blocks_used, q, k, v)
+    )(table, blocks_used, q, k, v, *masks)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from .api import check_inputs
+from .api import check_inputs, check_selection
 
 
 def _row_segments(start_loc, rows):
@@ -17,20 +17,22 @@ def _row_segments(start_loc, rows):
     return seq, idx - start_loc[jnp.clip(seq, 0, start_loc.shape[0] - 1)]
 
 
-def dense_mha_reference(q, k, v, q_start_loc, k_start_loc, *, scale, max_scores=1 << 27):
+def dense_mha_reference(q, k, v, q_start_loc, k_start_loc, *, scale, selection=None, max_scores=1 << 27):
     """Causal attention of a packed ragged batch, float32 (the XLA path and the kernel's oracle).
 
     q: [T, H, Dqk], sequence s owns rows q_start_loc[s]..q_start_loc[s+1]; k: [Tk, H, Dqk] and
     v: [Tk, H, Dv], sequence s owns rows k_start_loc[s]..k_start_loc[s+1]; q_start_loc,
     k_start_loc: [S+1] int32. Query i of sequence s sits at position kv_len_s - q_len_s + i and
     attends that sequence's keys 0..position. Returns [T, H, Dv] float32; rows no sequence owns
-    are 0. Memory stays bounded: query blocks of at most max_scores scores ([Bq, H, Tk]) each.
+    are 0. selection: None or [T, K] int32, as in `api.dense_mha`: a row attends only the causal
+    positions it lists (-1 and out-of-range entries ignored); a row listing none gives 0. Memory stays bounded: query blocks of at most max_scores scores ([Bq, H, Tk]) each.
     Rows no sequence owns and other sequences' rows never reach a row's output (masked scores
     and values are selected away, never multiplied by 0: NaN / inf there do not leak); a
     sequence's own non-finite values reach its own rows: non-finite q or k through the scores,
     a non-finite v value of a key a query sees makes that query's head all NaN.
     """
     check_inputs(q, k, v, q_start_loc, k_start_loc, (jnp.bfloat16, jnp.float16, jnp.float32))
+    check_selection(selection, q.shape[0], None)
     num_rows, heads, d_qk = q.shape
     num_keys, d_v = k.shape[0], v.shape[2]
     if num_rows == 0 or num_keys == 0:
@@ -45,6 +47,10 @@ def dense_mha_reference(q, k, v, q_start_loc, k_start_loc, *, scale, max_scores=
     q_blocks = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(num_blocks, block, heads, d_qk)
     seq_blocks = jnp.pad(q_seq, (0, pad), constant_values=-1).reshape(num_blocks, block)
     pos_blocks = jnp.pad(q_pos, (0, pad)).reshape(num_blocks, block)
+    if selection is None:
+        sel_blocks = jnp.zeros((num_blocks, block, 0), jnp.int32)
+    else:
+        sel_blocks = jnp.pad(selection, ((0, pad), (0, 0)), constant_values=-1).reshape(num_blocks, block, -1)
     k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
     # No 0 * NaN: the P.V product runs on v with its non-finite values zeroed, and a row that
     # sees (causally, in its own sequence) a key whose v has any non-finite value in a head gets
@@ -56,9 +62,14 @@ def dense_mha_reference(q, k, v, q_start_loc, k_start_loc, *, scale, max_scores=
     hi = lax.Precision.HIGHEST
 
     def attend(blk):
-        qb, seq, pos = blk  # [Bq, H, Dqk], [Bq], [Bq]
+        qb, seq, pos, sel = blk  # [Bq, H, Dqk], [Bq], [Bq], [Bq, K]
         visible = ((seq[:, None] == k_seq[None, :]) & (seq[:, None] >= 0)
                    & (k_pos[None, :] <= pos[:, None]))  # [Bq, Tk]
+        if selection is not None:  # the listed positions of the row's own sequence
+            key = jnp.where(sel >= 0, k_start_loc[jnp.maximum(seq, 0)][:, None] + sel, num_keys)
+            listed = jnp.zeros(visible.shape, jnp.bool_).at[
+                jnp.arange(sel.shape[0])[:, None], key].set(True, mode="drop")
+            visible = visible & listed
         s = jnp.einsum("qhd,khd->qhk", qb.astype(jnp.float32), k32, precision=hi) * scale
         s = jnp.where(visible[:, None], s, -jnp.inf)
         m = jnp.max(s, axis=-1, keepdims=True)
@@ -69,5 +80,5 @@ def dense_mha_reference(q, k, v, q_start_loc, k_start_loc, *, scale, max_scores=
         out = jnp.einsum("qhk,khd->qhd", p, v32, precision=hi)
         return jnp.where(seen_bad[:, :, None] > 0, jnp.nan, out)
 
-    out = lax.map(attend, (q_blocks, seq_blocks, pos_blocks))
+    out = lax.map(attend, (q_blocks, seq_blocks, pos_blocks, sel_blocks))
     return out.reshape(num_blocks * block, heads, d_v)[:num_rows]
