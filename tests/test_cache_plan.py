@@ -10,6 +10,8 @@ import pytest
 from jax_sparse_mla import (BatchMeta, BucketPolicy, MLAConfig, Request, init_cache, plan_batch, read_indexer_keys,
                             read_latent)
 from jax_sparse_mla import cache as cache_lib
+from jax_sparse_mla import plan as plan_lib
+from jax_sparse_mla import policy
 
 TINY = MLAConfig.tiny()
 
@@ -59,7 +61,7 @@ def test_plan_routes_each_prefill_by_its_length():
     k = TINY.index_topk
     dense, _ = plan_batch(TINY, [Request(0, k, list(range(4))), Request(3, 4, [4, 5])])
     assert dense.use_dense_mha and not dense.has_indexer_scoring and dense.num_sparse_tokens == 0
-    both, meta = plan_batch(TINY, [Request(0, k + 1, list(range(5))), Request(0, 3, [5])])
+    both, meta = plan_batch(TINY, [Request(0, k + 1, list(range(5))), Request(0, 3, [5])], prefill_route="sparse")
     assert both.use_dense_mha and both.num_sparse_tokens == 32 and both.num_scored_tokens == 32
     assert list(np.asarray(meta.sparse_rows[:k + 2])) == list(range(k + 1)) + [-1]
     # the dense sequence (request 1) owns rows k+1 .. k+3 and its 3 keys on page 5
@@ -67,9 +69,9 @@ def test_plan_routes_each_prefill_by_its_length():
     assert list(np.asarray(meta.dense_rows[:4])) == [k + 1, k + 2, k + 3, -1]
     assert list(np.asarray(meta.dense_key_start[:3])) == [0, 0, 3] and both.num_dense_keys == 16
     assert list(np.asarray(meta.dense_key_slots[:4])) == [5 * TINY.page_size + i for i in range(3)] + [-1]
-    long_only, _ = plan_batch(TINY, [Request(0, k + 1, list(range(5)))])
+    long_only, _ = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], prefill_route="sparse")
     assert not long_only.use_dense_mha and long_only.num_scored_tokens == long_only.num_tokens
-    chunk, _ = plan_batch(TINY, [Request(k - 2, 3, list(range(5)))])  # context counts toward the length
+    chunk, _ = plan_batch(TINY, [Request(k - 2, 3, list(range(5)))], prefill_route="sparse")  # context counts
     assert not chunk.use_dense_mha
     decode_only, _ = plan_batch(TINY, [Request(5, 1, [0, 1])])
     assert not decode_only.use_dense_mha and decode_only.has_indexer_scoring
@@ -80,6 +82,49 @@ def test_plan_routes_each_prefill_by_its_length():
     assert not forced.use_dense_mha
     baseline, _ = plan_batch(TINY, [Request(0, 4, [0])], skip_indexer=False)
     assert baseline.use_dense_mha and baseline.num_scored_tokens == baseline.num_tokens
+
+
+def test_plan_routes_long_prefills_masked_with_their_keys_in_the_dense_call():
+    """prefill_route="masked": a long prefill is scored (in meta.sparse_rows, flagged) and its
+    keys join the dense MHA call; a decode beside it attends sparsely ("some"); alone, "all"."""
+    k, page = TINY.index_topk, TINY.page_size
+    plan, meta = plan_batch(TINY, [Request(0, 3, [0]), Request(4, k, list(range(1, 6))), Request(30, 1, list(range(6, 14)))],
+                            prefill_route="masked")
+    assert plan.use_dense_mha and plan.masked == "some" and plan.num_sparse_tokens == plan.num_scored_tokens == 32
+    assert [g.name for g in plan.groups] == ["sparse"]
+    rows = list(range(3, 3 + k)) + [3 + k]  # the masked request's rows, then the decode's
+    assert list(np.asarray(meta.sparse_rows[:k + 2])) == rows + [-1]
+    assert list(np.asarray(meta.masked_flags[:k + 2])) == [1] * k + [0, 0]
+    assert list(np.asarray(meta.dense_rows[:k + 4])) == list(range(k + 3)) + [-1]
+    assert list(np.asarray(meta.dense_query_start)) == [0, 3, 3 + k, 3 + k, 3 + k]
+    assert list(np.asarray(meta.dense_key_start)) == [0, 3, 3 + 4 + k, 7 + k, 7 + k] and plan.num_dense_keys == 32
+    assert list(np.asarray(meta.dense_key_slots[3:7 + k])) == [page + i for i in range(4 + k)]
+    alone, meta = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], prefill_route="masked")
+    assert alone.masked == "all" and alone.num_sparse_tokens == 32 and list(np.asarray(meta.masked_flags[k:k + 2])) == [1, 0]
+    sparse, meta = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], prefill_route="sparse")
+    assert sparse.masked == "none" and not sparse.use_dense_mha
+    cond, _ = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], prefill_route="masked", dispatch="cond")
+    assert cond.masked == "none"  # cond plans attend long prefills sparsely
+    short, _ = plan_batch(TINY, [Request(0, k, list(range(4)))], prefill_route="masked")
+    assert short.masked == "none" and not short.has_indexer_scoring  # <= index_topk: dense, not scored
+    forced, _ = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], prefill_route="masked", force_sparse=True)
+    assert forced.masked == "none" and not forced.use_dense_mha
+
+
+@pytest.mark.parametrize("context_len,query_len", [(0, 2048 + 1), (0, 4096), (0, 8192), (0, 16384), (4096, 4096),
+                                                   (28672, 4096), (2040, 9)])
+def test_auto_route_follows_the_cost_model(context_len, query_len):
+    """prefill_route="auto": a long prefill takes the cheaper route by policy.route_costs, and
+    the route flips exactly where the costs cross (the first fresh length where sparse wins)."""
+    cfg = MLAConfig.deepseek_v32()
+    costs = policy.route_costs(context_len, query_len, cfg.index_topk)
+    want = "masked" if costs["masked"] < costs["sparse"] else "sparse"
+    assert plan_lib.request_routes(cfg, [Request(context_len, query_len, [0])], False) == [want]
+    cross = next(n for n in range(cfg.index_topk + 1, 1 << 16)
+                 if policy.prefill_route(0, n, cfg.index_topk) == "sparse")
+    assert policy.prefill_route(0, cross - 1, cfg.index_topk) == "masked"
+    c = policy.route_costs(0, cross, cfg.index_topk)
+    assert c["masked"] >= c["sparse"] and 8192 < cross < 65536
 
 
 def test_cond_dispatch_plan_depends_on_buckets_only():
@@ -105,7 +150,7 @@ def test_fp8_plan_splits_prefill_rows_from_decode_rows(monkeypatch):
     requests = [Request(20, 1, [9, 8, 7, 6, 5, 4]),               # decode (row 0)
                 Request(0, 3, [3]),                               # short prefill: dense (rows 1-3)
                 Request(0, k + 1, [10, 11, 12, 13, 14, 15, 16])]  # long prefill (rows 4 .. k + 4) on 5 pages
-    plan, meta = plan_batch(fp8, requests)
+    plan, meta = plan_batch(fp8, requests, prefill_route="sparse")
     assert plan.use_dense_mha and (plan.num_upfront_rows, plan.num_kernel_rows, plan.num_upfront_pages) == (32, 1, 8)
     assert [(g.name, g.num_rows, g.indexer_kernel, g.dequantize) for g in plan.groups] == [
         ("upfront", 32, "decode", "upfront"), ("kernel", 1, "decode", "kernel")]  # 32 rows < 16 x 4 sequences
@@ -118,7 +163,7 @@ def test_fp8_plan_splits_prefill_rows_from_decode_rows(monkeypatch):
         assert (other.num_upfront_rows, other.num_kernel_rows, other.num_upfront_pages) == (0, 0, 0)
         assert other_meta.upfront_rows.shape == other_meta.kernel_rows.shape == (0,)
     monkeypatch.setattr(policy, "UPFRONT_MIN_USES", 10 ** 9)
-    assert plan_batch(fp8, requests)[0].num_upfront_rows == 0
+    assert plan_batch(fp8, requests, prefill_route="sparse")[0].num_upfront_rows == 0
 
 
 def test_plan_meta_slots_positions_and_padding():
@@ -179,7 +224,8 @@ def test_forward_refuses_a_cache_of_another_size_than_the_plan_was_validated_for
 def test_sparse_plans_ignore_skip_indexer():
     """skip_indexer only matters where a dense program exists: no duplicate sparse programs."""
     long_ = [Request(0, 20, list(range(5)))]
-    assert plan_batch(TINY, long_, skip_indexer=False)[0] == plan_batch(TINY, long_)[0]
+    assert plan_batch(TINY, long_, skip_indexer=False, prefill_route="sparse")[0] == plan_batch(
+        TINY, long_, prefill_route="sparse")[0]
 
 
 # --- host-side refusal of bad input (before anything touches a device) ----------------------------
@@ -326,6 +372,8 @@ def test_numpy_integers_plan_like_python_ints():
     (dict(buckets=dict(min_tokens=8)), "buckets must be a BucketPolicy, got dict"),
     (dict(dispatch=None), "dispatch must be one of"),
     (dict(dispatch=["static"]), "dispatch must be one of"),
+    (dict(prefill_route="dense"), r"prefill_route must be one of \('auto', 'masked', 'sparse'\), got 'dense'"),
+    (dict(prefill_route=None), "prefill_route must be one of"),
 ])
 def test_plan_batch_refuses_bad_options(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -81,6 +81,34 @@ def test_sparse_selection_matters():
     h.check(out, TOL_F32)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("case", ["fresh", "chunked", "ties"])
+def test_masked_route_equals_sparse_route(kv_cache_dtype, case):
+    """The same scoring and top-k, attended in the MHA form over the selected keys or in the
+    absorbed form over the gathered latent rows: equal in float32 (both cache formats), for a
+    fresh prefill (its first topk rows see fewer causal keys than topk), a chunk after context
+    beside a decode, and all-tied logits (indexer weights zero: top-k breaks the ties)."""
+    cfg = dataclasses.replace(TINY, kv_cache_dtype=kv_cache_dtype)
+    outs = {}
+    for route in ("masked", "sparse"):
+        h = Harness(cfg, seed=31)
+        if case == "ties":
+            h.params = {**h.params, "indexer.weights_proj.weight": jnp.zeros_like(h.params["indexer.weights_proj.weight"])}
+        h.add(0, 40)
+        h.add(1, 25)
+        if case == "chunked":
+            h.step([(0, 17), (1, 24)], prefill_route="sparse")
+            out, plan, _ = h.step([(0, 23), (1, 1)], prefill_route=route)
+        else:
+            out, plan, _ = h.step([(0, 40)], prefill_route=route)
+        assert (plan.masked != "none") == (route == "masked")
+        if case != "ties":
+            h.check(out, TOL_F32)
+        outs[route] = out
+    for sid in outs["sparse"]:
+        assert rel_err(outs["masked"][sid], outs["sparse"][sid]) < 1e-5, sid
+
+
 @pytest.mark.parametrize("length", [TINY.index_topk - 1, TINY.index_topk, TINY.index_topk + 1])
 def test_lengths_around_topk(length):
     for route in ("masked", "sparse"):

@@ -146,7 +146,7 @@ def test_layer_dense_route_nan_batchmate():
 def test_layer_sparse_route(config):
     """Decodes and a long prefill: a NaN decode row, unused pages NaN, padding rows NaN; another
     decode's own context NaN shows in its own row."""
-    clean, poisoned, rows, plan = _layer_run(config, SPARSE, nan_hidden=[0], own_nan=[3])
+    clean, poisoned, rows, plan = _layer_run(config, SPARSE, nan_hidden=[0], own_nan=[3], prefill_route="sparse")
     assert plan.route == "sparse"
     _check_layer(clean, poisoned, rows, victims=[0], own_nan=[3])
 
@@ -164,8 +164,19 @@ def test_layer_mixed_batch(kernels):
     prefill (dense), a long prefill (sparse, over an upfront-dequantised copy of its pages whose
     -1 entries name page 0) and decodes. kernels="pallas" (CPU: interpret mode) runs the Triton
     indexer, top-k and sparse attention (dense MHA stays on XLA at the tiny config's head dims)."""
-    clean, poisoned, rows, plan = _layer_run(FP8_KV, MIXED, nan_hidden=[0], own_nan=[4], kernels=kernels)
+    clean, poisoned, rows, plan = _layer_run(FP8_KV, MIXED, nan_hidden=[0], own_nan=[4], kernels=kernels,
+                                             prefill_route="sparse")
     assert plan.route == "dense" and plan.num_sparse_tokens > 4 and plan.num_upfront_rows
+    _check_layer(clean, poisoned, rows, victims=[0], own_nan=[4])
+
+
+@pytest.mark.parametrize("config", [TINY, FP8_KV], ids=["bf16kv-fp8idx", "fp8kv-bf16idx"])
+def test_layer_masked_route(config):
+    """The mixed batch with its long prefill as masked MHA: its keys join the dense call, its rows
+    select their top-k there; the NaN decode, unused pages and padding rows stay out of every
+    other row, and a decode's own NaN context shows in its own row."""
+    clean, poisoned, rows, plan = _layer_run(config, MIXED, nan_hidden=[0], own_nan=[4], prefill_route="masked")
+    assert plan.route == "dense" and plan.masked == "some"
     _check_layer(clean, poisoned, rows, victims=[0], own_nan=[4])
 
 

@@ -45,6 +45,28 @@ def test_scoring_exists_only_where_the_plan_says(options, scored):
         assert ops == {"indexer_logits": 0, "topk_or_sort": 0}, ops
 
 
+def scope_ops(hlo: str, scope: str) -> int:
+    """Instructions of the compiled module emitted under jax.named_scope(scope) (model.py's scopes)."""
+    return len(re.findall(rf'op_name="[^"]*{scope}', hlo))
+
+
+@pytest.mark.parametrize("requests,route,masked", [
+    ([Request(0, 30, list(range(8)))], "masked", "all"),                            # masked MHA alone
+    ([Request(0, 30, list(range(8))), Request(20, 1, list(range(8, 14)))], "masked", "some"),  # + a decode
+    ([Request(0, 30, list(range(8)))], "sparse", "none"),                           # the sparse program
+])
+def test_masked_program_scores_and_attends_in_the_dense_call(requests, route, masked):
+    """A masked prefill's program holds scoring and the dense MHA call, and sparse attention only
+    where a scored row attends sparsely (a decode beside it); the sparse route has no dense MHA."""
+    plan, meta = plan_batch(TINY, requests, prefill_route=route)
+    assert plan.masked == masked
+    hlo = compiled_hlo(plan, meta)
+    ops = scoring_ops(hlo)
+    assert ops["indexer_logits"] > 0 and ops["topk_or_sort"] > 0, ops
+    assert (scope_ops(hlo, "dense_mha") > 0) == (masked != "none")
+    assert (scope_ops(hlo, "sparse_attention") > 0) == (masked != "all")
+
+
 def test_mixed_batch_scores_only_the_sparse_rows():
     plan, meta = plan_batch(TINY, [Request(20, 1, list(range(6))), Request(0, 9, [6, 7, 8])])
     assert plan.use_dense_mha and plan.num_scored_tokens == plan.num_sparse_tokens == 1
@@ -93,12 +115,12 @@ def test_serving_loop_compiles_no_more_programs_than_the_buckets_allow():
     compiled = jit_forward._cache_size() - start
     assert compiled == len(plans)
     # Bucket grid for this workload: <= 160 tokens -> {16..256}: 5 values; 4 seqs -> {4}; <= 40
-    # tokens of 4 per page -> {4, 8, 16}; sparse rows <= 160 -> {0, 1, 2, ..., 256}; dense keys:
-    # <= 4 sequences of <= 16 (longer prefills are sparse) -> {0, 16, 32, 64}.
+    # tokens of 4 per page -> {4, 8, 16}; scored rows <= 160 -> {0, 1, 2, ..., 256}; dense keys:
+    # <= 4 sequences of <= 40 (short prefills, and longer ones routed masked) -> {0, 16, ..., 256}.
     for p in plans:
         assert p.num_tokens in (16, 32, 64, 128, 256) and p.num_seqs == 4
         assert p.pages_per_seq in (4, 8, 16) and p.num_sparse_tokens in (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
-        assert p.num_dense_keys in (0, 16, 32, 64)
+        assert p.num_dense_keys in (0, 16, 32, 64, 128, 256)
     assert len(plans) < 40  # the bucketing is what makes programs repeat
 
 

@@ -90,7 +90,7 @@ def test_plan_data_parallel_common_plan_and_errors(monkeypatch):
     fp8 = dataclasses.replace(TINY, kv_cache_dtype="fp8")
     from jax_sparse_mla import policy
     monkeypatch.setattr(policy, "UPFRONT_MIN_USES", 1)
-    assert plan_batch(fp8, long_)[0].num_upfront_rows == 32
+    assert plan_batch(fp8, long_, prefill_route="sparse")[0].num_upfront_rows == 32
     short_and_decode = [Request(0, 5, [0, 1]), Request(9, 1, [2, 3, 4])]  # rows 0-4 dense, row 5 a decode
     plan, meta = plan_data_parallel(fp8, [short_and_decode, long_], pages_per_shard=8)
     assert plan.route == "dense" and (plan.num_upfront_rows, plan.num_kernel_rows, plan.num_upfront_pages) == (32, 1, 8)
@@ -140,7 +140,7 @@ def test_data_parallel_programs_per_device():
     caches never leave their device; an idle device keeps its cache."""
     r = run_with_cpu_devices("import json; from tests.support.sharding import device_parallel_errors; "
                              "print('RESULT', json.dumps(device_parallel_errors()))", devices=2)
-    assert r["routes"] == [["sparse", "dense"], ["sparse", "dense"], [None, "sparse"]], r
+    assert r["routes"] == [["masked", "dense"], ["sparse", "dense"], [None, "sparse"]], r
     assert r["err"] == 0.0 and r["placed"], r
 
 

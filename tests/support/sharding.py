@@ -101,7 +101,7 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16"):
 
 # Steps per device for data_parallel: each device's own requests, routes differing by device.
 DEVICE_STEPS = [
-    [[("a", 37, 37)], [("b", 11, 11), ("c", 5, 5)]],   # sparse program | dense program
+    [[("a", 37, 37)], [("b", 11, 11), ("c", 5, 5)]],   # masked MHA (the dense program) | dense program
     [[("a", 0, 1)], [("b", 0, 1), ("d", 6, 6)]],       # sparse | dense (a prefill beside a decode)
     [[], [("c", 0, 1)]],                               # idle | sparse
 ]
@@ -138,7 +138,7 @@ def device_parallel_errors(kv_cache_dtype="bfloat16"):
             shards.append(reqs)
             rows.append(np.concatenate(x) if x else None)
         plans = plan_shards(config, shards, devices, pages_per_device=PAGES)
-        routes.append([None if p is None else p[0].route for p in plans])
+        routes.append([None if p is None else "masked" if p[0].masked != "none" else p[0].route for p in plans])
         hidden = []
         for p, r in zip(plans, rows):
             if p is None:
