@@ -167,16 +167,18 @@ def _dense_prefill(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: 
     return rows, out.astype(jnp.float32)
 
 
-def _dense_selection(meta: BatchMeta, top_positions, topk: int):
+def _dense_selection(meta: BatchMeta, top_positions, scored_index, topk: int):
     """[T, topk] key positions for each row of meta.dense_rows (-1 padded): a masked row's top-k
-    (top_positions [num_sparse_tokens, topk], of meta.sparse_rows, where meta.masked_flags is
-    set), every causal position of a dense row's (its sequence has <= topk tokens)."""
+    (top_positions [num_sparse_tokens, topk], of meta.sparse_rows; scored_index [T]: a row's
+    index there, -1 if not scored), every causal position of a dense row's (its sequence has
+    <= topk tokens). Gathers of whole rows only (no [T, topk] scatter)."""
+    rows = jnp.maximum(meta.dense_rows, 0)
+    idx = scored_index[rows]
+    masked = (meta.dense_rows >= 0) & (idx >= 0) & (meta.masked_flags[jnp.maximum(idx, 0)] > 0)
     k = jnp.arange(topk, dtype=jnp.int32)
-    every = jnp.where(k[None, :] <= meta.positions[:, None], k[None, :], -1)  # [T, topk]
-    masked_rows = jnp.where(meta.masked_flags > 0, meta.sparse_rows, -1)
-    chosen = _put_rows(every, masked_rows, top_positions)
-    rows = meta.dense_rows
-    return jnp.where(rows[:, None] >= 0, chosen[jnp.maximum(rows, 0)], -1)
+    every = jnp.where(k[None, :] <= meta.positions[rows][:, None], k[None, :], -1)
+    chosen = jnp.where(masked[:, None], top_positions[jnp.maximum(idx, 0)], every)
+    return jnp.where(meta.dense_rows[:, None] >= 0, chosen, -1)
 
 
 def _topk_positions(params, x, qr, positions, cache: cache_lib.PagedCache, meta: BatchMeta, rows, group: RowGroup,
@@ -286,11 +288,17 @@ def _dense_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out_s
     attending = meta.sparse_rows
     if plan.masked != "none":
         # every scored row at once; the masked ones' positions select their keys in the dense call
+        num_scored = plan.num_sparse_tokens
+        scored_index = _put_rows(jnp.full((T,), -1, jnp.int32), meta.sparse_rows,
+                                 jnp.arange(num_scored, dtype=jnp.int32))
         if all_positions is None:
-            all_positions = _put_rows(jnp.full((T, topk), -1, jnp.int32), meta.sparse_rows,
-                                      score(meta.sparse_rows, plan.group("sparse")))
-        top = _pick(all_positions, meta.sparse_rows)
-        rows, dense_out = dense(selection=_dense_selection(meta, top, topk), max_kv_len=plan.num_dense_keys)
+            top = score(meta.sparse_rows, plan.group("sparse"))
+            if plan.masked == "some":  # the other rows' sparse attention picks its rows' positions
+                all_positions = jnp.where(scored_index[:, None] >= 0, top[jnp.maximum(scored_index, 0)], -1)
+        else:
+            top = _pick(all_positions, meta.sparse_rows)
+        rows, dense_out = dense(selection=_dense_selection(meta, top, scored_index, topk),
+                                max_kv_len=plan.num_dense_keys)
         attending = jnp.where(meta.masked_flags > 0, -1, meta.sparse_rows)
     elif plan.use_dense_mha is None and plan.num_dense_keys > T:
         # a cond plan's dense keys are sized for sequences with context (num_seqs * index_topk):
