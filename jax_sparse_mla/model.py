@@ -2,10 +2,10 @@
 
 `forward` projects every row and writes both paged caches, then runs one of two programs: the
 dense program sends short prefills through dense causal MHA (k_nope and v up-projected from the
-latent cache) and scores the rows in meta.sparse_rows (decodes, long prefills): those of them
-routed masked run in the same dense MHA call restricted to their top-k positions (masked MHA),
-the others attend sparsely; the sparse program scores every row with the lightning indexer, takes top-k and runs
-absorbed sparse attention over the selected latent rows. The plan picks one statically, or both
+latent cache) and scores the rows in meta.sparse_rows (decodes, long prefills): those routed
+masked run in the same dense MHA call restricted to their top-k positions (masked MHA), the
+others attend sparsely; the sparse program scores every row with the lightning indexer, takes
+top-k and runs absorbed sparse attention over the selected latent rows. The plan picks one statically, or both
 are compiled and lax.cond picks at run time (dispatch="cond").
 """
 

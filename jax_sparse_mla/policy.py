@@ -61,18 +61,21 @@ def indexer_kernel(rows: int, seqs: int) -> str:
 # Prefills longer than index_topk: masked MHA (dense causal attention over the sequence's keys,
 # each row restricted to its top-k positions; DeepSeek-V3.2's prefill mode) or absorbed sparse
 # attention. Both score and top-k the rows; they differ in the attention and its projections.
-# Cost per shard head, in ns (scripts/calibrate_routes.py measures and prints these on a GPU;
-# docs/design/dense_mha.md has the measurement):
+# Cost per shard head, in ns (scripts/calibrate_routes.py measures and fits these on a GPU):
 #   sparse: SPARSE_NS_PER_KEY x sum over rows of min(position + 1, topk) (the gathered rows,
 #           576 + 512 values each) + ABSORB_NS_PER_ROW x rows (q into the latent and the output
 #           out of it: 2 x 128 x 512 x 2 FLOPs a row);
 #   masked: MASKED_NS_PER_KEY x sum over rows of (position + 1) (every causal key of a live tile
 #           is computed, 192 + 128 values each) + UP_NS_PER_KEY x (context + rows) (k_nope and v
 #           up-projected from the latent: 512 x 256 x 2 FLOPs a key).
-SPARSE_NS_PER_KEY = 4.7e-3
-ABSORB_NS_PER_ROW = 1.0
-MASKED_NS_PER_KEY = 1.2e-3
-UP_NS_PER_KEY = 1.0
+# Fitted on one H200 (2026-12-01, bf16, 128 heads; docs/benchmarks.md, "Masked MHA"): each
+# route's times of fresh prefills of 2K-16K tokens and of 4K chunks after 4K and 12K of context
+# lie within 5% of the fit from 4K up (9-12% at 2K). Fresh prefills route masked up to 15,340
+# tokens; a 4K chunk after up to ~5K of context.
+SPARSE_NS_PER_KEY = 5.2e-3
+ABSORB_NS_PER_ROW = 1.68
+MASKED_NS_PER_KEY = 1.34e-3
+UP_NS_PER_KEY = 1.34
 PREFILL_ROUTES = ("auto", "masked", "sparse")
 
 
