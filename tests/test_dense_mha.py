@@ -211,6 +211,41 @@ def test_selection_matches_reference(backend, block_kv):
     assert rel_err(full, ops.dense_mha("reference", q, k, v, q_start, k_start, scale=0.2), owned) < TOL
 
 
+def test_selection_masks_list_exactly_the_tiles_a_block_selects():
+    """The kernel's live-tile lists (what its producer loads): per 128-row block, the key tiles
+    holding a selected key of a row the block stores, ascending; a block whose rows select only
+    recent keys skips the early tiles; the bitmask holds each row's selected causal keys."""
+    from pallas_kernels.dense_mha import mosaic
+
+    q, k, v, q_start, k_start = make_batch(15, [200, 3, 130], [0, 5, 700], heads=1, d_qk=64, d_v=64, pad_q=4)
+    sel = random_selection(15, q_start, k_start, q.shape[0], 64, recent=100)
+    num_rows, block_kv = q.shape[0], 128
+    num_blocks = 8
+    table, used = mosaic._block_table(q_start, k_start, num_rows, num_blocks)
+    key_tiles = -(-(k.shape[0] + 7) // block_kv)
+    bits, tiles, num_live = (np.asarray(a) for a in mosaic._selection_masks(sel, q_start, k_start, table, key_tiles,
+                                                                             block_kv))
+    table, sel = np.asarray(table), np.asarray(sel)
+    seq, pos = ref_positions(q_start, k_start, num_rows)
+    pos = np.asarray(pos)
+    shift = np.asarray(k_start)[:-1] % 8
+    skipped = 0
+    for b in range(int(used[0])):
+        rows = range(8 * table[b, 0] + table[b, 1], 8 * table[b, 0] + table[b, 2])
+        want = set()
+        for r in rows:
+            keys = {int(p) for p in sel[r] if 0 <= p <= pos[r]}
+            coords = {p + int(shift[seq[r]]) for p in keys}
+            got = {j for j in range(bits.shape[0] * 32) if (int(bits[j // 32, r]) >> (j % 32)) & 1}
+            assert got == coords, r
+            want |= {j // block_kv for j in coords}
+        assert list(tiles[b, :num_live[b]]) == sorted(want), b
+        causal_tiles = (pos[rows[-1]] + int(shift[seq[rows[0]]])) // block_kv + 1
+        skipped += causal_tiles - num_live[b]
+    assert skipped > 0  # the 700-token context's early tiles
+    assert not num_live[int(used[0]):].any()
+
+
 def ref_positions(q_start, k_start, num_rows):
     """(sequence [T] (-1: none), position [T]) of each packed query row."""
     q_start, k_start = np.asarray(q_start), np.asarray(k_start)

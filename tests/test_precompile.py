@@ -126,6 +126,7 @@ def test_after_precompile_a_serving_run_compiles_nothing(tmp_path):
                                  output_range_ratio=0.5, seed=3), progress=False)
     assert len(result.steps) > 5
     assert {s.plan for s in result.steps} <= set(report.plans)
+    assert {s.plan.masked for s in result.steps} >= {"none", "all"}  # masked MHA steps among them
     assert len(compiles) == before, compiles[before:]  # no backend compile of forward during the run
 
 
