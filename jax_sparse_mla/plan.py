@@ -138,8 +138,8 @@ def _row_groups(plan: BatchPlan) -> tuple[RowGroup, ...]:
 
     def group(name: str, num_rows: int) -> RowGroup:
         copy_rows = plan.num_upfront_pages * c.page_size if name == "upfront" else table_rows
-        attends = c.kv_cache_dtype == "fp8" and name != "masked"  # (masked rows attend in dense MHA)
-        route = policy.dequantize_route(num_rows, heads, c.index_topk, copy_rows) if attends else "kernel"
+        route = (policy.dequantize_route(num_rows, heads, c.index_topk, copy_rows) if c.kv_cache_dtype == "fp8"
+                 else "kernel")
         shards = policy.indexer_shards(num_rows, plan.tensor_parallel)
         return RowGroup(name, num_rows, shards, policy.indexer_kernel(num_rows // shards, plan.num_seqs), route)
 
@@ -166,7 +166,7 @@ class BatchPlan:
     num_seqs: padded sequence count.
     pages_per_seq: block-table width W; each sequence sees W * page_size key positions.
     use_dense_mha: True: the dense program (short prefills run dense MHA, the rows in
-      meta.sparse_rows attend sparsely); False: the all-sparse program; None: both, picked at
+      meta.sparse_rows attend sparsely or, with `masked`, as masked MHA); False: the all-sparse program; None: both, picked at
       run time by meta.dense_flag (dispatch="cond").
     num_sparse_tokens: padded count of meta.sparse_rows, the dense program's scored rows (decodes
       and long prefills, attending sparsely or as masked MHA); 0 when there are none or
@@ -572,7 +572,6 @@ def check_batch(config, requests, num_pages, force_sparse, skip_indexer, buckets
     return _validate(config, list(requests), num_pages), num_pages
 
 
-ROUTES = ("dense", "masked", "sparse")
 MASKED = ("none", "some", "all")  # BatchPlan.masked
 
 
@@ -651,7 +650,6 @@ def plan_host(config: MLAConfig, requests: Sequence[Request], *, num_pages: int 
         use_dense = any(dense)
         num_sparse = buckets.round_up(len(sparse_rows), 1) if use_dense and sparse_rows else 0
         num_dense_keys = static_dense_keys
-
     split = None if dispatch == "cond" else _upfront_split(config, requests, [not d for d in dense], row_starts,
                                                              tables, buckets, tensor_parallel)
     upfront_rows, kernel_rows, upfront_pages, (num_upfront_rows, num_kernel_rows, num_upfront_pages) = (
