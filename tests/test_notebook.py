@@ -29,6 +29,6 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
-    assert "dense " in text and "sparse" in text and "scoring absent" in text
+    assert "dense " in text and "sparse" in text and "masked" in text and "scoring absent" in text
     assert any("image/png" in o.get("data", {}) for o in outputs), "the top-k plot is missing"
     assert sys.executable  # the kernel ran this interpreter (see the kernelspec above)
