@@ -50,7 +50,7 @@ def plan_shards(config: MLAConfig, shards: Sequence[Sequence[Request]], devices:
                 pages_per_device: int, **plan_options) -> list[tuple[BatchPlan, BatchMeta] | None]:
     """plan_batch for each device's requests (block tables in that device's page ids; None for an
     idle device), its metadata placed on the device. plan_options as plan_batch's (buckets,
-    force_sparse, skip_indexer, dispatch). Raises ValueError naming the shard."""
+    force_sparse, skip_indexer, dispatch, prefill_route). Raises ValueError naming the shard."""
     if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence):
         raise ValueError(f"shards must be a sequence of request lists (one per device), got {type(shards).__name__}")
     if len(shards) != len(devices):

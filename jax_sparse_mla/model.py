@@ -101,7 +101,7 @@ def _put_rows(a, rows, values):
 
 
 def _depend_on(x, unused):
-    """x, made to depend on `unused` (top-k slots, always >= -1) so that XLA keeps computing it:
+    """x, made to depend on `unused` (top-k positions, always >= -1) so that XLA keeps computing it:
     the skip_indexer=False baseline must pay for scoring that no row reads. (An optimization
     barrier does not survive XLA's dead-code elimination of unused tuple elements.)"""
     return x + jnp.where(jnp.min(unused) < -1, jnp.nan, 0.0)
@@ -261,7 +261,12 @@ def _attend_sparsely(score, attend, plan: BatchPlan, meta: BatchMeta, out_heads,
     (_sparse_attention likewise); positions from all_positions [T, topk] when given (every row
     scored), else scored per group."""
     for group, group_rows, pages in _sparse_groups(plan, meta, rows):
-        top = score(group_rows, group) if all_positions is None else _pick(all_positions, group_rows)
+        if all_positions is None:
+            top = score(group_rows, group)
+        else:  # -1 rows (padding, rows attending masked) select nothing: take_rows would give position 0
+            top = _pick(all_positions, group_rows)
+            if group_rows is not None:
+                top = jnp.where(group_rows[:, None] >= 0, top, -1)
         out = attend(group_rows, top, pages, group)
         out_heads = out if group_rows is None else _put_rows(out_heads, group_rows, out)
     return out_heads
@@ -331,7 +336,7 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
     tensor_axis: inside shard_map, the mesh axis that splits the attention heads (sharding.py):
       params and config hold this shard's attention heads and the whole indexer; the output is
       summed over the axis, and scoring is split over it by rows where the plan says so
-      (RowGroup.indexer_shards: the slots are all-gathered).
+      (RowGroup.indexer_shards: the top-k positions are all-gathered).
     """
     _check_inputs(params, hidden, cache, meta, plan, config, 1 if tensor_axis is None else jax.lax.axis_size(tensor_axis))
     impl = kernel_ops.resolve(kernels, config)  # every device-dependent choice, once

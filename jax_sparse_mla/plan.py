@@ -79,6 +79,7 @@ class BucketPolicy:
 
 
 DISPATCH_MODES = ("static", "cond")
+MASKED = ("none", "some", "all")  # BatchPlan.masked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +220,9 @@ class BatchPlan:
     groups: tuple[RowGroup, ...] = dataclasses.field(init=False)
 
     def __post_init__(self):
+        if self.masked not in MASKED or (self.masked != "none" and self.use_dense_mha is not True):
+            raise ValueError(f"BatchPlan.masked must be one of {MASKED} ('none' unless use_dense_mha is True), "
+                             f"got {self.masked!r} with use_dense_mha={self.use_dense_mha!r}")
         object.__setattr__(self, "groups", _row_groups(self))
 
     def group(self, name: str) -> RowGroup:
@@ -282,9 +286,11 @@ class BatchMeta:
     slot_mapping: jax.Array  # [T]: cache slot each row writes [-1: writes nowhere]
     row_seq: jax.Array  # [T]: sequence index of each row [0; a padding row's position is -1]
     block_tables: jax.Array  # [S, W]: page ids [-1 past each sequence's pages]
-    sparse_rows: jax.Array  # [num_sparse_tokens]: rows that attend sparsely in the dense program [-1]
-    dense_rows: jax.Array  # [T]: rows of the sequences run as dense MHA, sequence after sequence [-1]
-    # [S + 1]: where each sequence's rows start in dense_rows (a sequence not run dense owns none) [0]
+    # [num_sparse_tokens]: the dense program's scored rows (attending sparsely or as masked MHA) [-1]
+    sparse_rows: jax.Array
+    # [T]: rows of the sequences run as dense or masked MHA, sequence after sequence [-1]
+    dense_rows: jax.Array
+    # [S + 1]: where each sequence's rows start in dense_rows (a sequence not run there owns none) [0]
     dense_query_start: jax.Array
     # [num_dense_keys]: cache slots of the dense sequences' keys (positions 0 .. seq_len - 1),
     # sequence after sequence [-1]
@@ -535,7 +541,7 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
     prefill_route: how prefills longer than index_topk attend: "auto" (policy.prefill_route's
       cost model, per request), "masked" or "sparse" (every such prefill). Static dispatch only
       (cond plans attend them sparsely).
-    skip_indexer: score only the rows that attend sparsely (False: every row, the baseline).
+    skip_indexer: score only the rows that need top-k (False: every row, the baseline).
     num_pages: the cache's page count; page ids outside [0, num_pages) are rejected. Without
       it page ids are only checked to be >= 0 and to have int32 slot numbers (an id past the
       cache would read clamped slots and write nowhere), so engines should pass it.
@@ -572,14 +578,14 @@ def check_batch(config, requests, num_pages, force_sparse, skip_indexer, buckets
     return _validate(config, list(requests), num_pages), num_pages
 
 
-MASKED = ("none", "some", "all")  # BatchPlan.masked
-
-
 def request_routes(config: MLAConfig, requests: Sequence[Request], force_sparse: bool,
                    prefill_route: str = "auto") -> list[str]:
     """Each request's route in a static plan: "dense" (a prefill of <= index_topk tokens: dense
     MHA, not scored), "masked" (a longer prefill: scored, then masked MHA) or "sparse" (decodes,
     longer prefills the cost model or prefill_route sends there, everything under force_sparse)."""
+    if prefill_route not in policy.PREFILL_ROUTES:
+        raise ValueError(f"prefill_route must be one of {policy.PREFILL_ROUTES}, got {prefill_route!r}")
+
     def route(r: Request) -> str:
         if force_sparse or r.is_decode:
             return "sparse"

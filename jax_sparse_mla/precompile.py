@@ -26,8 +26,9 @@ plan_batch applies to the bucketed sizes, a looser superset (the unsplit plan is
 each split, even where every batch of those buckets splits). Masked MHA: with
 prefill_route="auto" any prefill longer than index_topk may attend masked or sparsely (the
 cost model's choice is not followed through the buckets: a superset of both routes' plans);
-prefill_route="masked" or "sparse" enumerate that route's plans (BatchPlan.masked "all" or
-"some": >= 2 scored rows, > index_topk dense keys, a request longer than index_topk).
+prefill_route="masked" enumerates the plans with masked rows (BatchPlan.masked "all" or "some":
+>= 2 scored rows, > index_topk dense keys, a request longer than index_topk) and those without
+a long sparse prefill; "sparse" those without masked rows, as before.
 
 AOT compile. `jax.jit(forward).lower(ShapeDtypeStructs).compile()` on the same `jit_forward`
 fills jax's compilation cache: a later call with those shapes runs no backend compile (checked
@@ -99,7 +100,7 @@ def enumerate_plans(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *
     if dispatch not in DISPATCH_MODES:
         raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
     skip_indexer, force_sparse = as_bool(skip_indexer, "skip_indexer"), as_bool(force_sparse, "force_sparse")
-    if prefill_route not in policy.PREFILL_ROUTES:
+    if not isinstance(prefill_route, str) or prefill_route not in policy.PREFILL_ROUTES:
         raise ValueError(f"prefill_route must be one of {policy.PREFILL_ROUTES}, got {prefill_route!r}")
     P = as_int(num_pages, "num_pages", 1)
     S_max = as_int(max_num_seqs, "max_num_seqs", 1)

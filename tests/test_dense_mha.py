@@ -306,6 +306,8 @@ def test_bad_inputs(backend):
         call(q, k, v, q_start, k_start, selection=sel, max_kv_len=0)
     with pytest.raises(ValueError, match="give it with a selection"):
         call(q, k, v, q_start, k_start, max_kv_len=8)
+    with pytest.raises(ValueError, match="selection must be an int32 array"):
+        call(q, k, v, q_start, k_start, selection=[[0]] * 3)
 
 
 @pytest.mark.gpu

@@ -109,6 +109,31 @@ def test_masked_route_equals_sparse_route(kv_cache_dtype, case):
         assert rel_err(outs["masked"][sid], outs["sparse"][sid]) < 1e-5, sid
 
 
+def test_masked_rows_gather_nothing_in_the_sparse_call(monkeypatch):
+    """A masked prefill beside a decode ("some"): the sparse attention call spans the scored rows,
+    but only the decode's row selects slots there; the masked and padding rows select none (a
+    row that selects none costs the kernels nothing)."""
+    seen = []
+
+    def spy(q, latent, latent_scale, k_pe, slots, pages, **kw):
+        jax.debug.callback(lambda s: seen.append(np.asarray(s)), jnp.sum(slots >= 0, axis=1))
+        return sparse_mla(q, latent, latent_scale, k_pe, slots, pages, **kw)
+
+    sparse_mla = kernel_ops.sparse_mla
+    monkeypatch.setattr(kernel_ops, "sparse_mla", spy)
+    jax.clear_caches()  # retrace with the spy
+    h = Harness(TINY, seed=32)
+    h.add(0, 30)
+    h.add(1, 25)
+    h.step([(1, 24)], prefill_route="sparse")
+    out, plan, _ = h.step([(0, 30), (1, 1)], prefill_route="masked")
+    assert plan.masked == "some" and plan.num_sparse_tokens == 32
+    h.check(out, TOL_F32)
+    assert len(seen) == 2 and seen[-1].shape == (32,)  # (the first step's sparse program, then this one)
+    np.testing.assert_array_equal(seen[-1], [0] * 30 + [TINY.index_topk, 0])  # the decode's row is row 30
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("length", [TINY.index_topk - 1, TINY.index_topk, TINY.index_topk + 1])
 def test_lengths_around_topk(length):
     for route in ("masked", "sparse") if length > TINY.index_topk else ("auto",):

@@ -9,6 +9,7 @@ Design and measurements: docs/design/dense_mha.md.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from .mosaic import CONSUMER_WGS, dense_mha_mosaic
 
@@ -56,13 +57,15 @@ def check_selection(selection, num_rows: int, max_kv_len):
         if max_kv_len is not None:
             raise ValueError("max_kv_len bounds a selection's key positions: give it with a selection")
         return
+    if not hasattr(selection, "ndim") or not hasattr(selection, "dtype"):
+        raise ValueError(f"selection must be an int32 array [T, K], got {type(selection).__name__}")
     if selection.ndim != 2 or selection.shape[0] != num_rows or selection.shape[1] < 1:
         raise ValueError(f"selection must be [T, K] with T = {num_rows} (q's rows) and K >= 1; "
                          f"got {selection.shape}")
     if selection.dtype != jnp.int32:
         raise ValueError(f"selection must be int32, got {selection.dtype}")
-    if max_kv_len is not None and (isinstance(max_kv_len, bool) or not isinstance(max_kv_len, int)
-                                   or max_kv_len < 1):
+    if max_kv_len is not None and (isinstance(max_kv_len, (bool, np.bool_))
+                                   or not isinstance(max_kv_len, (int, np.integer)) or max_kv_len < 1):
         raise ValueError(f"max_kv_len must be a positive int, got {max_kv_len!r}")
 
 
@@ -91,7 +94,9 @@ def dense_mha(q, k, v, q_start_loc, k_start_loc, *, scale, selection=None, max_k
     the same keys in the MHA form.
     max_kv_len: with a selection, a bound on every sequence's kv_len (static; default Tk): it
     sizes the selection's bitmask ([T, max_kv_len / 8] bytes and a [T, max_kv_len] boolean
-    scatter). Rows of a sequence longer than that come out NaN.
+    scatter). A 128-row block of a sequence longer than that whose last position + (k_start % 8)
+    passes max_kv_len + 7 rounded up to a key tile comes out NaN (never partly attended); the
+    reference takes no bound. A position listed twice in a row is harmless (it sets one bit).
     dtypes: bf16 or f16 (wgmma operands), f32 softmax. Dqk and Dv: multiples of 64, <= 256.
     block_kv, num_stages, num_programs: the kernel's tiling (see `mosaic.dense_mha_mosaic`).
     interpret=True runs the same kernel in Mosaic GPU interpret mode (CPU).

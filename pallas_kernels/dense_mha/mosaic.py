@@ -26,7 +26,6 @@ _BLOCK_Q = _WG_ROWS * CONSUMER_WGS  # query rows per kernel block
 _ALIGN = 8  # rows: TMA into (8, 64)-tiled shared memory starts at a multiple of 8 rows
 # Block table columns (one row per kernel block, int32), see _block_table:
 _ROW0, _LO, _HI, _POS0, _KROW0, _KSHIFT, _KV_END = range(7)
-_TABLE_COLS = 7
 _NUM_LIVE = 7  # with a selection: the block's live key tiles (an 8th column, see _selection_masks)
 _WORD = 32  # keys per word of the selection bitmask
 _O_COLS = 64  # output columns per store round (one 64 x 64 tile per consumer)
@@ -39,7 +38,7 @@ def _block_table(q_start_loc, k_start_loc, num_rows, num_blocks):
     """The kernel's work list: one row per block of _BLOCK_Q packed q rows, 8-row aligned,
     whose rows [lo, hi) are queries of one sequence (the others are computed, not stored).
 
-    Returns ([num_blocks, _TABLE_COLS] int32, [1] int32 count of blocks in use). Columns:
+    Returns ([num_blocks, 7] int32, [1] int32 count of blocks in use). Columns:
       _ROW0   packed q row of the block's row 0, divided by 8
       _LO     first block row to store (> 0 only where the sequence starts unaligned)
       _HI     end of the block rows to store (lo < hi for blocks in use)
