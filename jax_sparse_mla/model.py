@@ -302,8 +302,9 @@ def _dense_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out_s
                 all_positions = jnp.where(scored_index[:, None] >= 0, top[jnp.maximum(scored_index, 0)], -1)
         else:
             top = _pick(all_positions, meta.sparse_rows)
-        rows, dense_out = dense(selection=_dense_selection(meta, top, scored_index, topk),
-                                max_kv_len=plan.num_dense_keys)
+        # a sequence's keys fit its block table (pages_per_seq pages) and the dense keys
+        max_kv_len = min(plan.num_dense_keys, plan.pages_per_seq * plan.config.page_size)
+        rows, dense_out = dense(selection=_dense_selection(meta, top, scored_index, topk), max_kv_len=max_kv_len)
         attending = jnp.where(meta.masked_flags > 0, -1, meta.sparse_rows)
     elif plan.use_dense_mha is None and plan.num_dense_keys > T:
         # a cond plan's dense keys are sized for sequences with context (num_seqs * index_topk):
