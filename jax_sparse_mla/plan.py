@@ -482,8 +482,7 @@ def _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispa
                          f"{config.num_attention_heads}")
     if not isinstance(dispatch, str) or dispatch not in DISPATCH_MODES:
         raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
-    if not isinstance(prefill_route, str) or prefill_route not in policy.PREFILL_ROUTES:
-        raise ValueError(f"prefill_route must be one of {policy.PREFILL_ROUTES}, got {prefill_route!r}")
+    policy.check_prefill_route(prefill_route)
     for name, value in (("force_sparse", force_sparse), ("skip_indexer", skip_indexer)):
         as_bool(value, name)
     if not isinstance(buckets, BucketPolicy):
@@ -583,8 +582,7 @@ def request_routes(config: MLAConfig, requests: Sequence[Request], force_sparse:
     """Each request's route in a static plan: "dense" (a prefill of <= index_topk tokens: dense
     MHA, not scored), "masked" (a longer prefill: scored, then masked MHA) or "sparse" (decodes,
     longer prefills the cost model or prefill_route sends there, everything under force_sparse)."""
-    if prefill_route not in policy.PREFILL_ROUTES:
-        raise ValueError(f"prefill_route must be one of {policy.PREFILL_ROUTES}, got {prefill_route!r}")
+    policy.check_prefill_route(prefill_route)
 
     def route(r: Request) -> str:
         if force_sparse or r.is_decode:
@@ -597,11 +595,12 @@ def request_routes(config: MLAConfig, requests: Sequence[Request], force_sparse:
     return [route(r) for r in requests]
 
 
-def padded_sizes(config: MLAConfig, requests: Sequence[Request], force_sparse: bool,
-                 buckets: BucketPolicy, prefill_route: str = "auto") -> tuple[int, int, int, int]:
-    """(num_tokens, num_seqs, pages_per_seq, num_dense_keys) of a static plan of the requests."""
+def padded_sizes(config: MLAConfig, requests: Sequence[Request], routes: Sequence[str],
+                 buckets: BucketPolicy) -> tuple[int, int, int, int]:
+    """(num_tokens, num_seqs, pages_per_seq, num_dense_keys) of a static plan of the requests,
+    routed as request_routes says."""
     page = config.page_size
-    dense = [route != "sparse" for route in request_routes(config, requests, force_sparse, prefill_route)]
+    dense = [route != "sparse" for route in routes]
     dense_keys = sum(r.total_len for r, d in zip(requests, dense) if d)
     return (buckets.round_up(sum(r.query_len for r in requests), buckets.min_tokens),
             buckets.round_up(len(requests), buckets.min_seqs),
@@ -618,8 +617,7 @@ def plan_host(config: MLAConfig, requests: Sequence[Request], *, num_pages: int 
         prefill_route = "sparse"
     routes = request_routes(config, requests, force_sparse, prefill_route)
     dense = [route != "sparse" for route in routes]  # run in the dense program's dense MHA call
-    num_tokens, num_seqs, width, static_dense_keys = padded_sizes(config, requests, force_sparse, buckets,
-                                                                  prefill_route)
+    num_tokens, num_seqs, width, static_dense_keys = padded_sizes(config, requests, routes, buckets)
 
     positions = np.full(num_tokens, -1, np.int32)
     slot_mapping = np.full(num_tokens, -1, np.int32)

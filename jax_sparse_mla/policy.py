@@ -68,8 +68,8 @@ def indexer_kernel(rows: int, seqs: int) -> str:
 #   masked: MASKED_NS_PER_KEY x sum over rows of (position + 1) (every causal key of a live tile
 #           is computed, 192 + 128 values each) + UP_NS_PER_KEY x (context + rows) (k_nope and v
 #           up-projected from the latent: 512 x 256 x 2 FLOPs a key).
-# Fitted on one H200 (2026-12-01, bf16, 128 heads; docs/benchmarks.md, "masked MHA: the third route"): each
-# route's times of fresh prefills of 2K-16K tokens and of 4K chunks after 4K and 12K of context
+# Fitted on one H200 (2026-12-01, bf16, 128 heads; docs/benchmarks.md, "masked MHA: the third
+# route"): each route's times of fresh prefills of 2K-16K tokens and of 4K chunks after 4K and 12K of context
 # lie within 5% of the fit from 4K up (9-12% at 2K). Fresh prefills route masked up to 15,340
 # tokens; a 4K chunk after up to ~5K of context.
 SPARSE_NS_PER_KEY = 5.2e-3
@@ -77,6 +77,13 @@ ABSORB_NS_PER_ROW = 1.68
 MASKED_NS_PER_KEY = 1.34e-3
 UP_NS_PER_KEY = 1.34
 PREFILL_ROUTES = ("auto", "masked", "sparse")
+
+
+def check_prefill_route(value) -> None:
+    """ValueError unless value is one of PREFILL_ROUTES (the prefill_route option of the plan,
+    the enumeration and the engine)."""
+    if not isinstance(value, str) or value not in PREFILL_ROUTES:
+        raise ValueError(f"prefill_route must be one of {PREFILL_ROUTES}, got {value!r}")
 
 
 def _positions_sum(start: int, end: int, cap: int | None = None) -> int:

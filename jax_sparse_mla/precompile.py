@@ -100,8 +100,7 @@ def enumerate_plans(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *
     if dispatch not in DISPATCH_MODES:
         raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
     skip_indexer, force_sparse = as_bool(skip_indexer, "skip_indexer"), as_bool(force_sparse, "force_sparse")
-    if not isinstance(prefill_route, str) or prefill_route not in policy.PREFILL_ROUTES:
-        raise ValueError(f"prefill_route must be one of {policy.PREFILL_ROUTES}, got {prefill_route!r}")
+    policy.check_prefill_route(prefill_route)
     P = as_int(num_pages, "num_pages", 1)
     S_max = as_int(max_num_seqs, "max_num_seqs", 1)
     B = as_int(max_num_batched_tokens, "max_num_batched_tokens", 1)

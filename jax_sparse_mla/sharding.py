@@ -57,7 +57,7 @@ from .config import MLAConfig
 from .model import forward
 from .params import param_shapes
 from .plan import (BatchMeta, BatchPlan, BucketPolicy, Request, check_batch, padded_sizes, plan_host,
-                   pad_ids)
+                   pad_ids, request_routes)
 from .validate import is_int
 
 DATA = "data"
@@ -203,7 +203,8 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
             raise ValueError(f"data shard {d}: {e}") from None
     force_sparse, skip_indexer = bool(force_sparse), bool(skip_indexer)
     # every shard's sizes padded to the largest shard's buckets
-    sizes = [padded_sizes(config, reqs, force_sparse, buckets, "sparse") for reqs in checked.values()]
+    sizes = [padded_sizes(config, reqs, request_routes(config, reqs, force_sparse, "sparse"), buckets)
+             for reqs in checked.values()]
     common = dataclasses.replace(
         buckets, min_tokens=max(s[0] for s in sizes), min_seqs=max(s[1] for s in sizes),
         min_pages_per_seq=max(s[2] for s in sizes), min_dense_keys=max([buckets.min_dense_keys] + [s[3] for s in sizes]))

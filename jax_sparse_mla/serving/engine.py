@@ -20,7 +20,7 @@ from ..kernels import CHOICES as KERNEL_CHOICES
 from ..model import jit_forward
 from ..params import init_params
 from ..plan import DISPATCH_MODES, BatchMeta, BucketPolicy, Request, check_slot_range, plan_batch
-from ..policy import PREFILL_ROUTES
+from ..policy import check_prefill_route
 from ..validate import as_bool, as_int, is_int
 from . import block as _block
 from .block import BLOCKS, MoEConfig
@@ -96,8 +96,7 @@ class EngineOptions:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         if not isinstance(self.buckets, BucketPolicy):
             raise ValueError(f"buckets must be a BucketPolicy, got {type(self.buckets).__name__}")
-        if not isinstance(self.prefill_route, str) or self.prefill_route not in PREFILL_ROUTES:
-            raise ValueError(f"prefill_route must be one of {PREFILL_ROUTES}, got {self.prefill_route!r}")
+        check_prefill_route(self.prefill_route)
 
     def with_overrides(self, overrides: dict) -> EngineOptions:
         """These options with `overrides` (EngineOptions fields, checked); ValueError naming an unknown one."""

@@ -90,10 +90,11 @@ def _selection_masks(selection, q_start_loc, k_start_loc, table, key_tiles, bloc
     of a word are one contiguous load; zero columns past T cover the blocks' overhang);
     live tiles [num_blocks, key_tiles] int32: each table row's key tiles holding a bit of a row
     it stores, ascending, then the others; live counts [num_blocks] int32).
-    No scatter with colliding writes (docs/design/dense_mha.md): the bits come from a [T, key_tiles * block_kv] boolean scatter
-    with one store per (row, position), a position listed twice storing the same True twice
-    (unique_indices: XLA orders no stores), packed 32 to a word; a block's live tiles from the
-    prefix sums over rows of each row's nonzero tiles, taken at the block's stored rows.
+    No scatter with colliding writes (docs/design/dense_mha.md): the bits come from a
+    [T, key_tiles * block_kv] boolean scatter with one store per (row, position), a position
+    listed twice storing the same True twice (unique_indices: XLA orders no stores), packed 32
+    to a word; a block's live tiles from the prefix sums over rows of each row's nonzero tiles,
+    taken at the block's stored rows.
     """
     num_rows = selection.shape[0]
     num_seqs = q_start_loc.shape[0] - 1

@@ -25,7 +25,8 @@ def dense_mha_reference(q, k, v, q_start_loc, k_start_loc, *, scale, selection=N
     k_start_loc: [S+1] int32. Query i of sequence s sits at position kv_len_s - q_len_s + i and
     attends that sequence's keys 0..position. Returns [T, H, Dv] float32; rows no sequence owns
     are 0. selection: None or [T, K] int32, as in `api.dense_mha`: a row attends only the causal
-    positions it lists (-1 and out-of-range entries ignored); a row listing none gives 0. Memory stays bounded: query blocks of at most max_scores scores ([Bq, H, Tk]) each.
+    positions it lists (-1 and out-of-range entries ignored); a row listing none gives 0.
+    Memory stays bounded: query blocks of at most max_scores scores ([Bq, H, Tk]) each.
     Rows no sequence owns and other sequences' rows never reach a row's output (masked scores
     and values are selected away, never multiplied by 0: NaN / inf there do not leak); a
     sequence's own non-finite values reach its own rows: non-finite q or k through the scores,
