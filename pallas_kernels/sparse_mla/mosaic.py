@@ -18,7 +18,9 @@ stages beside q's [64, 576] tile fills the 227 KiB at DeepSeek's shapes. Three w
     -> bf16, as FlashMLA does), the rows' f32 scales in one copy a lane for its warp's rows;
     past the scales no thread reads another's copies, so a block needs no warpgroup barrier
     until it is whole; 4 cp.async groups (then k_pe's), each converted as soon as it lands.
-    Slot ids come by TMA one block ahead;
+    Slot ids come by TMA one block ahead. A block's landing barrier completes on its copies'
+    own completion (bf16: cp.async.mbarrier.arrive.noinc, so the producer issues the next block
+    without waiting; fp8: after each thread's conversion);
   * warpgroup 0 (scorer) computes S = Q . K^T [64, 64] for the whole block (q read from shared
     memory once a block), the online softmax, and hands P (bf16) and the rows' rescale factor
     to warpgroup 1 through shared memory (mbarriers p_ready / p_free); it accumulates
@@ -27,8 +29,10 @@ stages beside q's [64, 576] tile fills the 227 KiB at DeepSeek's shapes. Three w
     from shared memory. Each accumulator, 64 x R/2 f32, is what one warpgroup's registers hold.
 128 heads take two CTAs per row; heads run fastest, so a row's two CTAs share their gathers in L2.
 
-Bound by the producer's cp.async gather issue rate in both formats; fp8 prefill normally takes
-the upfront bf16 route (`api.dequantize_route`). P is rounded once to bf16 against the block's max;
+bf16: bound by the consumers, whose softmax runs between the scorer's matrix products (math alone
+runs at 0.8-0.9x the kernel's time, the gathers alone at 0.4-0.5x); fp8: by the producer's copies
+and conversion as much as by the math. fp8 prefill normally takes the upfront bf16 route
+(`api.dequantize_route`). P is rounded once to bf16 against the block's max;
 e4m3 x scale is rounded to bf16 (within 2^-8). Numbers, profile and variants:
 docs/design/sparse_mla.md.
 
@@ -68,6 +72,12 @@ _SCORER_REGS = 232  # warpgroup 0: its accumulator, S [64, 64] f32 and P
 _ACCUMULATOR_REGS = 216  # warpgroup 1: its accumulator
 _PRODUCER_REGS = 56
 _END = 15  # named barrier over the two consumer warpgroups (Mosaic itself uses 0 and 1 + warpgroup)
+_START = 14  # named barrier over the whole CTA, once: the landing barriers are initialised
+
+
+def _scalar(v):
+    """The ir.Value of a scalar inline_mgpu argument (a splat FragmentedArray or a value)."""
+    return v.registers.flat[0] if hasattr(v, "registers") else v
 
 
 def _swizzled(dtype, swizzle=None):
@@ -116,8 +126,7 @@ def _gather_block(ctx, kv_smem, latent, *rest, rank, rope, width, tile):
         latent_scale, k_pe, ids, stage = rest
     i32, i64, i8 = (ir.IntegerType.get_signless(b) for b in (32, 64, 8))
     c32 = lambda v: arith.constant(i32, v)
-    unwrap = lambda v: v.registers.flat[0] if hasattr(v, "registers") else v
-    stage = unwrap(stage)
+    stage = _scalar(stage)
     tid = arith.remui(mgpu_utils.thread_idx(), c32(_PRODUCER_THREADS))
     gep = lambda base, offset, ty: llvm.getelementptr(base.type, base, [offset], [mgpu_utils.DYNAMIC32], ty,
                                                       llvm.GEPNoWrapFlags.none)
@@ -293,10 +302,53 @@ def _sync_consumers():
     return barrier()
 
 
-def _wait_copies(ctx):
-    """Producer warpgroup: wait for this thread's cp.async copies."""
+# The landing barriers (one mbarrier a stage: its block's rows are in shared memory) are the
+# kernel's own, in the slot-id buffer's last row: a bf16 producer thread arrives on one by
+# cp.async.mbarrier.arrive.noinc, which needs its address, and Pallas barriers cannot be handed to
+# inline_mgpu code.
+def _landed_ptr(words, stage):
+    """Shared address of stage `stage`'s landing mbarrier (8 bytes each in `words`, i32)."""
+    i64 = ir.IntegerType.get_signless(64)
+    return llvm.getelementptr(llvm.PointerType.get(address_space=3), mgpu_utils.memref_ptr(words), [_scalar(stage)],
+                              [mgpu_utils.DYNAMIC32], i64, llvm.GEPNoWrapFlags.none)
+
+
+def _init_landed(ctx, words, *, stages):
+    """Whole CTA, once: one thread initialises each stage's landing mbarrier for _PRODUCER_THREADS
+    arrivals, then every thread passes named barrier _START."""
     del ctx
-    nvvm.cp_async_wait_group(0)
+    i32 = ir.IntegerType.get_signless(32)
+    first = mgpu_utils.single_thread_predicate(mgpu_utils.ThreadSubset.BLOCK)
+    for k in range(stages):
+        nvvm.mbarrier_init(_landed_ptr(words, arith.constant(i32, k)), arith.constant(i32, _PRODUCER_THREADS),
+                           predicate=first)
+    mgpu_utils.inline_ptx(f"fence.mbarrier_init.release.cluster; bar.sync {_START}, {3 * 128};",
+                          has_side_effects=True, convergent=True)
+
+
+def _signal_landed(ctx, words, stage, *, converted):
+    """Producer thread, after issuing its copies of a block: arrive on the stage's landing barrier
+    once they have landed. bf16 (converted False): the arrival is the copies' own completion
+    (cp.async.mbarrier.arrive.noinc), so the producer goes on to the next block at once; fp8: the
+    thread has converted its copies in place, so it waits for the rest (k_pe), fences its shared
+    stores to the async proxy and arrives."""
+    del ctx
+    ptr = _landed_ptr(words, stage)
+    if converted:
+        nvvm.cp_async_wait_group(0)
+        mgpu_utils.inline_ptx("fence.proxy.async.shared::cta;", has_side_effects=True)
+        mgpu_utils.inline_ptx("mbarrier.arrive.release.cta.shared::cta.b64 _, [$0];", ptr, has_side_effects=True)
+    else:
+        nvvm.cp_async_mbarrier_arrive(ptr, noinc=True)
+
+
+def _wait_landed(ctx, words, stage, parity):
+    """Consumer warpgroup: wait for phase `parity` of the stage's landing barrier, then fence so that
+    this warpgroup's wgmma (async proxy) sees the producer's copies."""
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    nvvm.mbarrier_try_wait_parity(_landed_ptr(words, stage), _scalar(parity), arith.constant(i32, 10_000_000))
+    mgpu_utils.inline_ptx("fence.proxy.async.shared::cta;", has_side_effects=True)
 
 
 def _kernel(*refs, scoped, rank, rope, width, tile, blocks_per_split, num_stages, qk_scale):
@@ -305,7 +357,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, blocks_per_split, num_stages
     slot); out [splits, N, Hp, R] f32, lse [splits, N, Hp] f32. A CTA walks only its split's live
     blocks; one with none loads nothing and writes zeros and lse -inf."""
     q_gmem, latent_gmem, *cache_gmem, slots_gmem, live_gmem, out_gmem, lse_gmem = refs
-    (q_smem, stage_mem, p_smem, x_smem, ids_smem), (q_bar, kv_ready, kv_free, ids_bar, p_ready, p_free) = scoped
+    (q_smem, stage_mem, p_smem, x_smem, ids_smem), (q_bar, kv_free, ids_bar, p_ready, p_free) = scoped
     kv_smem, (o_smem, lse_smem) = stage_mem
     a_smem, l_smem = x_smem.at[0], x_smem.at[1]  # block i's rescale factor; 1 / l at the end
     head_block, row, split = lax.axis_index("heads"), lax.axis_index("rows"), lax.axis_index("splits")
@@ -315,6 +367,10 @@ def _kernel(*refs, scoped, rank, rope, width, tile, blocks_per_split, num_stages
     count = jnp.maximum(jnp.minimum(blocks_per_split, live_gmem[row] - first), 0)
     half_r = rank // 2
     row_layout = plgpu.Layout.WGMMA.reduce(1)
+    scalar = plgpu.Layout.WG_SPLAT(())
+    landed = ids_smem.at[num_stages]  # the stages' landing mbarriers (8 bytes each, see _landed_ptr)
+    plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(functools.partial(_init_landed, stages=num_stages))(landed)
+    wait_landed = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), scalar, scalar))(_wait_landed)
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 
     def store_out(w, acc, inv_l):
@@ -339,7 +395,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, blocks_per_split, num_stages
             # the slot ids (for the -1 mask) load while the block is still landing
             idx = plgpu.load(slots_gmem.at[row, pl.ds((first + i) * BLOCK_K, BLOCK_K)],
                              layout=col_layout, optimized=False)
-            plgpu.barrier_wait(kv_ready.at[stage])
+            wait_landed(landed, stage, lax.rem(lax.div(i, num_stages), 2))
 
             def qk(s_ref):  # S = Q . K^T, [64, 64]
                 plgpu.wgmma(s_ref, q_smem, kv_smem.at[stage].T)
@@ -392,7 +448,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, blocks_per_split, num_stages
 
         def step(i, acc):
             stage = lax.rem(i, num_stages)
-            plgpu.barrier_wait(kv_ready.at[stage])  # the producer's copies, seen by this warpgroup's wgmma
+            wait_landed(landed, stage, lax.rem(lax.div(i, num_stages), 2))
             plgpu.barrier_wait(p_ready)
             alpha = plgpu.load(a_smem, layout=row_layout)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -414,12 +470,12 @@ def _kernel(*refs, scoped, rank, rope, width, tile, blocks_per_split, num_stages
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
-        scalar = plgpu.Layout.WG_SPLAT(())
         gather = plgpu.inline_mgpu(
             arg_types=(plgpu.RefType(_swizzled(jnp.bfloat16)), plgpu.RefType(),
                        *(plgpu.RefType() for _ in cache_gmem), plgpu.RefType(), scalar))(
             functools.partial(_gather_block, rank=rank, rope=rope, width=width, tile=tile))
-        wait_copies = plgpu.inline_mgpu()(_wait_copies)
+        signal_landed = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), scalar))(
+            functools.partial(_signal_landed, converted=tile is not None))
 
         def fetch_ids(i):  # block i's slot ids -> ids_smem[stage], one block ahead of its gather
             stage = lax.rem(i, num_stages)
@@ -444,11 +500,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, blocks_per_split, num_stages
                 plgpu.barrier_wait(kv_free.at[stage])
 
             gather(kv_smem, latent_gmem, *cache_gmem, ids_smem.at[stage], stage)
-            # Signal each block as soon as it has landed: this thread's copies done, then fence
-            # them to the async proxy (wgmma) and sync the warpgroup before the single arrive.
-            wait_copies()
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(kv_ready.at[stage])
+            signal_landed(landed, stage)
 
             @pl.when(i + 1 < count)
             def _():
@@ -526,9 +578,8 @@ def sparse_mla_mosaic(q, latent, latent_scale, k_pe, slots, *, scale, num_splits
             ),
             plgpu.SMEM((HEADS_PER_CTA, BLOCK_K), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),
             plgpu.SMEM((2, HEADS_PER_CTA), jnp.float32),
-            plgpu.SMEM((num_stages, BLOCK_K), jnp.int32),
+            plgpu.SMEM((num_stages + 1, BLOCK_K), jnp.int32),  # slot ids a stage; the landing barriers
             plgpu.Barrier(),
-            plgpu.Barrier(num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
             plgpu.Barrier(num_barriers=num_stages),
             plgpu.Barrier(),
