@@ -270,6 +270,12 @@ class BatchPlan:
     def route(self) -> str:
         return {True: "dense", False: "sparse", None: "cond"}[self.use_dense_mha]
 
+    @property
+    def program(self) -> str:
+        """The program's name in benches and reports: "masked" for a dense program whose MHA call
+        restricts rows to their top-k positions (`masked` "some" or "all"), else `route`."""
+        return "masked" if self.masked != "none" else self.route
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

@@ -224,7 +224,7 @@ def run_kind(config, kv, params, kind, specs, args, key):
     T = next(iter(plans.values()))[0].num_tokens
     n = sum(q for _, q in specs)
     static_plan = plan_batch(config, requests, num_pages=num_pages)[0]
-    route = "masked" if static_plan.masked != "none" else static_plan.route
+    route = static_plan.program
     hidden = jax.random.normal(key, (T, config.hidden_size), jnp.float32).astype(config.jnp_dtype)
     cache = random_cache(config, num_pages, jax.random.fold_in(key, 1))
     steps = {v: functools.partial(lambda c, p, m, k: jit_forward(params, hidden, c, m, plan=p, config=config,

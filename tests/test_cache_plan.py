@@ -109,6 +109,8 @@ def test_plan_routes_long_prefills_masked_with_their_keys_in_the_dense_call():
     assert short.masked == "none" and not short.has_indexer_scoring  # <= index_topk: dense, not scored
     forced, _ = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], prefill_route="masked", force_sparse=True)
     assert forced.masked == "none" and not forced.use_dense_mha
+    assert [p.program for p in (plan, alone, sparse, cond, short, forced)] == [
+        "masked", "masked", "sparse", "cond", "dense", "sparse"]
     for bad in (dict(masked="yes"), dict(masked="all", use_dense_mha=False)):
         with pytest.raises(ValueError, match="BatchPlan.masked must be one of"):
             dataclasses.replace(alone, **bad)

@@ -138,7 +138,7 @@ def device_parallel_errors(kv_cache_dtype="bfloat16"):
             shards.append(reqs)
             rows.append(np.concatenate(x) if x else None)
         plans = plan_shards(config, shards, devices, pages_per_device=PAGES)
-        routes.append([None if p is None else "masked" if p[0].masked != "none" else p[0].route for p in plans])
+        routes.append([None if p is None else p[0].program for p in plans])
         hidden = []
         for p, r in zip(plans, rows):
             if p is None:
