@@ -12,6 +12,7 @@ Mosaic GPU kernels only: the comparison runs on Hopper.
 """
 
 from jax_sparse_mla import policy
+from jax_sparse_mla.policy import dequantize_route
 from pallas_kernels.indexer_logits import indexer_logits as _indexer_logits
 from pallas_kernels.indexer_logits import indexer_logits_reference
 from pallas_kernels.sparse_mla import sparse_mla, sparse_mla_reference
@@ -20,15 +21,11 @@ __all__ = ["dequantize_route", "indexer_logits", "indexer_logits_reference", "sp
            "sparse_mla_reference"]
 
 
-def dequantize_route(rows, heads, topk, num_slots):
-    """The fp8 route the plan takes for one group of `rows` rows over a cache of `num_slots` rows."""
-    return policy.dequantize_route(rows, heads, topk, num_slots)  # the copy holds the whole cache
-
-
 def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale):
     """q [N, H, 576] bf16, caches as `sparse_mla`, slots [N, topk] -> (out [N, H, 512] f32, lse [N, H])."""
     dequantize = "kernel"
     if latent_scale is not None:
+        # the plan's fp8 route for these rows; with no page list the upfront copy holds the whole cache
         dequantize = dequantize_route(q.shape[0], q.shape[1], slots.shape[-1], latent.shape[0])
     return sparse_mla(q, latent, latent_scale, k_pe, slots, scale=scale, backend="mosaic", dequantize=dequantize)
 
