@@ -23,6 +23,7 @@ import pytest
 from jax_sparse_mla.config import MLAConfig
 from pallas_kernels.indexer_logits import gather_paged_rows
 from pallas_kernels.indexer_logits.mosaic_decode import choose_decode_tiling
+from pallas_kernels.indexer_logits.mosaic_prefill import choose_prefill_tiling
 from tests.support import INTERPRET, ops
 from tests.support.cases import FP8, make_indexer_case
 
@@ -156,7 +157,7 @@ _RAGGED_CASES = [
 
 _MGPU_PREFILL_CASES = [
     # ragged batch with a 1-key sequence; page 4: keys gathered first; 5 key blocks, 2-slot ring
-    (FP8, True, 4, [37, 1, 300, 12], [5, 1, 9, 3], dict(block_rows=4, group=2, stages=2)),
+    (FP8, True, 4, [37, 1, 300, 12], [5, 1, 9, 3], dict(block_rows=4, group=2, stages=4)),
     # the same batch read straight from 64-token pages, bf16
     (jnp.bfloat16, False, 64, [37, 1, 300, 12], [5, 1, 9, 3], dict(block_rows=4, group=4)),
     # decode-like: 1-2 rows per sequence, the key axis split over CTAs (default tiling)
@@ -320,7 +321,7 @@ def _isolation_case(dtype, scaled, page, seed=1):
     # the Mosaic GPU kernels (CPU: their interpreter): keys are the wgmma's M rows and the head sum
     # a row reduction, so a NaN key reaches only its own logit, which the row-end mask drops.
     # Keys read straight from 64-key pages: a -1 table entry reads page 0 (NaN)
-    param("mosaic_prefill", FP8, True, 64, dict(block_rows=4, group=2, stages=2), id="mosaic_prefill-page64"),
+    param("mosaic_prefill", FP8, True, 64, dict(block_rows=4, group=2, stages=4), id="mosaic_prefill-page64"),
     param("mosaic_decode", FP8, True, 64, dict(block_rows=1, chunk=4, step_blocks=1, stages=4),
           id="mosaic_decode-page64"),
     # pages of 4: keys gathered into 64-key pages first (gather_paged_rows)
@@ -440,6 +441,20 @@ def test_choose_decode_tiling(num_rows, num_seqs, key_blocks, want):
         choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, block_rows=8)
 
 
+def test_choose_prefill_tiling():
+    """fp8 runs four compute warpgroups of N <= 128 (2 rows of 64 heads a wgmma), bf16 two of
+    N <= 256 (4 rows); the ring must be a multiple of the warpgroups, which are 2 or 4."""
+    t = choose_prefill_tiling(8192, 1, 128, FP8, 64, 128)
+    assert (t.block_rows, t.group, t.stages, t.splits, t.compute_wgs) == (16, 2, 4, 1, 4)
+    t = choose_prefill_tiling(8192, 1, 128, jnp.bfloat16, 64, 128)
+    assert (t.block_rows, t.group, t.compute_wgs) == (8, 4, 2)  # 8 rows of bf16 q fill 128 KiB
+    assert choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, compute_wgs=2).group == 4
+    with pytest.raises(ValueError, match="multiple of compute_wgs=4"):
+        choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, stages=6)
+    with pytest.raises(ValueError, match="compute_wgs=3 must be one of"):
+        choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, compute_wgs=3)
+
+
 def _lowers_to_mosaic_gpu(backend, args, page_size):
     fn = jax.jit(functools.partial(ops.indexer_logits, backend, page_size=page_size, interpret=False))
     return "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -484,7 +499,7 @@ def test_mosaic_decode_lowers_at_tiny_dims(rows_per_seq):
 
 @pytest.mark.parametrize("backend,case,tiling", [
     param("mosaic_prefill", dict(dtype=FP8, scaled=True, page=4, lengths=[37, 1, 300, 12], rows_per_seq=[5, 1, 9, 3]),
-          dict(block_rows=4, group=2, stages=2), id="mosaic_prefill-ragged"),
+          dict(block_rows=4, group=2, stages=4), id="mosaic_prefill-ragged"),
     param("mosaic_prefill", dict(dtype=FP8, scaled=False, page=64, lengths=[150], rows_per_seq=[150]),
           dict(block_rows=8, splits=3), id="mosaic_prefill-causal"),
     param("mosaic_decode", dict(dtype=FP8, scaled=True, page=64, lengths=[520, 1, 77], rows_per_seq=[1, 1, 1]),

@@ -408,9 +408,10 @@ def test_mosaic_fp8_routes_agree_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
-@pytest.mark.parametrize("heads,num_splits", [(20, 1), (20, 3), (128, 3)])
+@pytest.mark.parametrize("heads,num_splits", [(20, 1), (20, 3), (16, 3), (128, 3)])
 def test_mosaic_odd_shapes_gpu(cache, heads, num_splits):
-    """Mosaic kernel: H=20 (one head block, padded to 64 heads) or 128 (two head blocks), R=128,
+    """Mosaic kernel: H=20 (one head block, padded to 64 heads), 16 (one block of 16 real heads,
+    unpadded) or 128 (two head blocks), R=128,
     P=8 (padded to 32 columns), K=200 (padded to whole 64-slot blocks), holes, an empty row, a
     one-slot row, splits with no valid slot."""
     q, latent, latent_scale, k_pe, slots = make_inputs(
@@ -453,7 +454,8 @@ def test_mosaic_fp8_dequantisation_gpu():
 
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
 @pytest.mark.parametrize("heads,rank,rope,topk,num_splits", [(128, 512, 64, 2048, None), (20, 128, 8, 200, 3),
-                                                            (128, 128, 8, 200, 3)])
+                                                            (128, 128, 8, 200, 3), (16, 512, 64, 2048, None),
+                                                            (32, 512, 64, 2048, 2)])
 def test_mosaic_kernel_lowers(cache, heads, rank, rope, topk, num_splits):
     """CPU twin of the Mosaic GPU tests: the kernel (inline gathers included) lowers to a Mosaic GPU
     module at the real shapes and at the GPU test's odd ones; it cannot run in interpret mode

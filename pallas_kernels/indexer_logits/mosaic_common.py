@@ -1,8 +1,8 @@
 """The warpgroup skeleton of the indexer's Mosaic GPU kernels (`mosaic_prefill`, `mosaic_decode`).
 
-One CTA per (row tile, key chunk), three warpgroups: a memory warpgroup streams key blocks of
-BLOCK_KEYS keys from the paged cache into a ring of SMEM slots by TMA, and COMPUTE_WGS compute
-warpgroups take alternate slots, each turning a slot's keys into BLOCK_KEYS logits per row that
+One CTA per (row tile, key chunk): a memory warpgroup streams key blocks of BLOCK_KEYS keys
+from the paged cache into a ring of SMEM slots by TMA, and compute_wgs compute warpgroups (2 or
+4; COMPUTE_WGS unless the kernel says otherwise) take every compute_wgs-th slot, each turning a slot's keys into BLOCK_KEYS logits per row that
 leave by TMA. Shared here: the inputs padded for wgmma, the register split, the ring's load and
 compute loops, the -inf tail and the final drain, one row's logits epilogue and the kernel call.
 The two kernels differ in where page ids come from and in the work per ring slot.
@@ -46,19 +46,25 @@ def padded_inputs(q, weights, k_cache):
     return q, weights, k_cache, min(MAX_SWIZZLE, row_bytes)
 
 
-def warpgroups(memory, compute):
-    """Warp specialisation: warpgroup COMPUTE_WGS streams keys with few registers (memory()); the
-    compute warpgroups take the registers it gives up (compute(wg), wg in [0, COMPUTE_WGS))."""
-    wg = lax.axis_index("wg")
+# setmaxnreg per (compute warpgroups): (memory, compute). A CTA of n warpgroups launches at
+# 65536 / (128 n) registers a thread rounded down to 8; the budgets must not sum above that.
+REGISTERS = {2: (40, 232), 4: (32, 112)}
 
-    @pl.when(wg == COMPUTE_WGS)
+
+def warpgroups(memory, compute, compute_wgs=COMPUTE_WGS):
+    """Warp specialisation: warpgroup compute_wgs streams keys with few registers (memory()); the
+    compute warpgroups take the registers it gives up (compute(wg), wg in [0, compute_wgs))."""
+    wg = lax.axis_index("wg")
+    memory_regs, compute_regs = REGISTERS[compute_wgs]
+
+    @pl.when(wg == compute_wgs)
     def _memory_wg():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(memory_regs, action="decrease")
         memory()
 
-    @pl.when(wg < COMPUTE_WGS)
+    @pl.when(wg < compute_wgs)
     def _compute_wg():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(compute_regs, action="increase")
         compute(wg)
 
 
@@ -119,8 +125,9 @@ def fill_tail_and_drain(rows, fill_smem, stop, first, chunk, out_blocks, out_blo
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def consume_ring(wg, n_steps, stages, q_bar, k_bar, consumed_bar, o_smem, compute, store, prologue=lambda: None):
-    """Compute warpgroup wg's pipeline steps wg, wg + COMPUTE_WGS, ...: once q (q_bar) has landed
+def consume_ring(wg, n_steps, stages, q_bar, k_bar, consumed_bar, o_smem, compute, store, prologue=lambda: None,
+                 compute_wgs=COMPUTE_WGS):
+    """Compute warpgroup wg's pipeline steps wg, wg + compute_wgs, ...: once q (q_bar) has landed
     and state = prologue(), per step waits for its ring slot's keys and until the stores of its
     SMEM output tile (o_smem[wg, i % 2]) two steps back have read it, then
     compute(step, slot, out_tile, lane, state, release) fills out_tile (lane: [64] key offsets in
@@ -133,9 +140,9 @@ def consume_ring(wg, n_steps, stages, q_bar, k_bar, consumed_bar, o_smem, comput
         plgpu.barrier_wait(q_bar)
         state = prologue()
 
-        @pl.loop(0, (n_steps - wg + COMPUTE_WGS - 1) // COMPUTE_WGS)
+        @pl.loop(0, (n_steps - wg + compute_wgs - 1) // compute_wgs)
         def _step(i):
-            step = wg + COMPUTE_WGS * i
+            step = wg + compute_wgs * i
             slot = lax.rem(step, stages)
             out_tile = o_smem.at[wg, lax.rem(i, 2)]
             plgpu.barrier_wait(k_bar.at[slot])
@@ -168,15 +175,15 @@ def meta_width(block_rows):
     return -(-(2 + 2 * block_rows) // 4) * 4  # int32 row of 16-byte multiple (TMA)
 
 
-def ring_kernel(kernel, out_type, grid, name, interpret):
+def ring_kernel(kernel, out_type, grid, name, interpret, compute_wgs=COMPUTE_WGS):
     """plgpu.kernel of a ring kernel body: grid (key chunks "split", row tiles "tile"), one memory
-    and COMPUTE_WGS compute warpgroups ("wg")."""
+    and compute_wgs compute warpgroups ("wg")."""
     return plgpu.kernel(
         kernel,
         out_type=out_type,
         grid=grid,
         grid_names=("split", "tile"),
-        num_threads=COMPUTE_WGS + 1,
+        num_threads=compute_wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,

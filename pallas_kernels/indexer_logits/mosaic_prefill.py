@@ -6,18 +6,19 @@ and -inf elsewhere, keys addressed by position s of the row's sequence through i
 
 Layout of the work. Rows are grouped by sequence into tiles of block_rows rows (in the wrapper,
 XLA); the key axis is cut into blocks of 64 keys (the wgmma M) and, when there are few tiles
-(decode, short prefills), into `splits` chunks of blocks. One CTA per (tile, chunk), three
-warpgroups:
+(decode, short prefills), into `splits` chunks of blocks. One CTA per (tile, chunk), one memory
+and two or four compute warpgroups:
   * a memory warpgroup streams key blocks [64, D] (and their scales) straight from the paged
     cache into a ring of SMEM slots by TMA (one page lookup per block: page_size % 64 == 0; other
     page sizes are first gathered into contiguous keys by XLA), and writes -inf over the chunk's
     blocks at or past the tile's last causal key;
-  * two compute warpgroups take alternate key blocks. For each group of rows (4 at the real
-    dims) one wgmma [64 keys, D] x [D, group * Hi] (keys as A, the rows' q side by side as a
+  * `compute_wgs` compute warpgroups (4 for fp8, 2 for bf16) take every compute_wgs-th key
+    block. For each group of rows (2 at the real dims for fp8, 4 for bf16) one wgmma [64 keys, D] x [D, group * Hi] (keys as A, the rows' q side by side as a
     K-major B, both in SMEM; accumulator rows are keys); per row, ReLU, the head-weighted sum as
     a row reduction of the WGMMA layout, key scales and the causal mask give 64 logits, staged
     in SMEM and written by one TMA per row.
-    While one warpgroup runs its epilogue the other's wgmmas run.
+    While one warpgroup's wgmmas run the others run their epilogues (DeepGEMM's arrangement for
+    fp8; bf16's wgmmas take twice as long, and two warpgroups measured faster than four).
 The tile's q [block_rows, Hi, D] and weights stay in SMEM for the whole chunk; nothing of size
 [rows, Hi, keys] exists outside registers. Key blocks at or past the tile's largest row_end are
 skipped (a causal prefill does about half of the rectangle); tiles run heaviest first.
@@ -44,7 +45,7 @@ from ..device import HOPPER_SMS, next_pow2
 from .layout import gather_paged_rows, max_tiles, tile_schedule
 from .mosaic_common import (
     BLOCK_KEYS,
-    COMPUTE_WGS,
+    REGISTERS,
     chunk_header,
     consume_ring,
     fill_tail_and_drain,
@@ -59,21 +60,26 @@ from .mosaic_common import (
 
 _SMEM_Q_BYTES = 128 * 1024  # SMEM budget for the tile's q (of device.SMEM_BYTES a CTA)
 _TARGET_CTAS = 2 * HOPPER_SMS  # two waves of the GPU's SMs
+# compute warpgroups by key itemsize (docs/design/indexer.md): fp8 1.10-1.13x faster with 4 than
+# with 2 at T = S = 2K..32K, bf16 0.97x, so bf16 keeps 2
+_COMPUTE_WGS = {1: 4, 2: 2}
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefillTiling:
     """block_rows: rows of one sequence per CTA (their q stays in SMEM); group: rows whose q
     share one wgmma (N = group * Hi <= 256; accumulator: group * Hi / 4 registers per thread);
-    stages: key blocks in flight (even); splits: key chunks per tile (CTAs per tile)."""
+    stages: key blocks in flight (a multiple of compute_wgs); splits: key chunks per tile (CTAs
+    per tile); compute_wgs: compute warpgroups (2 or 4), each taking every compute_wgs-th block."""
     block_rows: int
     group: int
     stages: int
     splits: int
+    compute_wgs: int
 
 
 def choose_prefill_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_rows=None, group=None,
-                       stages=None, splits=None) -> PrefillTiling:
+                       stages=None, splits=None, compute_wgs=None) -> PrefillTiling:
     """Prefill (many rows per sequence): as many rows per CTA as SMEM holds (16 for fp8 at the
     real dims), one chunk. Decode (1-2 rows per sequence): tiles of those rows and the key axis
     split over CTAs until about _TARGET_CTAS of them exist."""
@@ -81,19 +87,26 @@ def choose_prefill_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block
     q_row_bytes = hi * d * jnp.dtype(dtype).itemsize
     if block_rows is None:
         block_rows = min(next_pow2(int(rows_per_seq + 0.5)), 16, max(1, _SMEM_Q_BYTES // q_row_bytes))
+    compute_wgs = compute_wgs or _COMPUTE_WGS[jnp.dtype(dtype).itemsize]
+    if compute_wgs not in REGISTERS:
+        raise ValueError(f"compute_wgs={compute_wgs} must be one of {sorted(REGISTERS)}")
     if group is None:
-        group = max([g for g in range(1, block_rows + 1) if block_rows % g == 0 and g * hi <= 256], default=1)
+        # the accumulator (group * Hi / 4 registers a thread) within the compute warpgroups'
+        # register budget: N <= 256 with 2 of them (232 registers), <= 128 with 4 (112)
+        max_n = 256 if compute_wgs == 2 else 128
+        group = max([g for g in range(1, block_rows + 1) if block_rows % g == 0 and g * hi <= max_n], default=1)
     if block_rows % group or group * hi > 256:
         raise ValueError(f"block_rows={block_rows} must be a multiple of group={group} and "
                          f"group * heads={group * hi} <= 256 (wgmma N)")
     stages = stages or 4
-    if stages % COMPUTE_WGS:
-        # Block i uses slot i % stages and compute warpgroup i % 2: an even ring gives each slot
-        # one warpgroup, which then waits on every phase of its barrier (a hang otherwise).
-        raise ValueError(f"stages={stages} must be a multiple of {COMPUTE_WGS}")
+    if stages % compute_wgs:
+        # Block i uses slot i % stages and compute warpgroup i % compute_wgs: a ring of a multiple
+        # of compute_wgs gives each slot one warpgroup, which then waits on every phase of its
+        # barrier (a hang otherwise).
+        raise ValueError(f"stages={stages} must be a multiple of compute_wgs={compute_wgs}")
     if splits is None:
         splits = max(1, min(key_blocks, pl.cdiv(_TARGET_CTAS, max_tiles(num_rows, num_seqs, block_rows))))
-    return PrefillTiling(block_rows, group, stages, splits)
+    return PrefillTiling(block_rows, group, stages, splits, compute_wgs)
 
 
 def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: PrefillTiling, page_size, chunk,
@@ -170,9 +183,10 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: PrefillTiling,
                         plgpu.copy_smem_to_gmem(out_tile.at[j], out_ref.at[row, pl.ds((first + step) * bk, bk)],
                                                 commit_group=False)
 
-            consume_ring(wg, n_steps, stages, q_bar, k_bar, consumed_bar, o_smem, logits, store)
+            consume_ring(wg, n_steps, stages, q_bar, k_bar, consumed_bar, o_smem, logits, store,
+                         compute_wgs=tiling.compute_wgs)
 
-        warpgroups(memory, compute)
+        warpgroups(memory, compute, tiling.compute_wgs)
 
     pl.run_scoped(
         body,
@@ -181,7 +195,7 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: PrefillTiling,
         plgpu.SMEM((br, hi), jnp.float32),
         plgpu.SMEM((stages, bk, d), q_ref.dtype, transforms=transforms),
         plgpu.SMEM((stages, bk), jnp.float32),
-        plgpu.SMEM((COMPUTE_WGS, 2, br, bk), jnp.float32),
+        plgpu.SMEM((tiling.compute_wgs, 2, br, bk), jnp.float32),
         plgpu.SMEM((2 * bk,), jnp.float32),  # -inf; splat stores need a multiple of 128 elements
         plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=br + 1),
@@ -213,7 +227,7 @@ def indexer_logits_mosaic_prefill(q, weights, k_cache, k_scale, block_tables, ro
     k_scale [num_slots] f32 or None; block_tables [S, W] int32; row_seq, row_end [N] int32.
     Returns [N, W * page_size] f32, -inf at positions >= row_end[n] (clean=False: -inf only up to
     the end of the row's tile's last computed key block; past it unwritten, see `api`).
-    tiling_overrides: block_rows, group, stages, splits (see `PrefillTiling`). interpret: run in
+    tiling_overrides: block_rows, group, stages, splits, compute_wgs (see `PrefillTiling`). interpret: run in
     the Mosaic GPU interpreter (CPU tests).
     """
     q, weights, k_cache, swizzle = padded_inputs(q, weights, k_cache)
@@ -245,6 +259,6 @@ def indexer_logits_mosaic_prefill(q, weights, k_cache, k_scale, block_tables, ro
     kernel = ring_kernel(
         functools.partial(_kernel, tiling=tiling, page_size=page_size, chunk=chunk, swizzle=swizzle, clean=clean),
         jax.ShapeDtypeStruct((n, key_blocks * BLOCK_KEYS), jnp.float32), (tiling.splits, meta.shape[0]),
-        "indexer_logits_mgpu", interpret)
+        "indexer_logits_mgpu", interpret, compute_wgs=tiling.compute_wgs)
     out = kernel(*args)
     return out if out.shape[1] == num_keys else out[:, :num_keys]

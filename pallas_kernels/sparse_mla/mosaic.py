@@ -351,7 +351,7 @@ def _wait_landed(ctx, words, stage, parity):
     mgpu_utils.inline_ptx("fence.proxy.async.shared::cta;", has_side_effects=True)
 
 
-def _kernel(*refs, scoped, rank, rope, width, tile, blocks_per_split, num_stages, qk_scale):
+def _kernel(*refs, scoped, rank, rope, width, tile, blocks_per_split, num_stages, qk_scale, block_heads):
     """refs: q [N, Hp, width] bf16, latent [S, R], (latent_scale [S, R / tile] f32 if fp8,)
     k_pe [S, P] bf16, slots [N, K_pad] i32, live [N] i32 (the row's blocks up to its last valid
     slot); out [splits, N, Hp, R] f32, lse [splits, N, Hp] f32. A CTA walks only its split's live
@@ -362,7 +362,8 @@ def _kernel(*refs, scoped, rank, rope, width, tile, blocks_per_split, num_stages
     a_smem, l_smem = x_smem.at[0], x_smem.at[1]  # block i's rescale factor; 1 / l at the end
     head_block, row, split = lax.axis_index("heads"), lax.axis_index("rows"), lax.axis_index("splits")
     wg = lax.axis_index("wg")
-    h0 = head_block * HEADS_PER_CTA
+    h0 = head_block * block_heads
+    heads = pl.ds(0, block_heads)  # the CTA's real heads among its 64 q / out rows (the rest unused)
     first = split * blocks_per_split
     count = jnp.maximum(jnp.minimum(blocks_per_split, live_gmem[row] - first), 0)
     half_r = rank // 2
@@ -377,8 +378,8 @@ def _kernel(*refs, scoped, rank, rope, width, tile, blocks_per_split, num_stages
         # o_smem aliases the stage ring: safe once both warpgroups passed _END (every PV waited)
         o_smem[w] = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[w], out_gmem.at[split, row, pl.ds(h0, HEADS_PER_CTA),
-                                                          pl.ds(w * half_r, half_r)])
+        plgpu.copy_smem_to_gmem(o_smem.at[w, heads], out_gmem.at[split, row, pl.ds(h0, block_heads),
+                                                                 pl.ds(w * half_r, half_r)])
 
     @pl.when(wg == 0)
     def _scorer():
@@ -386,7 +387,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, blocks_per_split, num_stages
 
         @pl.when(count > 0)
         def _():
-            plgpu.copy_gmem_to_smem(q_gmem.at[row, pl.ds(h0, HEADS_PER_CTA)], q_smem, q_bar)
+            plgpu.copy_gmem_to_smem(q_gmem.at[row, pl.ds(h0, block_heads)], q_smem.at[heads], q_bar)
             plgpu.barrier_wait(q_bar)
 
         def step(i, carry):
@@ -439,7 +440,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, blocks_per_split, num_stages
         store_out(0, acc, inv_l)
         lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[split, row, pl.ds(h0, HEADS_PER_CTA)])
+        plgpu.copy_smem_to_gmem(lse_smem.at[heads], lse_gmem.at[split, row, pl.ds(h0, block_heads)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -544,12 +545,17 @@ def sparse_mla_mosaic(q, latent, latent_scale, k_pe, slots, *, scale, num_splits
     if n_rows == 0 or topk == 0:  # nothing to attend: every row is empty
         return jnp.zeros((n_rows, heads, rank), jnp.float32), jnp.full((n_rows, heads), jnp.inf, jnp.float32)
     width = rank + pl.cdiv(rope, _COLS) * _COLS
-    padded_heads = pl.cdiv(heads, HEADS_PER_CTA) * HEADS_PER_CTA
+    # A CTA computes 64 heads (wgmma's M); fewer real ones (16 / 32 a tensor shard) are read and
+    # written as they are, the tile's other rows left unused, so q and out need no padding copy.
+    # Head counts of neither kind (not a multiple of 8 below 64, or of 64 above) are padded.
+    block_heads = heads if heads < HEADS_PER_CTA and heads % 8 == 0 else HEADS_PER_CTA
+    padded_heads = pl.cdiv(heads, block_heads) * block_heads
     num_blocks = pl.cdiv(topk, BLOCK_K)
-    q = jnp.pad(q, ((0, 0), (0, padded_heads - heads), (0, width - rank - rope)))
+    if (padded_heads, width) != (heads, rank + rope):
+        q = jnp.pad(q, ((0, 0), (0, padded_heads - heads), (0, width - rank - rope)))
     slots = jnp.pad(slots.astype(jnp.int32), ((0, 0), (0, num_blocks * BLOCK_K - topk)), constant_values=-1)
     live = live_blocks(slots, BLOCK_K)
-    head_blocks = padded_heads // HEADS_PER_CTA
+    head_blocks = padded_heads // block_heads
     if num_splits is None:
         num_splits = auto_num_splits(n_rows, head_blocks, num_blocks, target_programs=HOPPER_SMS,
                                       min_blocks_per_split=2)
@@ -565,7 +571,7 @@ def sparse_mla_mosaic(q, latent, latent_scale, k_pe, slots, *, scale, num_splits
     num_stages = max(num_stages, pl.cdiv(HEADS_PER_CTA * rank * 4, stage_bytes))
     kernel = functools.partial(_kernel, rank=rank, rope=rope, width=width, tile=tile,
                                blocks_per_split=blocks_per_split, num_stages=num_stages,
-                               qk_scale=float(scale) * LOG2E)
+                               qk_scale=float(scale) * LOG2E, block_heads=block_heads)
 
     def entry(*refs):
         pl.run_scoped(
@@ -598,4 +604,4 @@ def sparse_mla_mosaic(q, latent, latent_scale, k_pe, slots, *, scale, num_splits
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )(q, *cache, k_pe, slots, live)
     out, lse = combine_splits(out, lse)
-    return out[:, :heads], lse[:, :heads]
+    return (out, lse) if padded_heads == heads else (out[:, :heads], lse[:, :heads])
