@@ -28,6 +28,8 @@ stages beside q's [64, 576] tile fills the 227 KiB at DeepSeek's shapes. Three w
   * warpgroup 1 rescales its accumulator and adds out[:, R/2:] += P . V, P read by the wgmma
     from shared memory. Each accumulator, 64 x R/2 f32, is what one warpgroup's registers hold.
 128 heads take two CTAs per row; heads run fastest, so a row's two CTAs share their gathers in L2.
+16 or 32 heads (a tensor shard) take one CTA whose 64-row tile holds only those heads' q rows and
+writes only their outputs (no padding copy; rows are independent in every product).
 
 bf16: bound by the consumers, whose softmax runs between the scorer's matrix products (math alone
 runs at 0.8-0.9x the kernel's time, the gathers alone at 0.4-0.5x); fp8: by the producer's copies
