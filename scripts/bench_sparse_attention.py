@@ -1,7 +1,7 @@
 """Benchmark the Pallas sparse MLA kernels against the XLA path (jit of the jnp reference).
 
     python scripts/bench_sparse_attention.py --out results.json [--quick] [--sweep] [--impls triton,mosaic]
-                                             [--empty 0,0.5,1]
+                                             [--empty 0,0.5,1] [--splits 1,2,4]
 
 Kernels, side by side in one run (--impls): "triton" (the Pallas Triton kernel, the earlier
 implementation) and "mosaic" (the Pallas Mosaic GPU kernel, Hopper only); "xla" is the reference.
@@ -21,6 +21,8 @@ TFLOP/s follow FlashMLA's convention: 2 * rows * topk * heads * (d_qk + d_v), d_
 GB/s counts the gathered cache bytes (rows * topk * bytes per token) plus q and out.
 A config whose kernel fails to compile or mismatches is recorded with its error; the run goes on.
 --sweep also times a few kernel tilings (block_h, block_k, num_warps, num_stages) on two configs.
+--splits S,..: the Mosaic kernel again at each num_splits S (a row's slot list over S programs,
+merged by LSE), beside its own choice (splits.auto_num_splits), to measure that choice.
 --empty F,..: each config again with the last fraction F of its rows padding (every slot -1, as
 a bucket's padding rows are); TFLOP/s and GB/s then count the real rows' work only, so a kernel
 whose cost follows the real rows keeps its rate.
@@ -132,14 +134,18 @@ def rel_err(out, ref_out, lse, ref_lse, slots):
     return err, lse_err
 
 
-def kernel_fn(impl, tiling, dequantize):
-    """The jitted kernel of one backend ("triton", with an optional tiling, or "mosaic")."""
+def kernel_fn(impl, tiling, dequantize, num_splits=None):
+    """The jitted kernel of one backend ("triton", with an optional tiling, or "mosaic", with an
+    optional num_splits)."""
     kw = dict(INTERPRET) if tiling is None else dict(zip(TILING_KEYS, tiling), **INTERPRET)
+    if num_splits is not None:
+        kw["num_splits"] = num_splits
     return jax.jit(functools.partial(sparse_mla, scale=SCALE, backend=impl, dequantize=dequantize,
                                      page_size=PAGE_SIZE, **kw))
 
 
-def run_config(kind, fmt, a, b, num_slots, reference_fn, impls, tilings=(None,), time_reference=True, empty=0.0):
+def run_config(kind, fmt, a, b, num_slots, reference_fn, impls, tilings=(None,), time_reference=True, empty=0.0,
+               splits=()):
     q, slots, s_kv, batch, s_q = make_problem(kind, a, b)
     latent, latent_scale, k_pe = get_cache(fmt, num_slots)
     rows = q.shape[0]
@@ -175,21 +181,24 @@ def run_config(kind, fmt, a, b, num_slots, reference_fn, impls, tilings=(None,),
         record("xla", error=f"{type(e).__name__}: {e}"[:2000])
         return records
 
-    for impl in impls:
-        for tiling in tilings if impl == "triton" else (None,):
-            for dequantize in DEQUANTIZE if fmt == "fp8" else ("kernel",):
-                extra = dict(dequantize=dequantize) if fmt == "fp8" else {}
-                try:
-                    fn = kernel_fn(impl, tiling, dequantize)
-                    out, lse = jax.block_until_ready(fn(*args, pages=pages))
-                    err, lse_err = rel_err(out, ref_out, lse, ref_lse, slots)
-                    if not (err < OUT_TOL and lse_err < LSE_TOL[fmt]):
-                        raise AssertionError(f"mismatch vs reference: rel err {err:.3e}, lse err {lse_err:.3e}")
-                    record(impl, tiling, seconds=median_ms(functools.partial(fn, pages=pages), *args) / 1e3,
-                           rel_err=err, lse_err=lse_err, **extra)
-                except Exception as e:  # noqa: BLE001 - a config that fails to compile must not end the run
-                    record(impl, tiling, error=f"{type(e).__name__}: {e}"[:2000],
-                           traceback=traceback.format_exc()[-3000:], **extra)
+    variants = [(impl, tiling, None) for impl in impls for tiling in (tilings if impl == "triton" else (None,))]
+    variants += [("mosaic", None, s) for s in splits if "mosaic" in impls]
+    for impl, tiling, num_splits in variants:
+        for dequantize in DEQUANTIZE if fmt == "fp8" else ("kernel",):
+            extra = dict(dequantize=dequantize) if fmt == "fp8" else {}
+            if num_splits is not None:
+                extra["num_splits"] = num_splits
+            try:
+                fn = kernel_fn(impl, tiling, dequantize, num_splits)
+                out, lse = jax.block_until_ready(fn(*args, pages=pages))
+                err, lse_err = rel_err(out, ref_out, lse, ref_lse, slots)
+                if not (err < OUT_TOL and lse_err < LSE_TOL[fmt]):
+                    raise AssertionError(f"mismatch vs reference: rel err {err:.3e}, lse err {lse_err:.3e}")
+                record(impl, tiling, seconds=median_ms(functools.partial(fn, pages=pages), *args) / 1e3,
+                       rel_err=err, lse_err=lse_err, **extra)
+            except Exception as e:  # noqa: BLE001 - a config that fails to compile must not end the run
+                record(impl, tiling, error=f"{type(e).__name__}: {e}"[:2000],
+                       traceback=traceback.format_exc()[-3000:], **extra)
     return records
 
 
@@ -204,6 +213,8 @@ def print_table(records):
             note = f"{tuple(r['tiling'].values())} " + note
         if r.get("empty"):
             note = f"{r['empty']:.0%} padding rows " + note
+        if "num_splits" in r:
+            note = f"num_splits {r['num_splits']} " + note
         ms = f"{r['ms']:9.3f}" if "ms" in r else f"{'-':>9}"
         tf = f"{r['tflops']:8.1f}" if "tflops" in r else f"{'-':>8}"
         gb = f"{r['gbps']:7.0f}" if "gbps" in r else f"{'-':>7}"
@@ -221,6 +232,7 @@ def main():
     parser.add_argument("--impls", default="triton,mosaic", help="comma list of triton, mosaic")
     parser.add_argument("--dequantize", default=",".join(DEQUANTIZE), help="fp8 routes: comma list of kernel, upfront")
     parser.add_argument("--empty", default="0", help="comma list of padding-row fractions (see above)")
+    parser.add_argument("--splits", default="", help="comma list of Mosaic num_splits to time beside the auto choice")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes in Pallas interpret mode: checks this script on a CPU")
     args = parser.parse_args()
@@ -257,7 +269,8 @@ def main():
 
     for kind, fmt, a, b in plan:
         for empty in empties:
-            records += run_config(kind, fmt, a, b, num_slots, reference_fn, impls, empty=empty)
+            records += run_config(kind, fmt, a, b, num_slots, reference_fn, impls, empty=empty,
+                                  splits=[int(x) for x in args.splits.split(",") if x])
             save()
     for kind, fmt, a, b in sweep:
         records += run_config(kind, fmt, a, b, num_slots, reference_fn, ("triton",), tilings=tuple(SWEEP),
