@@ -2,9 +2,10 @@
 
 One CTA per (row tile, key chunk): a memory warpgroup streams key blocks of BLOCK_KEYS keys
 from the paged cache into a ring of SMEM slots by TMA, and compute_wgs compute warpgroups (2 or
-4; COMPUTE_WGS unless the kernel says otherwise) take every compute_wgs-th slot, each turning a slot's keys into BLOCK_KEYS logits per row that
-leave by TMA. Shared here: the inputs padded for wgmma, the register split, the ring's load and
-compute loops, the -inf tail and the final drain, one row's logits epilogue and the kernel call.
+4; COMPUTE_WGS unless the kernel says otherwise) take every compute_wgs-th slot, each turning a
+slot's keys into BLOCK_KEYS logits per row that leave by TMA. Shared here: the inputs padded
+for wgmma, the register split, the ring's load and compute loops, the -inf tail and the final
+drain, one row's logits epilogue and the kernel call.
 The two kernels differ in where page ids come from and in the work per ring slot.
 """
 
@@ -47,7 +48,8 @@ def padded_inputs(q, weights, k_cache):
 
 
 # setmaxnreg per (compute warpgroups): (memory, compute). A CTA of n warpgroups launches at
-# 65536 / (128 n) registers a thread rounded down to 8; the budgets must not sum above that.
+# 65536 / (128 n) registers a thread rounded down to 8; the warpgroups' budgets must not
+# average above that (2: (40 + 2 x 232) / 3 = 168; 4: (32 + 4 x 112) / 5 = 96).
 REGISTERS = {2: (40, 232), 4: (32, 112)}
 
 
