@@ -10,30 +10,38 @@ import jax
 import numpy as np
 import pytest
 
-from jax_sparse_mla import Request, plan_batch
+from jax_sparse_mla import Request, plan_batch, policy
 from jax_sparse_mla.sharding import param_specs, plan_data_parallel, shard_config
 from tests.support import run_with_cpu_devices
 from tests.support.sharding import PAGES, ROUTES, TINY, mesh_errors
 
-# (data, tensor) meshes by virtual device count: tensor, data and mixed; and whether the indexer
-# splits its scoring by rows over the tensor shards for every group it divides
-# (INDEXER_SPLIT_MIN_ROWS 1; by default the tiny batches are far below it: every shard scores
-# every row). One subprocess each (a CPU suite budget: ~1 minute a subprocess).
-MESHES = {2: ([(1, 2), (2, 1)], False), 4: ([(2, 2), (1, 4)], True), 8: ([(2, 4)], False)}
+# (data, tensor) meshes: tensor, data and mixed; and whether the indexer splits its scoring by
+# rows over the tensor shards for every group it divides (INDEXER_SPLIT_MIN_ROWS 1; by default
+# the tiny batches are far below it: every shard scores every row). A mesh takes the first
+# data x tensor of 8 virtual devices; all run in one subprocess (the CPU suite's budget), the fp8
+# split last (UPFRONT_MIN_USES 1, so that the tiny config's long prefill splits).
+MESHES = [((1, 2), False), ((2, 1), False), ((2, 4), False), ((2, 2), True), ((1, 4), True)]
 TOL = 1e-4
+_MESH_RUN = f"""
+import json
+from jax_sparse_mla import policy
+from tests.support.sharding import mesh_errors
+results = mesh_errors({[m for m, split in MESHES if not split]!r})
+policy.INDEXER_SPLIT_MIN_ROWS = 1
+results.update(mesh_errors({[m for m, split in MESHES if split]!r}))
+policy.INDEXER_SPLIT_MIN_ROWS = {policy.INDEXER_SPLIT_MIN_ROWS}
+policy.UPFRONT_MIN_USES = 1
+results["fp8 2x2"] = mesh_errors([(2, 2)], "fp8")["2x2"]
+print("RESULT", json.dumps(results))
+"""
 
 
 @pytest.fixture(scope="module")
 def mesh_results():
-    results = {}
-    for devices, (meshes, split_rows) in MESHES.items():
-        patch = "from jax_sparse_mla import policy; policy.INDEXER_SPLIT_MIN_ROWS = 1; " if split_rows else ""
-        results.update(run_with_cpu_devices(f"import json; {patch}from tests.support.sharding import mesh_errors; "
-                                            f"print('RESULT', json.dumps(mesh_errors({meshes!r})))", devices=devices))
-    return results
+    return run_with_cpu_devices(_MESH_RUN, devices=8)
 
 
-@pytest.mark.parametrize("dp,tp,split_rows", [(*m, split) for ms, split in MESHES.values() for m in ms])
+@pytest.mark.parametrize("dp,tp,split_rows", [(*m, split) for m, split in MESHES])
 def test_mesh_matches_one_device(mesh_results, dp, tp, split_rows):
     r = mesh_results[f"{dp}x{tp}"]
     assert r["routes"] == ROUTES
@@ -49,14 +57,11 @@ def test_mesh_matches_one_device(mesh_results, dp, tp, split_rows):
         assert set(r["indexer_shards"]) == {1}, r["indexer_shards"]
 
 
-def test_fp8_split_mesh_matches_one_device():
+def test_fp8_split_mesh_matches_one_device(mesh_results):
     """An fp8 latent cache with the prefill / decode split (threshold lowered so that the tiny
     config's long prefill splits): the data shards' common split gives each shard's one-device
     outputs and caches."""
-    r = run_with_cpu_devices(
-        "import json; from jax_sparse_mla import policy; policy.UPFRONT_MIN_USES = 1; "
-        "from tests.support.sharding import mesh_errors; print('RESULT', json.dumps(mesh_errors([(2, 2)], 'fp8')))")
-    r = r["2x2"]
+    r = mesh_results["fp8 2x2"]
     assert r["routes"] == ROUTES and r["err"] < TOL, r
     assert r["splits"][0] > 0  # step 1: the long prefill's rows over their own pages
 
@@ -88,7 +93,6 @@ def test_plan_data_parallel_common_plan_and_errors(monkeypatch):
     assert plan_data_parallel(TINY, [long_, long_], pages_per_shard=8)[0].route == "sparse"
     # fp8 cache: one shard's split (its long prefill) becomes every shard's
     fp8 = dataclasses.replace(TINY, kv_cache_dtype="fp8")
-    from jax_sparse_mla import policy
     monkeypatch.setattr(policy, "UPFRONT_MIN_USES", 1)
     assert plan_batch(fp8, long_, prefill_route="sparse")[0].num_upfront_rows == 32
     short_and_decode = [Request(0, 5, [0, 1]), Request(9, 1, [2, 3, 4])]  # rows 0-4 dense, row 5 a decode
@@ -117,8 +121,6 @@ def test_indexer_split_by_rows_is_a_plan_decision(monkeypatch):
     """Whether tensor shards split a scoring call by rows is decided once, in the plan
     (RowGroup.indexer_shards from policy.indexer_shards), with the Mosaic kernel shape chosen for
     one shard's rows; the index heads need not divide the tensor axis (the indexer is whole)."""
-    from jax_sparse_mla import policy
-
     n = policy.INDEXER_SPLIT_MIN_ROWS
     assert [policy.indexer_shards(rows, tp) for rows, tp in [(n, 4), (n - 1, 4), (n * 3 + 1, 3), (4 * n, 1)]] == \
         [4, 1, 1, 1]
