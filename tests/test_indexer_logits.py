@@ -156,14 +156,14 @@ _RAGGED_CASES = [
 ]
 
 _MGPU_PREFILL_CASES = [
-    # ragged batch with a 1-key sequence; page 4: keys gathered first; 5 key blocks, 2-slot ring
+    # ragged batch with a 1-key sequence; page 4: keys gathered first; 5 key blocks, 4-slot ring
     (FP8, True, 4, [37, 1, 300, 12], [5, 1, 9, 3], dict(block_rows=4, group=2, stages=4)),
     # the same batch read straight from 64-token pages, bf16
     (jnp.bfloat16, False, 64, [37, 1, 300, 12], [5, 1, 9, 3], dict(block_rows=4, group=4)),
     # decode-like: 1-2 rows per sequence, the key axis split over CTAs (default tiling)
     (FP8, True, 64, [400, 130, 1], [1, 2, 1], dict()),
     # causal prefill of 150 rows (not a multiple of any block), no k_scale, 3 key chunks a tile
-    (FP8, False, 64, [150], [150], dict(block_rows=8, splits=3)),
+    (FP8, False, 64, [150], [150], dict(block_rows=16, splits=3, stages=4)),
 ]
 
 # Decode rings deep enough that no slot is refilled: the Mosaic GPU interpreter (jax 0.11.2, this
@@ -501,7 +501,7 @@ def test_mosaic_decode_lowers_at_tiny_dims(rows_per_seq):
     param("mosaic_prefill", dict(dtype=FP8, scaled=True, page=4, lengths=[37, 1, 300, 12], rows_per_seq=[5, 1, 9, 3]),
           dict(block_rows=4, group=2, stages=4), id="mosaic_prefill-ragged"),
     param("mosaic_prefill", dict(dtype=FP8, scaled=False, page=64, lengths=[150], rows_per_seq=[150]),
-          dict(block_rows=8, splits=3), id="mosaic_prefill-causal"),
+          dict(block_rows=16, splits=3, stages=4), id="mosaic_prefill-causal"),
     param("mosaic_decode", dict(dtype=FP8, scaled=True, page=64, lengths=[520, 1, 77], rows_per_seq=[1, 1, 1]),
           dict(chunk=4, step_blocks=2, stages=2), id="mosaic_decode-ragged"),
     param("triton", dict(dtype=FP8, scaled=True, page=4, lengths=[37, 1, 90, 12], rows_per_seq=[5, 1, 7, 3]),
