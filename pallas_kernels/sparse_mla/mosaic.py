@@ -553,8 +553,7 @@ def sparse_mla_mosaic(q, latent, latent_scale, k_pe, slots, *, scale, num_splits
     block_heads = heads if heads < HEADS_PER_CTA and heads % 8 == 0 else HEADS_PER_CTA
     padded_heads = pl.cdiv(heads, block_heads) * block_heads
     num_blocks = pl.cdiv(topk, BLOCK_K)
-    if (padded_heads, width) != (heads, rank + rope):
-        q = jnp.pad(q, ((0, 0), (0, padded_heads - heads), (0, width - rank - rope)))
+    q = jnp.pad(q, ((0, 0), (0, padded_heads - heads), (0, width - rank - rope)))  # a no-op pad is elided
     slots = jnp.pad(slots.astype(jnp.int32), ((0, 0), (0, num_blocks * BLOCK_K - topk)), constant_values=-1)
     live = live_blocks(slots, BLOCK_K)
     head_blocks = padded_heads // block_heads
@@ -606,4 +605,4 @@ def sparse_mla_mosaic(q, latent, latent_scale, k_pe, slots, *, scale, num_splits
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )(q, *cache, k_pe, slots, live)
     out, lse = combine_splits(out, lse)
-    return (out, lse) if padded_heads == heads else (out[:, :heads], lse[:, :heads])
+    return out[:, :heads], lse[:, :heads]
