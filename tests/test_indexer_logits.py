@@ -445,7 +445,7 @@ def test_choose_prefill_tiling():
     """fp8 runs four compute warpgroups of N <= 128 (2 rows of 64 heads a wgmma), bf16 two of
     N <= 256 (4 rows); the ring must be a multiple of the warpgroups, which are 2 or 4."""
     t = choose_prefill_tiling(8192, 1, 128, FP8, 64, 128)
-    assert (t.block_rows, t.group, t.stages, t.splits, t.compute_wgs) == (16, 2, 4, 1, 4)
+    assert (t.block_rows, t.group, t.stages, t.splits, t.compute_wgs) == (8, 2, 8, 1, 4)
     t = choose_prefill_tiling(8192, 1, 128, jnp.bfloat16, 64, 128)
     assert (t.block_rows, t.group, t.compute_wgs) == (8, 4, 2)  # 8 rows of bf16 q fill 128 KiB
     assert choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, compute_wgs=2).group == 4

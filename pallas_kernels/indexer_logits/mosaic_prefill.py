@@ -80,16 +80,19 @@ class PrefillTiling:
 
 def choose_prefill_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_rows=None, group=None,
                        stages=None, splits=None, compute_wgs=None) -> PrefillTiling:
-    """Prefill (many rows per sequence): as many rows per CTA as SMEM holds (16 for fp8 at the
-    real dims), one chunk. Decode (1-2 rows per sequence): tiles of those rows and the key axis
+    """Prefill (many rows per sequence): as many rows per CTA as the q budget holds (8 at the real
+    dims: fp8 keeps half the budget for a ring of 8 stages), one chunk. Decode (1-2 rows per sequence): tiles of those rows and the key axis
     split over CTAs until about _TARGET_CTAS of them exist."""
     rows_per_seq = num_rows / max(1, min(num_seqs, num_rows))
     q_row_bytes = hi * d * jnp.dtype(dtype).itemsize
-    if block_rows is None:
-        block_rows = min(next_pow2(int(rows_per_seq + 0.5)), 16, max(1, _SMEM_Q_BYTES // q_row_bytes))
     compute_wgs = compute_wgs or _COMPUTE_WGS[jnp.dtype(dtype).itemsize]
     if compute_wgs not in REGISTERS:
         raise ValueError(f"compute_wgs={compute_wgs} must be one of {sorted(REGISTERS)}")
+    if block_rows is None:
+        # four warpgroups: half the q budget (8 fp8 rows) and a ring twice as deep measured
+        # 1.02-1.04x over 16 rows and 4 stages at T = S = 8K / 32K (docs/design/indexer.md)
+        q_bytes = _SMEM_Q_BYTES // 2 if compute_wgs == 4 else _SMEM_Q_BYTES
+        block_rows = min(next_pow2(int(rows_per_seq + 0.5)), 16, max(1, q_bytes // q_row_bytes))
     if group is None:
         # the accumulator (group * Hi / 4 registers a thread) within the compute warpgroups'
         # register budget: N <= 256 with 2 of them (232 registers), <= 128 with 4 (112)
@@ -98,7 +101,7 @@ def choose_prefill_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block
     if block_rows % group or group * hi > 256:
         raise ValueError(f"block_rows={block_rows} must be a multiple of group={group} and "
                          f"group * heads={group * hi} <= 256 (wgmma N)")
-    stages = stages or 4
+    stages = stages or (8 if compute_wgs == 4 else 4)
     if stages % compute_wgs:
         # Block i uses slot i % stages and compute warpgroup i % compute_wgs: a ring of a multiple
         # of compute_wgs gives each slot one warpgroup, which then waits on every phase of its
