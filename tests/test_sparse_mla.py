@@ -31,7 +31,7 @@ from jax_sparse_mla.config import FP8_TILE
 from jax_sparse_mla.ops import quantize_tiles
 from jax_sparse_mla.policy import UPFRONT_MIN_USES
 from pallas_kernels.sparse_mla import dequantize_latent, dequantize_pages
-from pallas_kernels.sparse_mla.splits import live_blocks
+from pallas_kernels.sparse_mla.splits import auto_num_splits, live_blocks
 from tests.support import INTERPRET, assert_same_as_clean, ops
 
 OP = "sparse_mla"
@@ -166,6 +166,21 @@ def test_live_blocks_reach_the_last_valid_slot():
     slots[4] = np.arange(70)
     np.testing.assert_array_equal(np.asarray(live_blocks(jnp.asarray(slots), 16)), [0, 1, 5, 3, 5])
     np.testing.assert_array_equal(np.asarray(live_blocks(jnp.asarray(slots), 64)), [0, 1, 2, 1, 2])
+
+
+@pytest.mark.parametrize("wave,min_blocks", [(132, 4), (264, 4), (132, 2)])
+def test_auto_splits_fill_one_wave(wave, min_blocks):
+    """The split count is the largest that keeps every program in one wave (and each split >=
+    min_blocks slot blocks): one more split would start a second wave or starve a split."""
+    for rows in [1, 2, 3, 8, 16, 31, 32, 33, 64, 65, 66, 67, 100, 132, 133, 264, 4096]:
+        for head_blocks in [1, 2]:
+            for num_blocks in [1, 3, 8, 32]:
+                s = auto_num_splits(rows, head_blocks, num_blocks, wave=wave, min_blocks_per_split=min_blocks)
+                programs = rows * head_blocks
+                assert s >= 1
+                if s > 1:
+                    assert programs * s <= wave and num_blocks // s >= min_blocks
+                assert programs * (s + 1) > wave or num_blocks // (s + 1) < min_blocks
 
 
 @pytest.mark.parametrize("backend", kernels(jnp.bfloat16))

@@ -558,8 +558,7 @@ def sparse_mla_mosaic(q, latent, latent_scale, k_pe, slots, *, scale, num_splits
     live = live_blocks(slots, BLOCK_K)
     head_blocks = padded_heads // block_heads
     if num_splits is None:
-        num_splits = auto_num_splits(n_rows, head_blocks, num_blocks, target_programs=HOPPER_SMS,
-                                      min_blocks_per_split=2)
+        num_splits = auto_num_splits(n_rows, head_blocks, num_blocks, wave=HOPPER_SMS)  # a CTA an SM
     num_splits = max(1, min(num_splits, num_blocks))
     blocks_per_split = pl.cdiv(num_blocks, num_splits)
     num_splits = pl.cdiv(num_blocks, blocks_per_split)

@@ -32,12 +32,14 @@ def combine_splits(out, lse):
     return merged, jnp.where(total == -jnp.inf, jnp.inf, total)
 
 
-def auto_num_splits(rows, head_blocks, num_blocks, target_programs=2 * HOPPER_SMS, min_blocks_per_split=4):
-    """Split a row's slot list across programs only when rows x head blocks can't fill the GPU.
+def auto_num_splits(rows, head_blocks, num_blocks, wave=2 * HOPPER_SMS, min_blocks_per_split=4):
+    """The most splits of a row's slot list whose programs still run in one wave.
 
-    The default target is 2 programs per SM. Each split keeps >= 4 slot blocks of work.
+    rows x head_blocks programs become rows x head_blocks x splits; a split count that spills
+    past `wave` programs (what the GPU runs at once: default 2 an SM) starts a second wave of
+    the same per-program work, so it costs a whole wave for nothing (and the merge reads every
+    split's partial output). Each split keeps >= min_blocks_per_split slot blocks of work.
+    Measured for the Mosaic kernel (docs/design/sparse_mla.md, "Split counts by measurement").
     """
     programs = rows * head_blocks
-    if programs >= target_programs:
-        return 1
-    return max(1, min(pl.cdiv(target_programs, programs), num_blocks // min_blocks_per_split))
+    return max(1, min(wave // max(programs, 1), num_blocks // min_blocks_per_split))
