@@ -25,7 +25,10 @@
   `copy_fraction` stays beside it (docs/benchmarks.md's numbers before 2026-11-29 are that one).
 * top-k (k=2048) of [rows, L] f32 logits: pallas_kernels.topk (sampled thresholds + band select) vs
   lax.top_k on the same inputs, both timed on the device (`chain_ms`: 20 dependent calls in one
-  jit; the host-timed call is recorded as `host_ms`). `--only topk` runs just that (~1 minute).
+  jit; the host-timed call is recorded as `host_ms`); GB/s of each row's own keys read once,
+  against the copy bandwidth of the same bytes (`copy_fraction`: the >= 50% target), and the
+  three kernels' GPU times (`kernels_us`). The causal shape is a T = S = 8K prefill's rows with
+  lengths, as the layer calls it. `--only topk` runs just that (~1 minute).
 Every config is checked against the reference (on a sample of rows) before it is timed; a
 failing config is recorded with its error and the run goes on. The XLA reference is skipped
 where it would take too long or too much memory (said so in the table). --sweep adds a small
@@ -361,48 +364,66 @@ def bench_decode(quick, tiling=None, batches=None, contexts=None, dtypes=(FP8, j
 
 
 def topk_inputs(rows, length, causal, seed):
+    """-> (x [rows, length] f32, lengths [rows] or None). causal: a prefill's rows, row r of one
+    causal sequence seeing its first (r + 1) * length // rows keys, passed as lengths (as the
+    layer does), the columns past them NaN (the kernel must not read them)."""
     x = jax.random.normal(jax.random.key(seed), (rows, length), jnp.float32)
-    if causal:  # prefill-like: row r of a causal sequence sees (r + 1) * length / rows keys
-        ends = (jnp.arange(rows) + 1) * length // rows
-        x = jnp.where(jnp.arange(length)[None, :] < ends[:, None], x, -jnp.inf)
-    return (x,)
+    if not causal:
+        return x, None
+    ends = ((jnp.arange(rows) + 1) * length // rows).astype(jnp.int32)
+    return jnp.where(jnp.arange(length)[None, :] < ends[:, None], x, jnp.nan), ends
+
+
+TOPK_KERNELS = ("topk_thresholds", "topk_write", "topk_select")
 
 
 def bench_topk(quick, tiling=None, shapes=None, tag=""):
-    """The top-k kernel vs lax.top_k on the same inputs, per shape; the kernel is checked on a
-    sample of rows before it is timed."""
+    """The top-k kernel vs lax.top_k on the same inputs, per shape: device-timed chains, the
+    logits' bytes (each row's own keys) against the copy bandwidth of the same bytes, and each
+    of the three kernels' GPU time from a profiler trace (`kernels_us`). The kernel is checked
+    on a sample of rows before it is timed."""
     del quick
     shapes = shapes or ([(128, 32768, False), (512, 32768, False), (1024, 32768, False),
-                         (4096, 32768, False), (4096, 32768, True), (128, 131072, False)])
-    xla = jax.jit(lambda x: jax.lax.top_k(x, TOPK)[1])
-    kern = jax.jit(functools.partial(topk, k=TOPK, **(tiling or {})))
+                         (4096, 32768, False), (8192, 8192, True), (128, 131072, False)])
+    xla = jax.jit(lambda x: jax.lax.top_k(jnp.where(jnp.isnan(x), -jnp.inf, x), TOPK)[1])
+    copies = {}
     for rows, length, causal in shapes:
-        nbytes = float(rows) * length * 4
         params = dict(rows=rows, L=length, k=TOPK, causal=causal)
         if time.time() > DEADLINE[0]:
             record(kind="topk" + tag, **params, unit="GBps", error="skipped: run time budget spent")
             continue
         try:
-            args = topk_inputs(rows, length, causal, rows + length)
-            xla_ms = chain_ms(xla, *args)
+            x, lengths = topk_inputs(rows, length, causal, rows + length)
+            nbytes = 4.0 * (rows * length if lengths is None else int(jnp.sum(lengths)))
+            xla_ms = chain_ms(xla, x)
         except Exception as e:  # noqa: BLE001
             record(kind="topk" + tag, **params, unit="GBps", error=f"inputs/xla: {type(e).__name__}: {e}"[:300])
             continue
+        kern = functools.partial(topk, k=TOPK, lengths=lengths, **(tiling or {}))
         rec = dict(kind="topk" + tag, **params, tiling=tiling or "default", unit="GBps",
                    xla_ms=xla_ms, xla_GBps=nbytes / (xla_ms * 1e-3) / 1e9)
         try:
-            out = jax.block_until_ready(kern(*args))
-            rec["check_err"] = check_topk_sample(out, args[0], TOPK)
+            out = jax.block_until_ready(jax.jit(kern)(x))
+            rec["check_err"] = check_topk_sample(out, jnp.where(jnp.isnan(x), -jnp.inf, x), TOPK)
             del out
-            rec["kernel_ms"] = chain_ms(kern, *args)
+            rec["kernel_ms"] = chain_ms(kern, x)
             rec["kernel_GBps"] = nbytes / (rec["kernel_ms"] * 1e-3) / 1e9
             rec["speedup"] = xla_ms / rec["kernel_ms"]
-            rec["host_ms"] = median_ms(kern, *args)
+            rec["host_ms"] = median_ms(jax.jit(kern), x)
+            if nbytes not in copies:
+                copies[nbytes] = copy_gbps(int(nbytes))
+            rec["copy_GBps"], rec["copy_alone_GBps"] = copies[nbytes]
+            rec["copy_fraction"] = rec["kernel_GBps"] / rec["copy_GBps"]
+            try:
+                rec["kernels_us"] = {name: kernel_span_ms(jax.jit(kern), (x,), name) * 1e3 for name in TOPK_KERNELS}
+            except RuntimeError as e:  # no GPU kernels in the trace (e.g. no profiler on the machine)
+                rec["kernels_us"] = None
+                rec["trace_error"] = str(e)[:200]
         except Exception as e:  # noqa: BLE001
             rec["error"] = f"kernel: {type(e).__name__}: {str(e)[:300]}"
             rec["trace"] = traceback.format_exc()[-2000:]
         record(**rec)
-        del args
+        del x
 
 
 def sweep():
@@ -415,9 +436,10 @@ def sweep():
               dict(chunk=256)]:
         bench_decode(True, tiling=t, batches=[32], contexts=[32768], dtypes=(FP8,), tag="-sweep",
                      compare=False)
-    for t in [dict(num_warps=4), dict(num_warps=16), dict(block=512), dict(block=2048),
-              dict(block=256, num_warps=4), dict(num_stages=2)]:
-        bench_topk(True, tiling=t, shapes=[(1024, 32768, False), (128, 131072, False)], tag="-sweep")
+    for t in [dict(num_warps=4), dict(num_warps=8), dict(num_warps=16), dict(block=512, num_warps=2),
+              dict(block=2048), dict(slices=4)]:
+        bench_topk(True, tiling=t, shapes=[(1024, 32768, False), (128, 131072, False), (8192, 8192, True)],
+                   tag="-sweep")
 
 
 def print_table():
@@ -435,6 +457,8 @@ def print_table():
         note = r.get("error") or r.get("xla", "")
         if "copy_GBps" in r:
             note = f"copy {r['copy_GBps']:.0f} ({r['copy_fraction']:.0%}) host {r['host_ms']:.3f}ms " + note
+        if r.get("kernels_us"):
+            note = "/".join(f"{v:.1f}" for v in r["kernels_us"].values()) + "us " + note
         if isinstance(r.get("kernel_device_ms"), float):
             alone = (f" ({r['kernel_alone_fraction']:.0%} of copy alone {r['copy_alone_GBps']:.0f})"
                      if "kernel_alone_fraction" in r else "")
