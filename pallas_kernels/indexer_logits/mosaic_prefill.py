@@ -81,8 +81,9 @@ class PrefillTiling:
 def choose_prefill_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_rows=None, group=None,
                        stages=None, splits=None, compute_wgs=None) -> PrefillTiling:
     """Prefill (many rows per sequence): as many rows per CTA as the q budget holds (8 at the real
-    dims: fp8 keeps half the budget for a ring of 8 stages), one chunk. Decode (1-2 rows per sequence): tiles of those rows and the key axis
-    split over CTAs until about _TARGET_CTAS of them exist."""
+    dims: fp8 keeps half the budget for a ring of 8 stages), one chunk. Decode (1-2 rows per
+    sequence): tiles of those rows and the key axis split over CTAs until about _TARGET_CTAS of
+    them exist."""
     rows_per_seq = num_rows / max(1, min(num_seqs, num_rows))
     q_row_bytes = hi * d * jnp.dtype(dtype).itemsize
     compute_wgs = compute_wgs or _COMPUTE_WGS[jnp.dtype(dtype).itemsize]
