@@ -453,6 +453,11 @@ def test_choose_prefill_tiling():
         choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, stages=6)
     with pytest.raises(ValueError, match="compute_wgs=3 must be one of"):
         choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, compute_wgs=3)
+    with pytest.raises(ValueError, match="at most 128 with compute_wgs=4"):  # N = 256 would spill
+        choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, group=4)
+    assert choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, group=4, compute_wgs=2).group == 4
+    with pytest.raises(ValueError, match="multiple of group=3"):
+        choose_prefill_tiling(8192, 1, 128, jnp.bfloat16, 64, 128, group=3)
 
 
 def _lowers_to_mosaic_gpu(backend, args, page_size):

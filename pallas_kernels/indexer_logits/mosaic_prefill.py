@@ -94,14 +94,15 @@ def choose_prefill_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block
         # 1.02-1.04x over 16 rows and 4 stages at T = S = 8K / 32K (docs/design/indexer.md)
         q_bytes = _SMEM_Q_BYTES // 2 if compute_wgs == 4 else _SMEM_Q_BYTES
         block_rows = min(next_pow2(int(rows_per_seq + 0.5)), 16, max(1, q_bytes // q_row_bytes))
+    # wgmma's N = group * Hi: its f32 accumulator (N / 2 registers a thread) within the compute
+    # warpgroups' register budget: N <= 256 with 2 of them (232 registers), <= 128 with 4 (112;
+    # past it the kernel compiles but spills)
+    max_n = 256 if compute_wgs == 2 else 128
     if group is None:
-        # the accumulator (group * Hi / 4 registers a thread) within the compute warpgroups'
-        # register budget: N <= 256 with 2 of them (232 registers), <= 128 with 4 (112)
-        max_n = 256 if compute_wgs == 2 else 128
         group = max([g for g in range(1, block_rows + 1) if block_rows % g == 0 and g * hi <= max_n], default=1)
-    if block_rows % group or group * hi > 256:
-        raise ValueError(f"block_rows={block_rows} must be a multiple of group={group} and "
-                         f"group * heads={group * hi} <= 256 (wgmma N)")
+    if block_rows % group or group * hi > max_n:
+        raise ValueError(f"block_rows={block_rows} must be a multiple of group={group}, and group * heads = "
+                         f"{group * hi} (wgmma N) at most {max_n} with compute_wgs={compute_wgs}")
     stages = stages or (8 if compute_wgs == 4 else 4)
     if stages % compute_wgs:
         # Block i uses slot i % stages and compute warpgroup i % compute_wgs: a ring of a multiple
