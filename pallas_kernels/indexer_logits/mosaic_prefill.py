@@ -95,8 +95,8 @@ def choose_prefill_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block
         q_bytes = _SMEM_Q_BYTES // 2 if compute_wgs == 4 else _SMEM_Q_BYTES
         block_rows = min(next_pow2(int(rows_per_seq + 0.5)), 16, max(1, q_bytes // q_row_bytes))
     # wgmma's N = group * Hi: its f32 accumulator (N / 2 registers a thread) within the compute
-    # warpgroups' register budget: N <= 256 with 2 of them (232 registers), <= 128 with 4 (112;
-    # past it the kernel compiles but spills)
+    # warpgroups' register budget: N <= 256 with 2 of them (232 registers), <= 128 with 4 (112:
+    # N = 256 would need 128 for the accumulator alone)
     max_n = 256 if compute_wgs == 2 else 128
     if group is None:
         group = max([g for g in range(1, block_rows + 1) if block_rows % g == 0 and g * hi <= max_n], default=1)
