@@ -2,7 +2,8 @@
 # Creates (or reuses) .venv with a Python >= 3.12 found on this machine, installs the project
 # with its test and notebook extras (plus the cuda extra for test --gpu), then runs:
 #   demo [args]                   python -m jax_sparse_mla demo
-#   test [pytest args]            the suite on the CPU (Pallas kernels in interpret mode)
+#   test [pytest args]            the suite on the CPU (Pallas kernels in interpret mode), on two
+#                                 pytest-xdist workers where xdist is installed
 #   test --gpu [pytest args]      the cuda extra (CUDA_EXTRA=cuda13 or cuda12), then every test,
 #                                 `gpu`-marked ones included; fails if jax sees no GPU
 # --no-install (after the command) skips .venv and pip: the Python found runs as it is, for a
@@ -67,6 +68,8 @@ case "$cmd" in
         || { echo "test --gpu: jax sees no GPU (is the cuda extra's driver/toolkit usable here?)" >&2; exit 1; }
       exec "$py" -m pytest -q -m "gpu or not gpu" "${args[@]}"
     fi
-    exec "$py" -m pytest -q "${args[@]}" ;;
+    workers=()
+    "$py" -c 'import xdist' >/dev/null 2>&1 && workers=(-n 2)  # 2 cores: 15 minutes instead of 16-20
+    exec "$py" -m pytest -q "${workers[@]}" "${args[@]}" ;;
   *) echo "usage: scripts/dev.sh demo [--config tiny|deepseek_v32] [--force] | test [--gpu] [pytest args]   (--no-install: use the Python found as is)" >&2; exit 2 ;;
 esac
