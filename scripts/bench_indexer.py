@@ -113,21 +113,30 @@ def device_ms(fn, *args, reps=CHAIN_REPS):
     return median_ms(run, *run_args) / reps
 
 
-def kernel_span_ms(run, run_args, name):
-    """Median device duration in ms of the GPU kernels whose name contains `name` in one
-    execution of run(*run_args) traced by jax.profiler: the kernel alone, without the launch gaps
-    and the other kernels of a chain."""
+def kernel_spans_ms(run, run_args, names):
+    """{name: median device duration in ms of the GPU kernels whose name contains it} in one
+    execution of run(*run_args) traced by jax.profiler: each kernel alone, without the launch
+    gaps and the other kernels of a chain."""
     jax.block_until_ready(run(*run_args))
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         jax.block_until_ready(run(*run_args))
         jax.profiler.stop_trace()
         profile = jax.profiler.ProfileData.from_file(glob.glob(d + "/**/*.xplane.pb", recursive=True)[0])
-        durations = [e.duration_ns for plane in profile.planes if plane.name.startswith("/device:GPU")
-                     for line in plane.lines for e in line.events if name in e.name]
-    if not durations:
-        raise RuntimeError(f"no GPU kernel named *{name}* in the trace")
-    return statistics.median(durations) / 1e6
+        events = [e for plane in profile.planes if plane.name.startswith("/device:GPU")
+                  for line in plane.lines for e in line.events]
+    spans = {}
+    for name in names:
+        durations = [e.duration_ns for e in events if name in e.name]
+        if not durations:
+            raise RuntimeError(f"no GPU kernel named *{name}* in the trace")
+        spans[name] = statistics.median(durations) / 1e6
+    return spans
+
+
+def kernel_span_ms(run, run_args, name):
+    """`kernel_spans_ms` of one kernel name."""
+    return kernel_spans_ms(run, run_args, (name,))[name]
 
 
 def chain_ms(fn, x, reps=20):
@@ -385,7 +394,7 @@ def bench_topk(quick, tiling=None, shapes=None, tag=""):
     del quick
     shapes = shapes or ([(128, 32768, False), (512, 32768, False), (1024, 32768, False),
                          (4096, 32768, False), (8192, 8192, True), (128, 131072, False)])
-    xla = jax.jit(lambda x: jax.lax.top_k(jnp.where(jnp.isnan(x), -jnp.inf, x), TOPK)[1])
+    xla = jax.jit(lambda x: jax.lax.top_k(x, TOPK)[1])
     copies = {}
     for rows, length, causal in shapes:
         params = dict(rows=rows, L=length, k=TOPK, causal=causal)
@@ -395,27 +404,29 @@ def bench_topk(quick, tiling=None, shapes=None, tag=""):
         try:
             x, lengths = topk_inputs(rows, length, causal, rows + length)
             nbytes = 4.0 * (rows * length if lengths is None else int(jnp.sum(lengths)))
-            xla_ms = chain_ms(xla, x)
+            clean = jnp.where(jnp.isnan(x), -jnp.inf, x)  # lax.top_k's input: it ranks NaN highest
+            xla_ms = chain_ms(xla, clean)
         except Exception as e:  # noqa: BLE001
             record(kind="topk" + tag, **params, unit="GBps", error=f"inputs/xla: {type(e).__name__}: {e}"[:300])
             continue
         kern = functools.partial(topk, k=TOPK, lengths=lengths, **(tiling or {}))
+        jitted = jax.jit(kern)
         rec = dict(kind="topk" + tag, **params, tiling=tiling or "default", unit="GBps",
                    xla_ms=xla_ms, xla_GBps=nbytes / (xla_ms * 1e-3) / 1e9)
         try:
-            out = jax.block_until_ready(jax.jit(kern)(x))
-            rec["check_err"] = check_topk_sample(out, jnp.where(jnp.isnan(x), -jnp.inf, x), TOPK)
+            out = jax.block_until_ready(jitted(x))
+            rec["check_err"] = check_topk_sample(out, clean, TOPK)
             del out
             rec["kernel_ms"] = chain_ms(kern, x)
             rec["kernel_GBps"] = nbytes / (rec["kernel_ms"] * 1e-3) / 1e9
             rec["speedup"] = xla_ms / rec["kernel_ms"]
-            rec["host_ms"] = median_ms(jax.jit(kern), x)
+            rec["host_ms"] = median_ms(jitted, x)
             if nbytes not in copies:
                 copies[nbytes] = copy_gbps(int(nbytes))
             rec["copy_GBps"], rec["copy_alone_GBps"] = copies[nbytes]
             rec["copy_fraction"] = rec["kernel_GBps"] / rec["copy_GBps"]
             try:
-                rec["kernels_us"] = {name: kernel_span_ms(jax.jit(kern), (x,), name) * 1e3 for name in TOPK_KERNELS}
+                rec["kernels_us"] = {name: ms * 1e3 for name, ms in kernel_spans_ms(jitted, (x,), TOPK_KERNELS).items()}
             except RuntimeError as e:  # no GPU kernels in the trace (e.g. no profiler on the machine)
                 rec["kernels_us"] = None
                 rec["trace_error"] = str(e)[:200]
@@ -423,7 +434,7 @@ def bench_topk(quick, tiling=None, shapes=None, tag=""):
             rec["error"] = f"kernel: {type(e).__name__}: {str(e)[:300]}"
             rec["trace"] = traceback.format_exc()[-2000:]
         record(**rec)
-        del x
+        del x, clean
 
 
 def sweep():

@@ -69,7 +69,7 @@ case "$cmd" in
       exec "$py" -m pytest -q -m "gpu or not gpu" "${args[@]}"
     fi
     workers=()
-    "$py" -c 'import xdist' >/dev/null 2>&1 && workers=(-n 2)  # 2 cores: 15 minutes instead of 16-20
+    "$py" -c 'import xdist' >/dev/null 2>&1 && workers=(-n 2)  # the CI machine has 2 cores (README)
     exec "$py" -m pytest -q "${workers[@]}" "${args[@]}" ;;
   *) echo "usage: scripts/dev.sh demo [--config tiny|deepseek_v32] [--force] | test [--gpu] [pytest args]   (--no-install: use the Python found as is)" >&2; exit 2 ;;
 esac

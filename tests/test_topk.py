@@ -430,7 +430,6 @@ def test_topk_gpu_long_rows():
     check_topk(out, x, 2048)
 
 
-
 @pytest.mark.parametrize("rows,num_keys,k", [
     (4096, 1024, 64),  # interpreted on CPU: the many-row plan at a small k
     pytest.param(1024, 8192, 2048, marks=pytest.mark.gpu),
@@ -438,15 +437,14 @@ def test_topk_gpu_long_rows():
 ])
 def test_topk_many_rows(rows, num_keys, k):
     """The many-row plan (>= 1024 rows: one program a row, no slices) on a causal prefill's
-    rows: row r reads its first (r + 1) * L // rows keys (lengths), NaN past them; the last
-    rows are adversarial and whole."""
+    rows: row r reads its first (r + 1) * L // rows keys (lengths), garbage that would win past
+    them; the last rows are adversarial and whole."""
     rng = np.random.default_rng(rows + num_keys)
     lengths = (np.arange(rows) + 1) * num_keys // rows
     x = rng.standard_normal((rows, num_keys)).astype(np.float32)
     bad = adversarial_rows(rng, num_keys, k)
     x[-len(bad):] = bad
     lengths[-len(bad):] = num_keys
-    own = np.arange(num_keys)[None, :] < lengths[:, None]
-    out = jax.jit(functools.partial(ops.topk, "triton", k=k))(jnp.asarray(np.where(own, x, np.nan)),
+    out = jax.jit(functools.partial(ops.topk, "triton", k=k))(jnp.asarray(_with_garbage_past(x, lengths, rng)),
                                                               lengths=jnp.asarray(lengths, jnp.int32))
-    check_topk(out, np.where(own, nan_free(x), -np.inf), k)
+    check_topk(out, _masked(nan_free(x), lengths), k)
