@@ -48,7 +48,8 @@ def topk(logits, k: int, *, lengths=None, backend="triton", interpret=False, blo
     >= 1024 rows, singly (it cost more than it saved).
     Latency-bound at few rows (three launches and ~3.5 dependent passes); docs/design/topk.md.
     backend: "triton", the one backend (a keyword for symmetry with the other ops' apis).
-    block, num_warps, num_stages, sample, capacity, slices: the kernels' tuning (see `topk_stages`).
+    block, num_warps, num_stages, sample, capacity, slices: the kernels' tuning (see `topk_stages`;
+      without num_warps each kernel takes its own count for the row count, `triton._kernel_plan`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

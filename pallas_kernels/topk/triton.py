@@ -432,6 +432,18 @@ def _sample_plan(num_keys, k, sample, capacity):
     return sample, r_lo, r_hi, tol, capacity or default_cap
 
 
+def _kernel_plan(n, sample):
+    """Warps of each kernel and the select kernel's chunk for n rows and a threshold sample of
+    `sample` keys (H200, each kernel's GPU time; docs/design/topk.md, "warps a kernel"):
+    thresholds 16 for a sample of 4 chunks (rows of 128K: 20.7 vs 30.8 us at 8), 4 with
+    thousands of rows (causal 8K: 91 vs 99), else 8; the write sweep 4 (1.04-1.30x over 8);
+    select 8 below 1024 rows, 4 from there, 2 over 512-key chunks from 4096 rows (more rows in
+    flight; causal 8K: 139 vs 184 at 4 warps). -> (warps by kernel, select chunk or None)."""
+    thresholds = 16 if sample >= 4096 else 4 if n >= 4096 else 8
+    select = 8 if n < 1024 else 4 if n < 4096 else 2
+    return dict(thresholds=thresholds, write=4, select=select), (512 if n >= 4096 else None)
+
+
 def topk_stages(logits, k, *, lengths, interpret, block, num_warps, num_stages, sample, capacity, slices,
                 group=None):
     """`api.topk`'s kernels for N, L, k >= 1 and lengths [N] int or None (row n's keys: its first
@@ -439,8 +451,11 @@ def topk_stages(logits, k, *, lengths, interpret, block, num_warps, num_stages, 
     -> {"out": [N, k], "thresholds": [N, 2] (t_lo, t_hi),
     "counts": [N, S, 4] (definite, band, valid, 0 per slice), "band_keys": [N, cap (+block)],
     "capacity": cap}; the intermediates let tests see which path each row took. group: chunks
-    whose loads are issued together (default: 4 with several slices a row, else 1)."""
+    whose loads are issued together (default: 4 with several slices a row, else 1). num_warps:
+    one count for the three kernels; None: each its own (`_kernel_plan`, which with block None
+    also picks the select kernel's chunk)."""
     n, num_keys = logits.shape
+    chosen_block = block is None
     block = max(16, min(next_pow2(block or 1024), next_pow2(num_keys)))
     if slices is None:  # one slice (a single sweep) once rows alone fill the GPU
         slices = 1 if n >= 1024 else min(pl.cdiv(4096, n), pl.cdiv(num_keys, _MIN_SLICE))
@@ -452,13 +467,18 @@ def topk_stages(logits, k, *, lengths, interpret, block, num_warps, num_stages, 
     # Interpret mode carries out a masked-out scatter lane as a write of the old value: give
     # those lanes `block` spare columns of their own. On the GPU masked lanes store nothing.
     spare = block if interpret else 0
-    num_warps = num_warps or 8
+    warps, select_chunk = _kernel_plan(n, sample)
+    if num_warps is not None:  # an explicit count applies to all three kernels
+        warps, select_chunk = dict.fromkeys(warps, num_warps), None
+    select_block = min(block, select_chunk) if select_chunk and chosen_block else block
     x = logits.astype(jnp.float32)
     lengths = (jnp.full((n,), num_keys, jnp.int32) if lengths is None
                else jnp.clip(lengths, 0, num_keys).astype(jnp.int32))
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages or 3)
-    call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
+
+    def call(kernel, name, **kw):
+        params = pltriton.CompilerParams(num_warps=warps[name], num_stages=num_stages or 3)
+        return pl.pallas_call(kernel, compiler_params=params, interpret=interpret, name=f"topk_{name}", **kw)
 
     thr_kernel = functools.partial(_threshold_kernel, num_keys=num_keys, sample=sample,
                                    chunk=min(sample, 1024), group=group, r_lo=r_lo, r_hi=r_hi,
@@ -467,16 +487,14 @@ def topk_stages(logits, k, *, lengths, interpret, block, num_warps, num_stages, 
     written = (i32((n, k + spare)), i32((n, cap + spare)), i32((n, cap + spare)),
                i32((n, n_slices, 4)))
     if sliced:  # published slice counts: >= one f32 per thread of the write kernel
-        pub = jax.ShapeDtypeStruct((n, next_pow2(max(2 * n_slices, 32 * num_warps))), jnp.float32)
-        thr, pub = call(thr_kernel, out_shape=(i32((n, 2)), pub), grid=(n,),
-                        name="topk_thresholds")(x, lengths)
-        out, bkey, bcol, cnt, _ = call(write, out_shape=written + (pub,), grid=(n, n_slices),
-                                       input_output_aliases={3: 4}, name="topk_write")(x, lengths, thr, pub)
+        pub = jax.ShapeDtypeStruct((n, next_pow2(max(2 * n_slices, 32 * warps["write"]))), jnp.float32)
+        thr, pub = call(thr_kernel, "thresholds", out_shape=(i32((n, 2)), pub), grid=(n,))(x, lengths)
+        out, bkey, bcol, cnt, _ = call(write, "write", out_shape=written + (pub,), grid=(n, n_slices),
+                                       input_output_aliases={3: 4})(x, lengths, thr, pub)
     else:
-        thr = call(thr_kernel, out_shape=i32((n, 2)), grid=(n,), name="topk_thresholds")(x, lengths)
-        out, bkey, bcol, cnt = call(write, out_shape=written, grid=(n, 1),
-                                    name="topk_write")(x, lengths, thr)
-    out = call(functools.partial(_select_kernel, k=k, cap=cap, block=block, group=group),
-               out_shape=i32((n, k + spare)), grid=(n,), input_output_aliases={6: 0},
-               name="topk_select")(x, lengths, thr, cnt, bkey, bcol, out)
+        thr = call(thr_kernel, "thresholds", out_shape=i32((n, 2)), grid=(n,))(x, lengths)
+        out, bkey, bcol, cnt = call(write, "write", out_shape=written, grid=(n, 1))(x, lengths, thr)
+    out = call(functools.partial(_select_kernel, k=k, cap=cap, block=select_block, group=group), "select",
+               out_shape=i32((n, k + spare)), grid=(n,), input_output_aliases={6: 0})(
+                   x, lengths, thr, cnt, bkey, bcol, out)
     return dict(out=out[:, :k], thresholds=thr, counts=cnt, band_keys=bkey, capacity=cap)
