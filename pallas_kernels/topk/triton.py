@@ -434,11 +434,11 @@ def _sample_plan(num_keys, k, sample, capacity):
 
 def _kernel_plan(n, sample):
     """Warps of each kernel and the select kernel's chunk for n rows and a threshold sample of
-    `sample` keys (H200, each kernel's GPU time; docs/design/topk.md, "warps a kernel"):
-    thresholds 16 for a sample of 4 chunks (rows of 128K: 20.7 vs 30.8 us at 8), 4 with
-    thousands of rows (causal 8K: 91 vs 99), else 8; the write sweep 4 (1.04-1.30x over 8);
-    select 8 below 1024 rows, 4 from there, 2 over 512-key chunks from 4096 rows (more rows in
-    flight; causal 8K: 139 vs 184 at 4 warps). -> (warps by kernel, select chunk or None)."""
+    `sample` keys -> ({"thresholds", "write", "select": warps}, select chunk or None).
+    thresholds 16 for a sample of 4 chunks, 4 with thousands of rows, else 8; the write sweep 4;
+    select 8 below 1024 rows, 4 from there, 2 over 512-key chunks from 4096 rows (smaller
+    programs keep more rows in flight). Chosen by each kernel's GPU time on an H200
+    (docs/design/topk.md, "warps a kernel")."""
     thresholds = 16 if sample >= 4096 else 4 if n >= 4096 else 8
     select = 8 if n < 1024 else 4 if n < 4096 else 2
     return dict(thresholds=thresholds, write=4, select=select), (512 if n >= 4096 else None)
