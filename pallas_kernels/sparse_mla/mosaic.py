@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
@@ -292,6 +293,23 @@ def _finite_or_zero(x):
     return jnp.where(x == -jnp.inf, 0.0, x)
 
 
+def _opaque_zero():
+    """An int32 0 the compiler cannot see through (inline PTX with side effects), made anew at each
+    call. Indexing q's tile with it inside the block loop keeps the Q.K^T chain's 36 shared-memory
+    descriptors of q there: loop-invariant, LLVM hoists them out of the loop, and 36 live 64-bit
+    values next to the scorer's accumulator and S spill (208 bytes, reloaded every block); made in
+    the loop they cost one 64-bit add each and nothing spills (docs/design/sparse_mla.md)."""
+
+    @plgpu.inline_mgpu(return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=plgpu.Layout.WG_SPLAT(())))
+    def zero(ctx):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        value = mgpu_utils.inline_ptx("mov.u32 $0, 0;", result_types=i32, has_side_effects=True)
+        return mgpu.FragmentedArray.splat(value, (), layout=mgpu.WGSplatFragLayout(()), is_signed=True)
+
+    return zero()
+
+
 def _sync_consumers():
     """`bar.sync` on named barrier _END over the two consumer warpgroups (256 threads): waits for
     both and orders this thread's earlier shared-memory accesses."""
@@ -389,7 +407,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, blocks_per_split, num_stages
 
         @pl.when(count > 0)
         def _():
-            plgpu.copy_gmem_to_smem(q_gmem.at[row, pl.ds(h0, block_heads)], q_smem.at[heads], q_bar)
+            plgpu.copy_gmem_to_smem(q_gmem.at[row, pl.ds(h0, block_heads)], q_smem.at[0, heads], q_bar)
             plgpu.barrier_wait(q_bar)
 
         def step(i, carry):
@@ -401,7 +419,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, blocks_per_split, num_stages
             wait_landed(landed, stage, lax.rem(lax.div(i, num_stages), 2))
 
             def qk(s_ref):  # S = Q . K^T, [64, 64]
-                plgpu.wgmma(s_ref, q_smem, kv_smem.at[stage].T)
+                plgpu.wgmma(s_ref, q_smem.at[_opaque_zero()], kv_smem.at[stage].T)
                 return s_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, BLOCK_K), jnp.float32))
@@ -576,7 +594,7 @@ def sparse_mla_mosaic(q, latent, latent_scale, k_pe, slots, *, scale, num_splits
     def entry(*refs):
         pl.run_scoped(
             lambda *scoped: kernel(*refs, scoped=(scoped[:5], scoped[5:])),
-            plgpu.SMEM((HEADS_PER_CTA, width), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),
+            plgpu.SMEM((1, HEADS_PER_CTA, width), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),
             plgpu.RefUnion(
                 plgpu.SMEM((num_stages, BLOCK_K, width), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),
                 (plgpu.SMEM((2, HEADS_PER_CTA, rank // 2), jnp.float32, transforms=_swizzled(jnp.float32, MAX_SWIZZLE)),
