@@ -164,6 +164,8 @@ _MGPU_PREFILL_CASES = [
     (FP8, True, 64, [400, 130, 1], [1, 2, 1], dict()),
     # causal prefill of 150 rows (not a multiple of any block), no k_scale, 3 key chunks a tile
     (FP8, False, 64, [150], [150], dict(block_rows=16, splits=3, stages=4)),
+    # the fp8 default of 8 rows a tile: each of the 4 compute warpgroups owns 2 rows of every block
+    (FP8, True, 64, [130, 20], [70, 20], dict(block_rows=8, stages=4)),
 ]
 
 # Decode rings deep enough that no slot is refilled: the Mosaic GPU interpreter (jax 0.11.2, this
@@ -443,14 +445,18 @@ def test_choose_decode_tiling(num_rows, num_seqs, key_blocks, want):
 
 def test_choose_prefill_tiling():
     """fp8 runs four compute warpgroups of N <= 128 (2 rows of 64 heads a wgmma), bf16 two of
-    N <= 256 (4 rows); the ring must be a multiple of the warpgroups, which are 2 or 4."""
+    N <= 256 (4 rows), which are 2 or 4; a warpgroup per row group computes each key block (4 of
+    them at 8 fp8 rows, 2 at 8 bf16 rows, 1 at 2 rows), and the ring must be a multiple of the
+    key blocks' phases (compute_wgs // owners)."""
     t = choose_prefill_tiling(8192, 1, 128, FP8, 64, 128)
-    assert (t.block_rows, t.group, t.stages, t.splits, t.compute_wgs) == (8, 2, 8, 1, 4)
+    assert (t.block_rows, t.group, t.stages, t.splits, t.compute_wgs, t.owners) == (8, 2, 8, 1, 4, 4)
     t = choose_prefill_tiling(8192, 1, 128, jnp.bfloat16, 64, 128)
-    assert (t.block_rows, t.group, t.compute_wgs) == (8, 4, 2)  # 8 rows of bf16 q fill 128 KiB
+    assert (t.block_rows, t.group, t.compute_wgs, t.owners) == (8, 4, 2, 2)  # 8 rows of bf16 q fill 128 KiB
     assert choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, compute_wgs=2).group == 4
-    with pytest.raises(ValueError, match="multiple of compute_wgs=4"):
-        choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, stages=6)
+    assert choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, stages=6).owners == 4  # one key phase
+    assert choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, block_rows=12, stages=6).owners == 2
+    with pytest.raises(ValueError, match="multiple of compute_wgs=4 // gcd.* = 4"):
+        choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, block_rows=2, stages=6)
     with pytest.raises(ValueError, match="compute_wgs=3 must be one of"):
         choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, compute_wgs=3)
     with pytest.raises(ValueError, match="at most 128 with compute_wgs=4"):  # N = 256 would spill

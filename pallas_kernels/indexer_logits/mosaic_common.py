@@ -2,8 +2,9 @@
 
 One CTA per (row tile, key chunk): a memory warpgroup streams key blocks of BLOCK_KEYS keys
 from the paged cache into a ring of SMEM slots by TMA, and compute_wgs compute warpgroups (2 or
-4; COMPUTE_WGS unless the kernel says otherwise) take every compute_wgs-th slot, each turning a
-slot's keys into BLOCK_KEYS logits per row that leave by TMA. Shared here: the inputs padded
+4; COMPUTE_WGS unless the kernel says otherwise) turn each slot's keys into BLOCK_KEYS logits
+per row: one warpgroup a slot that a TMA stores from SMEM (decode), or several, each on its own
+rows, storing from registers (prefill). Shared here: the inputs padded
 for wgmma, the register split, the ring's load and compute loops, the -inf tail and the final
 drain, one row's logits epilogue and the kernel call.
 The two kernels differ in where page ids come from and in the work per ring slot.
@@ -128,13 +129,16 @@ def fill_tail_and_drain(rows, fill_smem, stop, first, chunk, out_blocks, out_blo
 
 
 def consume_ring(wg, n_steps, stages, q_bar, k_bar, consumed_bar, o_smem, compute, store, prologue=lambda: None,
-                 compute_wgs=COMPUTE_WGS):
-    """Compute warpgroup wg's pipeline steps wg, wg + compute_wgs, ...: once q (q_bar) has landed
-    and state = prologue(), per step waits for its ring slot's keys and until the stores of its
-    SMEM output tile (o_smem[wg, i % 2]) two steps back have read it, then
-    compute(step, slot, out_tile, lane, state, release) fills out_tile (lane: [64] key offsets in
-    the WGMMA row layout; release(): hands the slot back to the memory warpgroup once its keys
-    are read) and store(step, out_tile) issues out_tile's TMA stores (one commit group)."""
+                 compute_wgs=COMPUTE_WGS, owners=1):
+    """Compute warpgroup wg's pipeline steps p, p + stride, ... (stride = compute_wgs // owners,
+    p = wg // owners: `owners` warpgroups take each step, on different rows; consumed_bar counts
+    `owners` arrivals): once q (q_bar) has landed and state = prologue(), per step waits for its
+    ring slot's keys and until the stores of its SMEM output tile (o_smem[wg, i % 2]) two steps
+    back have read it, then compute(step, slot, out_tile, lane, state, release) fills out_tile
+    (lane: [64] key offsets in the WGMMA row layout; release(): hands the slot back to the
+    memory warpgroup once its keys are read) and store(step, out_tile) issues out_tile's TMA
+    stores (one commit group). With o_smem None, compute stores its logits itself (out_tile and
+    store are None)."""
     lane = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KEYS,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
 
     @pl.when(n_steps > 0)
@@ -142,13 +146,16 @@ def consume_ring(wg, n_steps, stages, q_bar, k_bar, consumed_bar, o_smem, comput
         plgpu.barrier_wait(q_bar)
         state = prologue()
 
-        @pl.loop(0, (n_steps - wg + compute_wgs - 1) // compute_wgs)
+        phase, stride = wg // owners, compute_wgs // owners
+
+        @pl.loop(0, (n_steps - phase + stride - 1) // stride)
         def _step(i):
-            step = wg + compute_wgs * i
+            step = phase + stride * i
             slot = lax.rem(step, stages)
-            out_tile = o_smem.at[wg, lax.rem(i, 2)]
+            out_tile = None if o_smem is None else o_smem.at[wg, lax.rem(i, 2)]
             plgpu.barrier_wait(k_bar.at[slot])
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # out_tile's stores of step i - 2
+            if o_smem is not None:
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # out_tile's stores of step i - 2
 
             def release():
                 @pl.when(step + stages < n_steps)  # else no refill follows
@@ -156,11 +163,13 @@ def consume_ring(wg, n_steps, stages, q_bar, k_bar, consumed_bar, o_smem, comput
                     plgpu.barrier_arrive(consumed_bar.at[slot])
 
             compute(step, slot, out_tile, lane, state, release)
-            plgpu.commit_smem()
-            store(step, out_tile)
-            plgpu.commit_smem_to_gmem_group()
+            if o_smem is not None:
+                plgpu.commit_smem()
+                store(step, out_tile)
+                plgpu.commit_smem_to_gmem_group()
 
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if o_smem is not None:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def row_logits(scores, w, k_scale, pos, row_end):
