@@ -158,8 +158,9 @@ _RAGGED_CASES = [
 _MGPU_PREFILL_CASES = [
     # ragged batch with a 1-key sequence; page 4: keys gathered first; 5 key blocks, 4-slot ring
     (FP8, True, 4, [37, 1, 300, 12], [5, 1, 9, 3], dict(block_rows=4, group=2, stages=4)),
-    # the same batch read straight from 64-token pages, bf16
-    (jnp.bfloat16, False, 64, [37, 1, 300, 12], [5, 1, 9, 3], dict(block_rows=4, group=4)),
+    # a like batch read straight from 64-token pages, bf16; 7 key blocks: the short sequences'
+    # -inf tails of 6 blocks take one 4-block store and two 1-block ones
+    (jnp.bfloat16, False, 64, [37, 1, 400, 12], [5, 1, 9, 3], dict(block_rows=4, group=4)),
     # decode-like: 1-2 rows per sequence, the key axis split over CTAs (default tiling)
     (FP8, True, 64, [400, 130, 1], [1, 2, 1], dict()),
     # causal prefill of 150 rows (not a multiple of any block), no k_scale, 3 key chunks a tile

@@ -111,20 +111,30 @@ def load_ring(n_steps, stages, consumed_bar, load, init_carry=None):
     pl.loop(0, n_steps, init_carry=init_carry)(body)
 
 
-def fill_tail_and_drain(rows, fill_smem, stop, first, chunk, out_blocks, out_block, *, clean):
-    """The memory warpgroup's end: with `clean`, -inf (fill_smem, 2 key blocks of SMEM) stored to
-    out_block(row, b) for each of the tile's rows (row ids, -1 = none) and the chunk's key blocks
-    b at or past `stop` (the tile's end) and before out_blocks (without, those blocks stay
-    unwritten); then waits until the stores have read SMEM (the writes land by kernel end)."""
+FILL_BLOCKS = 4  # key blocks of -inf a TMA store of the tail writes (a box of 256 f32, TMA's most)
+
+
+def fill_tail_and_drain(rows, fill_smem, stop, first, chunk, out_blocks, store_fill, *, clean):
+    """The memory warpgroup's end: with `clean`, -inf (fill_smem, FILL_BLOCKS key blocks of SMEM)
+    stored by store_fill(row, b, n) (n key blocks from b: FILL_BLOCKS, then single blocks for the
+    rest) for each of the tile's rows (row ids, -1 = none) over the chunk's key blocks at or past
+    `stop` (the tile's end) and before out_blocks (without, those blocks stay unwritten); then
+    waits until the stores have read SMEM (the writes land by kernel end)."""
     if clean:
         fill_smem[...] = jnp.full(fill_smem.shape, -jnp.inf, jnp.float32)
         plgpu.commit_smem()
+        start, end = jnp.maximum(stop, first), jnp.minimum(first + chunk, out_blocks)
+        wide = jnp.maximum(end - start, 0) // FILL_BLOCKS
         for row in rows:
             @pl.when(row >= 0)
             def _fill_row():
-                @pl.loop(jnp.maximum(stop, first), jnp.minimum(first + chunk, out_blocks))
+                @pl.loop(0, wide)
+                def _fill_wide(i):
+                    store_fill(row, start + i * FILL_BLOCKS, FILL_BLOCKS)
+
+                @pl.loop(start + wide * FILL_BLOCKS, end)
                 def _fill(b):
-                    plgpu.copy_smem_to_gmem(fill_smem.at[:BLOCK_KEYS], out_block(row, b))
+                    store_fill(row, b, 1)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 

@@ -47,6 +47,7 @@ from .layout import gather_paged_rows, tile_schedule
 from .mosaic_common import (
     BLOCK_KEYS,
     COMPUTE_WGS,
+    FILL_BLOCKS,
     chunk_blocks,
     chunk_header,
     consume_ring,
@@ -208,7 +209,8 @@ def _kernel(*refs, tiling: DecodeTiling, swizzle, num_keys, scaled, clean):
                         plgpu.copy_gmem_to_smem(ks_ref.at[keys], ks_smem.at[slot, b], k_bar.at[slot])
 
             load_ring(n_steps, stages, consumed_bar, load_keys)
-            fill_tail_and_drain(rows, fill_smem, stop, first, chunk, out_blocks, lambda row, b: out_ref.at[row, b],
+            fill_tail_and_drain(rows, fill_smem, stop, first, chunk, out_blocks,
+                                lambda row, b, n: plgpu.copy_smem_to_gmem(fill_smem.at[:n], out_ref.at[row, pl.ds(b, n)]),
                                 clean=clean)
 
         def compute(wg):
@@ -257,7 +259,7 @@ def _kernel(*refs, tiling: DecodeTiling, swizzle, num_keys, scaled, clean):
         plgpu.SMEM((stages, sb, bk, d), q_ref.dtype, transforms=transforms),
         plgpu.SMEM((stages, sb, bk), jnp.float32),
         plgpu.SMEM((COMPUTE_WGS, 2, sb, br, bk), jnp.float32),
-        plgpu.SMEM((2 * bk,), jnp.float32),  # -inf; splat stores need a multiple of 128 elements
+        plgpu.SMEM((FILL_BLOCKS, bk), jnp.float32),  # -inf
         plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=br + 1),
         plgpu.Barrier(num_arrivals=sb * (2 if scaled else 1), num_barriers=stages),

@@ -50,6 +50,7 @@ from ..device import HOPPER_SMS, next_pow2
 from .layout import gather_paged_rows, max_tiles, tile_schedule
 from .mosaic_common import (
     BLOCK_KEYS,
+    FILL_BLOCKS,
     REGISTERS,
     chunk_header,
     consume_ring,
@@ -171,7 +172,9 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: PrefillTiling,
 
             load_ring(n_steps, stages, consumed_bar, load_keys, init_carry=block_slot(0))
             fill_tail_and_drain([meta_smem[2 + j] for j in range(br)], fill_smem, stop, first, chunk, out_blocks,
-                                 lambda row, b: out_ref.at[row, pl.ds(b * bk, bk)], clean=clean)
+                                lambda row, b, n: plgpu.copy_smem_to_gmem(
+                                    fill_smem.at[:n * bk], out_ref.at[row, pl.ds(b * bk, n * bk)]),
+                                clean=clean)
 
         def compute(wg):
             _, _, n_steps = chunk_header(meta_smem, meta_bar, first, chunk)
@@ -224,7 +227,7 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: PrefillTiling,
         plgpu.SMEM((br, hi), jnp.float32),
         plgpu.SMEM((stages, bk, d), q_ref.dtype, transforms=transforms),
         plgpu.SMEM((stages, bk), jnp.float32),
-        plgpu.SMEM((2 * bk,), jnp.float32),  # -inf; splat stores need a multiple of 128 elements
+        plgpu.SMEM((FILL_BLOCKS * bk,), jnp.float32),  # -inf
         plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=br + 1),
         plgpu.Barrier(num_arrivals=1 if ks_ref is None else 2, num_barriers=stages),
