@@ -439,7 +439,7 @@ def bench_topk(quick, tiling=None, shapes=None, tag=""):
 
 def sweep():
     # compute_wgs: fp8 takes 4 and bf16 2 by default (mosaic_prefill._COMPUTE_WGS); stages must be a
-    # multiple of it, and 16 fp8 rows with 8 stages do not fit SMEM
+    # multiple of compute_wgs // PrefillTiling.owners
     for t in [dict(block_rows=8), dict(block_rows=8, stages=8), dict(group=1), dict(compute_wgs=2),
               dict(compute_wgs=4)]:
         bench_prefill(True, tiling=t, sizes=[8192], dtypes=(FP8, jnp.bfloat16), tag="-sweep", compare=False)

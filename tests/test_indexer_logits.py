@@ -156,17 +156,24 @@ _RAGGED_CASES = [
 ]
 
 _MGPU_PREFILL_CASES = [
-    # ragged batch with a 1-key sequence; page 4: keys gathered first; 5 key blocks, 4-slot ring
-    (FP8, True, 4, [37, 1, 300, 12], [5, 1, 9, 3], dict(block_rows=4, group=2, stages=4)),
-    # a like batch read straight from 64-token pages, bf16; 7 key blocks: the short sequences'
-    # -inf tails of 6 blocks take one 4-block store and two 1-block ones
-    (jnp.bfloat16, False, 64, [37, 1, 400, 12], [5, 1, 9, 3], dict(block_rows=4, group=4)),
+    # ragged batch with a 1-key sequence; page 4: keys gathered first; 2 row groups a tile, so 2
+    # compute warpgroups a key block (owners) and the other 2 on the next block; one key chunk:
+    # 5 key blocks through a 4-slot ring
+    (FP8, True, 4, [37, 1, 300, 12], [5, 1, 9, 3], dict(block_rows=4, group=2, stages=4, splits=1)),
+    # a like batch read straight from 64-token pages, bf16, one row group a tile (1 owner, the 2
+    # warpgroups on alternate blocks); 11 key blocks a row: the short sequences' -inf tails of 10
+    # blocks take two 4-block stores and two 1-block ones
+    (jnp.bfloat16, False, 64, [37, 1, 600, 12], [5, 1, 9, 3], dict(block_rows=4, group=4, splits=1)),
     # decode-like: 1-2 rows per sequence, the key axis split over CTAs (default tiling)
     (FP8, True, 64, [400, 130, 1], [1, 2, 1], dict()),
-    # causal prefill of 150 rows (not a multiple of any block), no k_scale, 3 key chunks a tile
-    (FP8, False, 64, [150], [150], dict(block_rows=16, splits=3, stages=4)),
-    # the fp8 default of 8 rows a tile: each of the 4 compute warpgroups owns 2 rows of every block
-    (FP8, True, 64, [130, 20], [70, 20], dict(block_rows=8, stages=4)),
+    # causal prefill of 150 rows (not a multiple of any block), no k_scale, 3 key chunks a tile;
+    # 8 row groups: each of the 4 warpgroups owns 2 of every block (weights re-read from SMEM)
+    (FP8, False, 64, [150], [150], dict(block_rows=16, group=2, splits=3, stages=4)),
+    # the fp8 default's shape of work: 8 rows, 4 row groups, each warpgroup owning one (its
+    # weights in registers); one chunk of 6 key blocks through a 2-slot ring
+    (FP8, True, 64, [330, 20], [70, 20], dict(block_rows=8, group=2, stages=2, splits=1)),
+    # 2 key chunks of 6 blocks a tile: the -inf tails of the short rows cross the chunk boundary
+    (FP8, True, 64, [700, 3], [4, 3], dict(block_rows=4, group=2, stages=4, splits=2)),
 ]
 
 # Decode rings deep enough that no slot is refilled: the Mosaic GPU interpreter (jax 0.11.2, this
@@ -458,6 +465,8 @@ def test_choose_prefill_tiling():
     assert choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, block_rows=12, stages=6).owners == 2
     with pytest.raises(ValueError, match="multiple of compute_wgs=4 // gcd.* = 4"):
         choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, block_rows=2, stages=6)
+    with pytest.raises(ValueError, match="at most 32"):  # Mosaic's mbarriers a group
+        choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, stages=36)
     with pytest.raises(ValueError, match="compute_wgs=3 must be one of"):
         choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, compute_wgs=3)
     with pytest.raises(ValueError, match="at most 128 with compute_wgs=4"):  # N = 256 would spill

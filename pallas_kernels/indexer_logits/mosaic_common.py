@@ -3,8 +3,8 @@
 One CTA per (row tile, key chunk): a memory warpgroup streams key blocks of BLOCK_KEYS keys
 from the paged cache into a ring of SMEM slots by TMA, and compute_wgs compute warpgroups (2 or
 4; COMPUTE_WGS unless the kernel says otherwise) turn each slot's keys into BLOCK_KEYS logits
-per row: one warpgroup a slot that a TMA stores from SMEM (decode), or several, each on its own
-rows, storing from registers (prefill). Shared here: the inputs padded
+per row: one warpgroup a slot, whose logits a TMA stores from SMEM (decode), or one or more, each
+on its own rows and storing from registers (prefill). Shared here: the inputs padded
 for wgmma, the register split, the ring's load and compute loops, the -inf tail and the final
 drain, one row's logits epilogue and the kernel call.
 The two kernels differ in where page ids come from and in the work per ring slot.
@@ -21,6 +21,7 @@ from ..device import MAX_SWIZZLE, next_pow2
 from .layout import FP8_E4M3
 
 BLOCK_KEYS = 64  # wgmma M: one warpgroup's accumulator rows
+MAX_STAGES = 32  # Mosaic GPU initialises at most 32 mbarriers per group (the ring's two groups)
 COMPUTE_WGS = 2
 
 
@@ -96,7 +97,7 @@ def load_tile_rows(meta_smem, q_ref, w_ref, q_smem, w_smem, q_bar, tile):
 
 def load_ring(n_steps, stages, consumed_bar, load, init_carry=None):
     """The memory warpgroup's loop: pipeline step s fills ring slot s % stages, from the second lap
-    on once its compute warpgroup released it. load(step, slot[, carry]) issues the step's TMAs
+    on once its compute warpgroups released it (consumed_bar). load(step, slot[, carry]) issues the step's TMAs
     (arriving on the slot's barrier) [and returns the next carry]."""
     def body(step, *carry):
         slot = lax.rem(step, stages)
@@ -111,7 +112,10 @@ def load_ring(n_steps, stages, consumed_bar, load, init_carry=None):
     pl.loop(0, n_steps, init_carry=init_carry)(body)
 
 
-FILL_BLOCKS = 4  # key blocks of -inf a TMA store of the tail writes (a box of 256 f32, TMA's most)
+# Key blocks of -inf a TMA store of the tail writes: the prefill's 1D box of 256 f32 is TMA's
+# largest box dimension (decode's box is [4, 64]); the SMEM splat of -inf needs a multiple of 128
+# elements.
+FILL_BLOCKS = 4
 
 
 def fill_tail_and_drain(rows, fill_smem, stop, first, chunk, out_blocks, store_fill, *, clean):

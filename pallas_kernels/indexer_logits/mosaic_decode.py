@@ -48,6 +48,7 @@ from .mosaic_common import (
     BLOCK_KEYS,
     COMPUTE_WGS,
     FILL_BLOCKS,
+    MAX_STAGES,
     chunk_blocks,
     chunk_header,
     consume_ring,
@@ -63,7 +64,6 @@ from .mosaic_common import (
 
 _KEY_RING_BYTES = 96 * 1024  # SMEM for key blocks in flight per CTA (one CTA per SM)
 _SHORT_CHUNK_STEPS, _SHORT_CHUNK_STAGES = 8, 4  # a CTA of <= 8 steps keeps <= 4 in flight
-_MAX_STAGES = 32  # Mosaic GPU initialises at most 32 mbarriers per group (the ring's two groups)
 _STEP_BYTES = 16 * 1024  # keys x rows per ring slot: 2 fp8 blocks of 1 row
 _MAX_CHUNK = 256  # key blocks per CTA: its block-table slice is one TMA box (<= 256 per dim)
 _CTA_OVERHEAD_BLOCKS = 4  # a CTA's start/drain, in key blocks of streaming time (chunk cost model)
@@ -88,7 +88,7 @@ def choose_decode_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_
     tiles x ceil(key_blocks / chunk) CTAs. step_blocks: _STEP_BYTES of keys per slot and tile row
     (2 blocks at fp8 and one row; 1 at bf16 or two rows, whose wgmmas already hold twice the
     registers and work per block). stages: as many slots as _KEY_RING_BYTES holds (even), at most
-    _MAX_STAGES (small dims: tiny slots), and at most _SHORT_CHUNK_STAGES for a chunk of at most
+    MAX_STAGES (small dims: tiny slots), and at most _SHORT_CHUNK_STAGES for a chunk of at most
     _SHORT_CHUNK_STEPS steps: when every CTA requests its whole ring at once and holds few steps
     (B=1 at 128K), a shallower ring queues less; long chunks (B=32/128) need the deeper one."""
     rows_per_seq = num_rows / max(1, min(num_seqs, num_rows))
@@ -114,11 +114,11 @@ def choose_decode_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_
     step_blocks = step_blocks or max(1, _STEP_BYTES // (block_bytes * block_rows))
     if stages is None:
         slot_bytes = step_blocks * block_bytes
-        stages = max(2, min(_MAX_STAGES, _KEY_RING_BYTES // slot_bytes) // 2 * 2)
+        stages = max(2, min(MAX_STAGES, _KEY_RING_BYTES // slot_bytes) // 2 * 2)
         if -(-chunk // step_blocks) <= _SHORT_CHUNK_STEPS:
             stages = min(stages, _SHORT_CHUNK_STAGES)
-    if stages % COMPUTE_WGS or stages > _MAX_STAGES:
-        raise ValueError(f"stages={stages} must be a multiple of {COMPUTE_WGS} and at most {_MAX_STAGES} "
+    if stages % COMPUTE_WGS or stages > MAX_STAGES:
+        raise ValueError(f"stages={stages} must be a multiple of {COMPUTE_WGS} and at most {MAX_STAGES} "
                          "(mbarriers per group)")
     return DecodeTiling(block_rows, chunk, step_blocks, stages)
 

@@ -51,6 +51,7 @@ from .layout import gather_paged_rows, max_tiles, tile_schedule
 from .mosaic_common import (
     BLOCK_KEYS,
     FILL_BLOCKS,
+    MAX_STAGES,
     REGISTERS,
     chunk_header,
     consume_ring,
@@ -74,7 +75,7 @@ _COMPUTE_WGS = {1: 4, 2: 2}
 @dataclasses.dataclass(frozen=True)
 class PrefillTiling:
     """block_rows: rows of one sequence per CTA (their q stays in SMEM); group: rows whose q
-    share one wgmma (N = group * Hi <= 256; accumulator: group * Hi / 4 registers per thread);
+    share one wgmma (N = group * Hi <= 256; accumulator: group * Hi / 2 registers per thread);
     stages: key blocks in flight (a multiple of compute_wgs // owners); splits: key chunks per
     tile (CTAs per tile); compute_wgs: compute warpgroups (2 or 4), of which `owners` compute
     each key block, each on its own row groups, and the others the next blocks."""
@@ -117,17 +118,17 @@ def choose_prefill_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block
     if block_rows % group or group * hi > max_n:
         raise ValueError(f"block_rows={block_rows} must be a multiple of group={group}, and group * heads = "
                          f"{group * hi} (wgmma N) at most {max_n} with compute_wgs={compute_wgs}")
-    stages = stages or (8 if compute_wgs == 4 else 4)
-    key_phases = compute_wgs // math.gcd(compute_wgs, block_rows // group)
-    if stages % key_phases:
+    if splits is None:
+        splits = max(1, min(key_blocks, pl.cdiv(_TARGET_CTAS, max_tiles(num_rows, num_seqs, block_rows))))
+    tiling = PrefillTiling(block_rows, group, stages or (8 if compute_wgs == 4 else 4), splits, compute_wgs)
+    key_phases = compute_wgs // tiling.owners
+    if tiling.stages % key_phases or tiling.stages > MAX_STAGES:
         # Block i uses slot i % stages and the warpgroups of phase i % key_phases: a ring of a
         # multiple of key_phases gives each slot the same warpgroups, which then wait on every
         # phase of its barrier (a hang otherwise).
-        raise ValueError(f"stages={stages} must be a multiple of compute_wgs={compute_wgs} // "
-                         f"gcd(compute_wgs, block_rows // group) = {key_phases}")
-    if splits is None:
-        splits = max(1, min(key_blocks, pl.cdiv(_TARGET_CTAS, max_tiles(num_rows, num_seqs, block_rows))))
-    return PrefillTiling(block_rows, group, stages, splits, compute_wgs)
+        raise ValueError(f"stages={tiling.stages} must be a multiple of compute_wgs={compute_wgs} // "
+                         f"gcd(compute_wgs, block_rows // group) = {key_phases} and at most {MAX_STAGES}")
+    return tiling
 
 
 def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: PrefillTiling, page_size, chunk,
@@ -193,7 +194,7 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: PrefillTiling,
                 k_scale = None if ks_ref is None else plgpu.load(
                     ks_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
                 pos = lane + (first + step) * bk
-                for k, g in enumerate(groups):
+                for g in groups:
                     row0 = g * group
 
                     def mma(acc, row0=row0):  # the group's q rows side by side: N = group * Hi
