@@ -182,13 +182,14 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: PrefillTiling,
             # the warpgroup's row groups (owned of them: wg % owners, + owners, ...)
             groups = [wg % owners + owners * k for k in range(owned)]
 
+            def row_weights(j):
+                """Tile row j's head weights [Hi] from SMEM, in the layout of a row's scores."""
+                return plgpu.load(w_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+
             def held_weights():
-                """The owned rows' head weights [Hi], in registers for the whole chunk when the
+                """The owned rows' head weights, in registers for the whole chunk when the
                 warpgroup owns one row group (else re-read from SMEM at each block)."""
-                if owned > 1:
-                    return None
-                return [plgpu.load(w_smem.at[groups[0] * group + r], layout=plgpu.Layout.WGMMA.reduce(0),
-                                   optimized=False) for r in range(group)]
+                return None if owned > 1 else [row_weights(groups[0] * group + r) for r in range(group)]
 
             def logits(step, slot, out_tile, lane, w_held, release):
                 k_scale = None if ks_ref is None else plgpu.load(
@@ -205,8 +206,7 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: PrefillTiling,
 
                     scores = pl.run_scoped(mma, plgpu.ACC((bk, group * hi), jnp.float32))
                     for r in range(group):
-                        w = w_held[r] if w_held is not None else plgpu.load(
-                            w_smem.at[row0 + r], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                        w = w_held[r] if w_held is not None else row_weights(row0 + r)
                         logit = row_logits(scores[:, r * hi:(r + 1) * hi], w, k_scale, pos,
                                            meta_smem[2 + br + row0 + r])
                         row = meta_smem[2 + row0 + r]
