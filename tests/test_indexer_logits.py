@@ -158,22 +158,29 @@ _RAGGED_CASES = [
 _MGPU_PREFILL_CASES = [
     # ragged batch with a 1-key sequence; page 4: keys gathered first; 2 row groups a tile, so 2
     # compute warpgroups a key block (owners) and the other 2 on the next block; one key chunk:
-    # 5 key blocks through a 4-slot ring
-    (FP8, True, 4, [37, 1, 300, 12], [5, 1, 9, 3], dict(block_rows=4, group=2, stages=4, splits=1)),
+    # 5 key blocks through a 4-slot ring; 2 persistent programs for the 7 tiles (SMEM buffers
+    # and the ring reused across items)
+    (FP8, True, 4, [37, 1, 300, 12], [5, 1, 9, 3], dict(block_rows=4, group=2, stages=4, splits=1, programs=2)),
     # a like batch read straight from 64-token pages, bf16, one row group a tile (1 owner, the 2
     # warpgroups on alternate blocks); 11 key blocks a row: the short sequences' -inf tails of 10
     # blocks take two 4-block stores and two 1-block ones
     (jnp.bfloat16, False, 64, [37, 1, 600, 12], [5, 1, 9, 3], dict(block_rows=4, group=4, splits=1)),
-    # decode-like: 1-2 rows per sequence, the key axis split over CTAs (default tiling)
+    # decode-like: 1-2 rows per sequence, the key axis split into chunks (default tiling)
     (FP8, True, 64, [400, 130, 1], [1, 2, 1], dict()),
+    # the same on 3 programs: 4 warpgroups each on every fourth block of one row, several items
+    # a program, ring steps carried from item to item
+    (FP8, True, 64, [400, 130, 1], [1, 2, 1], dict(programs=3)),
     # causal prefill of 150 rows (not a multiple of any block), no k_scale, 3 key chunks a tile;
     # 8 row groups: each of the 4 warpgroups owns 2 of every block (weights re-read from SMEM)
-    (FP8, False, 64, [150], [150], dict(block_rows=16, group=2, splits=3, stages=4)),
+    (FP8, False, 64, [150], [150], dict(block_rows=16, group=2, splits=3, stages=4, programs=4)),
     # the fp8 default's shape of work: 8 rows, 4 row groups, each warpgroup owning one (its
     # weights in registers); one chunk of 6 key blocks through a 2-slot ring
-    (FP8, True, 64, [330, 20], [70, 20], dict(block_rows=8, group=2, stages=2, splits=1)),
+    (FP8, True, 64, [330, 20], [70, 20], dict(block_rows=8, group=2, stages=2, splits=1, programs=1)),
     # 2 key chunks of 6 blocks a tile: the -inf tails of the short rows cross the chunk boundary
-    (FP8, True, 64, [700, 3], [4, 3], dict(block_rows=4, group=2, stages=4, splits=2)),
+    (FP8, True, 64, [700, 3], [4, 3], dict(block_rows=4, group=2, stages=4, splits=2, programs=3)),
+    # one row a tile (weights of 8 padded heads: 32 bytes, padded to TMA's 128-byte SMEM rows
+    # for the second item's buffer), 2 programs taking several items each
+    (jnp.bfloat16, True, 64, [200, 70, 1], [3, 2, 1], dict(block_rows=1, group=1, stages=2, programs=2)),
 ]
 
 # Decode rings deep enough that no slot is refilled: the Mosaic GPU interpreter (jax 0.11.2, this
@@ -275,6 +282,16 @@ def test_logits_match_reference_real_dims_gpu(backend, seed, case, dtype, scaled
     out = jax.jit(functools.partial(ops.indexer_logits, backend, page_size=page))(*args)
     ref = jax.jit(functools.partial(reference, page_size=page))(*args)
     check_indexer_logits(out, ref, args, page, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,seed,case,tiling", [p for p in _KERNEL_CASES if p.values[0].startswith("mosaic")])
+def test_mosaic_cases_compiled_gpu(backend, seed, case, tiling):
+    """The interpreter's cases compiled: padded tiny dims and small tiles, where SMEM buffers are
+    smallest (TMA alignment faults show only on the GPU)."""
+    args, page = make_indexer_case(seed, **{**_TINY_DIMS, **case})
+    out = jax.jit(functools.partial(ops.indexer_logits, backend, page_size=page, **tiling))(*args)
+    check_indexer_logits(out, reference(*args, page_size=page), args, page, 1e-4)  # as the real dims'
 
 
 # ------------------------------------------------------------------------------------------------
@@ -454,19 +471,30 @@ def test_choose_decode_tiling(num_rows, num_seqs, key_blocks, want):
 def test_choose_prefill_tiling():
     """fp8 runs four compute warpgroups of N <= 128 (2 rows of 64 heads a wgmma), bf16 two of
     N <= 256 (4 rows), which are 2 or 4; a warpgroup per row group computes each key block (4 of
-    them at 8 fp8 rows, 2 at 8 bf16 rows, 1 at 2 rows), and the ring must be a multiple of the
-    key blocks' phases (compute_wgs // owners)."""
+    them at 8 fp8 rows, 1 at 4 bf16 rows or 2 fp8 rows), the ring must be a multiple of the key
+    blocks' phases (compute_wgs // owners), and two tiles' q and the ring must fit SMEM."""
     t = choose_prefill_tiling(8192, 1, 128, FP8, 64, 128)
     assert (t.block_rows, t.group, t.stages, t.splits, t.compute_wgs, t.owners) == (8, 2, 8, 1, 4, 4)
     t = choose_prefill_tiling(8192, 1, 128, jnp.bfloat16, 64, 128)
-    assert (t.block_rows, t.group, t.compute_wgs, t.owners) == (8, 4, 2, 2)  # 8 rows of bf16 q fill 128 KiB
+    assert (t.block_rows, t.group, t.compute_wgs, t.owners) == (4, 4, 2, 1)  # 2 x 4 rows of bf16 q: 128 KiB
     assert choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, compute_wgs=2).group == 4
     assert choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, stages=6).owners == 4  # one key phase
-    assert choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, block_rows=12, stages=6).owners == 2
+    assert choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, block_rows=6, group=1, stages=6).owners == 2
     with pytest.raises(ValueError, match="multiple of compute_wgs=4 // gcd.* = 4"):
         choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, block_rows=2, stages=6)
-    with pytest.raises(ValueError, match="at most 32"):  # Mosaic's mbarriers a group
-        choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, stages=36)
+    with pytest.raises(ValueError, match="at most 32"):  # Mosaic's mbarriers a group (small dims)
+        choose_prefill_tiling(8192, 1, 128, FP8, 8, 32, stages=36)
+    with pytest.raises(ValueError, match="block_rows=8 and stages=4 need .* bytes of shared memory"):
+        choose_prefill_tiling(8192, 1, 128, jnp.bfloat16, 64, 128, block_rows=8)  # 2 x 128 KiB of q
+    # bf16 with four warpgroups: a ring of 8 stages leaves room for two tiles of 2 rows
+    assert choose_prefill_tiling(8192, 1, 128, jnp.bfloat16, 64, 128, compute_wgs=4).block_rows == 2
+    # the persistent grid: one CTA an SM (the default device's count; HOPPER_SMS where it has
+    # none, as on CPU), at most one a work item
+    assert choose_prefill_tiling(8192, 1, 128, FP8, 64, 128).programs == 132
+    assert choose_prefill_tiling(16, 1, 1, FP8, 64, 128).programs == 2
+    assert choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, programs=7).programs == 7
+    with pytest.raises(ValueError, match="programs=0 must be at least 1"):
+        choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, programs=0)
     with pytest.raises(ValueError, match="compute_wgs=3 must be one of"):
         choose_prefill_tiling(8192, 1, 128, FP8, 64, 128, compute_wgs=3)
     with pytest.raises(ValueError, match="at most 128 with compute_wgs=4"):  # N = 256 would spill

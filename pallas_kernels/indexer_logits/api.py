@@ -25,7 +25,7 @@ BACKENDS = {
     "triton": (indexer_logits_triton,  # see triton.choose_tiling; fp8_imprecise_acc: see the kernel
                ("block_rows", "block_keys", "chunk", "num_warps", "num_stages", "fp8_imprecise_acc")),
     "mosaic_prefill": (indexer_logits_mosaic_prefill,  # see mosaic_prefill.PrefillTiling
-                       ("block_rows", "group", "stages", "splits", "compute_wgs")),
+                       ("block_rows", "group", "stages", "splits", "compute_wgs", "programs")),
     "mosaic_decode": (indexer_logits_mosaic_decode,  # see mosaic_decode.choose_decode_tiling
                       ("block_rows", "chunk", "step_blocks", "stages", "num_sms")),
 }

@@ -1,6 +1,7 @@
 """The warpgroup skeleton of the indexer's Mosaic GPU kernels (`mosaic_prefill`, `mosaic_decode`).
 
-One CTA per (row tile, key chunk): a memory warpgroup streams key blocks of BLOCK_KEYS keys
+Per (row tile, key chunk) item (one a CTA in decode; prefill's persistent CTAs take several, the
+ring running on across them): a memory warpgroup streams key blocks of BLOCK_KEYS keys
 from the paged cache into a ring of SMEM slots by TMA, and compute_wgs compute warpgroups (2 or
 4; COMPUTE_WGS unless the kernel says otherwise) turn each slot's keys into BLOCK_KEYS logits
 per row: one warpgroup a slot, whose logits a TMA stores from SMEM (decode), or one or more, each
@@ -91,18 +92,20 @@ def load_tile_rows(meta_smem, q_ref, w_ref, q_smem, w_smem, q_bar, tile):
     row 0, never stored: one arrival each) into SMEM, arriving on q_bar (1 + BR arrivals)."""
     plgpu.copy_gmem_to_smem(w_ref.at[tile], w_smem, q_bar)
     hi = q_ref.shape[1]
-    for j in range(w_smem.shape[0]):
+    for j in range(q_smem.shape[0] // hi):
         plgpu.copy_gmem_to_smem(q_ref.at[jnp.maximum(meta_smem[2 + j], 0)], q_smem.at[pl.ds(j * hi, hi)], q_bar)
 
 
-def load_ring(n_steps, stages, consumed_bar, load, init_carry=None):
-    """The memory warpgroup's loop: pipeline step s fills ring slot s % stages, from the second lap
-    on once its compute warpgroups released it (consumed_bar). load(step, slot[, carry]) issues the step's TMAs
-    (arriving on the slot's barrier) [and returns the next carry]."""
+def load_ring(n_steps, stages, consumed_bar, load, init_carry=None, base=0):
+    """The memory warpgroup's loop: pipeline step s fills ring slot (base + s) % stages, from the
+    second lap on (base + s >= stages) once its compute warpgroups released it (consumed_bar).
+    base: the ring steps before this loop (a persistent kernel's earlier work items).
+    load(step, slot[, carry]) issues the step's TMAs (arriving on the slot's barrier) [and returns
+    the next carry]."""
     def body(step, *carry):
-        slot = lax.rem(step, stages)
+        slot = lax.rem(base + step, stages)
 
-        @pl.when(step >= stages)
+        @pl.when(base + step >= stages)
         def _():
             plgpu.barrier_wait(consumed_bar.at[slot])
             plgpu.commit_smem()  # order the consumer's reads (generic proxy) before TMA's writes
@@ -112,47 +115,65 @@ def load_ring(n_steps, stages, consumed_bar, load, init_carry=None):
     pl.loop(0, n_steps, init_carry=init_carry)(body)
 
 
+def drain_ring(total_steps, stages, consumed_bar):
+    """The memory warpgroup's last waits: the releases of the ring's last lap (steps
+    [total_steps - stages, total_steps), which no refill waited for), so that the warpgroup has
+    seen every phase of consumed_bar complete before the kernel ends."""
+    @pl.loop(jnp.maximum(total_steps - stages, 0), total_steps)
+    def _(step):
+        plgpu.barrier_wait(consumed_bar.at[lax.rem(step, stages)])
+
+
 # Key blocks of -inf a TMA store of the tail writes: the prefill's 1D box of 256 f32 is TMA's
 # largest box dimension (decode's box is [4, 64]); the SMEM splat of -inf needs a multiple of 128
 # elements.
 FILL_BLOCKS = 4
 
 
+def fill_tail(rows, stop, first, chunk, out_blocks, store_fill, *, clean):
+    """With `clean`, -inf over the chunk's key blocks at or past `stop` (the tile's end) and before
+    out_blocks, for each of the tile's rows (row ids, -1 = none): store_fill(row, b, n) stores n key
+    blocks of -inf from block b (FILL_BLOCKS at a time, then single blocks; the -inf is already in
+    SMEM). Without, those blocks stay unwritten."""
+    if not clean:
+        return
+    start, end = jnp.maximum(stop, first), jnp.minimum(first + chunk, out_blocks)
+    wide = jnp.maximum(end - start, 0) // FILL_BLOCKS
+    for row in rows:
+        @pl.when(row >= 0)
+        def _fill_row():
+            @pl.loop(0, wide)
+            def _fill_wide(i):
+                store_fill(row, start + i * FILL_BLOCKS, FILL_BLOCKS)
+
+            @pl.loop(start + wide * FILL_BLOCKS, end)
+            def _fill(b):
+                store_fill(row, b, 1)
+
+
 def fill_tail_and_drain(rows, fill_smem, stop, first, chunk, out_blocks, store_fill, *, clean):
-    """The memory warpgroup's end: with `clean`, -inf (fill_smem, FILL_BLOCKS key blocks of SMEM)
-    stored by store_fill(row, b, n) (n key blocks from b: FILL_BLOCKS, then single blocks for the
-    rest) for each of the tile's rows (row ids, -1 = none) over the chunk's key blocks at or past
-    `stop` (the tile's end) and before out_blocks (without, those blocks stay unwritten); then
-    waits until the stores have read SMEM (the writes land by kernel end)."""
+    """The memory warpgroup's end: with `clean`, -inf written to fill_smem (FILL_BLOCKS key blocks)
+    and `fill_tail`'s stores from it; then waits until the stores have read SMEM (the writes land
+    by kernel end)."""
     if clean:
         fill_smem[...] = jnp.full(fill_smem.shape, -jnp.inf, jnp.float32)
         plgpu.commit_smem()
-        start, end = jnp.maximum(stop, first), jnp.minimum(first + chunk, out_blocks)
-        wide = jnp.maximum(end - start, 0) // FILL_BLOCKS
-        for row in rows:
-            @pl.when(row >= 0)
-            def _fill_row():
-                @pl.loop(0, wide)
-                def _fill_wide(i):
-                    store_fill(row, start + i * FILL_BLOCKS, FILL_BLOCKS)
-
-                @pl.loop(start + wide * FILL_BLOCKS, end)
-                def _fill(b):
-                    store_fill(row, b, 1)
+    fill_tail(rows, stop, first, chunk, out_blocks, store_fill, clean=clean)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def consume_ring(wg, n_steps, stages, q_bar, k_bar, consumed_bar, o_smem, compute, store, prologue=lambda: None,
-                 compute_wgs=COMPUTE_WGS, owners=1):
-    """Compute warpgroup wg's pipeline steps p, p + stride, ... (stride = compute_wgs // owners,
-    p = wg // owners: `owners` warpgroups take each step, on different rows; consumed_bar counts
-    `owners` arrivals): once q (q_bar) has landed and state = prologue(), per step waits for its
-    ring slot's keys and until the stores of its SMEM output tile (o_smem[wg, i % 2]) two steps
-    back have read it, then compute(step, slot, out_tile, lane, state, release) fills out_tile
-    (lane: [64] key offsets in the WGMMA row layout; release(): hands the slot back to the
-    memory warpgroup once its keys are read) and store(step, out_tile) issues out_tile's TMA
-    stores (one commit group). With o_smem None, compute stores its logits itself (out_tile and
-    store are None)."""
+                 compute_wgs=COMPUTE_WGS, owners=1, base=0):
+    """Compute warpgroup wg's pipeline steps s < n_steps with (base + s) % stride == wg // owners
+    (stride = compute_wgs // owners: `owners` warpgroups take each step, on different rows;
+    consumed_bar counts `owners` arrivals; base: the ring steps before these, a persistent
+    kernel's earlier work items): once q (q_bar) has landed and state = prologue(), per step
+    waits for its ring slot's keys and until the stores of its SMEM output tile
+    (o_smem[wg, i % 2]) two steps back have read it, then compute(step, slot, out_tile, lane,
+    state, release) fills out_tile (lane: [64] key offsets in the WGMMA row layout; release():
+    hands the slot back to the memory warpgroup once its keys are read) and store(step,
+    out_tile) issues out_tile's TMA stores (one commit group). With o_smem None, compute stores
+    its logits itself (out_tile and store are None) and nothing is awaited at the end."""
     lane = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KEYS,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
 
     @pl.when(n_steps > 0)
@@ -160,21 +181,20 @@ def consume_ring(wg, n_steps, stages, q_bar, k_bar, consumed_bar, o_smem, comput
         plgpu.barrier_wait(q_bar)
         state = prologue()
 
-        phase, stride = wg // owners, compute_wgs // owners
+        stride = compute_wgs // owners
+        first = lax.rem(wg // owners - lax.rem(base, stride) + stride, stride)  # its first step
 
-        @pl.loop(0, (n_steps - phase + stride - 1) // stride)
+        @pl.loop(0, (n_steps - first + stride - 1) // stride)
         def _step(i):
-            step = phase + stride * i
-            slot = lax.rem(step, stages)
+            step = first + stride * i
+            slot = lax.rem(base + step, stages)
             out_tile = None if o_smem is None else o_smem.at[wg, lax.rem(i, 2)]
             plgpu.barrier_wait(k_bar.at[slot])
             if o_smem is not None:
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # out_tile's stores of step i - 2
 
-            def release():
-                @pl.when(step + stages < n_steps)  # else no refill follows
-                def _():
-                    plgpu.barrier_arrive(consumed_bar.at[slot])
+            def release():  # every step (the last laps' arrivals wait for no refill: harmless)
+                plgpu.barrier_arrive(consumed_bar.at[slot])
 
             compute(step, slot, out_tile, lane, state, release)
             if o_smem is not None:
@@ -196,13 +216,23 @@ def row_logits(scores, w, k_scale, pos, row_end):
     return jnp.where(pos < row_end, logit, -jnp.inf)
 
 
+# TMA's SMEM side: a box lands at a 128-byte aligned address, so buffers indexed along a leading
+# axis (the prefill kernel's two items) need a 128-byte multiple per entry (else the second one's
+# copy faults with a misaligned address on the GPU; the interpreter does not check it).
+TMA_SMEM_ALIGN = 128
+
+
 def meta_width(block_rows):
-    return -(-(2 + 2 * block_rows) // 4) * 4  # int32 row of 16-byte multiple (TMA)
+    """int32s of a tile's metadata row (sequence, tile end, row ids, row ends), a multiple of
+    TMA_SMEM_ALIGN bytes."""
+    words = TMA_SMEM_ALIGN // 4
+    return -(-(2 + 2 * block_rows) // words) * words
 
 
 def ring_kernel(kernel, out_type, grid, name, interpret, compute_wgs=COMPUTE_WGS):
-    """plgpu.kernel of a ring kernel body: grid (key chunks "split", row tiles "tile"), one memory
-    and compute_wgs compute warpgroups ("wg")."""
+    """plgpu.kernel of a ring kernel body: grid ("split", "tile"): (key chunks, row tiles) in
+    decode, (1, persistent programs) in prefill; one memory and compute_wgs compute warpgroups
+    ("wg")."""
     return plgpu.kernel(
         kernel,
         out_type=out_type,

@@ -52,6 +52,7 @@ from .mosaic_common import (
     chunk_blocks,
     chunk_header,
     consume_ring,
+    drain_ring,
     fill_tail_and_drain,
     load_ring,
     load_tile_rows,
@@ -212,6 +213,7 @@ def _kernel(*refs, tiling: DecodeTiling, swizzle, num_keys, scaled, clean):
             fill_tail_and_drain(rows, fill_smem, stop, first, chunk, out_blocks,
                                 lambda row, b, n: plgpu.copy_smem_to_gmem(fill_smem.at[:n], out_ref.at[row, pl.ds(b, n)]),
                                 clean=clean)
+            drain_ring(n_steps, stages, consumed_bar)
 
         def compute(wg):
             rows, ends, (_, n_blocks, n_steps) = tile_header(meta)

@@ -6,8 +6,11 @@ and -inf elsewhere, keys addressed by position s of the row's sequence through i
 
 Layout of the work. Rows are grouped by sequence into tiles of block_rows rows (in the wrapper,
 XLA); the key axis is cut into blocks of 64 keys (the wgmma M) and, when there are few tiles
-(decode, short prefills), into `splits` chunks of blocks. One CTA per (tile, chunk), one memory
-and two or four compute warpgroups:
+(decode, short prefills), into `splits` chunks of blocks. A persistent grid of one CTA an SM
+(`PrefillTiling.programs`) takes the (tile, chunk) items round robin, heaviest tile first; a CTA
+holds two items' q, weights and metadata, so that the next item's load overlaps the current
+one's work, and its key ring runs on from item to item. One memory and two or four compute
+warpgroups:
   * a memory warpgroup streams key blocks [64, D] (and their scales) straight from the paged
     cache into a ring of SMEM slots by TMA (one page lookup per block: page_size % 64 == 0; other
     page sizes are first gathered into contiguous keys by XLA), and writes -inf over the chunk's
@@ -15,7 +18,7 @@ and two or four compute warpgroups:
   * `compute_wgs` compute warpgroups (4 for fp8, 2 for bf16) split each key block's row groups
     (2 rows at the real dims for fp8, 4 for bf16) among `PrefillTiling.owners` of them, one group
     each at the defaults (8 rows: all four fp8 warpgroups on every block, each on its own 2
-    rows, its head weights held in registers for the whole chunk); with fewer row groups than
+    rows, its head weights held in registers for the whole item); with fewer row groups than
     warpgroups (decode-like tiles) the others take the next blocks. Per group one wgmma
     [64 keys, D] x [D, group * Hi] (keys as A, the rows' q side by side as a K-major B, both in
     SMEM; accumulator rows are keys); per row, ReLU, the head-weighted sum as a row reduction of
@@ -23,9 +26,9 @@ and two or four compute warpgroups:
     GMEM (no SMEM staging: 1.05-1.10x over a TMA store per row).
     While one warpgroup's wgmmas run the others run their epilogues (DeepGEMM's arrangement for
     fp8; bf16's wgmmas take twice as long, and two warpgroups measured faster than four).
-The tile's q [block_rows, Hi, D] and weights stay in SMEM for the whole chunk; nothing of size
+The tile's q [block_rows, Hi, D] and weights stay in SMEM for the whole item; nothing of size
 [rows, Hi, keys] exists outside registers. Key blocks at or past the tile's largest row_end are
-skipped (a causal prefill does about half of the rectangle); tiles run heaviest first.
+skipped (a causal prefill does about half of the rectangle).
 The warpgroup skeleton (register split, the ring's load and compute loops, the -inf tail and the
 final drain) is `mosaic_common`'s, shared with the decode kernel (`mosaic_decode`), which differs
 in where page ids come from and in the work per ring slot.
@@ -46,16 +49,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ..device import HOPPER_SMS, next_pow2
+from ..device import HOPPER_SMS, SMEM_BYTES, next_pow2, num_sms
 from .layout import gather_paged_rows, max_tiles, tile_schedule
 from .mosaic_common import (
     BLOCK_KEYS,
     FILL_BLOCKS,
     MAX_STAGES,
     REGISTERS,
+    TMA_SMEM_ALIGN,
+    chunk_blocks,
     chunk_header,
     consume_ring,
-    fill_tail_and_drain,
+    drain_ring,
+    fill_tail,
     load_ring,
     load_tile_rows,
     meta_width,
@@ -65,8 +71,8 @@ from .mosaic_common import (
     warpgroups,
 )
 
-_SMEM_Q_BYTES = 128 * 1024  # SMEM budget for the tile's q (of device.SMEM_BYTES a CTA)
-_TARGET_CTAS = 2 * HOPPER_SMS  # two waves of the GPU's SMs
+_SMEM_SLACK = 4 * 1024  # of device.SMEM_BYTES: barriers and the allocations' alignment
+_TARGET_ITEMS = 2 * HOPPER_SMS  # (tile, chunk) work items for short prefills: two a CTA
 # compute warpgroups by key itemsize (docs/design/indexer.md): fp8 1.10-1.13x faster with 4 than
 # with 2 at T = S = 2K..32K, bf16 0.97x, so bf16 keeps 2
 _COMPUTE_WGS = {1: 4, 2: 2}
@@ -74,16 +80,19 @@ _COMPUTE_WGS = {1: 4, 2: 2}
 
 @dataclasses.dataclass(frozen=True)
 class PrefillTiling:
-    """block_rows: rows of one sequence per CTA (their q stays in SMEM); group: rows whose q
+    """block_rows: rows of one sequence per tile (their q stays in SMEM); group: rows whose q
     share one wgmma (N = group * Hi <= 256; accumulator: group * Hi / 2 registers per thread);
     stages: key blocks in flight (a multiple of compute_wgs // owners); splits: key chunks per
-    tile (CTAs per tile); compute_wgs: compute warpgroups (2 or 4), of which `owners` compute
-    each key block, each on its own row groups, and the others the next blocks."""
+    tile; compute_wgs: compute warpgroups (2 or 4), of which `owners` compute each key block,
+    each on its own row groups, and the others the next blocks; programs: CTAs of the
+    persistent grid, which take the (tile, chunk) items in rounds of `programs`, heaviest first,
+    in snake order (round r in reverse when r is odd)."""
     block_rows: int
     group: int
     stages: int
     splits: int
     compute_wgs: int
+    programs: int
 
     @property
     def owners(self) -> int:
@@ -93,22 +102,41 @@ class PrefillTiling:
         return math.gcd(self.compute_wgs, self.block_rows // self.group)
 
 
+def _weight_rows(block_rows, hi):
+    """Rows of a tile's weights [rows, Hi] f32 in GMEM and SMEM: block_rows, padded (zeros, never
+    read) to a TMA_SMEM_ALIGN-byte multiple, since the kernel keeps two tiles' weights."""
+    step = TMA_SMEM_ALIGN // math.gcd(TMA_SMEM_ALIGN, hi * 4)
+    return -(-block_rows // step) * step
+
+
+def _smem_bytes(block_rows, stages, hi, d, itemsize):
+    """SMEM of the kernel's buffers: two items' metadata, q and weights; the key ring and its
+    scales; the -inf tile."""
+    per_item = meta_width(block_rows) * 4 + block_rows * hi * d * itemsize + _weight_rows(block_rows, hi) * hi * 4
+    return 2 * per_item + stages * BLOCK_KEYS * (d * itemsize + 4) + FILL_BLOCKS * BLOCK_KEYS * 4
+
+
 def choose_prefill_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block_rows=None, group=None,
-                       stages=None, splits=None, compute_wgs=None) -> PrefillTiling:
-    """Prefill (many rows per sequence): as many rows per CTA as the q budget holds (8 at the real
-    dims: fp8 keeps half the budget for a ring of 8 stages), one chunk. Decode (1-2 rows per
-    sequence): tiles of those rows and the key axis split over CTAs until about _TARGET_CTAS of
-    them exist."""
+                       stages=None, splits=None, compute_wgs=None, programs=None) -> PrefillTiling:
+    """Prefill (many rows per sequence): as many rows per tile (a power of two, at most 16) as
+    SMEM holds next to the ring, two tiles' q at a time (8 fp8 rows, 4 bf16 rows at the real
+    dims), one chunk. Decode (1-2 rows per sequence): tiles of those rows and the key axis split
+    into chunks until about _TARGET_ITEMS (tile, chunk) items exist. One CTA an SM (`programs`)."""
     rows_per_seq = num_rows / max(1, min(num_seqs, num_rows))
-    q_row_bytes = hi * d * jnp.dtype(dtype).itemsize
-    compute_wgs = compute_wgs or _COMPUTE_WGS[jnp.dtype(dtype).itemsize]
+    itemsize = jnp.dtype(dtype).itemsize
+    compute_wgs = compute_wgs or _COMPUTE_WGS[itemsize]
     if compute_wgs not in REGISTERS:
         raise ValueError(f"compute_wgs={compute_wgs} must be one of {sorted(REGISTERS)}")
+    stages = stages or (8 if compute_wgs == 4 else 4)
+    budget = SMEM_BYTES - _SMEM_SLACK
     if block_rows is None:
-        # four warpgroups: half the q budget (8 fp8 rows) and a ring twice as deep measured
-        # 1.02-1.04x over 16 rows and 4 stages at T = S = 8K / 32K (docs/design/indexer.md)
-        q_bytes = _SMEM_Q_BYTES // 2 if compute_wgs == 4 else _SMEM_Q_BYTES
-        block_rows = min(next_pow2(int(rows_per_seq + 0.5)), 16, max(1, q_bytes // q_row_bytes))
+        # the persistent kernel loads the next item's q during the current one: two tiles' q
+        fit = max([r for r in (1, 2, 4, 8, 16) if _smem_bytes(r, stages, hi, d, itemsize) <= budget], default=1)
+        block_rows = min(next_pow2(int(rows_per_seq + 0.5)), fit)
+    if _smem_bytes(block_rows, stages, hi, d, itemsize) > budget:
+        raise ValueError(f"block_rows={block_rows} and stages={stages} need "
+                         f"{_smem_bytes(block_rows, stages, hi, d, itemsize)} bytes of shared memory "
+                         f"(two tiles' q and weights, the key ring), more than the {budget} available")
     # wgmma's N = group * Hi: its f32 accumulator (N / 2 registers a thread) within the compute
     # warpgroups' register budget: N <= 256 with 2 of them (232 registers), <= 128 with 4 (112:
     # N = 256 would need 128 for the accumulator alone)
@@ -119,8 +147,11 @@ def choose_prefill_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block
         raise ValueError(f"block_rows={block_rows} must be a multiple of group={group}, and group * heads = "
                          f"{group * hi} (wgmma N) at most {max_n} with compute_wgs={compute_wgs}")
     if splits is None:
-        splits = max(1, min(key_blocks, pl.cdiv(_TARGET_CTAS, max_tiles(num_rows, num_seqs, block_rows))))
-    tiling = PrefillTiling(block_rows, group, stages or (8 if compute_wgs == 4 else 4), splits, compute_wgs)
+        splits = max(1, min(key_blocks, pl.cdiv(_TARGET_ITEMS, max_tiles(num_rows, num_seqs, block_rows))))
+    items = max_tiles(num_rows, num_seqs, block_rows) * splits
+    if programs is not None and programs < 1:
+        raise ValueError(f"programs={programs} must be at least 1")
+    tiling = PrefillTiling(block_rows, group, stages, splits, compute_wgs, min(programs or num_sms(), items))
     key_phases = compute_wgs // tiling.owners
     if tiling.stages % key_phases or tiling.stages > MAX_STAGES:
         # Block i uses slot i % stages and the warpgroups of phase i % key_phases: a ring of a
@@ -133,106 +164,171 @@ def choose_prefill_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block
 
 def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: PrefillTiling, page_size, chunk,
             swizzle, clean):
-    """meta [T, M] int32 (sequence, tile end, row ids, row ends); q [N, Hi, D]; w [T, BR, Hi] f32;
-    bt [S, W] int32; k [slots, D]; k_scale [slots] f32 (if present); out [N, Lp] f32."""
+    """meta [T, M] int32 (sequence, tile end, row ids, row ends); q [N, Hi, D]; w [T, _weight_rows(BR), Hi] f32;
+    bt [S, W] int32; k [slots, D]; k_scale [slots] f32 (if present); out [N, Lp] f32.
+
+    Persistent: program c of tiling.programs does the work items c, c + programs, ... of the T x
+    splits (tile, key chunk) items, heaviest tile first. The tile's metadata, q and weights sit
+    in one of two SMEM buffers (item j in buffer j % 2), so the memory warpgroup loads item j +
+    1's while the compute warpgroups work on item j; the key ring runs on across items."""
     *ks_ref, out_ref = rest
     ks_ref = ks_ref[0] if ks_ref else None
-    br, group, stages = tiling.block_rows, tiling.group, tiling.stages
+    br, group, stages, splits, programs = (tiling.block_rows, tiling.group, tiling.stages, tiling.splits,
+                                           tiling.programs)
     _, hi, d = q_ref.shape
     bk = BLOCK_KEYS
     out_blocks = out_ref.shape[1] // bk
-    tile = lax.axis_index("tile")
-    first = lax.axis_index("split") * chunk  # the chunk's first key block
+    program = lax.axis_index("tile")
+    total_items = meta_ref.shape[0] * splits
+    rounds, last = divmod(total_items, programs)
+    # snake order: the program's place in round r is program (r even) or programs - 1 - program
+    # (r odd), so that the heaviest-first items even out over the programs
+    in_last = jnp.where(rounds % 2 == 0, program < last, programs - 1 - program < last)
+    n_items = rounds + in_last.astype(jnp.int32)
     owners, owned = tiling.owners, tiling.block_rows // tiling.group // tiling.owners
     transforms = (plgpu.TilingTransform((8, swizzle // q_ref.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
 
+    def item_of(j):
+        """(tile, first key block of its chunk, buffer) of the program's j-th work item."""
+        i = j * programs + jnp.where(lax.rem(j, 2) == 0, program, programs - 1 - program)
+        return i // splits, lax.rem(i, splits) * chunk, lax.rem(j, 2)
+
     def body(meta_smem, q_smem, w_smem, k_smem, ks_smem, fill_smem,
-             meta_bar, q_bar, k_bar, consumed_bar):
+             meta_bar, q_bar, k_bar, consumed_bar, free_bar):
 
         def memory():
-            plgpu.copy_gmem_to_smem(meta_ref.at[tile], meta_smem, meta_bar)
-            stop, _, n_steps = chunk_header(meta_smem, meta_bar, first, chunk)
-            seq = meta_smem[0]
+            if clean:
+                fill_smem[...] = jnp.full(fill_smem.shape, -jnp.inf, jnp.float32)
+                plgpu.commit_smem()
 
-            @pl.when(n_steps > 0)
-            def _():
-                load_tile_rows(meta_smem, q_ref, w_ref, q_smem, w_smem, q_bar, tile)
+            def tail(j):
+                """Item j's -inf tail (its metadata still in its buffer: j + 2 reuses it)."""
+                _, first, buf = item_of(j)
+                meta = meta_smem.at[buf]
+                stop, _, _ = chunk_blocks(meta[1], first, chunk)
+                fill_tail([meta[2 + r] for r in range(br)], stop, first, chunk, out_blocks,
+                          lambda row, b, n: plgpu.copy_smem_to_gmem(
+                              fill_smem.at[:n * bk], out_ref.at[row, pl.ds(b * bk, n * bk)]),
+                          clean=clean)
 
-            def block_slot(step):
-                """Cache slot of the chunk's key block `step` (a block table read from GMEM)."""
-                key = (first + jnp.minimum(step, chunk - 1)) * bk
-                page = jnp.maximum(bt_ref[seq, jnp.minimum(key // page_size, bt_ref.shape[1] - 1)], 0)
-                return page * page_size + lax.rem(key, page_size)
+            def item(j, base):
+                tile, first, buf = item_of(j)
+                meta = meta_smem.at[buf]
 
-            def load_keys(step, slot, slot0):
-                keys = pl.ds(pl.multiple_of(slot0, bk), bk)
-                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
-                if ks_ref is not None:
-                    plgpu.copy_gmem_to_smem(ks_ref.at[keys], ks_smem.at[slot], k_bar.at[slot])
-                return block_slot(step + 1)  # in flight while the next step waits for its slot
+                @pl.when(j >= 2)
+                def _():  # the compute warpgroups are done with item j - 2's buffers
+                    plgpu.barrier_wait(free_bar.at[buf])
+                    plgpu.commit_smem()
 
-            load_ring(n_steps, stages, consumed_bar, load_keys, init_carry=block_slot(0))
-            fill_tail_and_drain([meta_smem[2 + j] for j in range(br)], fill_smem, stop, first, chunk, out_blocks,
-                                lambda row, b, n: plgpu.copy_smem_to_gmem(
-                                    fill_smem.at[:n * bk], out_ref.at[row, pl.ds(b * bk, n * bk)]),
-                                clean=clean)
+                plgpu.copy_gmem_to_smem(meta_ref.at[tile], meta, meta_bar.at[buf])
+                _, _, n_steps = chunk_header(meta, meta_bar.at[buf], first, chunk)
+                seq = meta[0]
+
+                @pl.when(n_steps > 0)
+                def _():
+                    load_tile_rows(meta, q_ref, w_ref, q_smem.at[buf], w_smem.at[buf], q_bar.at[buf], tile)
+
+                if clean:  # the previous item's tail: its stores issue while the compute
+                    @pl.when(j >= 1)  # warpgroups drain the ring, after this item's q is on its way
+                    def _():
+                        tail(j - 1)
+
+                def block_slot(step):
+                    """Cache slot of the chunk's key block `step` (a block table read from GMEM)."""
+                    key = (first + jnp.minimum(step, chunk - 1)) * bk
+                    page = jnp.maximum(bt_ref[seq, jnp.minimum(key // page_size, bt_ref.shape[1] - 1)], 0)
+                    return page * page_size + lax.rem(key, page_size)
+
+                def load_keys(step, slot, slot0):
+                    keys = pl.ds(pl.multiple_of(slot0, bk), bk)
+                    plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
+                    if ks_ref is not None:
+                        plgpu.copy_gmem_to_smem(ks_ref.at[keys], ks_smem.at[slot], k_bar.at[slot])
+                    return block_slot(step + 1)  # in flight while the next step waits for its slot
+
+                load_ring(n_steps, stages, consumed_bar, load_keys, init_carry=block_slot(0), base=base)
+                return base + n_steps
+
+            total_steps = pl.loop(0, n_items, init_carry=jnp.int32(0))(item)
+            if clean:
+                @pl.when(n_items >= 1)
+                def _():
+                    tail(n_items - 1)
+
+            drain_ring(total_steps, stages, consumed_bar)
+
+            @pl.loop(jnp.maximum(n_items - 2, 0), n_items)
+            def _(j):  # the last two items' releases of their buffers, likewise
+                plgpu.barrier_wait(free_bar.at[lax.rem(j, 2)])
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         def compute(wg):
-            _, _, n_steps = chunk_header(meta_smem, meta_bar, first, chunk)
             # the warpgroup's row groups (owned of them: wg % owners, + owners, ...)
             groups = [wg % owners + owners * k for k in range(owned)]
 
-            def row_weights(j):
-                """Tile row j's head weights [Hi] from SMEM, in the layout of a row's scores."""
-                return plgpu.load(w_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+            def item(j, base):
+                _, first, buf = item_of(j)
+                meta, w_rows = meta_smem.at[buf], w_smem.at[buf]
+                _, _, n_steps = chunk_header(meta, meta_bar.at[buf], first, chunk)
 
-            def held_weights():
-                """The owned rows' head weights, in registers for the whole chunk when the
-                warpgroup owns one row group (else re-read from SMEM at each block)."""
-                return None if owned > 1 else [row_weights(groups[0] * group + r) for r in range(group)]
+                def row_weights(j):
+                    """Tile row j's head weights [Hi] from SMEM, in the layout of a row's scores."""
+                    return plgpu.load(w_rows.at[j], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
 
-            def logits(step, slot, out_tile, lane, w_held, release):
-                k_scale = None if ks_ref is None else plgpu.load(
-                    ks_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-                pos = lane + (first + step) * bk
-                for g in groups:
-                    row0 = g * group
+                def held_weights():
+                    """The owned rows' head weights, in registers for the whole item when the
+                    warpgroup owns one row group (else re-read from SMEM at each block)."""
+                    return None if owned > 1 else [row_weights(groups[0] * group + r) for r in range(group)]
 
-                    def mma(acc, row0=row0):  # the group's q rows side by side: N = group * Hi
-                        q_rows = q_smem.at[pl.ds(pl.multiple_of(row0 * hi, hi), group * hi)]
-                        plgpu.wgmma(acc, k_smem.at[slot], q_rows.T)
-                        plgpu.wgmma_wait(0)
-                        return acc[...]
+                def logits(step, slot, out_tile, lane, w_held, release):
+                    del out_tile
+                    k_scale = None if ks_ref is None else plgpu.load(
+                        ks_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                    pos = lane + (first + step) * bk
+                    for g in groups:
+                        row0 = g * group
 
-                    scores = pl.run_scoped(mma, plgpu.ACC((bk, group * hi), jnp.float32))
-                    for r in range(group):
-                        w = w_held[r] if w_held is not None else row_weights(row0 + r)
-                        logit = row_logits(scores[:, r * hi:(r + 1) * hi], w, k_scale, pos,
-                                           meta_smem[2 + br + row0 + r])
-                        row = meta_smem[2 + row0 + r]
+                        def mma(acc, row0=row0):  # the group's q rows side by side: N = group * Hi
+                            q_rows = q_smem.at[buf, pl.ds(pl.multiple_of(row0 * hi, hi), group * hi)]
+                            plgpu.wgmma(acc, k_smem.at[slot], q_rows.T)
+                            plgpu.wgmma_wait(0)
+                            return acc[...]
 
-                        @pl.when(row >= 0)
-                        def _store():  # from registers (no SMEM staging, no TMA)
-                            out_ref[row, pl.ds((first + step) * bk, bk)] = logit
-                release()
+                        scores = pl.run_scoped(mma, plgpu.ACC((bk, group * hi), jnp.float32))
+                        for r in range(group):
+                            w = w_held[r] if w_held is not None else row_weights(row0 + r)
+                            logit = row_logits(scores[:, r * hi:(r + 1) * hi], w, k_scale, pos,
+                                               meta[2 + br + row0 + r])
+                            row = meta[2 + row0 + r]
 
-            consume_ring(wg, n_steps, stages, q_bar, k_bar, consumed_bar, None, logits, None,
-                         prologue=held_weights, compute_wgs=tiling.compute_wgs, owners=owners)
+                            @pl.when(row >= 0)
+                            def _store():  # from registers (no SMEM staging, no TMA)
+                                out_ref[row, pl.ds((first + step) * bk, bk)] = logit
+                    release()
+
+                consume_ring(wg, n_steps, stages, q_bar.at[buf], k_bar, consumed_bar, None, logits, None,
+                             prologue=held_weights, compute_wgs=tiling.compute_wgs, owners=owners, base=base)
+                plgpu.barrier_arrive(free_bar.at[buf])  # item j's metadata, q and weights are read
+                return base + n_steps
+
+            pl.loop(0, n_items, init_carry=jnp.int32(0))(item)
 
         warpgroups(memory, compute, tiling.compute_wgs)
 
     pl.run_scoped(
         body,
-        plgpu.SMEM((meta_ref.shape[1],), jnp.int32),
-        plgpu.SMEM((br * hi, d), q_ref.dtype, transforms=transforms),
-        plgpu.SMEM((br, hi), jnp.float32),
+        plgpu.SMEM((2, meta_ref.shape[1]), jnp.int32),
+        plgpu.SMEM((2, br * hi, d), q_ref.dtype, transforms=transforms),
+        plgpu.SMEM((2, _weight_rows(br, hi), hi), jnp.float32),
         plgpu.SMEM((stages, bk, d), q_ref.dtype, transforms=transforms),
         plgpu.SMEM((stages, bk), jnp.float32),
         plgpu.SMEM((FILL_BLOCKS * bk,), jnp.float32),  # -inf
-        plgpu.Barrier(num_arrivals=1),
-        plgpu.Barrier(num_arrivals=br + 1),
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),
+        plgpu.Barrier(num_arrivals=br + 1, num_barriers=2),
         plgpu.Barrier(num_arrivals=1 if ks_ref is None else 2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=owners, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=tiling.compute_wgs, num_barriers=2),
         collective_axes="wg",
     )
 
@@ -259,7 +355,7 @@ def indexer_logits_mosaic_prefill(q, weights, k_cache, k_scale, block_tables, ro
     k_scale [num_slots] f32 or None; block_tables [S, W] int32; row_seq, row_end [N] int32.
     Returns [N, W * page_size] f32, -inf at positions >= row_end[n] (clean=False: -inf only up to
     the end of the row's tile's last computed key block; past it unwritten, see `api`).
-    tiling_overrides: block_rows, group, stages, splits, compute_wgs (see `PrefillTiling`). interpret: run in
+    tiling_overrides: block_rows, group, stages, splits, compute_wgs, programs (see `PrefillTiling`). interpret: run in
     the Mosaic GPU interpreter (CPU tests).
     """
     q, weights, k_cache, swizzle = padded_inputs(q, weights, k_cache)
@@ -285,12 +381,14 @@ def indexer_logits_mosaic_prefill(q, weights, k_cache, k_scale, block_tables, ro
 
     meta, tile_rows = _tiles(row_seq, row_end, num_seqs, num_keys, tiling.block_rows)
     tile_weights = jnp.where(tile_rows[..., None] >= 0, weights[jnp.maximum(tile_rows, 0)], 0.0)
+    pad_rows = _weight_rows(tiling.block_rows, hi_p) - tiling.block_rows
+    tile_weights = jnp.pad(tile_weights, ((0, 0), (0, pad_rows), (0, 0)))
     args = [meta, q, tile_weights, block_tables, k_cache]
     if k_scale is not None:
         args.append(k_scale.astype(jnp.float32))
     kernel = ring_kernel(
         functools.partial(_kernel, tiling=tiling, page_size=page_size, chunk=chunk, swizzle=swizzle, clean=clean),
-        jax.ShapeDtypeStruct((n, key_blocks * BLOCK_KEYS), jnp.float32), (tiling.splits, meta.shape[0]),
+        jax.ShapeDtypeStruct((n, key_blocks * BLOCK_KEYS), jnp.float32), (1, tiling.programs),
         "indexer_logits_mgpu", interpret, compute_wgs=tiling.compute_wgs)
     out = kernel(*args)
     return out if out.shape[1] == num_keys else out[:, :num_keys]
