@@ -1,7 +1,10 @@
 """Where a causal indexer prefill call's time goes, outside and inside the kernel: the host median
 of the call the peer bench makes (`peer_entries.indexer_logits`, clean logits) and of the
 clean=False kernel, and for each a profiler trace of back-to-back calls: the busy time, the span,
-and every gap between GPU events over 20 us (with the events around it).
+and every gap between GPU events over 20 us (with the events around it). Then, traced, the
+timer's own loop (`timing.median_ms`'s batches: warm-up, then batches of back-to-back calls, each
+ended by a block): the kernel's duration over the loop (first, median, last: clocks under
+sustained load) and the idle time between GPU events, against the loop's host time.
 
     python3 scripts/trace_indexer_prefill.py [--t 32768]
 """
@@ -77,6 +80,25 @@ def main():
                 print(f"  at {(start - first) / 1e3:10.1f} us  gap {(start - end) / 1e3:8.1f}  "
                       f"dur {dur / 1e3:9.1f}  {ev}")
             end = max(end, start + dur)
+
+        reps = max(1, int(0.02 / (host * 1e-3)))
+        walls = []
+
+        def timed_loop(batches, fn=fn):
+            for _ in range(batches):
+                t0 = time.perf_counter()
+                out = None
+                for _ in range(reps):
+                    out = fn(*x)
+                jax.block_until_ready(out)
+                walls.append(time.perf_counter() - t0)
+        evs = gpu_events(timed_loop, 11)
+        kernels = [e[1] / 1e6 for e in evs if "indexer_logits" in e[2]]  # the Mosaic kernel's name
+        idle = sum(max(0, b[0] - (a[0] + a[1])) for a, b in zip(evs, evs[1:])) / 1e6
+        calls = 11 * reps
+        print(f"  timer's loop (11 batches of {reps}): host {sum(walls) * 1e3 / calls:.3f} ms a call; kernel "
+              f"first {kernels[0]:.3f}, median {sorted(kernels)[len(kernels) // 2]:.3f}, last {kernels[-1]:.3f} ms; "
+              f"GPU idle between events {idle / calls:.3f} ms a call")
 
 
 if __name__ == "__main__":
