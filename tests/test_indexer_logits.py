@@ -23,7 +23,8 @@ import pytest
 from jax_sparse_mla.config import MLAConfig
 from pallas_kernels.indexer_logits import gather_paged_rows
 from pallas_kernels.indexer_logits.mosaic_decode import choose_decode_tiling
-from pallas_kernels.indexer_logits.mosaic_prefill import choose_prefill_tiling
+from pallas_kernels.indexer_logits.mosaic_common import TMA_SMEM_ALIGN, meta_width
+from pallas_kernels.indexer_logits.mosaic_prefill import _weight_rows, choose_prefill_tiling
 from tests.support import INTERPRET, ops
 from tests.support.cases import FP8, make_indexer_case
 
@@ -466,6 +467,20 @@ def test_choose_decode_tiling(num_rows, num_seqs, key_blocks, want):
         choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, stages=34)
     with pytest.raises(ValueError, match="wgmma N"):
         choose_decode_tiling(num_rows, num_seqs, key_blocks, FP8, 64, 128, block_rows=8)
+
+
+@pytest.mark.parametrize("hi", [8, 16, 24, 40, 64, 128])
+def test_double_buffered_entries_are_tma_aligned(hi):
+    """The prefill kernel keeps two tiles' metadata and weights, the second at one entry's
+    bytes: TMA writes SMEM at 128-byte aligned addresses only (the GPU faults otherwise; the
+    interpreter does not check), so each entry is a multiple of 128 bytes, padded no more than
+    that needs."""
+    for rows in range(1, 33):
+        assert meta_width(rows) * 4 % TMA_SMEM_ALIGN == 0 and meta_width(rows) >= 2 + 2 * rows
+        assert meta_width(rows) * 4 - TMA_SMEM_ALIGN < (2 + 2 * rows) * 4
+        padded = _weight_rows(rows, hi)
+        assert padded * hi * 4 % TMA_SMEM_ALIGN == 0 and padded >= rows
+        assert not any(r * hi * 4 % TMA_SMEM_ALIGN == 0 for r in range(rows, padded))  # whole rows
 
 
 def test_choose_prefill_tiling():
