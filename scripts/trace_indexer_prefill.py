@@ -14,7 +14,6 @@ import functools
 import glob
 import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -81,24 +80,13 @@ def main():
                       f"dur {dur / 1e3:9.1f}  {ev}")
             end = max(end, start + dur)
 
-        reps = max(1, int(0.02 / (host * 1e-3)))
-        walls = []
-
-        def timed_loop(batches, fn=fn):
-            for _ in range(batches):
-                t0 = time.perf_counter()
-                out = None
-                for _ in range(reps):
-                    out = fn(*x)
-                jax.block_until_ready(out)
-                walls.append(time.perf_counter() - t0)
-        evs = gpu_events(timed_loop, 11)
+        timed = []
+        evs = gpu_events(lambda batches, fn=fn: timed.append(median_ms(fn, *x, batches=batches)), 11)
         kernels = [e[1] / 1e6 for e in evs if "indexer_logits" in e[2]]  # the Mosaic kernel's name
-        idle = sum(max(0, b[0] - (a[0] + a[1])) for a, b in zip(evs, evs[1:])) / 1e6
-        calls = 11 * reps
-        print(f"  timer's loop (11 batches of {reps}): host {sum(walls) * 1e3 / calls:.3f} ms a call; kernel "
+        idle = sum(max(0, b[0] - (a[0] + a[1])) for a, b in zip(evs, evs[1:])) / 1e6 / len(kernels)
+        print(f"  the timer's loop traced ({len(kernels)} calls): its median {timed[0]:.3f} ms a call; kernel "
               f"first {kernels[0]:.3f}, median {sorted(kernels)[len(kernels) // 2]:.3f}, last {kernels[-1]:.3f} ms; "
-              f"GPU idle between events {idle / calls:.3f} ms a call")
+              f"GPU idle between events {idle:.3f} ms a call")
 
 
 if __name__ == "__main__":
