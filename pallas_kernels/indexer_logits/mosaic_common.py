@@ -151,13 +151,18 @@ def fill_tail(rows, stop, first, chunk, out_blocks, store_fill, *, clean):
                 store_fill(row, b, 1)
 
 
-def fill_tail_and_drain(rows, fill_smem, stop, first, chunk, out_blocks, store_fill, *, clean):
-    """The memory warpgroup's end: with `clean`, -inf written to fill_smem (FILL_BLOCKS key blocks)
-    and `fill_tail`'s stores from it; then waits until the stores have read SMEM (the writes land
-    by kernel end)."""
+def splat_fill(fill_smem, *, clean):
+    """With `clean`, -inf into fill_smem (FILL_BLOCKS key blocks), fenced for the TMA stores that
+    read it."""
     if clean:
         fill_smem[...] = jnp.full(fill_smem.shape, -jnp.inf, jnp.float32)
         plgpu.commit_smem()
+
+
+def fill_tail_and_drain(rows, fill_smem, stop, first, chunk, out_blocks, store_fill, *, clean):
+    """The memory warpgroup's end: `splat_fill` and `fill_tail`'s stores from it; then waits until
+    the stores have read SMEM (the writes land by kernel end)."""
+    splat_fill(fill_smem, clean=clean)
     fill_tail(rows, stop, first, chunk, out_blocks, store_fill, clean=clean)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

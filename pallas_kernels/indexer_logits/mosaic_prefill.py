@@ -68,6 +68,7 @@ from .mosaic_common import (
     padded_inputs,
     ring_kernel,
     row_logits,
+    splat_fill,
     warpgroups,
 )
 
@@ -197,9 +198,7 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: PrefillTiling,
              meta_bar, q_bar, k_bar, consumed_bar, free_bar):
 
         def memory():
-            if clean:
-                fill_smem[...] = jnp.full(fill_smem.shape, -jnp.inf, jnp.float32)
-                plgpu.commit_smem()
+            splat_fill(fill_smem, clean=clean)
 
             def tail(j):
                 """Item j's -inf tail (its metadata still in its buffer: j + 2 reuses it)."""
