@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from jax_sparse_mla.config import MLAConfig
-from pallas_kernels.indexer_logits import gather_paged_rows
+from pallas_kernels.indexer_logits import gather_paged_rows, layout
 from pallas_kernels.indexer_logits.mosaic_decode import choose_decode_tiling
 from pallas_kernels.indexer_logits.mosaic_common import TMA_SMEM_ALIGN, meta_width
-from pallas_kernels.indexer_logits.mosaic_prefill import _weight_rows, choose_prefill_tiling
+from pallas_kernels.indexer_logits.mosaic_prefill import _tiles, _weight_rows, choose_prefill_tiling
 from tests.support import INTERPRET, ops
 from tests.support.cases import FP8, make_indexer_case
 
@@ -373,6 +373,54 @@ def test_gather_paged_rows_zeroes_missing_pages():
     want = np.zeros((2, 8, 3), np.float32)
     want[0, :4] = want[1, 4:] = 1.0
     np.testing.assert_array_equal(np.asarray(rows), want)
+
+
+@pytest.mark.parametrize("one_hot", [True, False], ids=["one_hot", "sorted"])
+def test_tile_schedule_groups_rows_like_a_stable_sort(monkeypatch, one_hot):
+    """Both ways of counting (the one-hot cumsum and, past ONE_HOT_LIMIT, the argsort) give each
+    sequence's rows in row order, BR a tile, a sequence's tiles consecutive, the tile end the
+    largest clipped row_end; against numpy's stable argsort on shuffled ragged rows (row_seq out
+    of range clipped, as the kernels clip it)."""
+    if not one_hot:
+        monkeypatch.setattr(layout, "ONE_HOT_LIMIT", 0)
+    rng = np.random.default_rng(3)
+    num_seqs, br, num_keys = 5, 3, 50
+    row_seq = rng.permutation(np.repeat(np.arange(-1, num_seqs + 1), [2, 4, 0, 7, 1, 3, 2]))
+    row_end = rng.integers(-3, num_keys + 9, row_seq.shape[0])
+    tile_rows, tile_meta = map(np.asarray, jax.jit(layout.tile_schedule, static_argnums=(2, 3, 4))(
+        jnp.asarray(row_seq, jnp.int32), jnp.asarray(row_end, jnp.int32), num_seqs, num_keys, br))
+    seq = np.clip(row_seq, 0, num_seqs - 1)
+    want_rows, want_meta = [], []
+    for s in range(num_seqs):
+        rows = np.flatnonzero(seq == s)  # row order within the sequence
+        for i in range(0, rows.size, br):
+            tile = rows[i:i + br]
+            want_rows.append(np.pad(tile, (0, br - tile.size), constant_values=-1))
+            want_meta.append((s, np.clip(row_end[tile], 0, num_keys).max()))
+    t = len(want_rows)
+    assert tile_rows.shape[0] == layout.max_tiles(row_seq.shape[0], num_seqs, br) >= t
+    np.testing.assert_array_equal(tile_rows[:t], np.asarray(want_rows))
+    np.testing.assert_array_equal(tile_meta[:t], np.asarray(want_meta))
+    assert (tile_rows[t:] == -1).all() and (tile_meta[t:, 1] == 0).all()
+
+
+def test_prefill_tiles_heaviest_first():
+    """The persistent grid's deal: every tile once, by key blocks to compute in non-increasing
+    classes, heaviest first; the meta rows carry each tile's row ends."""
+    rng = np.random.default_rng(4)
+    n, num_seqs, num_keys, br = 300, 4, 64 * 300, 4
+    row_seq = rng.integers(0, num_seqs, n)
+    row_end = rng.integers(0, num_keys + 1, n)
+    args = (jnp.asarray(row_seq, jnp.int32), jnp.asarray(row_end, jnp.int32))
+    meta, tile_rows = map(np.asarray, _tiles(*args, num_seqs, num_keys, br))
+    base_rows, base_meta = map(np.asarray, layout.tile_schedule(*args, num_seqs, num_keys, br))
+    assert sorted(map(tuple, tile_rows)) == sorted(map(tuple, base_rows))
+    blocks = -(-meta[:, 1] // 64)
+    classes = (300 - blocks) * 128 // 301  # 128 classes of 301 / 128 block counts each
+    assert classes[0] == 0 and (np.diff(classes) >= 0).all() and len(set(classes)) > 10
+    np.testing.assert_array_equal(meta[:, 2:2 + br], tile_rows)
+    ends = np.where(tile_rows >= 0, row_end[np.maximum(tile_rows, 0)], 0)
+    np.testing.assert_array_equal(meta[:, 2 + br:2 + 2 * br], ends)
 
 
 # ------------------------------------------------------------------------------------------------

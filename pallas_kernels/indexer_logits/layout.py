@@ -24,31 +24,51 @@ def max_tiles(num_rows, num_seqs, block_rows):
     return max(1, (num_rows + min(num_seqs, num_rows) * (block_rows - 1)) // block_rows)
 
 
+# Up to this many [N, V] entries `ranks_within` counts through a one-hot matrix; past it, it sorts.
+ONE_HOT_LIMIT = 1 << 22
+
+
+def ranks_within(keys, num_values):
+    """keys [N] int32 in [0, num_values) -> (ranks [N] int32: entries before n with n's key,
+    counts [num_values] int32): a stable counting sort's positions, start[key] + rank.
+
+    Counted by a cumsum over the one-hot [N, num_values] where that is at most ONE_HOT_LIMIT
+    entries (a few fused XLA ops), else by a stable argsort: XLA's sort of a few thousand
+    entries is several kernels and tens of us on the GPU, in front of every indexer call."""
+    n = keys.shape[0]
+    values = jnp.arange(num_values, dtype=jnp.int32)
+    if n * num_values <= ONE_HOT_LIMIT:
+        onehot = (keys[:, None] == values[None, :]).astype(jnp.int32)
+        seen = jnp.cumsum(onehot, axis=0)
+        ranks = jnp.take_along_axis(seen, keys[:, None], axis=1)[:, 0] - 1
+        return ranks.astype(jnp.int32), seen[-1].astype(jnp.int32)
+    order = jnp.argsort(keys, stable=True).astype(jnp.int32)
+    counts = jnp.zeros((num_values,), jnp.int32).at[keys].add(1)
+    start = jnp.cumsum(counts) - counts
+    ranks = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32) - start[keys[order]])
+    return ranks, counts
+
+
 def tile_schedule(row_seq, row_end, num_seqs, num_keys, block_rows):
     """Group the rows by sequence into tiles of <= block_rows rows (jnp, runs under jit).
 
-    Returns tile_rows [T, BR] int32 (row ids, -1 = empty slot) and tile_meta [T, 2] int32
-    (sequence, max row_end of the tile clipped to [0, L]); T = max_tiles(...), unused tiles empty.
+    Returns tile_rows [T, BR] int32 (row ids, -1 = empty slot; a sequence's rows in row order)
+    and tile_meta [T, 2] int32 (sequence, max row_end of the tile clipped to [0, L]);
+    T = max_tiles(...), a sequence's tiles consecutive in sequence order, unused tiles empty.
     """
     n = row_seq.shape[0]
     br = block_rows
     t_max = max_tiles(n, num_seqs, br)
     seq = jnp.clip(row_seq.astype(jnp.int32), 0, num_seqs - 1)
-    order = jnp.argsort(seq, stable=True).astype(jnp.int32)
-    counts = jnp.zeros((num_seqs,), jnp.int32).at[seq].add(1)
-    seq_start = jnp.cumsum(counts) - counts
+    rank, counts = ranks_within(seq, num_seqs)
     tiles_per_seq = (counts + br - 1) // br
     tile_stop = jnp.cumsum(tiles_per_seq)
     tile_first = tile_stop - tiles_per_seq
+    # row n: slot rank % BR of its sequence's tile rank // BR (unique, and < t_max by max_tiles)
+    tile_rows = jnp.full((t_max, br), -1, jnp.int32).at[tile_first[seq] + rank // br, rank % br].set(
+        jnp.arange(n, dtype=jnp.int32), unique_indices=True)
     t = jnp.arange(t_max, dtype=jnp.int32)
     tile_seq = jnp.minimum(jnp.searchsorted(tile_stop, t, side="right"), num_seqs - 1).astype(jnp.int32)
-    used = t < tile_stop[-1]
-    first_row = (t - tile_first[tile_seq]) * br  # index of the tile's first row within its sequence
-    r = jnp.arange(br, dtype=jnp.int32)
-    within = first_row[:, None] + r[None, :]
-    ok = used[:, None] & (within < counts[tile_seq][:, None])
-    pos = jnp.where(ok, seq_start[tile_seq][:, None] + within, 0)
-    tile_rows = jnp.where(ok, order[pos], -1).astype(jnp.int32)
-    ends = jnp.where(ok, jnp.clip(row_end.astype(jnp.int32)[jnp.maximum(tile_rows, 0)], 0, num_keys), 0)
+    ends = jnp.where(tile_rows >= 0, jnp.clip(row_end.astype(jnp.int32)[jnp.maximum(tile_rows, 0)], 0, num_keys), 0)
     tile_meta = jnp.stack([tile_seq, ends.max(axis=1)], axis=1).astype(jnp.int32)
     return tile_rows, tile_meta

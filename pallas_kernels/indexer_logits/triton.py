@@ -171,7 +171,7 @@ def indexer_logits_triton(q, weights, k_cache, k_scale, block_tables, row_seq, r
     exact f32 accumulation). Interpret mode always accumulates in f32.
 
     Route and tiling. The grid is (row tiles, key chunks). Rows are grouped by sequence in the
-    wrapper (a stable argsort of row_seq, then tiles of <= block_rows rows of ONE sequence), so
+    wrapper (`layout.tile_schedule`: a counting sort by row_seq, then tiles of <= block_rows rows of ONE sequence), so
     the rows of a program share their keys and ragged batches (several sequences, any row
     order) need no per-row gathers. A program loads its rows' q ([Hi, D] each) and weights once,
     then walks its key chunk in blocks of block_keys positions: page ids are gathered from the
