@@ -24,10 +24,10 @@ def compiled_hlo(plan, meta, config=TINY):
 
 
 def scoring_ops(hlo: str) -> dict[str, int]:
-    """Instructions of the compiled module under model.py's two scoring scopes (whatever the
-    kernels lower to: Triton or Mosaic custom calls on the GPU, XLA ops in the interpreter)."""
-    return {"indexer_logits": len(re.findall(r'op_name="[^"]*indexer_logits', hlo)),
-            "indexer_topk": len(re.findall(r'op_name="[^"]*indexer_topk', hlo))}
+    """Instructions of the compiled module under model.py's two scoring scopes (`scope_ops`;
+    whatever the kernels lower to: Triton or Mosaic custom calls on the GPU, XLA ops in the
+    interpreter)."""
+    return {scope: scope_ops(hlo, scope) for scope in ("indexer_logits", "indexer_topk")}
 
 
 @pytest.mark.parametrize("options,scored", [
@@ -38,11 +38,13 @@ def scoring_ops(hlo: str) -> dict[str, int]:
 def test_scoring_exists_only_where_the_plan_says(options, scored):
     plan, meta = plan_batch(TINY, [Request(0, 10, [0, 1, 2]), Request(0, 5, [3, 4])], **options)
     assert plan.has_indexer_scoring == scored
-    ops = scoring_ops(compiled_hlo(plan, meta))
+    hlo = compiled_hlo(plan, meta)
+    ops = scoring_ops(hlo)
     if scored:
         assert ops["indexer_logits"] > 0 and ops["indexer_topk"] > 0, ops
     else:
         assert ops == {"indexer_logits": 0, "indexer_topk": 0}, ops
+        assert not re.search(r"\bsort\(|\btopk\(", hlo)  # no selection of any kind
 
 
 def scope_ops(hlo: str, scope: str) -> int:

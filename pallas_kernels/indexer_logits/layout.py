@@ -36,9 +36,8 @@ def ranks_within(keys, num_values):
     entries (a few fused XLA ops), else by a stable argsort: XLA's sort of a few thousand
     entries is several kernels and tens of us on the GPU, in front of every indexer call."""
     n = keys.shape[0]
-    values = jnp.arange(num_values, dtype=jnp.int32)
     if n * num_values <= ONE_HOT_LIMIT:
-        onehot = (keys[:, None] == values[None, :]).astype(jnp.int32)
+        onehot = (keys[:, None] == jnp.arange(num_values, dtype=jnp.int32)[None, :]).astype(jnp.int32)
         seen = jnp.cumsum(onehot, axis=0)
         ranks = jnp.take_along_axis(seen, keys[:, None], axis=1)[:, 0] - 1
         return ranks.astype(jnp.int32), seen[-1].astype(jnp.int32)

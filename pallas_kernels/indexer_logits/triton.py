@@ -171,13 +171,13 @@ def indexer_logits_triton(q, weights, k_cache, k_scale, block_tables, row_seq, r
     exact f32 accumulation). Interpret mode always accumulates in f32.
 
     Route and tiling. The grid is (row tiles, key chunks). Rows are grouped by sequence in the
-    wrapper (`layout.tile_schedule`: a counting sort by row_seq, then tiles of <= block_rows rows of ONE sequence), so
-    the rows of a program share their keys and ragged batches (several sequences, any row
-    order) need no per-row gathers. A program loads its rows' q ([Hi, D] each) and weights once,
-    then walks its key chunk in blocks of block_keys positions: page ids are gathered from the
+    wrapper (`layout.tile_schedule`: a counting sort by row_seq, then tiles of <= block_rows rows of
+    ONE sequence), so the rows of a program share their keys and ragged batches (several sequences,
+    any row order) need no per-row gathers. A program loads its rows' q ([Hi, D] each) and weights
+    once, then walks its key chunk in blocks of block_keys positions: page ids are gathered from the
     block table per position (pos // page_size), the keys as one [BK, D] vector gather from the
-    cache (so BK need not be a multiple of page_size), one MMA per row [Hi, D] x [D, BK] with
-    fp32 accumulation, ReLU, weighted head sum, k_scale, causal/ragged mask, and a [BK] store.
+    cache (so BK need not be a multiple of page_size), one MMA per row [Hi, D] x [D, BK] with fp32
+    accumulation, ReLU, weighted head sum, k_scale, causal/ragged mask, and a [BK] store.
     Blocks at or past the tile's largest row_end skip loads and MMA and only write -inf, so a
     causal prefill does about half the work of the full rectangle. Nothing of size [N, Hi, L]
     exists outside registers. Prefill (many rows per sequence) uses 4 rows per program (each key
