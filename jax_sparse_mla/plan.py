@@ -569,7 +569,7 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
     plan, meta = plan_host(config, requests, num_pages=num_pages, force_sparse=bool(force_sparse),
                            skip_indexer=bool(skip_indexer), buckets=buckets, dispatch=dispatch,
                            tensor_parallel=int(tensor_parallel), prefill_route=prefill_route)
-    return plan, jax.tree.map(jax.numpy.asarray, meta)
+    return plan, jax.device_put(meta)  # one batched transfer of the whole pytree
 
 
 def check_batch(config, requests, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel=1,

@@ -113,14 +113,18 @@ def test_after_precompile_a_serving_run_compiles_nothing(tmp_path):
     saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
              jax.config.jax_persistent_cache_min_entry_size_bytes)
     try:
-        report = precompile(TINY, BucketPolicy(), **limits, cache_dir=str(tmp_path / "jax_cache"), progress=False)
+        # kernels "xla": what is checked is that every plan's program is built ahead of the run, whatever
+        # its kernels (the interpreted Pallas ones would only make the CPU suite slower; the "call"
+        # warm-up below runs them)
+        report = precompile(TINY, BucketPolicy(), **limits, kernels="xla", cache_dir=str(tmp_path / "jax_cache"),
+                            progress=False)
     finally:  # the persistent cache is process-wide: point it back for the rest of the session
         enable_persistent_cache(saved[0], min_compile_time_s=saved[1], min_entry_size_bytes=saved[2])
     assert report.num_programs == sum(report.per_route.values()) == len(report.plans)
     assert len(compiles) == report.num_programs  # one backend compile per plan
     assert any(os.scandir(tmp_path / "jax_cache"))  # the persistent cache got entries
     engine = Engine(TINY, num_layers=1, num_pages=limits["num_pages"], max_num_seqs=limits["max_num_seqs"],
-                    max_num_batched_tokens=limits["max_num_batched_tokens"])
+                    max_num_batched_tokens=limits["max_num_batched_tokens"], kernels="xla")
     before = len(compiles)
     result = engine.run(Workload(num_requests=5, input_len=14, output_len=6, input_range_ratio=0.9,
                                  output_range_ratio=0.5, seed=3), progress=False)
