@@ -15,6 +15,8 @@ from jax_sparse_mla.precompile import count_programs, enable_persistent_cache, e
 TINY = MLAConfig.tiny()
 LIMITS = dict(num_pages=17, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=32)
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+# the persistent compilation cache's lookups (jax._src.compiler); a hit also reports _COMPILE_EVENT
+_CACHE_HIT, _CACHE_MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
 
 
 def random_batch(rng, config, *, num_pages, max_num_seqs, max_num_batched_tokens, max_model_len):
@@ -132,6 +134,35 @@ def test_after_precompile_a_serving_run_compiles_nothing(tmp_path):
     assert {s.plan for s in result.steps} <= set(report.plans)
     assert {s.plan.masked for s in result.steps} >= {"none", "all"}  # masked MHA steps among them
     assert len(compiles) == before, compiles[before:]  # no backend compile of forward during the run
+
+
+def test_aot_precompile_of_pallas_kernels_serves_the_plan_without_compiling(tmp_path):
+    """method="aot" with kernels "pallas" (interpreted on CPU, compiled on a GPU) for one sparse
+    plan writes its program to the persistent cache, and a jit_forward call of that plan on real
+    inputs, with jit's in-memory caches cleared, loads it from there instead of compiling."""
+    from jax_sparse_mla import init_cache, init_params, jit_forward
+
+    plan, meta = plan_batch(TINY, [Request(0, 9, [0, 1, 2]), Request(12, 1, [3, 4, 5, 6])], force_sparse=True)
+    assert plan.has_indexer_scoring
+    events = []
+    jax.monitoring.register_event_listener(lambda event, **kw: events.append(event))
+    saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
+             jax.config.jax_persistent_cache_min_entry_size_bytes)
+    try:
+        report = precompile(TINY, plans=[plan], num_pages=8, max_num_seqs=2, max_num_batched_tokens=16,
+                            kernels="pallas", cache_dir=str(tmp_path / "jax_cache"), progress=False)
+        assert report.method == "aot" and report.plans == (plan,)
+        assert events.count(_CACHE_MISS) == 1 and any(os.scandir(tmp_path / "jax_cache"))
+        jax.clear_caches()  # the call below can only find the program in the persistent cache
+        params, cache = init_params(TINY, jax.random.key(0)), init_cache(TINY, 8)
+        x = jax.random.normal(jax.random.key(1), (plan.num_tokens, TINY.hidden_size), TINY.jnp_dtype)
+        del events[:]
+        out, _ = jit_forward(params, x, cache, meta, plan=plan, config=TINY, kernels="pallas")
+        out.block_until_ready()
+    finally:  # the persistent cache is process-wide: point it back for the rest of the session
+        enable_persistent_cache(saved[0], min_compile_time_s=saved[1], min_entry_size_bytes=saved[2])
+    assert events.count(_CACHE_HIT) == 1 and _CACHE_MISS not in events, events  # loaded, not compiled
+    assert np.isfinite(np.asarray(out, np.float32)).all()
 
 
 def test_engine_precompile_call_leaves_nothing_to_compile():
