@@ -36,6 +36,13 @@ with jax.monitoring's backend-compile event in the tests). It still traces and l
 first call and then adds a dispatch entry (`jit_forward._cache_size()` grows), which the Engine's
 StepRecord.new_programs counts; `method="call"` instead runs each program once on zero-filled
 inputs (allocates a cache of num_pages pages), which leaves nothing for the first real call to do.
+That lowering again is why AOT needs kernels that lower reproducibly
+(`kernels.Implementations.lowers_reproducibly`): compiled Mosaic GPU kernels do not (jax 0.11
+names each kernel module by a process-wide counter that reaches the cache key), so the call's
+program would be a new one and compile again. `method="auto"` (the default) is "call" for them
+and "aot" otherwise; "aot" with them is refused. A persistent cache written by "call" serves a
+restarted process that runs the same precompile before any other Mosaic GPU lowering: its
+kernels are then lowered in the same order and get the same names (tests/test_precompile.py).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from . import kernels as kernel_ops
 from . import policy
 from .cache import init_cache
 from .config import MLAConfig
@@ -325,7 +333,7 @@ def _abstract(tree):
 def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num_pages: int, max_num_seqs: int,
                max_num_batched_tokens: int, max_model_len: int | None = None, dispatch: str = "static",
                kernels: str = "auto", skip_indexer: bool = True, force_sparse: bool = False,
-               prefill_route: str = "auto", params=None, hidden_dtype=None, method: str = "aot", cache_dir: str | None = None,
+               prefill_route: str = "auto", params=None, hidden_dtype=None, method: str = "auto", cache_dir: str | None = None,
                min_compile_time_s: float = 0.0, min_entry_size_bytes: int = 0, plans: Sequence[BatchPlan] | None = None,
                call: Callable[[BatchPlan], object] | None = None, progress: bool = True) -> PrecompileReport:
     """Compiles jit_forward for every plan of enumerate_plans (or `plans`) ahead of time.
@@ -333,16 +341,26 @@ def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num
     params: a param dict (arrays or ShapeDtypeStructs) whose shapes and dtypes the serving loop
       passes (default: init_params's). hidden_dtype: the dtype of hidden (default config's, as the
       Engine feeds). method: "aot" (lower(...).compile() on ShapeDtypeStructs: fills the
-      compilation cache; the first call still traces) or "call" (runs each plan on zero-filled
-      inputs: also fills jit's dispatch cache; allocates params and a cache of num_pages pages, or
-      runs call(plan) instead when given, e.g. the Engine's layer stack on its own caches).
+      compilation cache; the first call still traces and lowers; refused, with a ValueError, for
+      kernels that do not lower reproducibly: compiled Mosaic GPU kernels), "call" (runs each plan
+      on zero-filled inputs: also fills jit's dispatch cache; allocates params and a cache of
+      num_pages pages, or runs call(plan) instead when given, e.g. the Engine's layer stack on its
+      own caches) or "auto" ("aot" where the kernels lower reproducibly, else "call"); the report
+      says which ran.
     cache_dir: also write jax's persistent compilation cache there (enable_persistent_cache, with
       min_compile_time_s / min_entry_size_bytes), so another process loads instead of compiling.
     """
     from tqdm.auto import tqdm
 
-    if method not in ("aot", "call"):
-        raise ValueError(f"method must be 'aot' or 'call', got {method!r}")
+    if method not in ("auto", "aot", "call"):
+        raise ValueError(f"method must be 'auto', 'aot' or 'call', got {method!r}")
+    reproducible = kernel_ops.resolve(kernels, config).lowers_reproducibly
+    if method == "aot" and not reproducible:
+        raise ValueError(f"method='aot' cannot warm up kernels={kernels!r} here: compiled Mosaic GPU kernels "
+                         "lower to a differently named module each time, so a later call would compile its "
+                         "program again; use method='call' (or 'auto')")
+    if method == "auto":
+        method = "aot" if reproducible else "call"
     if plans is None:
         plans = enumerate_plans(config, buckets, num_pages=num_pages, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,

@@ -6,10 +6,12 @@ import itertools
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jax_sparse_mla import BucketPolicy, MLAConfig, Request, plan_batch
+from jax_sparse_mla import kernels as kernel_ops
 from jax_sparse_mla.precompile import count_programs, enable_persistent_cache, enumerate_plans, precompile
 
 TINY = MLAConfig.tiny()
@@ -136,33 +138,144 @@ def test_after_precompile_a_serving_run_compiles_nothing(tmp_path):
     assert len(compiles) == before, compiles[before:]  # no backend compile of forward during the run
 
 
-def test_aot_precompile_of_pallas_kernels_serves_the_plan_without_compiling(tmp_path):
-    """method="aot" with kernels "pallas" (interpreted on CPU, compiled on a GPU) for one sparse
-    plan writes its program to the persistent cache, and a jit_forward call of that plan on real
-    inputs, with jit's in-memory caches cleared, loads it from there instead of compiling."""
-    from jax_sparse_mla import init_cache, init_params, jit_forward
-
+def _sparse_plan():
+    """One scored plan (a prefill beside a decode, force_sparse) and its metadata; num_pages 8."""
     plan, meta = plan_batch(TINY, [Request(0, 9, [0, 1, 2]), Request(12, 1, [3, 4, 5, 6])], force_sparse=True)
     assert plan.has_indexer_scoring
+    return plan, meta
+
+
+@pytest.mark.parametrize("kernels", ["xla", "pallas"])
+def test_lowers_reproducibly_says_whether_two_lowerings_are_one_program(kernels):
+    """Implementations.lowers_reproducibly, which precompile's method follows, is what lowering
+    jit_forward twice shows on this device: True off the GPU (XLA, interpreted Pallas), False with
+    compiled Mosaic GPU kernels (a GPU run of the suite checks that side)."""
+    from jax_sparse_mla import init_cache, init_params, jit_forward
+
+    plan, meta = _sparse_plan()
+    args = (jax.eval_shape(lambda: init_params(TINY, jax.random.key(0))),
+            jax.ShapeDtypeStruct((plan.num_tokens, TINY.hidden_size), TINY.jnp_dtype),
+            jax.eval_shape(lambda: init_cache(TINY, 8)), meta)
+    texts = []
+    for _ in range(2):
+        jax.clear_caches()
+        texts.append(jit_forward.lower(*args, plan=plan, config=TINY, kernels=kernels).as_text())
+    assert (texts[0] == texts[1]) == kernel_ops.resolve(kernels, TINY).lowers_reproducibly
+
+
+def test_mosaic_gpu_lowering_names_each_kernel_module_by_a_counter():
+    """Why compiled Mosaic GPU kernels do not lower reproducibly (jax 0.11): the same kernel lowered
+    for the GPU twice differs exactly in its module's `mosaic_gpu.dump_basename` counter and the
+    hash of the serialized module. When jax drops the counter this fails, and precompile's "aot"
+    can be allowed for them again."""
+    import functools
+    import re
+
+    from tests.support import ops
+    from tests.support.cases import FP8
+
+    sd = jax.ShapeDtypeStruct
+    args = (sd((2, 64, 128), FP8), sd((2, 64), jnp.float32), sd((1024, 128), FP8), sd((1024,), jnp.float32),
+            sd((2, 8), jnp.int32), sd((2,), jnp.int32), sd((2,), jnp.int32))
+    fn = jax.jit(functools.partial(ops.indexer_logits, "mosaic_decode", page_size=64, interpret=False))
+    texts = []
+    for _ in range(2):
+        jax.clear_caches()
+        texts.append(fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+    names = [re.findall(r"dump_basename\\00(\w+?)_(\d+)\\00", t) for t in texts]
+    assert len(names[0]) == len(names[1]) == 1 and names[0][0][0] == names[1][0][0], names
+    assert int(names[1][0][1]) > int(names[0][0][1])  # the second lowering counts on from the first
+    normal = [re.sub(r'kernel_hash = "(?:[^"\\]|\\.)*"', "", re.sub(r"(dump_basename\\00\w+?_)\d+", r"\1", t))
+              for t in texts]
+    assert texts[0] != texts[1] and normal[0] == normal[1]
+
+
+def test_precompile_method_follows_the_kernels_reproducibility(monkeypatch):
+    """method="auto" runs "aot" for kernels that lower reproducibly and "call" for the others, where
+    "aot" is refused (the Implementations stand in for compiled Mosaic GPU kernels, as on a GPU)."""
+    plan, _ = _sparse_plan()
+    kw = dict(plans=[plan], num_pages=8, max_num_seqs=2, max_num_batched_tokens=16, progress=False)
+    called = []
+    assert precompile(TINY, **kw, kernels="xla", call=called.append).method == "aot" and called == []
+    mosaic = kernel_ops.OpImpl("mosaic")
+    monkeypatch.setattr(kernel_ops, "resolve", lambda kernels, config: kernel_ops.Implementations(
+        mosaic, kernel_ops.OpImpl("triton"), mosaic, kernel_ops.XLA))
+    with pytest.raises(ValueError, match="method='aot' cannot warm up kernels='pallas'.*Mosaic GPU"):
+        precompile(TINY, **kw, kernels="pallas", method="aot", call=called.append)
+    assert called == []  # refused before anything ran
+    assert precompile(TINY, **kw, kernels="pallas", call=called.append).method == "call" and called == [plan]
+
+
+def test_aot_precompile_serves_the_plan_from_the_persistent_cache(tmp_path):
+    """method="aot" (what "auto" picks for kernels that lower reproducibly: interpreted Pallas on CPU,
+    XLA on a GPU) for one sparse plan writes its program to the persistent cache, and a jit_forward
+    call of that plan on real inputs, with jit's in-memory caches cleared, loads it from there."""
+    from jax_sparse_mla import init_cache, init_params, jit_forward
+
+    kernels = "pallas" if kernel_ops.resolve("pallas", TINY).lowers_reproducibly else "xla"
+    plan, meta = _sparse_plan()
     events = []
     jax.monitoring.register_event_listener(lambda event, **kw: events.append(event))
     saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
              jax.config.jax_persistent_cache_min_entry_size_bytes)
     try:
         report = precompile(TINY, plans=[plan], num_pages=8, max_num_seqs=2, max_num_batched_tokens=16,
-                            kernels="pallas", cache_dir=str(tmp_path / "jax_cache"), progress=False)
+                            kernels=kernels, cache_dir=str(tmp_path / "jax_cache"), progress=False)
         assert report.method == "aot" and report.plans == (plan,)
         assert events.count(_CACHE_MISS) == 1 and any(os.scandir(tmp_path / "jax_cache"))
         jax.clear_caches()  # the call below can only find the program in the persistent cache
         params, cache = init_params(TINY, jax.random.key(0)), init_cache(TINY, 8)
         x = jax.random.normal(jax.random.key(1), (plan.num_tokens, TINY.hidden_size), TINY.jnp_dtype)
         del events[:]
-        out, _ = jit_forward(params, x, cache, meta, plan=plan, config=TINY, kernels="pallas")
+        out, _ = jit_forward(params, x, cache, meta, plan=plan, config=TINY, kernels=kernels)
         out.block_until_ready()
     finally:  # the persistent cache is process-wide: point it back for the rest of the session
         enable_persistent_cache(saved[0], min_compile_time_s=saved[1], min_entry_size_bytes=saved[2])
     assert events.count(_CACHE_HIT) == 1 and _CACHE_MISS not in events, events  # loaded, not compiled
     assert np.isfinite(np.asarray(out, np.float32)).all()
+
+
+_RESTART = """
+import json, sys
+import jax, numpy as np
+from jax_sparse_mla import MLAConfig, Request, init_cache, init_params, jit_forward, plan_batch
+from jax_sparse_mla.precompile import precompile
+config = MLAConfig.tiny()
+plan, meta = plan_batch(config, [Request(0, 9, [0, 1, 2]), Request(12, 1, [3, 4, 5, 6])], force_sparse=True)
+params, cache = init_params(config, jax.random.key(0)), init_cache(config, 8)
+x = jax.random.normal(jax.random.key(1), (plan.num_tokens, config.hidden_size), config.jnp_dtype)
+events = []
+jax.monitoring.register_event_listener(lambda event, **kw: events.append(event))
+report = precompile(config, plans=[plan], num_pages=8, max_num_seqs=2, max_num_batched_tokens=16,
+                    kernels="pallas", cache_dir=sys.argv[1], progress=False)
+warm = list(events)
+out, _ = jit_forward(params, x, cache, meta, plan=plan, config=config, kernels="pallas")
+print(json.dumps(dict(method=report.method, warm=warm, call=events[len(warm):],
+                      finite=bool(np.isfinite(np.asarray(out, np.float32)).all()))))
+"""
+
+
+@pytest.mark.gpu
+def test_precompile_with_mosaic_kernels_serves_a_restarted_process_from_the_persistent_cache(tmp_path):
+    """Compiled Mosaic GPU kernels: precompile's "auto" runs "call"; the call after it compiles
+    nothing, and a second process that runs the same precompile loads the program from the
+    persistent cache the first one wrote (its kernels lower in the same order: the same names)."""
+    import json
+    import subprocess
+    import sys
+
+    assert not kernel_ops.resolve("pallas", TINY).lowers_reproducibly  # compiled Mosaic GPU kernels here
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _RESTART, str(tmp_path / "jax_cache")], capture_output=True,
+                              text=True, timeout=600, check=False)
+        assert done.returncode == 0, done.stderr[-4000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    for run in runs:
+        assert run["method"] == "call" and run["finite"]
+        assert _CACHE_HIT not in run["call"] and _CACHE_MISS not in run["call"], run  # nothing to compile
+    assert runs[0]["warm"].count(_CACHE_MISS) >= 1  # the first process compiled and wrote the cache
+    assert runs[1]["warm"].count(_CACHE_HIT) >= 1 and _CACHE_MISS not in runs[1]["warm"], runs[1]  # loaded
 
 
 def test_engine_precompile_call_leaves_nothing_to_compile():

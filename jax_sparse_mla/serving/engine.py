@@ -230,7 +230,7 @@ class Engine:
             self._forward(plan, meta, _gather_rows(self.pool, rows), opts.kernels).block_until_ready()
         return jit_forward._cache_size() - before
 
-    def precompile(self, *, method: str = "aot", cache_dir: str | None = None, max_model_len: int | None = None,
+    def precompile(self, *, method: str = "auto", cache_dir: str | None = None, max_model_len: int | None = None,
                    progress: bool = True, **overrides):
         """Compiles every program a run under these options can need, whatever the workload: the
         plans of jax_sparse_mla.precompile.enumerate_plans for this engine's num_pages,
@@ -239,7 +239,9 @@ class Engine:
         ahead-of-time compile of jit_forward (the first call of a plan still traces it and adds a
         dispatch entry, which StepRecord.new_programs counts); "call": each plan run once through
         the layers on padding-only metadata (writes no cache slot), after which a run compiles
-        nothing at all. cache_dir: jax's persistent compilation cache. Returns the PrecompileReport."""
+        nothing at all; "auto": "aot" where the kernels lower reproducibly, else "call" (compiled
+        Mosaic GPU kernels: precompile's docstring says why). cache_dir: jax's persistent
+        compilation cache. Returns the PrecompileReport (its method says which ran)."""
         from ..precompile import enumerate_plans, precompile
 
         opts = self.options.with_overrides(overrides)
