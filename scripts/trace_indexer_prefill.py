@@ -1,6 +1,8 @@
 """Where a causal indexer prefill call's time goes, outside and inside the kernel: the host median
-of the call the peer bench makes (`peer_entries.indexer_logits`, clean logits) and of the
-clean=False kernel, and for each a profiler trace of back-to-back calls: the busy time, the span,
+of the call the peer bench makes (`peer_entries.indexer_logits`, clean logits), of the same call
+with its tile schedule given (computed beforehand, as a plan could do once a step: what is left
+is the weights gather and the kernel) and of the clean=False kernel, and for each a profiler
+trace of back-to-back calls: the busy time, the span,
 and every gap between GPU events over 20 us (with the events around it). Then, traced, the
 timer's own loop (`timing.median_ms`'s batches: warm-up, then batches of back-to-back calls, each
 ended by a block): the kernel's duration over the loop (first, median, last: clocks under
@@ -22,7 +24,7 @@ sys.path.insert(0, "scripts")
 from peer_entries import indexer_logits as peer_entry  # noqa: E402
 from timing import median_ms  # noqa: E402
 
-from pallas_kernels.indexer_logits import indexer_logits  # noqa: E402
+from pallas_kernels.indexer_logits import indexer_logits, mosaic_prefill  # noqa: E402
 
 
 def inputs(t):
@@ -34,6 +36,31 @@ def inputs(t):
     scales = jnp.abs(jax.random.normal(k[3], (t,), jnp.float32)) + 0.1
     tables = jnp.arange(t // 64, dtype=jnp.int32)[None]
     return q, w, keys, scales, tables, jnp.zeros((t,), jnp.int32), jnp.arange(1, t + 1, dtype=jnp.int32)
+
+
+def schedule_given(x):
+    """The peer entry's kernel with `mosaic_prefill._tiles` replaced, while it traces, by the
+    schedule computed beforehand for these rows (constants of the program)."""
+    tiles, static = mosaic_prefill._tiles, []
+    call = functools.partial(indexer_logits, page_size=64, backend="mosaic_prefill")
+
+    def record(*a):
+        static[:] = a[2:]  # num_seqs, num_keys, block_rows
+        return tiles(*a)
+    mosaic_prefill._tiles = record
+    try:
+        jax.eval_shape(call, *x)
+    finally:
+        mosaic_prefill._tiles = tiles
+    schedule = jax.jit(tiles, static_argnums=(2, 3, 4))(x[5], x[6], *static)
+
+    def given(*a):
+        mosaic_prefill._tiles = lambda *_: schedule
+        try:
+            return call(*a)
+        finally:
+            mosaic_prefill._tiles = tiles
+    return jax.jit(given)
 
 
 def gpu_events(run, calls):
@@ -56,6 +83,7 @@ def main():
     x = inputs(args.t)
     variants = {
         "peer entry (clean)": jax.jit(functools.partial(peer_entry, page_size=64)),
+        "schedule given (clean)": schedule_given(x),
         "mosaic_prefill clean=False": jax.jit(functools.partial(indexer_logits, page_size=64,
                                                                 backend="mosaic_prefill", clean=False)),
     }
