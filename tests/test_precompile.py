@@ -13,6 +13,7 @@ import pytest
 from jax_sparse_mla import BucketPolicy, MLAConfig, Request, plan_batch
 from jax_sparse_mla import kernels as kernel_ops
 from jax_sparse_mla.precompile import count_programs, enable_persistent_cache, enumerate_plans, precompile
+from tests.support import run_python, scored_plan
 
 TINY = MLAConfig.tiny()
 LIMITS = dict(num_pages=17, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=32)
@@ -138,13 +139,6 @@ def test_after_precompile_a_serving_run_compiles_nothing(tmp_path):
     assert len(compiles) == before, compiles[before:]  # no backend compile of forward during the run
 
 
-def _sparse_plan():
-    """One scored plan (a prefill beside a decode, force_sparse) and its metadata; num_pages 8."""
-    plan, meta = plan_batch(TINY, [Request(0, 9, [0, 1, 2]), Request(12, 1, [3, 4, 5, 6])], force_sparse=True)
-    assert plan.has_indexer_scoring
-    return plan, meta
-
-
 @pytest.mark.parametrize("kernels", ["xla", "pallas"])
 def test_lowers_reproducibly_says_whether_two_lowerings_are_one_program(kernels):
     """Implementations.lowers_reproducibly, which precompile's method follows, is what lowering
@@ -152,7 +146,7 @@ def test_lowers_reproducibly_says_whether_two_lowerings_are_one_program(kernels)
     compiled Mosaic GPU kernels (a GPU run of the suite checks that side)."""
     from jax_sparse_mla import init_cache, init_params, jit_forward
 
-    plan, meta = _sparse_plan()
+    plan, meta = scored_plan(TINY)
     args = (jax.eval_shape(lambda: init_params(TINY, jax.random.key(0))),
             jax.ShapeDtypeStruct((plan.num_tokens, TINY.hidden_size), TINY.jnp_dtype),
             jax.eval_shape(lambda: init_cache(TINY, 8)), meta)
@@ -193,7 +187,7 @@ def test_mosaic_gpu_lowering_names_each_kernel_module_by_a_counter():
 def test_precompile_method_follows_the_kernels_reproducibility(monkeypatch):
     """method="auto" runs "aot" for kernels that lower reproducibly and "call" for the others, where
     "aot" is refused (the Implementations stand in for compiled Mosaic GPU kernels, as on a GPU)."""
-    plan, _ = _sparse_plan()
+    plan, _ = scored_plan(TINY)
     kw = dict(plans=[plan], num_pages=8, max_num_seqs=2, max_num_batched_tokens=16, progress=False)
     called = []
     assert precompile(TINY, **kw, kernels="xla", call=called.append).method == "aot" and called == []
@@ -213,7 +207,7 @@ def test_aot_precompile_serves_the_plan_from_the_persistent_cache(tmp_path):
     from jax_sparse_mla import init_cache, init_params, jit_forward
 
     kernels = "pallas" if kernel_ops.resolve("pallas", TINY).lowers_reproducibly else "xla"
-    plan, meta = _sparse_plan()
+    plan, meta = scored_plan(TINY)
     events = []
     jax.monitoring.register_event_listener(lambda event, **kw: events.append(event))
     saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
@@ -239,10 +233,11 @@ def test_aot_precompile_serves_the_plan_from_the_persistent_cache(tmp_path):
 _RESTART = """
 import json, sys
 import jax, numpy as np
-from jax_sparse_mla import MLAConfig, Request, init_cache, init_params, jit_forward, plan_batch
+from jax_sparse_mla import MLAConfig, init_cache, init_params, jit_forward
 from jax_sparse_mla.precompile import precompile
+from tests.support import scored_plan
 config = MLAConfig.tiny()
-plan, meta = plan_batch(config, [Request(0, 9, [0, 1, 2]), Request(12, 1, [3, 4, 5, 6])], force_sparse=True)
+plan, meta = scored_plan(config)
 params, cache = init_params(config, jax.random.key(0)), init_cache(config, 8)
 x = jax.random.normal(jax.random.key(1), (plan.num_tokens, config.hidden_size), config.jnp_dtype)
 events = []
@@ -251,8 +246,8 @@ report = precompile(config, plans=[plan], num_pages=8, max_num_seqs=2, max_num_b
                     kernels="pallas", cache_dir=sys.argv[1], progress=False)
 warm = list(events)
 out, _ = jit_forward(params, x, cache, meta, plan=plan, config=config, kernels="pallas")
-print(json.dumps(dict(method=report.method, warm=warm, call=events[len(warm):],
-                      finite=bool(np.isfinite(np.asarray(out, np.float32)).all()))))
+print("RESULT " + json.dumps(dict(method=report.method, warm=warm, call=events[len(warm):],
+                                  finite=bool(np.isfinite(np.asarray(out, np.float32)).all()))))
 """
 
 
@@ -261,18 +256,10 @@ def test_precompile_with_mosaic_kernels_serves_a_restarted_process_from_the_pers
     """Compiled Mosaic GPU kernels: precompile's "auto" runs "call"; the call after it compiles
     nothing, and a second process that runs the same precompile loads the program from the
     persistent cache the first one wrote (its kernels lower in the same order: the same names)."""
-    import json
-    import subprocess
-    import sys
-
     assert not kernel_ops.resolve("pallas", TINY).lowers_reproducibly  # compiled Mosaic GPU kernels here
-    runs = []
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # this process may hold most of the GPU
-    for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", _RESTART, str(tmp_path / "jax_cache")], capture_output=True,
-                              text=True, timeout=600, check=False, env=env)
-        assert done.returncode == 0, done.stderr[-4000:]
-        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    # this process may hold most of the GPU: the children allocate as they go
+    runs = [run_python(_RESTART, str(tmp_path / "jax_cache"), env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+                       timeout=600) for _ in range(2)]
     for run in runs:
         assert run["method"] == "call" and run["finite"]
         assert _CACHE_HIT not in run["call"] and _CACHE_MISS not in run["call"], run  # nothing to compile

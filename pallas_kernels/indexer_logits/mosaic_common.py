@@ -212,13 +212,21 @@ def consume_ring(wg, n_steps, stages, q_bar, k_bar, consumed_bar, o_smem, comput
 
 
 def row_logits(scores, w, k_scale, pos, row_end):
-    """One row's logits of a key block: scores [bk, Hi] f32, w [Hi] f32, k_scale [bk] f32 or None,
-    pos [bk] key positions -> [bk] sum_h w_h ReLU(scores_h) (x k_scale), -inf at pos >= row_end."""
+    """One row's logits of a key block: scores [bk, Hi] f32 (WGMMA layout), w [Hi] f32, k_scale
+    [bk] f32 or None, pos [bk] key positions or None -> [bk] sum_h w_h ReLU(scores_h) (x k_scale),
+    -inf at pos >= row_end (pos None: no mask, for a block wholly before row_end).
+    The head sum runs as FMA chains over 8-column slices (a thread's 2 columns of each), then one
+    sum of the 8: ~1 FMA an element where a sum of the products is a tree (~1.44 instructions an
+    element: multiplies, FMAs and adds); the summation order differs, not the precision."""
     bk, hi = scores.shape
-    logit = jnp.sum(jnp.maximum(scores, 0.0) * lax.broadcast_in_dim(w, (bk, hi), [1]), axis=1)
+    relu, wb = jnp.maximum(scores, 0.0), lax.broadcast_in_dim(w, (bk, hi), [1])
+    acc = relu[:, :8] * wb[:, :8]
+    for c in range(8, hi, 8):
+        acc = acc + relu[:, c:c + 8] * wb[:, c:c + 8]
+    logit = jnp.sum(acc, axis=1)
     if k_scale is not None:
         logit = logit * k_scale
-    return jnp.where(pos < row_end, logit, -jnp.inf)
+    return logit if pos is None else jnp.where(pos < row_end, logit, -jnp.inf)
 
 
 # TMA's SMEM side: a box lands at a 128-byte aligned address, so buffers indexed along a leading
@@ -234,10 +242,14 @@ def meta_width(block_rows):
     return -(-(2 + 2 * block_rows) // words) * words
 
 
-def ring_kernel(kernel, out_type, grid, name, interpret, compute_wgs=COMPUTE_WGS):
+def ring_kernel(kernel, out_type, grid, name, interpret, compute_wgs=COMPUTE_WGS, auto_barriers=True):
     """plgpu.kernel of a ring kernel body: grid ("split", "tile"): (key chunks, row tiles) in
     decode, (1, persistent programs) in prefill; one memory and compute_wgs compute warpgroups
-    ("wg")."""
+    ("wg"). auto_barriers=False: Pallas inserts no warpgroup barrier around SMEM and register
+    stores (`unsafe_no_auto_barriers`), for a body in which no thread reads and writes one
+    region, whose SMEM writes are followed by commit_smem (a fence and a warpgroup barrier)
+    before TMA reads them, and whose warpgroups hand buffers on by mbarriers (every thread of a
+    warpgroup arrives)."""
     return plgpu.kernel(
         kernel,
         out_type=out_type,
@@ -245,7 +257,7 @@ def ring_kernel(kernel, out_type, grid, name, interpret, compute_wgs=COMPUTE_WGS
         grid_names=("split", "tile"),
         num_threads=compute_wgs + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=not auto_barriers),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name=name,
     )

@@ -22,8 +22,9 @@ warpgroups:
     warpgroups (decode-like tiles) the others take the next blocks. Per group one wgmma
     [64 keys, D] x [D, group * Hi] (keys as A, the rows' q side by side as a K-major B, both in
     SMEM; accumulator rows are keys); per row, ReLU, the head-weighted sum as a row reduction of
-    the WGMMA layout, key scales and the causal mask give 64 logits, stored from registers to
-    GMEM (no SMEM staging: 1.05-1.10x over a TMA store per row).
+    the WGMMA layout (`row_logits`), key scales and the causal mask (only in blocks that reach
+    past a row's end) give 64 logits, stored from registers to GMEM (no SMEM staging:
+    1.05-1.10x over a TMA store per row; no warpgroup barriers around the stores).
     While one warpgroup's wgmmas run the others run their epilogues (DeepGEMM's arrangement for
     fp8; bf16's wgmmas take twice as long, and two warpgroups measured faster than four).
 The tile's q [block_rows, Hi, D] and weights stay in SMEM for the whole item; nothing of size
@@ -295,15 +296,27 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: PrefillTiling,
                             return acc[...]
 
                         scores = pl.run_scoped(mma, plgpu.ACC((bk, group * hi), jnp.float32))
-                        for r in range(group):
-                            w = w_held[r] if w_held is not None else row_weights(row0 + r)
-                            logit = row_logits(scores[:, r * hi:(r + 1) * hi], w, k_scale, pos,
-                                               meta[2 + br + row0 + r])
-                            row = meta[2 + row0 + r]
+                        rows = [meta[2 + row0 + r] for r in range(group)]
+                        ends = [meta[2 + br + row0 + r] for r in range(group)]
 
-                            @pl.when(row >= 0)
-                            def _store():  # from registers (no SMEM staging, no TMA)
-                                out_ref[row, pl.ds((first + step) * bk, bk)] = logit
+                        def store_rows(masked, scores=scores, rows=rows, ends=ends, row0=row0):
+                            for r in range(group):
+                                w = w_held[r] if w_held is not None else row_weights(row0 + r)
+                                logit = row_logits(scores[:, r * hi:(r + 1) * hi], w, k_scale,
+                                                   pos if masked else None, ends[r])
+
+                                @pl.when(rows[r] >= 0)
+                                def _store():  # from registers (no SMEM staging, no TMA)
+                                    out_ref[rows[r], pl.ds((first + step) * bk, bk)] = logit
+
+                        # the causal mask only where the block reaches past a (real) row's end:
+                        # the diagonal blocks of a prefill; the interior ones skip the compare
+                        # and select (docs/design/indexer.md)
+                        block_end = (first + step + 1) * bk
+                        interior = functools.reduce(jnp.minimum, [jnp.where(row >= 0, end, block_end)
+                                                                  for row, end in zip(rows, ends)]) >= block_end
+                        pl.when(interior)(lambda store_rows=store_rows: store_rows(False))
+                        pl.when(jnp.logical_not(interior))(lambda store_rows=store_rows: store_rows(True))
                     release()
 
                 consume_ring(wg, n_steps, stages, q_bar.at[buf], k_bar, consumed_bar, None, logits, None,
@@ -399,6 +412,7 @@ def indexer_logits_mosaic_prefill(q, weights, k_cache, k_scale, block_tables, ro
     kernel = ring_kernel(
         functools.partial(_kernel, tiling=tiling, page_size=page_size, chunk=chunk, swizzle=swizzle, clean=clean),
         jax.ShapeDtypeStruct((n, key_blocks * BLOCK_KEYS), jnp.float32), (1, tiling.programs),
-        "indexer_logits_mgpu", interpret, compute_wgs=tiling.compute_wgs)
+        "indexer_logits_mgpu", interpret, compute_wgs=tiling.compute_wgs,
+        auto_barriers=False)  # no barrier around each row's register store: 1.05x (design/indexer.md)
     out = kernel(*args)
     return out if out.shape[1] == num_keys else out[:, :num_keys]

@@ -45,14 +45,31 @@ def assert_same_as_clean(got, want, err_msg=""):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=err_msg)
 
 
-def run_with_cpu_devices(code: str, devices: int = 4):
-    """Runs `code` (which prints 'RESULT <json>') in a subprocess with `devices` virtual CPU devices -> the json."""
+def run_python(code: str, *args: str, env: dict | None = None, timeout: int = 300):
+    """Runs `code` in a fresh Python process of the checkout under test (sys.argv[1:] = args; env:
+    variables set over this process's) -> the json it prints on its last 'RESULT <json>' line."""
     import jax_sparse_mla
 
     root = pathlib.Path(jax_sparse_mla.__file__).absolute().parent.parent  # the checkout under test
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
+    proc = subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])
+
+
+def run_with_cpu_devices(code: str, devices: int = 4):
+    """`run_python(code)` with `devices` virtual CPU devices and the GPU hidden."""
+    return run_python(code, env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+                                 "JAX_PLATFORMS": "cpu"})
+
+
+def scored_plan(config):
+    """One scored plan (a 9-token prefill beside a decode, force_sparse) and its metadata, for a
+    cache of 8 pages."""
+    from jax_sparse_mla import Request, plan_batch
+
+    plan, meta = plan_batch(config, [Request(0, 9, [0, 1, 2]), Request(12, 1, [3, 4, 5, 6])], force_sparse=True)
+    assert plan.has_indexer_scoring
+    return plan, meta
