@@ -211,19 +211,23 @@ def consume_ring(wg, n_steps, stages, q_bar, k_bar, consumed_bar, o_smem, comput
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def row_logits(scores, w, k_scale, pos, row_end):
+def row_logits(scores, w, k_scale, pos, row_end, *, chain=True):
     """One row's logits of a key block: scores [bk, Hi] f32 (WGMMA layout), w [Hi] f32, k_scale
     [bk] f32 or None, pos [bk] key positions or None -> [bk] sum_h w_h ReLU(scores_h) (x k_scale),
     -inf at pos >= row_end (pos None: no mask, for a block wholly before row_end).
-    The head sum runs as FMA chains over 8-column slices (a thread's 2 columns of each), then one
-    sum of the 8: ~1 FMA an element where a sum of the products is a tree (~1.44 instructions an
-    element: multiplies, FMAs and adds); the summation order differs, not the precision."""
+    chain: the head sum as FMA chains over 8-column slices (a thread's 2 columns of each), then
+    one sum of the 8: ~1 FMA an element, where the sum of the products is a tree (~1.44
+    instructions an element: multiplies, FMAs and adds); the summation order differs, not the
+    precision. False: the tree (the bf16 prefill kernel's choice, docs/design/indexer.md)."""
     bk, hi = scores.shape
     relu, wb = jnp.maximum(scores, 0.0), lax.broadcast_in_dim(w, (bk, hi), [1])
-    acc = relu[:, :8] * wb[:, :8]
-    for c in range(8, hi, 8):
-        acc = acc + relu[:, c:c + 8] * wb[:, c:c + 8]
-    logit = jnp.sum(acc, axis=1)
+    if chain:
+        acc = relu[:, :8] * wb[:, :8]
+        for c in range(8, hi, 8):
+            acc = acc + relu[:, c:c + 8] * wb[:, c:c + 8]
+        logit = jnp.sum(acc, axis=1)
+    else:
+        logit = jnp.sum(relu * wb, axis=1)
     if k_scale is not None:
         logit = logit * k_scale
     return logit if pos is None else jnp.where(pos < row_end, logit, -jnp.inf)

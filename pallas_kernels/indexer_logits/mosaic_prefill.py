@@ -23,8 +23,9 @@ warpgroups:
     [64 keys, D] x [D, group * Hi] (keys as A, the rows' q side by side as a K-major B, both in
     SMEM; accumulator rows are keys); per row, ReLU, the head-weighted sum as a row reduction of
     the WGMMA layout (`row_logits`), key scales and the causal mask (only in blocks that reach
-    past a row's end) give 64 logits, stored from registers to GMEM (no SMEM staging:
-    1.05-1.10x over a TMA store per row; no warpgroup barriers around the stores).
+    past a row's end, with fp8 keys) give 64 logits, stored from registers to GMEM (no SMEM
+    staging: 1.05-1.10x over a TMA store per row; with fp8 keys no warpgroup barriers around
+    the stores either: `_LEAN_EPILOGUE`).
     While one warpgroup's wgmmas run the others run their epilogues (DeepGEMM's arrangement for
     fp8; bf16's wgmmas take twice as long, and two warpgroups measured faster than four).
 The tile's q [block_rows, Hi, D] and weights stay in SMEM for the whole item; nothing of size
@@ -78,6 +79,11 @@ _TARGET_ITEMS = 2 * HOPPER_SMS  # (tile, chunk) work items for short prefills: t
 # compute warpgroups by key itemsize (docs/design/indexer.md): fp8 1.10-1.13x faster with 4 than
 # with 2 at T = S = 2K..32K, bf16 0.97x, so bf16 keeps 2
 _COMPUTE_WGS = {1: 4, 2: 2}
+# the lean epilogue by key itemsize (docs/design/indexer.md, 2026-12-03): the head sum as FMA
+# chains, the causal mask only in blocks that reach past a row's end, no warpgroup barriers around
+# the register stores. fp8 (four compute warpgroups) 1.05-1.06x at T = S = 8K and 32K; bf16 (two)
+# 0.99x / 0.95x, so bf16 keeps the tree sum, the mask in every block and the barriers
+_LEAN_EPILOGUE = {1: True, 2: False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,14 +171,15 @@ def choose_prefill_tiling(num_rows, num_seqs, key_blocks, dtype, hi, d, *, block
 
 
 def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: PrefillTiling, page_size, chunk,
-            swizzle, clean):
+            swizzle, clean, lean):
     """meta [T, M] int32 (sequence, tile end, row ids, row ends); q [N, Hi, D]; w [T, _weight_rows(BR), Hi] f32;
     bt [S, W] int32; k [slots, D]; k_scale [slots] f32 (if present); out [N, Lp] f32.
 
     Persistent: program c of tiling.programs does the work items c, c + programs, ... of the T x
     splits (tile, key chunk) items, heaviest tile first. The tile's metadata, q and weights sit
     in one of two SMEM buffers (item j in buffer j % 2), so the memory warpgroup loads item j +
-    1's while the compute warpgroups work on item j; the key ring runs on across items."""
+    1's while the compute warpgroups work on item j; the key ring runs on across items.
+    lean: `_LEAN_EPILOGUE`'s choice for the key dtype."""
     *ks_ref, out_ref = rest
     ks_ref = ks_ref[0] if ks_ref else None
     br, group, stages, splits, programs = (tiling.block_rows, tiling.group, tiling.stages, tiling.splits,
@@ -303,15 +310,18 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: PrefillTiling,
                             for r in range(group):
                                 w = w_held[r] if w_held is not None else row_weights(row0 + r)
                                 logit = row_logits(scores[:, r * hi:(r + 1) * hi], w, k_scale,
-                                                   pos if masked else None, ends[r])
+                                                   pos if masked else None, ends[r], chain=lean)
 
                                 @pl.when(rows[r] >= 0)
                                 def _store():  # from registers (no SMEM staging, no TMA)
                                     out_ref[rows[r], pl.ds((first + step) * bk, bk)] = logit
 
+                        if not lean:
+                            store_rows(True)
+                            continue
                         # the causal mask only where the block reaches past a (real) row's end:
                         # the diagonal blocks of a prefill; the interior ones skip the compare
-                        # and select (docs/design/indexer.md)
+                        # and select
                         block_end = (first + step + 1) * bk
                         interior = functools.reduce(jnp.minimum, [jnp.where(row >= 0, end, block_end)
                                                                   for row, end in zip(rows, ends)]) >= block_end
@@ -409,10 +419,11 @@ def indexer_logits_mosaic_prefill(q, weights, k_cache, k_scale, block_tables, ro
     args = [meta, q, tile_weights, block_tables, k_cache]
     if k_scale is not None:
         args.append(k_scale.astype(jnp.float32))
+    lean = _LEAN_EPILOGUE[q.dtype.itemsize]
     kernel = ring_kernel(
-        functools.partial(_kernel, tiling=tiling, page_size=page_size, chunk=chunk, swizzle=swizzle, clean=clean),
+        functools.partial(_kernel, tiling=tiling, page_size=page_size, chunk=chunk, swizzle=swizzle, clean=clean,
+                          lean=lean),
         jax.ShapeDtypeStruct((n, key_blocks * BLOCK_KEYS), jnp.float32), (1, tiling.programs),
-        "indexer_logits_mgpu", interpret, compute_wgs=tiling.compute_wgs,
-        auto_barriers=False)  # no barrier around each row's register store: 1.05x (design/indexer.md)
+        "indexer_logits_mgpu", interpret, compute_wgs=tiling.compute_wgs, auto_barriers=not lean)
     out = kernel(*args)
     return out if out.shape[1] == num_keys else out[:, :num_keys]
