@@ -211,14 +211,15 @@ def consume_ring(wg, n_steps, stages, q_bar, k_bar, consumed_bar, o_smem, comput
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def row_logits(scores, w, k_scale, pos, row_end, *, chain=True):
-    """One row's logits of a key block: scores [bk, Hi] f32 (WGMMA layout), w [Hi] f32, k_scale
-    [bk] f32 or None, pos [bk] key positions or None -> [bk] sum_h w_h ReLU(scores_h) (x k_scale),
-    -inf at pos >= row_end (pos None: no mask, for a block wholly before row_end).
+def row_logits(scores, w, k_scale, pos, row_end, *, chain):
+    """One row's logits of a key block: scores [bk, Hi] f32 (WGMMA layout, Hi % 8 == 0), w [Hi]
+    f32, k_scale [bk] f32 or None, pos [bk] key positions or None -> [bk] sum_h w_h ReLU(scores_h)
+    (x k_scale), -inf at pos >= row_end (pos None: no mask, for a block wholly before row_end).
     chain: the head sum as FMA chains over 8-column slices (a thread's 2 columns of each), then
     one sum of the 8: ~1 FMA an element, where the sum of the products is a tree (~1.44
     instructions an element: multiplies, FMAs and adds); the summation order differs, not the
-    precision. False: the tree (the bf16 prefill kernel's choice, docs/design/indexer.md)."""
+    precision. The fp8 prefill kernel's choice (`mosaic_prefill._LEAN_EPILOGUE`); the bf16
+    prefill and the decode kernel sum the tree (docs/design/indexer.md, 2026-12-03 (later))."""
     bk, hi = scores.shape
     relu, wb = jnp.maximum(scores, 0.0), lax.broadcast_in_dim(w, (bk, hi), [1])
     if chain:
@@ -249,11 +250,13 @@ def meta_width(block_rows):
 def ring_kernel(kernel, out_type, grid, name, interpret, compute_wgs=COMPUTE_WGS, auto_barriers=True):
     """plgpu.kernel of a ring kernel body: grid ("split", "tile"): (key chunks, row tiles) in
     decode, (1, persistent programs) in prefill; one memory and compute_wgs compute warpgroups
-    ("wg"). auto_barriers=False: Pallas inserts no warpgroup barrier around SMEM and register
-    stores (`unsafe_no_auto_barriers`), for a body in which no thread reads and writes one
-    region, whose SMEM writes are followed by commit_smem (a fence and a warpgroup barrier)
-    before TMA reads them, and whose warpgroups hand buffers on by mbarriers (every thread of a
-    warpgroup arrives)."""
+    ("wg"). auto_barriers=False: Pallas inserts none of its automatic warpgroup barriers
+    (`unsafe_no_auto_barriers`: around SMEM and register stores, before each TMA load), for a body
+    in which no thread reads and writes one region, whose SMEM writes are followed by commit_smem
+    (a fence and a warpgroup barrier) before TMA reads them, whose memory warpgroup runs
+    commit_smem after a buffer's release (free / consumed barrier) and before reloading it (which
+    also orders its own earlier reads of it), and whose warpgroups hand buffers on by mbarriers
+    (every thread of a warpgroup arrives)."""
     return plgpu.kernel(
         kernel,
         out_type=out_type,

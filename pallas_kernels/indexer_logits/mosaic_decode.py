@@ -237,7 +237,7 @@ def _kernel(*refs, tiling: DecodeTiling, swizzle, num_keys, scaled, clean):
                     pos = lane + (first + step * sb + b) * bk
                     for j in range(br):
                         out_tile[b, j] = row_logits(scores[b][:, j * hi:(j + 1) * hi], ws[j], k_scales[b], pos,
-                                                     ends[j])
+                                                     ends[j], chain=False)
 
             def store(step, out_tile):
                 for b in range(sb):

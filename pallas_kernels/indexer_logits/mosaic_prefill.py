@@ -79,10 +79,11 @@ _TARGET_ITEMS = 2 * HOPPER_SMS  # (tile, chunk) work items for short prefills: t
 # compute warpgroups by key itemsize (docs/design/indexer.md): fp8 1.10-1.13x faster with 4 than
 # with 2 at T = S = 2K..32K, bf16 0.97x, so bf16 keeps 2
 _COMPUTE_WGS = {1: 4, 2: 2}
-# the lean epilogue by key itemsize (docs/design/indexer.md, 2026-12-03): the head sum as FMA
-# chains, the causal mask only in blocks that reach past a row's end, no warpgroup barriers around
-# the register stores. fp8 (four compute warpgroups) 1.05-1.06x at T = S = 8K and 32K; bf16 (two)
-# 0.99x / 0.95x, so bf16 keeps the tree sum, the mask in every block and the barriers
+# the lean epilogue by key itemsize (docs/design/indexer.md, 2026-12-03 (later)): the head sum as
+# FMA chains, the causal mask only in blocks that reach past a row's end, no automatic warpgroup
+# barriers. Measured at each dtype's default tiling: fp8 (four compute warpgroups) 1.05-1.06x at
+# T = S = 8K and 32K; bf16 (two) 0.99x / 0.95x, so bf16 keeps the tree sum, the mask in every
+# block and the barriers (fp8 with compute_wgs=2 was not measured)
 _LEAN_EPILOGUE = {1: True, 2: False}
 
 
@@ -306,7 +307,7 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: PrefillTiling,
                         rows = [meta[2 + row0 + r] for r in range(group)]
                         ends = [meta[2 + br + row0 + r] for r in range(group)]
 
-                        def store_rows(masked, scores=scores, rows=rows, ends=ends, row0=row0):
+                        def store_rows(masked):
                             for r in range(group):
                                 w = w_held[r] if w_held is not None else row_weights(row0 + r)
                                 logit = row_logits(scores[:, r * hi:(r + 1) * hi], w, k_scale,
@@ -316,17 +317,16 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: PrefillTiling,
                                 def _store():  # from registers (no SMEM staging, no TMA)
                                     out_ref[rows[r], pl.ds((first + step) * bk, bk)] = logit
 
-                        if not lean:
+                        if lean:
+                            # the causal mask only where the block reaches past a (real) row's
+                            # end: the diagonal blocks of a prefill; the interior ones skip the
+                            # compare and select
+                            block_end = (first + step + 1) * bk
+                            interior = functools.reduce(jnp.minimum, [jnp.where(row >= 0, end, block_end)
+                                                                      for row, end in zip(rows, ends)]) >= block_end
+                            lax.cond(interior, lambda: store_rows(False), lambda: store_rows(True))
+                        else:
                             store_rows(True)
-                            continue
-                        # the causal mask only where the block reaches past a (real) row's end:
-                        # the diagonal blocks of a prefill; the interior ones skip the compare
-                        # and select
-                        block_end = (first + step + 1) * bk
-                        interior = functools.reduce(jnp.minimum, [jnp.where(row >= 0, end, block_end)
-                                                                  for row, end in zip(rows, ends)]) >= block_end
-                        pl.when(interior)(lambda store_rows=store_rows: store_rows(False))
-                        pl.when(jnp.logical_not(interior))(lambda store_rows=store_rows: store_rows(True))
                     release()
 
                 consume_ring(wg, n_steps, stages, q_bar.at[buf], k_bar, consumed_bar, None, logits, None,

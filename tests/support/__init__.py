@@ -1,8 +1,9 @@
 """Shared test helpers (not a test module: pytest collects nothing here).
 
-`tests.support` holds the facts about where the suite runs; `tests.support.ops` the one call
-into each op per backend (the only place to adapt when a kernel signature changes) and the
-backends' limits; `tests.support.cases` the input builders more than one op's suite uses.
+`tests.support` holds the facts about where the suite runs and the helpers several test modules
+share (subprocess runs of the checkout, a scored plan, fp8 quantisation); `tests.support.ops` the
+one call into each op per backend (the only place to adapt when a kernel signature changes) and
+the backends' limits; `tests.support.cases` the input builders more than one op's suite uses.
 """
 
 import json
@@ -51,7 +52,8 @@ def run_python(code: str, *args: str, env: dict | None = None, timeout: int = 30
     import jax_sparse_mla
 
     root = pathlib.Path(jax_sparse_mla.__file__).absolute().parent.parent  # the checkout under test
-    env = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     proc = subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=root, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
