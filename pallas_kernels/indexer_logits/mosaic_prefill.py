@@ -324,7 +324,8 @@ def _kernel(meta_ref, q_ref, w_ref, bt_ref, k_ref, *rest, tiling: PrefillTiling,
                             block_end = (first + step + 1) * bk
                             interior = functools.reduce(jnp.minimum, [jnp.where(row >= 0, end, block_end)
                                                                       for row, end in zip(rows, ends)]) >= block_end
-                            lax.cond(interior, lambda: store_rows(False), lambda: store_rows(True))
+                            pl.when(interior)(lambda: store_rows(False))
+                            pl.when(jnp.logical_not(interior))(lambda: store_rows(True))
                         else:
                             store_rows(True)
                     release()
