@@ -114,7 +114,10 @@ def test_after_precompile_a_serving_run_compiles_nothing(tmp_path):
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, secs, **kw: compiles.append(kw.get("fun_name"))
         if event == _COMPILE_EVENT and "forward" in str(kw.get("fun_name")) else None)
-    limits = dict(LIMITS)
+    # one sequence a step: 9 programs instead of LIMITS' 41 (an XLA compile on a CPU costs ~3 s),
+    # masked and unmasked steps in the run; two-sequence batches: the Engine.precompile test below
+    # and the serving tests
+    limits = dict(LIMITS, max_num_seqs=1)
     saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
              jax.config.jax_persistent_cache_min_entry_size_bytes)
     try:
