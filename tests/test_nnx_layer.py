@@ -2,11 +2,6 @@
 outputs equal to model.forward, and a sharded init on 2 virtual CPU devices (in a subprocess:
 XLA_FLAGS must be set before jax starts, see tests/test_sharding.py)."""
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +14,7 @@ import jax_sparse_mla
 from jax_sparse_mla import MLAConfig, Request, SparseMLA, init_cache, init_params, plan_batch
 from jax_sparse_mla.model import jit_forward
 from jax_sparse_mla.sharding import cache_specs, param_specs
+from tests.support import run_with_cpu_devices
 
 TINY = MLAConfig.tiny()  # float32, 4 heads, 4 index heads
 
@@ -121,14 +117,9 @@ def _sharded_init():
 
 
 def test_sharded_init_places_params_per_the_specs():
-    root = pathlib.Path(jax_sparse_mla.__file__).absolute().parent.parent  # the checkout under test
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(root)}
     code = ("import json, tests.support; from tests.test_nnx_layer import _sharded_init; "
             "print('RESULT', json.dumps(_sharded_init()))")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+    r = run_with_cpu_devices(code, devices=2)
     assert r["placed"] and all(r["placed"].values()), {k: v for k, v in r["placed"].items() if not v}
     assert r["diff"]["eager"] == 0.0, r["diff"]  # the same values as an unsharded init
     assert r["diff"]["jit"] < 1e-6, r["diff"]  # (jitted random init: XLA may fuse differently)

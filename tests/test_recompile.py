@@ -8,13 +8,7 @@ session may already have imported the fuser, which would hide the recompile); co
 with jax.monitoring's backend-compile duration events of `forward`.
 """
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
-import jax_sparse_mla
+from tests.support import run_python
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
 
@@ -48,14 +42,9 @@ def _scenario():
 
 
 def test_a_pallas_call_recompiles_nothing_compiled_before():
-    root = pathlib.Path(jax_sparse_mla.__file__).absolute().parent.parent  # the checkout under test
     code = ("import json, tests.support; from tests.test_recompile import _scenario; "
             "print('RESULT', json.dumps(_scenario()))")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    xla_first, pallas_first, xla_again, pallas_again = json.loads(line[len("RESULT "):])
+    xla_first, pallas_first, xla_again, pallas_again = run_python(code, env={"JAX_PLATFORMS": "cpu"})
     assert (xla_first, pallas_first) == (1, 1)  # one program each
     assert xla_again == 0, "the Pallas call made the xla program compile again"
     assert pallas_again == 0
