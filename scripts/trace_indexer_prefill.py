@@ -1,19 +1,22 @@
 """Where a causal indexer prefill call's time goes, outside and inside the kernel: the host median
 of the call the peer bench makes (`peer_entries.indexer_logits`, clean logits), of the same call
 with its tile schedule given (computed beforehand, as a plan could do once a step: what is left
-is the weights gather and the kernel) and of the clean=False kernel, and for each a profiler
-trace of back-to-back calls: the busy time, the span,
+is the weights gather and the kernel) and of the clean=False kernel (the median of --rounds
+interleaved rounds, the order reversed every other round, so that the board's clocks and power
+cap weigh on every variant alike), and for each a profiler trace of back-to-back calls: the
+busy time, the span,
 and every gap between GPU events over 20 us (with the events around it). Then, traced, the
 timer's own loop (`timing.median_ms`'s batches: warm-up, then batches of back-to-back calls, each
 ended by a block): the kernel's duration over the loop (first, median, last: clocks under
 sustained load) and the idle time between GPU events, against the loop's host time.
 
-    python3 scripts/trace_indexer_prefill.py [--t 32768]
+    python3 scripts/trace_indexer_prefill.py [--t 32768] [--rounds 5]
 """
 
 import argparse
 import functools
 import glob
+import statistics
 import sys
 import tempfile
 
@@ -79,6 +82,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--t", type=int, default=32768, help="tokens (a multiple of 64)")
     ap.add_argument("--calls", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the host medians")
     args = ap.parse_args()
     x = inputs(args.t)
     variants = {
@@ -87,8 +91,12 @@ def main():
         "mosaic_prefill clean=False": jax.jit(functools.partial(indexer_logits, page_size=64,
                                                                 backend="mosaic_prefill", clean=False)),
     }
+    rounds = {name: [] for name in variants}
+    for r in range(args.rounds):
+        for name in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+            rounds[name].append(median_ms(variants[name], *x, batches=11))
     for name, fn in variants.items():
-        host = median_ms(fn, *x, batches=11)
+        host = statistics.median(rounds[name])
 
         def run(calls, fn=fn):
             out = None
@@ -100,7 +108,8 @@ def main():
         first = evs[0][0]
         span = (evs[-1][0] + evs[-1][1] - first) / 1e6 / args.calls
         busy = sum(e[1] for e in evs) / 1e6 / args.calls
-        print(f"{name}: host median {host:.3f} ms a call; trace span {span:.3f}, busy {busy:.3f} ms a call")
+        print(f"{name}: host median {host:.3f} ms a call (rounds {', '.join(f'{v:.3f}' for v in rounds[name])}); "
+              f"trace span {span:.3f}, busy {busy:.3f} ms a call")
         end = first
         for start, dur, ev in evs:
             if start - end > 20e3 or dur > 1e5:
