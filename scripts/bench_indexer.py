@@ -32,7 +32,7 @@
 Every config is checked against the reference (on a sample of rows) before it is timed; a
 failing config is recorded with its error and the run goes on. The XLA reference is skipped
 where it would take too long or too much memory (said so in the table). --sweep adds a small
-tiling sweep of the kernels. Meant to finish in < 5 minutes on an H200 (`--only prefill --dtypes fp8`:
+tiling sweep of the kernels --only names. Meant to finish in < 5 minutes on an H200 (`--only prefill --dtypes fp8`:
 the Mosaic, Triton and XLA prefill table at T = 1K..32K, ~2 minutes).
 """
 
@@ -437,18 +437,19 @@ def bench_topk(quick, tiling=None, shapes=None, tag=""):
         del x, clean
 
 
-def sweep():
+def sweep(only):
+    """A few tilings of each kernel named in `only` (prefill, decode, topk)."""
     # compute_wgs: fp8 takes 4 and bf16 2 by default (mosaic_prefill._COMPUTE_WGS); stages must be a
     # multiple of compute_wgs // PrefillTiling.owners
     for t in [dict(block_rows=8), dict(block_rows=8, stages=8), dict(group=1), dict(compute_wgs=2),
-              dict(compute_wgs=4)]:
+              dict(compute_wgs=4)] if "prefill" in only else []:
         bench_prefill(True, tiling=t, sizes=[8192], dtypes=(FP8, jnp.bfloat16), tag="-sweep", compare=False)
     for t in [dict(step_blocks=1), dict(step_blocks=4, stages=4), dict(stages=8), dict(chunk=32),
-              dict(chunk=256)]:
+              dict(chunk=256)] if "decode" in only else []:
         bench_decode(True, tiling=t, batches=[32], contexts=[32768], dtypes=(FP8,), tag="-sweep",
                      compare=False)
     for t in [dict(num_warps=4), dict(num_warps=8), dict(num_warps=16), dict(block=512, num_warps=2),
-              dict(block=2048), dict(slices=4)]:
+              dict(block=512), dict(block=256), dict(block=2048), dict(slices=4)] if "topk" in only else []:
         bench_topk(True, tiling=t, shapes=[(1024, 32768, False), (128, 131072, False), (8192, 8192, True)],
                    tag="-sweep")
 
@@ -483,7 +484,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_indexer.json")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="also sweep a few kernel tilings")
+    ap.add_argument("--sweep", action="store_true", help="also sweep a few tilings of the --only kernels")
     ap.add_argument("--only", default="prefill,decode,topk", help="comma list of prefill,decode,topk")
     ap.add_argument("--budget-s", type=float, default=270, help="skip configs starting later than this")
     ap.add_argument("--decode-rows", type=int, default=1, help="query rows per decode sequence (MTP: 2)")
@@ -500,7 +501,7 @@ def main():
     if "decode" in only:
         bench_decode(a.quick, rows=a.decode_rows, dtypes=dtypes)
     if a.sweep:
-        sweep()
+        sweep(only)
     print_table()
     info = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, python=platform.python_version(),
                 timer="scripts/timing.py median_ms",
