@@ -23,8 +23,8 @@
   copy's chain (an optimization_barrier, no kernel) does not pay, while the decode call itself
   runs no op outside its kernel (in a model: the kernel plus a ~0.13 us CUDA-graph gap).
   `copy_fraction` stays beside it (docs/benchmarks.md's numbers before 2026-11-29 are that one).
-* top-k (k=2048) of [rows, L] f32 logits: pallas_kernels.topk (sampled thresholds + band select) vs
-  lax.top_k on the same inputs, both timed on the device (`chain_ms`: 20 dependent calls in one
+* top-k (k=2048) of [rows, L] f32 logits: pallas_kernels.topk (sampled thresholds + band select;
+  backends "triton" and "mosaic", the Mosaic GPU write sweep, on the same inputs) vs lax.top_k on the same inputs, both timed on the device (`chain_ms`: 20 dependent calls in one
   jit; the host-timed call is recorded as `host_ms`); GB/s of each row's own keys read once,
   against the copy bandwidth of the same bytes (`copy_fraction`: the >= 50% target), and the
   three kernels' GPU times (`kernels_us`). The causal shape is a T = S = 8K prefill's rows with
@@ -384,6 +384,7 @@ def topk_inputs(rows, length, causal, seed):
 
 
 TOPK_KERNELS = ("topk_thresholds", "topk_write", "topk_select")
+TOPK_BACKENDS = ("triton", "mosaic")  # "mosaic": the Mosaic GPU write sweep
 
 
 def bench_topk(quick, tiling=None, shapes=None, tag=""):
@@ -409,31 +410,32 @@ def bench_topk(quick, tiling=None, shapes=None, tag=""):
         except Exception as e:  # noqa: BLE001
             record(kind="topk" + tag, **params, unit="GBps", error=f"inputs/xla: {type(e).__name__}: {e}"[:300])
             continue
-        kern = functools.partial(topk, k=TOPK, lengths=lengths, **(tiling or {}))
-        jitted = jax.jit(kern)
-        rec = dict(kind="topk" + tag, **params, tiling=tiling or "default", unit="GBps",
-                   xla_ms=xla_ms, xla_GBps=nbytes / (xla_ms * 1e-3) / 1e9)
-        try:
-            out = jax.block_until_ready(jitted(x))
-            rec["check_err"] = check_topk_sample(out, clean, TOPK)
-            del out
-            rec["kernel_ms"] = chain_ms(kern, x)
-            rec["kernel_GBps"] = nbytes / (rec["kernel_ms"] * 1e-3) / 1e9
-            rec["speedup"] = xla_ms / rec["kernel_ms"]
-            rec["host_ms"] = median_ms(jitted, x)
-            if nbytes not in copies:
-                copies[nbytes] = copy_gbps(int(nbytes))
-            rec["copy_GBps"], rec["copy_alone_GBps"] = copies[nbytes]
-            rec["copy_fraction"] = rec["kernel_GBps"] / rec["copy_GBps"]
+        for backend in TOPK_BACKENDS:  # the two on the same inputs, one after the other
+            kern = functools.partial(topk, k=TOPK, lengths=lengths, backend=backend, **(tiling or {}))
+            jitted = jax.jit(kern)
+            rec = dict(kind="topk" + tag, **params, backend=backend, tiling=tiling or "default", unit="GBps",
+                       xla_ms=xla_ms, xla_GBps=nbytes / (xla_ms * 1e-3) / 1e9)
             try:
-                rec["kernels_us"] = {name: ms * 1e3 for name, ms in kernel_spans_ms(jitted, (x,), TOPK_KERNELS).items()}
-            except RuntimeError as e:  # no GPU kernels in the trace (e.g. no profiler on the machine)
-                rec["kernels_us"] = None
-                rec["trace_error"] = str(e)[:200]
-        except Exception as e:  # noqa: BLE001
-            rec["error"] = f"kernel: {type(e).__name__}: {str(e)[:300]}"
-            rec["trace"] = traceback.format_exc()[-2000:]
-        record(**rec)
+                out = jax.block_until_ready(jitted(x))
+                rec["check_err"] = check_topk_sample(out, clean, TOPK)
+                del out
+                rec["kernel_ms"] = chain_ms(kern, x)
+                rec["kernel_GBps"] = nbytes / (rec["kernel_ms"] * 1e-3) / 1e9
+                rec["speedup"] = xla_ms / rec["kernel_ms"]
+                rec["host_ms"] = median_ms(jitted, x)
+                if nbytes not in copies:
+                    copies[nbytes] = copy_gbps(int(nbytes))
+                rec["copy_GBps"], rec["copy_alone_GBps"] = copies[nbytes]
+                rec["copy_fraction"] = rec["kernel_GBps"] / rec["copy_GBps"]
+                try:
+                    rec["kernels_us"] = {name: ms * 1e3 for name, ms in kernel_spans_ms(jitted, (x,), TOPK_KERNELS).items()}
+                except RuntimeError as e:  # no GPU kernels in the trace (e.g. no profiler on the machine)
+                    rec["kernels_us"] = None
+                    rec["trace_error"] = str(e)[:200]
+            except Exception as e:  # noqa: BLE001
+                rec["error"] = f"kernel: {type(e).__name__}: {str(e)[:300]}"
+                rec["trace"] = traceback.format_exc()[-2000:]
+            record(**rec)
         del x, clean
 
 
@@ -459,7 +461,7 @@ def print_table():
     print(f"{'kind':14} {'config':62} {'kernel':>18} {'XLA':>18} {'speedup':>8}  note")
     for r in RESULTS:
         unit = r["unit"]
-        cfg = {k: v for k, v in r.items() if k in ("dtype", "T", "B", "C", "rows", "L", "causal")}
+        cfg = {k: v for k, v in r.items() if k in ("dtype", "T", "B", "C", "rows", "L", "causal", "backend")}
         if r.get("tiling") not in (None, "default"):
             cfg["tiling"] = r["tiling"]
         cfg = " ".join(f"{k}={v}" for k, v in cfg.items())

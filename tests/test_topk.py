@@ -1,7 +1,9 @@
 """Top-k of indexer logits, every backend against lax.top_k.
 
-Backends (tests/support/ops.py): "reference" (lax.top_k, the XLA path) and "triton"
-(`pallas_kernels.topk`: thresholds / write / select kernels on Pallas' Triton backend).
+Backends (tests/support/ops.py): "reference" (lax.top_k, the XLA path), "triton"
+(`pallas_kernels.topk`: thresholds / write / select kernels on Pallas' Triton backend) and
+"mosaic" (the same with the Mosaic GPU write sweep where it applies: GPU only, its outputs and
+intermediates bit-identical to the Triton sweep's, asserted).
 Checked per row (check_topk): min(k, #finite) distinct indices then -1, and the multiset of
 their values equal to lax.top_k's (the exact index set where there are no ties at the k-th
 value). For the Triton kernels, the band path (selection among the keys between two sampled
@@ -26,12 +28,12 @@ from tests.support.cases import make_indexer_case
 
 OP = "topk"
 param = functools.partial(ops.backend_param, OP)
-BOTH = [param("reference"), param("triton")]
+ALL = [param("reference"), param("triton"), param("mosaic")]
 
 
 def run(backend, x, k, **tuning):
     """ops.topk on a numpy [N, L] array; tuning (the Triton kernels' knobs) is dropped for the reference."""
-    return ops.topk(backend, jnp.asarray(x), k, **(tuning if backend == "triton" else {}))
+    return ops.topk(backend, jnp.asarray(x), k, **(tuning if backend != "reference" else {}))
 
 
 def stages(x, k, **kw):
@@ -129,7 +131,7 @@ def _topk_rows(seed, num_keys, k):
 # every backend (CPU: interpret mode)
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend", BOTH)
+@pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("num_keys,k,block", [
     (300, 37, 64),     # L not a multiple of the block
     (150, 200, 64),    # k > L
@@ -140,14 +142,14 @@ def test_topk(backend, num_keys, k, block):
     check_topk(run(backend, x, k, block=block), x, k)
 
 
-@pytest.mark.parametrize("backend", BOTH)
+@pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("num_keys,k", [(1, 1), (1, 4), (2, 1)])
 def test_topk_tiny_rows(backend, num_keys, k):
     x = np.array([[0.5, -1.0][:num_keys], [-np.inf, 2.0][:num_keys], [-np.inf] * num_keys], np.float32)
     check_topk(run(backend, x, k), x, k)
 
 
-@pytest.mark.parametrize("backend", BOTH)
+@pytest.mark.parametrize("backend", ALL)
 def test_topk_on_indexer_logits(backend):
     """The pipeline: logits of a ragged batch (with -inf tails) -> top-k."""
     args, page = make_indexer_case(2, dtype=jnp.bfloat16, scaled=False, hi=4, d=16, page=4,
@@ -156,7 +158,7 @@ def test_topk_on_indexer_logits(backend):
     check_topk(run(backend, logits, 16, block=32), logits, 16)
 
 
-@pytest.mark.parametrize("backend", BOTH)
+@pytest.mark.parametrize("backend", ALL)
 def test_topk_rows_are_independent(backend):
     """A row of only -inf, and one with NaN inside its own range, change no other row; NaN counts
     as invalid in every backend (the reference once let a NaN take a valid key's place)."""
@@ -191,7 +193,7 @@ def _masked(x, lengths):
     return np.where(np.arange(x.shape[1])[None, :] < np.asarray(lengths)[:, None], x, -np.inf)
 
 
-@pytest.mark.parametrize("backend", BOTH)
+@pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("num_keys,k,block,slices", [(300, 37, 64, 1), (1000, 40, 64, 4), (150, 200, 64, None)])
 def test_lengths_ignore_the_columns_past_them(backend, num_keys, k, block, slices):
     """With lengths, a row's keys are its first lengths[n] columns whatever the rest holds: the
@@ -204,7 +206,7 @@ def test_lengths_ignore_the_columns_past_them(backend, num_keys, k, block, slice
     garbage = _with_garbage_past(x, lengths, rng)
     tuning = dict(block=block) if slices is None else dict(block=block, slices=slices)
     got = ops.topk(backend, jnp.asarray(garbage), k, lengths=jnp.asarray(lengths, jnp.int32),
-                   **(tuning if backend == "triton" else {}))
+                   **(tuning if backend != "reference" else {}))
     check_topk(got, _masked(x, np.clip(lengths, 0, num_keys)), k)
 
 
@@ -448,3 +450,79 @@ def test_topk_many_rows(rows, num_keys, k):
     out = jax.jit(functools.partial(ops.topk, "triton", k=k), compiler_options=OPTIMIZED)(
         jnp.asarray(_with_garbage_past(x, lengths, rng)), lengths=jnp.asarray(lengths, jnp.int32))
     check_topk(out, _masked(nan_free(x), lengths), k)
+
+
+# ------------------------------------------------------------------------------------------------
+# The Mosaic write sweep (pallas_kernels.topk.mosaic): GPU only, bit-identical to Triton's
+# ------------------------------------------------------------------------------------------------
+
+def test_mosaic_write_lowers_for_the_gpu():
+    """CPU twin of the hardware run: the write sweep lowers to a Mosaic GPU module at 1024 rows of
+    32K keys (the interpreter cannot run its inline PTX)."""
+    from pallas_kernels.topk.mosaic import topk_write
+    sd = jax.ShapeDtypeStruct
+    fn = jax.jit(functools.partial(topk_write, k=2048, cap=8192))
+    args = (sd((1024, 32768), jnp.float32), sd((1024,), jnp.int32), sd((1024, 2), jnp.int32))
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_mosaic_refuses_interpret_mode_and_odd_rows():
+    from pallas_kernels.topk import topk
+    from pallas_kernels.topk.mosaic import topk_write
+    with pytest.raises(ValueError, match="'mosaic' has no interpret mode"):
+        topk(jnp.zeros((4, 64)), 8, backend="mosaic", interpret=True)
+    with pytest.raises(ValueError, match="multiple of 4, got 66"):
+        topk_write(jnp.zeros((4, 66)), jnp.zeros((4,), jnp.int32), jnp.zeros((4, 2), jnp.int32), k=8, cap=16)
+
+
+def _mosaic_rows(rng, rows, num_keys, k):
+    """Ragged rows (lengths at and around every 4-key, 1024-key and k boundary, the columns past
+    them garbage that would win), then whole adversarial rows -> (x, lengths, number of those)."""
+    lengths = rng.integers(0, num_keys + 1, rows)
+    edges = [0, 1, 3, 4, 5, 1023, 1024, 1025, k - 1, k, k + 1, num_keys - 1, num_keys - 4, num_keys]
+    lengths[:len(edges)] = [min(e, num_keys) for e in edges]
+    x = rng.standard_normal((rows, num_keys)).astype(np.float32)
+    bad = adversarial_rows(rng, num_keys, k)
+    x[-len(bad):] = bad
+    lengths[-len(bad):] = num_keys
+    return _with_garbage_past(x, lengths, rng), np.asarray(lengths, np.int32), len(bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,num_keys,slices", [
+    (1024, 32768, None),  # the many-row plan: one slice a row
+    (1030, 8196, None),   # rows not a multiple of 4 warps, L a multiple of 4 but not of 1024
+    (64, 131072, 1),      # few long rows, one slice forced
+    (1024, 4098, None),   # L % 4 != 0: the Triton sweep (the two still agree)
+])
+def test_mosaic_write_matches_triton(rows, num_keys, slices):
+    """Every intermediate (counts, the written output, the band's keys) and the answer are
+    bit-identical to the Triton sweep's, and the answer is the top-k of each row's own keys."""
+    k = 2048
+    rng = np.random.default_rng(rows + num_keys)
+    x, lengths, n_bad = _mosaic_rows(rng, rows, num_keys, k)
+    xj, lj = jnp.asarray(x), jnp.asarray(lengths)
+    got = stages(xj, k, lengths=lj, slices=slices, backend="mosaic")
+    want = stages(xj, k, lengths=lj, slices=slices)
+    np.testing.assert_array_equal(np.asarray(got["counts"]), np.asarray(want["counts"]))
+    np.testing.assert_array_equal(np.asarray(got["thresholds"]), np.asarray(want["thresholds"]))
+    np.testing.assert_array_equal(np.asarray(got["out"]), np.asarray(want["out"]))
+    n_band = np.minimum(np.asarray(want["counts"])[:, :, 1].sum(1), want["capacity"])
+    gk, wk = np.asarray(got["band_keys"]), np.asarray(want["band_keys"])
+    for r in range(rows):
+        np.testing.assert_array_equal(gk[r, :n_band[r]], wk[r, :n_band[r]], err_msg=f"row {r}")
+    assert band_path(want, k)[:-n_bad].mean() > 0.9  # the band path is the one exercised
+    check_topk(got["out"], _masked(nan_free(x), lengths), k)
+
+
+@pytest.mark.gpu
+def test_mosaic_topk_in_a_jit():
+    """backend "mosaic" through the public op, jitted with XLA's optimisations, on a causal
+    prefill's rows (row r sees its first (r + 1) L / rows keys)."""
+    rows, num_keys, k = 4096, 8192, 2048
+    rng = np.random.default_rng(11)
+    lengths = ((np.arange(rows) + 1) * num_keys // rows).astype(np.int32)
+    x = rng.standard_normal((rows, num_keys)).astype(np.float32)
+    out = jax.jit(functools.partial(ops.topk, "mosaic", k=k), compiler_options=OPTIMIZED)(
+        jnp.asarray(_with_garbage_past(x, lengths, rng)), lengths=jnp.asarray(lengths))
+    check_topk(out, _masked(x, lengths), k)

@@ -1,5 +1,6 @@
 """Top-k selection of indexer logits: the k highest finite entries of each row, -1 padded (the
-Pallas kernels of `triton`; `reference.topk_reference` is the jnp oracle)."""
+Pallas kernels of `triton`, with `mosaic`'s write sweep on Hopper; `reference.topk_reference` is
+the jnp oracle)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 from .triton import topk_stages
 
 
-BACKENDS = ("triton",)
+BACKENDS = ("triton", "mosaic")
 
 
 def topk(logits, k: int, *, lengths=None, backend="triton", interpret=False, block=None, num_warps=None,
@@ -47,12 +48,17 @@ def topk(logits, k: int, *, lengths=None, backend="triton", interpret=False, blo
     With several slices a row, loads go 4 chunks at a time (one memory latency per 4); with
     >= 1024 rows, singly (it cost more than it saved).
     Latency-bound at few rows (three launches and ~3.5 dependent passes); docs/design/topk.md.
-    backend: "triton", the one backend (a keyword for symmetry with the other ops' apis).
+    backend: "triton": the three kernels above; "mosaic": step 2 by `mosaic.topk_write` (Mosaic GPU,
+      a warp a row, shuffle scans in registers: no interpreter) where it applies, one slice a row
+      and L % 4 == 0, else as "triton"; outputs bit-identical to "triton"'s.
     block, num_warps, num_stages, sample, capacity, slices: the kernels' tuning (see `topk_stages`;
       without num_warps each kernel takes its own count for the row count, `triton._kernel_plan`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "mosaic" and interpret:
+        raise ValueError("topk: backend 'mosaic' has no interpret mode (its write sweep is inline PTX); "
+                         "use backend='triton' with interpret=True")
     if logits.ndim != 2:
         raise ValueError(f"topk: logits must be 2-D [N, L], got shape {logits.shape}")
     if k < 0:
@@ -69,4 +75,4 @@ def topk(logits, k: int, *, lengths=None, backend="triton", interpret=False, blo
         return jnp.full((n, k), -1, jnp.int32)
     return topk_stages(logits, k, lengths=lengths, interpret=interpret, block=block, num_warps=num_warps,
                        num_stages=num_stages, sample=sample, capacity=capacity,
-                       slices=slices)["out"]
+                       slices=slices, backend=backend)["out"]

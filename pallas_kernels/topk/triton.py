@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ..device import next_pow2
+from .mosaic import topk_write
 
 
 # ----------------------------------------------------------------------------------------------
@@ -445,7 +446,7 @@ def _kernel_plan(n, sample):
 
 
 def topk_stages(logits, k, *, lengths, interpret, block, num_warps, num_stages, sample, capacity, slices,
-                group=None):
+                group=None, backend="triton"):
     """`api.topk`'s kernels for N, L, k >= 1 and lengths [N] int or None (row n's keys: its first
     lengths[n] columns, clipped to [0, L]; None: whole rows)
     -> {"out": [N, k], "thresholds": [N, 2] (t_lo, t_hi),
@@ -453,7 +454,8 @@ def topk_stages(logits, k, *, lengths, interpret, block, num_warps, num_stages, 
     "capacity": cap}; the intermediates let tests see which path each row took. group: chunks
     whose loads are issued together (default: 4 with several slices a row, else 1). num_warps:
     one count for the three kernels; None: each its own (`_kernel_plan`, which with block None
-    also picks the select kernel's chunk)."""
+    also picks the select kernel's chunk). backend "mosaic": the write sweep is `mosaic.topk_write`
+    where it applies (one slice a row, L % 4 == 0; compiled only), the rest as "triton"."""
     n, num_keys = logits.shape
     chosen_block = block is None
     block = max(16, min(next_pow2(block or 1024), next_pow2(num_keys)))
@@ -493,7 +495,10 @@ def topk_stages(logits, k, *, lengths, interpret, block, num_warps, num_stages, 
                                        input_output_aliases={3: 4})(x, lengths, thr, pub)
     else:
         thr = call(thr_kernel, "thresholds", out_shape=i32((n, 2)), grid=(n,))(x, lengths)
-        out, bkey, bcol, cnt = call(write, "write", out_shape=written, grid=(n, 1))(x, lengths, thr)
+        if backend == "mosaic" and num_keys % 4 == 0:
+            out, bkey, bcol, cnt = topk_write(x, lengths, thr, k=k, cap=cap)
+        else:
+            out, bkey, bcol, cnt = call(write, "write", out_shape=written, grid=(n, 1))(x, lengths, thr)
     out = call(functools.partial(_select_kernel, k=k, cap=cap, block=select_block, group=group), "select",
                out_shape=i32((n, k + spare)), grid=(n,), input_output_aliases={6: 0})(
                    x, lengths, thr, cnt, bkey, bcol, out)

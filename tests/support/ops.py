@@ -29,13 +29,13 @@ from . import INTERPRET
 
 BACKENDS = {
     "indexer_logits": ("reference", "auto", "triton", "mosaic_prefill", "mosaic_decode"),
-    "topk": ("reference", "triton"),
+    "topk": ("reference", "triton", "mosaic"),
     "sparse_mla": ("reference", "auto", "triton", "mosaic"),
     "dense_mha": ("reference", "mosaic"),
 }
-# (op, backend) pairs that only run compiled on a GPU: the sparse Mosaic kernel's gathers are
-# inline PTX, which Mosaic GPU's interpreter cannot run.
-GPU_ONLY = {("sparse_mla", "mosaic")}
+# (op, backend) pairs that only run compiled on a GPU: the sparse Mosaic kernel's gathers and the
+# Mosaic top-k write sweep are inline PTX, which Mosaic GPU's interpreter cannot run.
+GPU_ONLY = {("sparse_mla", "mosaic"), ("topk", "mosaic")}
 
 
 def backend_param(op: str, backend: str, *values, id: str | None = None, marks=()):
@@ -96,7 +96,7 @@ def topk(backend, logits, k, *, lengths=None, interpret=None, **tuning):
         if tuning:
             raise ValueError(f"the reference takes no tuning, got {tuning}")
         return topk_lib.topk_reference(logits, k, lengths)
-    if backend != "triton":
+    if backend not in ("triton", "mosaic"):
         raise ValueError(f"topk: unknown backend {backend!r}")
     return topk_lib.topk(logits, k, lengths=lengths, backend=backend, interpret=_interpret(interpret), **tuning)
 
@@ -104,7 +104,7 @@ def topk(backend, logits, k, *, lengths=None, interpret=None, **tuning):
 def topk_stages(logits, k, *, lengths=None, interpret=None, **tuning):
     """Every intermediate of the Triton top-k (`pallas_kernels.topk.triton.topk_stages`): "out",
     "counts" [N, slices, 3] (definite, band, valid keys per slice), "capacity", ...;
-    lengths default to whole rows."""
+    lengths default to whole rows; backend="mosaic" (in tuning): the Mosaic write sweep."""
     opts = dict(block=None, num_warps=None, num_stages=None, sample=None, capacity=None, slices=None, group=None)
     opts.update(tuning)
     return topk_stages_triton(logits, k, lengths=lengths, interpret=_interpret(interpret), **opts)

@@ -1,0 +1,202 @@
+"""The top-k write sweep on Hopper through Pallas Mosaic GPU: one warp a row, in registers.
+
+Same contract as the Triton write kernel of `triton.topk_stages` with one slice a row: for row n
+(its first lengths[n] columns), the columns of definite keys (>= t_hi) go to out[n, 0..] and band
+keys (in [t_lo, t_hi)) with their columns to bkey / bcol[n, 0..], each in column order, entries
+past k / cap dropped; cnt[n, 0] = (definite, band, valid, 0). Bit-identical outputs.
+
+Why a second kernel: the Triton sweep is bound by its block scans' shared-memory traffic (L1/TEX
+71-75% busy, 66-78 instructions a key, docs/design/topk.md). Here a warp owns a row and keeps
+everything in registers: each iteration a lane loads _LOADS float4s (the warp's loads coalesced,
+512 bytes each), ranks its keys within each float4, and the warp turns the float4s' counts into
+offsets with shuffle scans of byte-packed counters (four 32-bit words carry the definite and band
+counts of the 8 float4s); predicated scalar stores write the selected entries, checked against k
+and cap only in an iteration whose counts reach them. The next iteration's loads are issued
+before this one's keys are ranked (a warp a row leaves ~8 warps an SM at 1024 rows: too few to
+hide the loads otherwise). No shared memory, no barriers. Inline PTX and MLIR
+(`plgpu.inline_mgpu`): GPU only, no interpreter. Measured variants: docs/design/topk.md.
+
+Needs L % 4 == 0 (16-byte row starts); `triton.topk_stages` takes this kernel only then.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, scf
+
+_LOADS = 8  # float4 loads a lane an iteration: 32 keys a lane, 1024 a warp
+_WARPS = 4  # rows (warps) a CTA
+_LOW31 = (1 << 31) - 1
+_KEY_LOW = -2139095040  # ordered key of -FLT_MAX (see triton._KEY_LOW)
+_KEY_POS_INF = 2139095040  # ordered key of +inf
+
+
+def _scalar(v):
+    """The ir.Value of a scalar inline_mgpu argument (a splat FragmentedArray or a value)."""
+    return v.registers.flat[0] if hasattr(v, "registers") else v
+
+
+_SCAN = """{
+.reg .b32 t;
+.reg .pred p;
+mov.b32 $0, $2;
+shfl.sync.up.b32 t|p, $0, 1, 0, 0xffffffff;
+@p add.u32 $0, $0, t;
+shfl.sync.up.b32 t|p, $0, 2, 0, 0xffffffff;
+@p add.u32 $0, $0, t;
+shfl.sync.up.b32 t|p, $0, 4, 0, 0xffffffff;
+@p add.u32 $0, $0, t;
+shfl.sync.up.b32 t|p, $0, 8, 0, 0xffffffff;
+@p add.u32 $0, $0, t;
+shfl.sync.up.b32 t|p, $0, 16, 0, 0xffffffff;
+@p add.u32 $0, $0, t;
+shfl.sync.idx.b32 $1, $0, 31, 31, 0xffffffff;
+}"""  # $2 -> ($0 inclusive warp scan, $1 the warp's total); byte lanes never carry (each <= 128)
+
+
+def _write_rows(ctx, x, lengths, thr, out, bkey, bcol, cnt, block, *, n_rows, num_keys, k, cap):
+    """Warp w of CTA `block` sweeps row n = _WARPS * block + w (if n < n_rows)."""
+    del ctx
+    i32, i64 = (ir.IntegerType.get_signless(b) for b in (32, 64))
+    c32 = lambda v: arith.constant(i32, v)  # noqa: E731
+    gptr = lambda ref: llvm.addrspacecast(llvm.PointerType.get(address_space=1),  # noqa: E731
+                                          mgpu_utils.memref_ptr(ref))
+    gep = lambda base, off: llvm.getelementptr(base.type, base, [off], [mgpu_utils.DYNAMIC32], i32,  # noqa: E731
+                                               llvm.GEPNoWrapFlags.none)
+    cmp = lambda pred, a, b: arith.cmpi(getattr(arith.CmpIPredicate, pred), a, b)  # noqa: E731
+    tid = mgpu_utils.thread_idx()
+    lane, warp = arith.andi(tid, c32(31)), arith.shrui(tid, c32(5))
+    n = arith.addi(arith.muli(_scalar(block), c32(_WARPS)), warp)
+    row_at = lambda ref, width: gep(gptr(ref), arith.muli(arith.extui(i64, n), arith.constant(i64, width)))  # noqa: E731
+    with mgpu_utils.when(cmp("slt", n, c32(n_rows))):
+        row_len = llvm.load(i32, gep(gptr(lengths), n))
+        thr_row = row_at(thr, 2)
+        t_lo, t_hi = llvm.load(i32, thr_row), llvm.load(i32, gep(thr_row, c32(1)))
+        # [t_lo, t_hi) as key - t_lo < width, unsigned (the width can exceed 2^31); empty if t_lo > t_hi
+        band_width = arith.select(cmp("sle", t_lo, t_hi), arith.subi(t_hi, t_lo), c32(0))
+        x_row, out_row, bkey_row, bcol_row = (row_at(x, num_keys), row_at(out, k), row_at(bkey, cap),
+                                              row_at(bcol, cap))
+        lane_col = arith.muli(lane, c32(4))
+        last_load = arith.subi(arith.andi(arith.addi(row_len, c32(3)), c32(-4)), c32(4))
+
+        per_iter = 32 * 4 * _LOADS
+
+        def load(it):
+            """The lane's _LOADS float4s of columns [per_iter it, per_iter (it + 1)) as i32 bits,
+            addresses held within the row's float4s (its first if it has none): past the row's
+            end they repeat its last float4, which `sweep` masks."""
+            vals = []
+            for j in range(_LOADS):
+                c0 = arith.addi(arith.muli(it, c32(per_iter)), arith.addi(c32(128 * j), lane_col))
+                at = arith.maxsi(arith.minsi(c0, last_load), c32(0))
+                vals.append(mgpu_utils.inline_ptx("ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];",
+                                                  gep(x_row, at), result_types=[i32] * 4))
+            return vals
+
+        def store(cols, scans, words, run_def, run_band, checked):
+            """Each selected key's entries at its offset (checked: those past k / cap dropped)."""
+            base = c32(0)  # packed offset of float4 j within the iteration
+            for j, (c0, sel) in enumerate(cols):
+                incl, total = scans[j // 2]
+                field = lambda v: arith.andi(arith.shrui(v, c32(8 * (j % 2))), c32(0x00FF00FF))  # noqa: E731
+                own = arith.subi(field(incl), field(words[j // 2]))  # exclusive: the lanes before
+                start = arith.addi(base, own)
+                for e, (is_def, is_band, key, prefix) in enumerate(sel):
+                    at = arith.addi(start, prefix)
+                    col = arith.addi(c0, c32(e))
+                    pos = arith.addi(run_def, arith.andi(at, c32(0xFFFF)))
+                    st = arith.andi(is_def, cmp("ult", pos, c32(k))) if checked else is_def
+                    mgpu_utils.inline_ptx("st.global.b32 [$0], $1;", gep(out_row, pos), col, predicate=st)
+                    pos = arith.addi(run_band, arith.shrui(at, c32(16)))
+                    st = arith.andi(is_band, cmp("ult", pos, c32(cap))) if checked else is_band
+                    mgpu_utils.inline_ptx("st.global.b32 [$0], $1;", gep(bkey_row, pos), key, predicate=st)
+                    mgpu_utils.inline_ptx("st.global.b32 [$0], $1;", gep(bcol_row, pos), col, predicate=st)
+                base = arith.addi(base, field(total))
+
+        def sweep(it, vals, carry, masked):
+            """Columns [per_iter it, per_iter (it + 1)) of the row, loaded as vals (masked: the row
+            ends among them) -> the new (definite, band, valid) counts."""
+            run_def, run_band, valid = carry
+            cols, words = [], [c32(0)] * (_LOADS // 2)
+            for j in range(_LOADS):
+                c0 = arith.addi(arith.muli(it, c32(per_iter)), arith.addi(c32(128 * j), lane_col))
+                prefix, sel = c32(0), []
+                for e, b in enumerate(vals[j]):
+                    key = arith.xori(b, arith.andi(arith.shrsi(b, c32(31)), c32(_LOW31)))
+                    ok = cmp("ule", arith.subi(key, c32(_KEY_LOW)), c32(_KEY_POS_INF - _KEY_LOW))  # not NaN / -inf
+                    if masked:
+                        ok = arith.andi(ok, cmp("slt", arith.addi(c0, c32(e)), row_len))
+                    valid = arith.addi(valid, arith.extui(i32, ok))
+                    key = arith.select(ok, key, c32(-(1 << 31)))
+                    is_def = cmp("sge", key, t_hi)
+                    is_band = cmp("ult", arith.subi(key, t_lo), band_width)
+                    unit = arith.select(is_def, c32(1), arith.select(is_band, c32(1 << 16), c32(0)))
+                    sel.append((is_def, is_band, key, prefix))
+                    prefix = arith.addi(prefix, unit)
+                cols.append((c0, sel))
+                # float4 j's (definite | band << 16) count, in byte j % 2 of each half of word j // 2
+                words[j // 2] = arith.addi(words[j // 2], arith.shli(prefix, c32(8 * (j % 2))))
+            scans = [mgpu_utils.inline_ptx(_SCAN, w, result_types=[i32, i32], convergent=True) for w in words]
+            # Offsets past k / cap are checked only in an iteration that reaches them (the rare
+            # one: the thresholds expect ~k definite keys a row and the band to fit).
+            base = c32(0)
+            for j in range(_LOADS):
+                base = arith.addi(base, arith.andi(arith.shrui(scans[j // 2][1], c32(8 * (j % 2))), c32(0x00FF00FF)))
+            fits = arith.andi(cmp("sle", arith.addi(run_def, arith.andi(base, c32(0xFFFF))), c32(k)),
+                              cmp("sle", arith.addi(run_band, arith.shrui(base, c32(16))), c32(cap)))
+            if_op = scf.IfOp(fits, [], has_else=True)
+            for region, checked in ((if_op.then_block, False), (if_op.else_block, True)):
+                with ir.InsertionPoint(region):
+                    store(cols, scans, words, run_def, run_band, checked)
+                    scf.yield_([])
+            return (arith.addi(run_def, arith.andi(base, c32(0xFFFF))),
+                    arith.addi(run_band, arith.shrui(base, c32(16))), valid)
+
+        n_full = arith.divui(row_len, c32(per_iter))
+        has_tail = arith.extui(i32, cmp("ne", arith.remui(row_len, c32(per_iter)), c32(0)))
+        # The next iteration's loads go out before this one's keys are ranked: a warp has a row,
+        # and at ~1024 rows an SM holds ~8 warps, too few to hide the loads' latency otherwise.
+        def step(it, state):
+            carry, vals = state
+            ahead = load(arith.addi(it, c32(1)))
+            return sweep(it, vals, carry, masked=False), ahead
+
+        carry, vals = mgpu_utils.fori(n_full, ((c32(0),) * 3, load(c32(0))))(step).results
+        c_def, c_band, valid = mgpu_utils.fori(has_tail, carry)(
+            lambda _, carry: sweep(n_full, vals, carry, masked=True)).results
+        valid = mgpu_utils.inline_ptx("redux.sync.add.s32 $0, $1, 0xffffffff;", valid, result_types=i32, convergent=True)
+        mgpu_utils.inline_ptx("st.global.v4.b32 [$0], {$1, $2, $3, $4};", row_at(cnt, 4), c_def, c_band, valid,
+                              c32(0), predicate=cmp("eq", lane, c32(0)))
+
+
+def topk_write(x, lengths, thr, *, k, cap):
+    """x [N, L] f32 (L % 4 == 0), lengths [N] int32 in [0, L], thr [N, 2] int32 (t_lo, t_hi)
+    -> (out [N, k], band keys [N, cap], band columns [N, cap], counts [N, 1, 4]) int32, as
+    `triton._write_kernel` with one slice a row (entries it does not write are undefined)."""
+    n_rows, num_keys = x.shape
+    if num_keys % 4:
+        raise ValueError(f"topk_write: the row length must be a multiple of 4, got {num_keys}")
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    body = functools.partial(_write_rows, n_rows=n_rows, num_keys=num_keys, k=k, cap=cap)
+
+    def entry(*refs):
+        plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 7 + (plgpu.Layout.WG_SPLAT(()),))(body)(
+            *refs, lax.axis_index("rows"))
+
+    return plgpu.kernel(
+        entry,
+        out_type=(i32(n_rows, k), i32(n_rows, cap), i32(n_rows, cap), i32(n_rows, 1, 4)),
+        grid=(pl.cdiv(n_rows, _WARPS),),
+        grid_names=("rows",),
+        compiler_params=plgpu.CompilerParams(),
+        kernel_name="topk_write",
+    )(x, lengths, thr)
+
