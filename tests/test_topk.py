@@ -489,16 +489,17 @@ def _mosaic_rows(rng, rows, num_keys, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,num_keys,slices", [
-    (1024, 32768, None),  # the many-row plan: one slice a row
-    (1030, 8196, None),   # rows not a multiple of 4 warps, L a multiple of 4 but not of 1024
-    (64, 131072, 1),      # few long rows, one slice forced
-    (1024, 4098, None),   # L % 4 != 0: the Triton sweep (the two still agree)
+@pytest.mark.parametrize("rows,num_keys,slices,k", [
+    (1024, 32768, None, 2048),  # the many-row plan: one slice a row
+    (1030, 8196, None, 2048),   # rows not a multiple of 4 warps, L a multiple of 4 but not of 1024
+    (64, 131072, 1, 2048),      # few long rows, one slice forced
+    (1024, 4098, None, 2048),   # L % 4 != 0: the Triton sweep (the two still agree)
+    (1024, 1024, None, 64),     # the sample is the whole row: t_lo = the k-th key, cap = k
+    (1024, 2048, None, 3),      # tiny k and band capacity
 ])
-def test_mosaic_write_matches_triton(rows, num_keys, slices):
+def test_mosaic_write_matches_triton(rows, num_keys, slices, k):
     """Every intermediate (counts, the written output, the band's keys) and the answer are
     bit-identical to the Triton sweep's, and the answer is the top-k of each row's own keys."""
-    k = 2048
     rng = np.random.default_rng(rows + num_keys)
     x, lengths, n_bad = _mosaic_rows(rng, rows, num_keys, k)
     xj, lj = jnp.asarray(x), jnp.asarray(lengths)
