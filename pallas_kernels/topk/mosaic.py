@@ -1,9 +1,14 @@
-"""The top-k write sweep on Hopper through Pallas Mosaic GPU: one warp a row, in registers.
+"""The top-k write sweep on Hopper through Pallas Mosaic GPU (one warp a row, in registers), and
+the band's selection by the same warp.
 
 Same contract as the Triton write kernel of `triton.topk_stages` with one slice a row: for row n
 (its first lengths[n] columns), the columns of definite keys (>= t_hi) go to out[n, 0..] and band
 keys (in [t_lo, t_hi)) with their columns to bkey / bcol[n, 0..], each in column order, entries
-past k / cap dropped; cnt[n, 0] = (definite, band, valid, 0). Bit-identical outputs.
+past k / cap dropped (bit-identical to the Triton sweep's); cnt[n, 0] = (definite, band, valid,
+done). Then, when the band holds the rest of the answer (the select kernel's band path), the warp
+appends the band's selected keys and the -1 padding itself and sets done = 1: the select kernel
+(still launched, for the other rows) skips the row. The same index sets as the select kernel's
+band path; the band's keys may come in another order.
 
 Why a second kernel: the Triton sweep is bound by its block scans' shared-memory traffic (L1/TEX
 71-75% busy, 66-78 instructions a key, docs/design/topk.md). Here a warp owns a row and keeps
@@ -13,10 +18,12 @@ offsets with shuffle scans of byte-packed counters (four 32-bit words carry the 
 counts of the 8 float4s); predicated scalar stores write the selected entries, checked against k
 and cap only in an iteration whose counts reach them. The next iteration's loads are issued
 before this one's keys are ranked (a warp a row leaves ~8 warps an SM at 1024 rows: too few to
-hide the loads otherwise). No shared memory, no barriers. Inline PTX and MLIR
-(`plgpu.inline_mgpu`): GPU only, no interpreter. Measured variants: docs/design/topk.md.
+hide the loads otherwise). The band select (`_select_band`) is a radix select in a 1 KiB
+histogram of the warp's own in shared memory. Inline PTX and MLIR (`plgpu.inline_mgpu`): GPU
+only, no interpreter. Measured variants: docs/design/topk.md.
 
-Needs L % 4 == 0 (16-byte row starts); `triton.topk_stages` takes this kernel only then.
+Needs L % 4 == 0 and cap % 4 == 0 (16-byte row starts); `triton.topk_stages` takes this kernel
+only then.
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ shfl.sync.idx.b32 $1, $0, 31, 31, 0xffffffff;
 }"""  # $2 -> ($0 inclusive warp scan, $1 the warp's total); byte lanes never carry (each <= 128)
 
 
-def _write_rows(ctx, x, lengths, thr, out, bkey, bcol, cnt, block, *, n_rows, num_keys, k, cap):
+def _write_rows(ctx, x, lengths, thr, out, bkey, bcol, cnt, hist, block, *, n_rows, num_keys, k, cap):
     """Warp w of CTA `block` sweeps row n = _WARPS * block + w (if n < n_rows)."""
     del ctx
     i32, i64 = (ir.IntegerType.get_signless(b) for b in (32, 64))
@@ -173,27 +180,168 @@ def _write_rows(ctx, x, lengths, thr, out, bkey, bcol, cnt, block, *, n_rows, nu
         c_def, c_band, valid = mgpu_utils.fori(has_tail, carry)(
             lambda _, carry: sweep(n_full, vals, carry, masked=True)).results
         valid = mgpu_utils.inline_ptx("redux.sync.add.s32 $0, $1, 0xffffffff;", valid, result_types=i32, convergent=True)
+        done = _select_band(hist, lane, warp, c_def, c_band, valid, t_lo, t_hi, out_row, bkey_row, bcol_row,
+                            k=k, cap=cap)
         mgpu_utils.inline_ptx("st.global.v4.b32 [$0], {$1, $2, $3, $4};", row_at(cnt, 4), c_def, c_band, valid,
-                              c32(0), predicate=cmp("eq", lane, c32(0)))
+                              done, predicate=cmp("eq", lane, c32(0)))
+
+
+_SIGN = 1 << 31  # key ^ _SIGN: the key as an unsigned int of the same order
+_BINS = 256  # radix digit of the band select: 8 bits a pass
+
+
+def _ptx(text, *args, result=True):
+    i32 = ir.IntegerType.get_signless(32)
+    return mgpu_utils.inline_ptx(text, *args, result_types=i32 if result else None, convergent=True,
+                                 has_side_effects=not result)
+
+
+def _select_band(hist, lane, warp, n_def, n_band, n_valid, t_lo, t_hi, out_row, bkey_row, bcol_row, *, k, cap):
+    """After the sweep, in the same warp: when the band holds the rest of the row's answer (as
+    `triton._band_holds_answer`), append the band's (min(k, valid) - definite) largest keys'
+    columns to out[n] after the definite ones, -1 past them -> 1 (the row is done: the select
+    kernel skips it), else 0.
+
+    The rank-th largest band key by radix select, 8 bits a pass from the highest bit where
+    t_lo and t_hi - 1 differ (the band's keys share the bits above it; a band within one
+    binade: 2-3 passes), each pass a 256-bin histogram in the warp's shared memory over the
+    band (L2: the sweep just wrote it); then one pass writes the keys above it and, in band
+    (column) order, as many equal to it as the rank leaves, positions from ballots."""
+    i1, i32 = (ir.IntegerType.get_signless(b) for b in (1, 32))
+    c32 = lambda v: arith.constant(i32, v)  # noqa: E731
+    cmp = lambda pred, a, b: arith.cmpi(getattr(arith.CmpIPredicate, pred), a, b)  # noqa: E731
+    gep = lambda base, off: llvm.getelementptr(base.type, base, [off], [mgpu_utils.DYNAMIC32], i32,  # noqa: E731
+                                               llvm.GEPNoWrapFlags.none)
+    n_sel = arith.minsi(n_valid, c32(k))
+    done = arith.andi(arith.andi(cmp("sle", n_def, n_sel), cmp("sge", arith.addi(n_def, n_band), n_sel)),
+                      cmp("sle", n_band, c32(cap)))
+    rank = arith.subi(n_sel, n_def)
+    take_all = cmp("eq", rank, n_band)
+    search = arith.andi(done, arith.andi(cmp("sgt", rank, c32(0)), arith.xori(take_all, arith.constant(i1, 1))))
+    u_lo = arith.xori(t_lo, c32(_SIGN))
+    differ = arith.xori(u_lo, arith.xori(arith.subi(t_hi, c32(1)), c32(_SIGN)))
+    top_byte = arith.shrui(arith.subi(c32(31), _ptx("clz.b32 $0, $1;", differ)), c32(3))
+    n_passes = arith.select(arith.andi(search, cmp("ne", differ, c32(0))), arith.addi(top_byte, c32(1)), c32(0))
+    above_all = arith.select(cmp("eq", n_passes, c32(4)), c32(0), arith.shli(c32(-1), arith.muli(n_passes, c32(8))))
+    mgpu_utils.inline_ptx("fence.acq_rel.cta; bar.warp.sync 0xffffffff;", has_side_effects=True, convergent=True)
+    hist = gep(mgpu_utils.memref_ptr(hist), arith.muli(warp, c32(_BINS)))
+    chunks = lambda n, per: arith.divui(arith.addi(n, c32(per - 1)), c32(per))  # noqa: E731
+
+    def radix_pass(p, state):
+        prefix, remaining = state
+        shift = arith.muli(arith.subi(arith.subi(n_passes, c32(1)), p), c32(8))
+        known = arith.select(cmp("eq", shift, c32(24)), c32(0), arith.shli(c32(-1), arith.addi(shift, c32(8))))
+        zero = c32(0)
+        mgpu_utils.inline_ptx("st.shared.v4.b32 [$0], {$1, $1, $1, $1};", gep(hist, arith.muli(lane, c32(8))), zero,
+                              has_side_effects=True)
+        mgpu_utils.inline_ptx("st.shared.v4.b32 [$0], {$1, $1, $1, $1};",
+                              gep(hist, arith.addi(arith.muli(lane, c32(8)), c32(4))), zero, has_side_effects=True)
+        mgpu_utils.inline_ptx("bar.warp.sync 0xffffffff;", has_side_effects=True, convergent=True)
+
+        def count(c, carry):  # _LOADS float4s of band keys a lane, loaded together
+            i0 = [arith.addi(arith.muli(c, c32(128 * _LOADS)), arith.addi(c32(128 * j), arith.muli(lane, c32(4))))
+                  for j in range(_LOADS)]
+            keys = [mgpu_utils.inline_ptx("ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];",
+                                          gep(bkey_row, arith.minsi(i, c32(cap - 4))), result_types=[i32] * 4)
+                    for i in i0]
+            for i, four in zip(i0, keys):
+                for e, key in enumerate(four):
+                    u = arith.xori(key, c32(_SIGN))
+                    mine = arith.andi(cmp("slt", arith.addi(i, c32(e)), n_band),
+                                      cmp("eq", arith.andi(u, known), arith.andi(prefix, known)))
+                    digit = arith.andi(arith.shrui(u, shift), c32(_BINS - 1))
+                    mgpu_utils.inline_ptx("red.shared.add.u32 [$0], 1;", gep(hist, digit), predicate=mine)
+            return carry
+
+        mgpu_utils.fori(chunks(n_band, 128 * _LOADS), c32(0))(count)
+        mgpu_utils.inline_ptx("bar.warp.sync 0xffffffff;", has_side_effects=True, convergent=True)
+        # lane L holds digits 255 - 8 L - j, j < 8 (descending): the keys above its digits are the
+        # lanes before it (an exclusive scan), then its own in order
+        first = arith.subi(c32(_BINS - 8), arith.muli(lane, c32(8)))
+        lo4 = mgpu_utils.inline_ptx("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", gep(hist, first), result_types=[i32] * 4)
+        hi4 = mgpu_utils.inline_ptx("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", gep(hist, arith.addi(first, c32(4))),
+                                    result_types=[i32] * 4)
+        counts = list(hi4[::-1]) + list(lo4[::-1])  # digits first + 7, ..., first
+        own = c32(0)
+        for h in counts:
+            own = arith.addi(own, h)
+        incl, _ = mgpu_utils.inline_ptx(_SCAN, own, result_types=[i32, i32], convergent=True)
+        cum = arith.subi(incl, own)
+        hit_any, digit, before = arith.constant(i1, 0), c32(0), c32(0)
+        for j, h in enumerate(counts):
+            nxt = arith.addi(cum, h)
+            hit = arith.andi(cmp("slt", cum, remaining), cmp("sge", nxt, remaining))
+            digit = arith.select(hit, arith.subi(arith.addi(first, c32(7)), c32(j)), digit)
+            before = arith.select(hit, cum, before)
+            hit_any = arith.ori(hit_any, hit)
+            cum = nxt
+        who = _ptx("bfind.u32 $0, $1;", _ptx("vote.sync.ballot.b32 $0, $1, 0xffffffff;", hit_any))
+        digit = _ptx("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;", digit, who)
+        before = _ptx("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;", before, who)
+        mgpu_utils.inline_ptx("bar.warp.sync 0xffffffff;", has_side_effects=True, convergent=True)
+        return arith.ori(prefix, arith.shli(digit, shift)), arith.subi(remaining, before)
+
+    prefix, remaining = mgpu_utils.fori(n_passes, (arith.andi(u_lo, above_all), rank))(radix_pass).results
+    pivot = arith.select(take_all, c32(0), prefix)  # take_all: every band key is above 0
+    n_above = arith.subi(rank, remaining)  # band keys above the pivot, all taken
+    lanes_before = _ptx("mov.u32 $0, %lanemask_lt;")
+
+    def compact(c, state):  # _LOADS x 32 band entries, loaded together, ranked by ballots
+        run_gt, run_eq = state
+        entries = []
+        for j in range(_LOADS):
+            i = arith.addi(arith.muli(c, c32(32 * _LOADS)), arith.addi(c32(32 * j), lane))
+            at = arith.minsi(i, c32(cap - 1))
+            entries.append((i, _ptx("ld.global.cg.b32 $0, [$1];", gep(bkey_row, at)),
+                            _ptx("ld.global.cg.b32 $0, [$1];", gep(bcol_row, at))))
+        for i, key, col in entries:
+            inside = cmp("slt", i, n_band)
+            u = arith.xori(key, c32(_SIGN))
+            gt = arith.andi(inside, cmp("ugt", u, pivot))
+            eq = arith.andi(inside, cmp("eq", u, pivot))
+            b_gt = _ptx("vote.sync.ballot.b32 $0, $1, 0xffffffff;", gt)
+            b_eq = _ptx("vote.sync.ballot.b32 $0, $1, 0xffffffff;", eq)
+            popc = lambda v: _ptx("popc.b32 $0, $1;", v)  # noqa: E731
+            eq_rank = arith.addi(run_eq, popc(arith.andi(b_eq, lanes_before)))
+            pos = arith.select(gt, arith.addi(run_gt, popc(arith.andi(b_gt, lanes_before))),
+                               arith.addi(n_above, eq_rank))
+            take = arith.ori(gt, arith.andi(eq, cmp("slt", eq_rank, remaining)))
+            mgpu_utils.inline_ptx("st.global.b32 [$0], $1;", gep(out_row, arith.addi(n_def, pos)), col, predicate=take)
+            run_gt, run_eq = arith.addi(run_gt, popc(b_gt)), arith.addi(run_eq, popc(b_eq))
+        return run_gt, run_eq
+
+    n_compact = arith.select(arith.andi(done, cmp("sgt", rank, c32(0))), chunks(n_band, 32 * _LOADS), c32(0))
+    mgpu_utils.fori(n_compact, (c32(0), c32(0)))(compact)
+
+    def pad(c, carry):
+        i = arith.addi(n_sel, arith.addi(arith.muli(c, c32(32)), lane))
+        mgpu_utils.inline_ptx("st.global.b32 [$0], $1;", gep(out_row, i), c32(-1), predicate=cmp("slt", i, c32(k)))
+        return carry
+
+    mgpu_utils.fori(arith.select(done, chunks(arith.subi(c32(k), n_sel), 32), c32(0)), c32(0))(pad)
+    return arith.extui(i32, done)
 
 
 def topk_write(x, lengths, thr, *, k, cap):
     """x [N, L] f32 (L % 4 == 0), lengths [N] int32 in [0, L], thr [N, 2] int32 (t_lo, t_hi)
     -> (out [N, k], band keys [N, cap], band columns [N, cap], counts [N, 1, 4]) int32, as
-    `triton._write_kernel` with one slice a row (entries it does not write are undefined)."""
+    `triton._write_kernel` with one slice a row (entries it does not write are undefined), plus,
+    for the rows it marks done (counts[n, 0, 3] = 1), the whole answer in out[n]."""
     n_rows, num_keys = x.shape
-    if num_keys % 4:
-        raise ValueError(f"topk_write: the row length must be a multiple of 4, got {num_keys}")
+    if num_keys % 4 or cap % 4:
+        raise ValueError(f"topk_write: the row length and the band capacity must be multiples of 4 "
+                         f"(16-byte rows), got {num_keys} and {cap}")
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     body = functools.partial(_write_rows, n_rows=n_rows, num_keys=num_keys, k=k, cap=cap)
 
     def entry(*refs):
-        plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 7 + (plgpu.Layout.WG_SPLAT(()),))(body)(
+        plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 8 + (plgpu.Layout.WG_SPLAT(()),))(body)(
             *refs, lax.axis_index("rows"))
 
     return plgpu.kernel(
         entry,
         out_type=(i32(n_rows, k), i32(n_rows, cap), i32(n_rows, cap), i32(n_rows, 1, 4)),
+        scratch_types=(plgpu.SMEM((_WARPS, _BINS), jnp.int32),),
         grid=(pl.cdiv(n_rows, _WARPS),),
         grid_names=("rows",),
         compiler_params=plgpu.CompilerParams(),

@@ -137,10 +137,10 @@ def _load_thresholds(thr_ref, n):
 
 
 def _load_counts(cnt_ref, n):
-    """Per-slice counts of row n -> ([S] definite, [S] band, [S] valid)."""
+    """Per-slice counts of row n -> ([S] definite, [S] band, [S] valid, [S] done)."""
     c = pltriton.load(cnt_ref.at[n])  # [S, 4]
     col = jnp.arange(4, dtype=jnp.int32)[None, :]
-    return tuple(jnp.sum(jnp.where(col == j, c, 0), axis=1) for j in range(3))
+    return tuple(jnp.sum(jnp.where(col == j, c, 0), axis=1) for j in range(4))
 
 
 def _band_holds_answer(n_def, n_band, n_valid, k, cap):
@@ -344,13 +344,16 @@ def _write_kernel(x_ref, len_ref, thr_ref, *refs, k, cap, slice_len, block, grou
 def _select_kernel(x_ref, len_ref, thr_ref, cnt_ref, bkey_ref, bcol_ref, out_in_ref, out_ref, *, k, cap,
                    block, group):
     """Row n: the band's selected keys after the definite ones (out_in_ref aliases out_ref), or
-    the whole answer from the row's len[n] columns when the band cannot hold it; -1 padding."""
+    the whole answer from the row's len[n] columns when the band cannot hold it; -1 padding.
+    Nothing for a row the write sweep marked done (cnt[n, 0, 3] = 1: `mosaic.topk_write`
+    selected its band itself)."""
     del out_in_ref
     n = pl.program_id(0)
     row_len = len_ref[n]
     lane = jnp.arange(block, dtype=jnp.int32)
     t_lo, t_hi = _load_thresholds(thr_ref, n)
-    n_def, n_band, n_valid = (jnp.sum(c) for c in _load_counts(cnt_ref, n))
+    n_def, n_band, n_valid, done = (jnp.sum(c) for c in _load_counts(cnt_ref, n))
+    done = done > 0
     n_sel = jnp.minimum(n_valid, k)
     ok = _band_holds_answer(n_def, n_band, n_valid, k, cap)
     # Source of the selection: the band (keys in [t_lo, t_hi)) or, failing that, the row.
@@ -367,9 +370,9 @@ def _select_kernel(x_ref, len_ref, thr_ref, cnt_ref, bkey_ref, bcol_ref, out_in_
         x = pltriton.load(x_ref.at[n, j], mask=m & jnp.logical_not(ok), other=-jnp.inf)
         return jnp.where(ok, bc, j), jnp.where(ok, bk, _row_keys(x))
 
-    n_src_chunks = jnp.where(rank > 0, (n_src + block - 1) // block, 0)
+    n_src_chunks = jnp.where((rank > 0) & jnp.logical_not(done), (n_src + block - 1) // block, 0)
     lo = _to_u(jnp.where(ok, t_lo, _KEY_LOW))
-    w = jnp.where(take_all | (rank == 0), jnp.uint32(1), _to_u(jnp.where(ok, t_hi, _KEY_ABOVE)) - lo)
+    w = jnp.where(take_all | (rank == 0) | done, jnp.uint32(1), _to_u(jnp.where(ok, t_hi, _KEY_ABOVE)) - lo)
     one = lambda v: jnp.full((1,), v)  # noqa: E731  (a single search)
     lo, w, n_above = _count_search(_count_ge_chunks(lambda i: src(i)[1], n_src_chunks, group),
                                    one(rank), one(lo), one(w),
@@ -405,7 +408,7 @@ def _select_kernel(x_ref, len_ref, thr_ref, cnt_ref, bkey_ref, bcol_ref, out_in_
                        mask=(cols >= n_sel) & (cols < k))
         return carry
 
-    jax.lax.fori_loop(n_sel // block, pl.cdiv(k, block), pad, 0)
+    jax.lax.fori_loop(jnp.where(done, pl.cdiv(k, block), n_sel // block), pl.cdiv(k, block), pad, 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -450,12 +453,13 @@ def topk_stages(logits, k, *, lengths, interpret, block, num_warps, num_stages, 
     """`api.topk`'s kernels for N, L, k >= 1 and lengths [N] int or None (row n's keys: its first
     lengths[n] columns, clipped to [0, L]; None: whole rows)
     -> {"out": [N, k], "thresholds": [N, 2] (t_lo, t_hi),
-    "counts": [N, S, 4] (definite, band, valid, 0 per slice), "band_keys": [N, cap (+block)],
+    "counts": [N, S, 4] (definite, band, valid, done per slice; done = 1: the Mosaic sweep selected
+    the row's band itself), "band_keys": [N, cap (+block)],
     "capacity": cap}; the intermediates let tests see which path each row took. group: chunks
     whose loads are issued together (default: 4 with several slices a row, else 1). num_warps:
     one count for the three kernels; None: each its own (`_kernel_plan`, which with block None
     also picks the select kernel's chunk). backend "mosaic": the write sweep is `mosaic.topk_write`
-    where it applies (one slice a row, L % 4 == 0; compiled only), the rest as "triton"."""
+    where it applies (one slice a row, L and cap multiples of 4; compiled only), the rest as "triton"."""
     n, num_keys = logits.shape
     chosen_block = block is None
     block = max(16, min(next_pow2(block or 1024), next_pow2(num_keys)))
@@ -495,7 +499,7 @@ def topk_stages(logits, k, *, lengths, interpret, block, num_warps, num_stages, 
                                        input_output_aliases={3: 4})(x, lengths, thr, pub)
     else:
         thr = call(thr_kernel, "thresholds", out_shape=i32((n, 2)), grid=(n,))(x, lengths)
-        if backend == "mosaic" and num_keys % 4 == 0:
+        if backend == "mosaic" and num_keys % 4 == 0 and cap % 4 == 0:
             out, bkey, bcol, cnt = topk_write(x, lengths, thr, k=k, cap=cap)
         else:
             out, bkey, bcol, cnt = call(write, "write", out_shape=written, grid=(n, 1))(x, lengths, thr)
