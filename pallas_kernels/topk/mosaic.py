@@ -97,14 +97,6 @@ def _ptx(text, *args, result=True):
                                  has_side_effects=not result)
 
 
-def _load(text, *args, n=1):
-    """Inline PTX that reads memory others write (shared histograms, the band the sweep wrote):
-    marked as having side effects so that LLVM neither merges two of them with the same address
-    nor moves one across the writes (inline asm without them counts as reading no memory)."""
-    out = mgpu_utils.inline_ptx(text, *args, result_types=[_i32()] * n, has_side_effects=True)
-    return out[0] if n == 1 else out
-
-
 def _warp_sync():
     _ptx("bar.warp.sync 0xffffffff;", result=False)
 
@@ -137,8 +129,9 @@ def _radix_pass(hist, lane, shift, states, add_keys):
         # lane L holds digits 255 - 8 L - j, j < 8 (descending): the candidates above its digits
         # are the lanes before it (an exclusive scan), then its own in order
         first = arith.subi(_c(_BINS - 8), arith.muli(lane, _c(8)))
-        four = lambda at: _load("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",  # noqa: E731
-                                _gep(hist, arith.addi(at, _c(r * _BINS))), n=4)
+        four = lambda at: mgpu_utils.inline_ptx(  # noqa: E731
+            "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", _gep(hist, arith.addi(at, _c(r * _BINS))),
+            result_types=[_i32()] * 4)
         counts = list(four(arith.addi(first, _c(4))))[::-1] + list(four(first))[::-1]  # digits first + 7 ..
         own = _c(0)
         for h in counts:
@@ -366,8 +359,9 @@ def _select_band(hist, lane, n_def, n_band, n_valid, t_lo, t_hi, out_row, bkey_r
             def count(c, carry):  # _LOADS float4s of band keys a lane, loaded together
                 i0 = [arith.addi(arith.muli(c, _c(128 * _LOADS)), arith.addi(_c(128 * j), arith.muli(lane, _c(4))))
                       for j in range(_LOADS)]
-                fours = [_load("ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];",
-                               _gep(bkey_row, arith.minsi(i, _c(cap - 4))), n=4) for i in i0]
+                fours = [mgpu_utils.inline_ptx("ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];",
+                                               _gep(bkey_row, arith.minsi(i, _c(cap - 4))), result_types=[i32] * 4)
+                         for i in i0]
                 keys = [(key, _cmp("slt", arith.addi(i, _c(e)), n_band))
                         for i, four in zip(i0, fours) for e, key in enumerate(four)]
                 _add_digits(hist, keys, shift, known, [prefix])
@@ -391,8 +385,8 @@ def _select_band(hist, lane, n_def, n_band, n_valid, t_lo, t_hi, out_row, bkey_r
         for j in range(_LOADS):
             i = arith.addi(arith.muli(c, _c(32 * _LOADS)), arith.addi(_c(32 * j), lane))
             at = arith.minsi(i, _c(cap - 1))
-            entries.append((i, _load("ld.global.cg.b32 $0, [$1];", _gep(bkey_row, at)),
-                            _load("ld.global.cg.b32 $0, [$1];", _gep(bcol_row, at))))
+            entries.append((i, _ptx("ld.global.cg.b32 $0, [$1];", _gep(bkey_row, at)),
+                            _ptx("ld.global.cg.b32 $0, [$1];", _gep(bcol_row, at))))
         for i, key, col in entries:
             inside = _cmp("slt", i, n_band)
             u = arith.xori(key, _c(_SIGN))
