@@ -113,11 +113,10 @@ def device_ms(fn, *args, reps=CHAIN_REPS):
     return median_ms(run, *run_args) / reps
 
 
-def kernel_spans_ms(run, run_args, names, optional=False):
+def kernel_spans_ms(run, run_args, names):
     """{name: median device duration in ms of the GPU kernels whose name contains it} in one
     execution of run(*run_args) traced by jax.profiler: each kernel alone, without the launch
-    gaps and the other kernels of a chain. optional: names with no kernel are left out (else an
-    error)."""
+    gaps and the other kernels of a chain."""
     jax.block_until_ready(run(*run_args))
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
@@ -129,8 +128,6 @@ def kernel_spans_ms(run, run_args, names, optional=False):
     spans = {}
     for name in names:
         durations = [e.duration_ns for e in events if name in e.name]
-        if not durations and optional:
-            continue
         if not durations:
             raise RuntimeError(f"no GPU kernel named *{name}* in the trace")
         spans[name] = statistics.median(durations) / 1e6
@@ -386,7 +383,7 @@ def topk_inputs(rows, length, causal, seed):
     return jnp.where(jnp.arange(length)[None, :] < ends[:, None], x, jnp.nan), ends
 
 
-TOPK_KERNELS = ("topk_thresholds", "topk_write", "topk_select")  # "mosaic": write (all three steps) + select
+TOPK_KERNELS = ("topk_thresholds", "topk_write", "topk_select")
 TOPK_BACKENDS = ("triton", "mosaic")  # "mosaic": the Mosaic GPU write sweep
 
 
@@ -431,8 +428,7 @@ def bench_topk(quick, tiling=None, shapes=None, tag=""):
                 rec["copy_GBps"], rec["copy_alone_GBps"] = copies[nbytes]
                 rec["copy_fraction"] = rec["kernel_GBps"] / rec["copy_GBps"]
                 try:
-                    rec["kernels_us"] = {name: ms * 1e3 for name, ms in kernel_spans_ms(jitted, (x,), TOPK_KERNELS,
-                                                                                   optional=True).items()}
+                    rec["kernels_us"] = {name: ms * 1e3 for name, ms in kernel_spans_ms(jitted, (x,), TOPK_KERNELS).items()}
                 except RuntimeError as e:  # no GPU kernels in the trace (e.g. no profiler on the machine)
                     rec["kernels_us"] = None
                     rec["trace_error"] = str(e)[:200]
