@@ -81,9 +81,8 @@ def resolve(kernels: str, config) -> Implementations:
     "xla", and "auto" off the GPU: XLA for every op. "pallas", and "auto" on a GPU:
       indexer_logits: "mosaic" on Hopper for fp8 / bf16 indexers (the plan's RowGroup picks the
         prefill or decode kernel), else "triton";
-      topk: "mosaic" on Hopper (`pallas_kernels.topk.mosaic`'s one kernel for thresholds, sweep
-        and band select where it applies, measured ~2x the Triton kernels; docs/benchmarks.md),
-        else "triton";
+      topk: "mosaic" on Hopper (the Triton kernels with `pallas_kernels.topk.mosaic`'s write
+        sweep where it applies: 1.6-2.4x the Triton sweep's speed), else "triton";
       sparse_mla: "mosaic" on Hopper when `sparse_mla.unsupported_reason` accepts the operands
         the config gives it (bf16 q and k_pe, rank and rope widths; an fp8 cache's upfront copy
         is accepted exactly when the cache is), else "triton";

@@ -2,9 +2,9 @@
 
 Backends (tests/support/ops.py): "reference" (lax.top_k, the XLA path), "triton"
 (`pallas_kernels.topk`: thresholds / write / select kernels on Pallas' Triton backend) and
-"mosaic" (one Mosaic GPU kernel for the thresholds, the sweep and the band's selection where it
-applies, the Triton select kernel for the rows off the band path: GPU only; its intermediates
-checked against numpy).
+"mosaic" (the same with the Mosaic GPU write sweep where it applies, which also selects the
+band of rows on the band path: GPU only; its intermediates bit-identical to the Triton sweep's
+and its answers the same index sets, asserted).
 Checked per row (check_topk): min(k, #finite) distinct indices then -1, and the multiset of
 their values equal to lax.top_k's (the exact index set where there are no ties at the k-th
 value). For the Triton kernels, the band path (selection among the keys between two sampled
@@ -457,18 +457,13 @@ def test_topk_many_rows(rows, num_keys, k):
 # The Mosaic write sweep (pallas_kernels.topk.mosaic): GPU only, bit-identical to Triton's
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rows,num_keys,k", [(1024, 32768, 2048), (8192, 8192, 2048), (1024, 1024, 64),
-                                             (1024, 2048, 3), (64, 131072, 2048)])
-def test_mosaic_write_lowers_for_the_gpu(rows, num_keys, k):
-    """CPU twin of the hardware run: the kernel lowers to a Mosaic GPU module at the plans of
-    these shapes (samples of 1024 / 4096 keys, the whole row, r_hi = 0; the interpreter cannot
-    run its inline PTX)."""
+def test_mosaic_write_lowers_for_the_gpu():
+    """CPU twin of the hardware run: the write sweep lowers to a Mosaic GPU module at 1024 rows of
+    32K keys (the interpreter cannot run its inline PTX)."""
     from pallas_kernels.topk.mosaic import topk_write
-    from pallas_kernels.topk.triton import _sample_plan
-    sample, r_lo, r_hi, _, cap = _sample_plan(num_keys, k, None, None)
     sd = jax.ShapeDtypeStruct
-    fn = jax.jit(functools.partial(topk_write, k=k, cap=cap, sample=sample, r_lo=r_lo, r_hi=r_hi))
-    args = (sd((rows, num_keys), jnp.float32), sd((rows,), jnp.int32))
+    fn = jax.jit(functools.partial(topk_write, k=2048, cap=8192))
+    args = (sd((1024, 32768), jnp.float32), sd((1024,), jnp.int32), sd((1024, 2), jnp.int32))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -477,13 +472,11 @@ def test_mosaic_refuses_interpret_mode_and_odd_rows():
     from pallas_kernels.topk.mosaic import topk_write
     with pytest.raises(ValueError, match="'mosaic' has no interpret mode"):
         topk(jnp.zeros((4, 64)), 8, backend="mosaic", interpret=True)
-    lengths, plan = jnp.zeros((4,), jnp.int32), dict(sample=64, r_lo=8, r_hi=8)
+    zeros = jnp.zeros((4,), jnp.int32), jnp.zeros((4, 2), jnp.int32)
     with pytest.raises(ValueError, match="multiples of 4 .16-byte rows., got 66 and 16"):
-        topk_write(jnp.zeros((4, 66)), lengths, k=8, cap=16, **plan)
+        topk_write(jnp.zeros((4, 66)), *zeros, k=8, cap=16)
     with pytest.raises(ValueError, match="got 64 and 6"):
-        topk_write(jnp.zeros((4, 64)), lengths, k=8, cap=6, **plan)
-    with pytest.raises(ValueError, match="8..4096 keys .* got 8192"):
-        topk_write(jnp.zeros((4, 65536)), lengths, k=8, cap=16, **dict(plan, sample=8192))
+        topk_write(jnp.zeros((4, 64)), *zeros, k=8, cap=6)
 
 
 def _mosaic_rows(rng, rows, num_keys, k):
@@ -499,84 +492,38 @@ def _mosaic_rows(rng, rows, num_keys, k):
     return _with_garbage_past(x, lengths, rng), np.asarray(lengths, np.int32), len(bad)
 
 
-def _np_keys(x):
-    """float32 -> the kernels' int32 keys (signed order = float order), -inf / NaN -> INT32_MIN."""
-    b = np.ascontiguousarray(x, np.float32).view(np.int32)
-    return np.where(x > -np.inf, b ^ ((b >> 31) & 0x7FFFFFFF), np.int32(-2 ** 31))
-
-
-def _np_sample_positions(num_keys, sample):
-    """Columns of a row's threshold sample (runs of 8 at jittered positions; the row if it fits)."""
-    if sample >= num_keys:
-        return np.arange(num_keys)
-    runs = np.arange(sample) // 8
-    q = num_keys // (sample // 8)
-    h = ((runs.astype(np.int64) * -1640531535) & 0xFFFFFFFF) >> 16
-    return runs * q + (h % (q // 8)) * 8 + np.arange(sample) % 8
-
-
-def _np_mosaic_stages(x, lengths, k):
-    """What the Mosaic kernel must produce, from numpy: exact sample-rank thresholds, the
-    definite / band / valid counts and the band's keys in column order."""
-    from pallas_kernels.topk.triton import _sample_plan
-    rows, num_keys = x.shape
-    sample, r_lo, r_hi, _, cap = _sample_plan(num_keys, k, None, None)
-    keys = _np_keys(x)
-    pos = _np_sample_positions(num_keys, sample)
-    key_low, key_above = -2139095040, 2139095041
-    thr, counts, bands = np.zeros((rows, 2), np.int64), np.zeros((rows, 3), np.int64), []
-    for r in range(rows):
-        row = keys[r, :lengths[r]]
-        sampled = np.sort(keys[r, pos][(pos < lengths[r]) & (keys[r, pos] != -2 ** 31)])[::-1]
-        t_lo = sampled[r_lo - 1] if len(sampled) >= r_lo else key_low
-        t_hi = sampled[r_hi - 1] + 1 if 0 < r_hi <= len(sampled) else key_above
-        valid = row != -2 ** 31
-        band = valid & (row >= t_lo) & (row < t_hi)
-        thr[r] = t_lo, t_hi
-        counts[r] = (valid & (row >= t_hi)).sum(), band.sum(), valid.sum()
-        bands.append(row[band][:cap])
-    return thr, counts, bands, cap
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,num_keys,slices,k", [
     (1024, 32768, None, 2048),  # the many-row plan: one slice a row
     (1030, 8196, None, 2048),   # rows not a multiple of 4 warps, L a multiple of 4 but not of 1024
-    (64, 131072, 1, 2048),      # few long rows, one slice forced (a 4096-key sample)
+    (64, 131072, 1, 2048),      # few long rows, one slice forced
+    (1024, 4098, None, 2048),   # L % 4 != 0: the Triton sweep (the two still agree)
     (1024, 1024, None, 64),     # the sample is the whole row: t_lo = the k-th key, cap = k
-    (1024, 2048, None, 3),      # tiny k: r_hi = 0
+    (1024, 2048, None, 3),      # tiny k and band capacity
 ])
-def test_mosaic_stages(rows, num_keys, slices, k):
-    """The Mosaic kernel's intermediates against numpy: its thresholds are the exact sample
-    ranks, its counts and band (bit-identical keys, column order) follow from them; the rows it
-    marks done are exactly those on the band path; the answer is the top-k of each row's own
+def test_mosaic_write_matches_triton(rows, num_keys, slices, k):
+    """The sweep's intermediates (counts, thresholds, the band's keys) are bit-identical to the
+    Triton sweep's; the rows it marks done are exactly the band-path rows (where it applies: L
+    and the capacity multiples of 4), and their answers hold the same index sets as the Triton
+    select's (the band's keys may come in another order) and are the top-k of each row's own
     keys."""
     rng = np.random.default_rng(rows + num_keys)
     x, lengths, n_bad = _mosaic_rows(rng, rows, num_keys, k)
-    got = stages(jnp.asarray(x), k, lengths=jnp.asarray(lengths), slices=slices, backend="mosaic")
-    thr, counts, bands, cap = _np_mosaic_stages(x, lengths, k)
-    assert got["capacity"] == cap
-    np.testing.assert_array_equal(np.asarray(got["thresholds"]), thr)
+    xj, lj = jnp.asarray(x), jnp.asarray(lengths)
+    got = stages(xj, k, lengths=lj, slices=slices, backend="mosaic")
+    want = stages(xj, k, lengths=lj, slices=slices)
     cnt = np.asarray(got["counts"])
-    np.testing.assert_array_equal(cnt[:, 0, :3], counts)
-    np.testing.assert_array_equal(cnt[:, 0, 3], band_path(got, k))
-    bk = np.asarray(got["band_keys"])
+    np.testing.assert_array_equal(cnt[:, :, :3], np.asarray(want["counts"])[:, :, :3])
+    fused = num_keys % 4 == 0 and want["capacity"] % 4 == 0
+    np.testing.assert_array_equal(cnt[:, 0, 3], band_path(want, k) if fused else 0)
+    np.testing.assert_array_equal(np.asarray(got["thresholds"]), np.asarray(want["thresholds"]))
+    np.testing.assert_array_equal(np.sort(np.asarray(got["out"]), 1), np.sort(np.asarray(want["out"]), 1))
+    n_band = np.minimum(np.asarray(want["counts"])[:, :, 1].sum(1), want["capacity"])
+    gk, wk = np.asarray(got["band_keys"]), np.asarray(want["band_keys"])
     for r in range(rows):
-        np.testing.assert_array_equal(bk[r, :len(bands[r])], bands[r], err_msg=f"row {r}")
-    assert band_path(got, k)[:-n_bad].mean() > 0.9  # the band path is the one exercised
+        np.testing.assert_array_equal(gk[r, :n_band[r]], wk[r, :n_band[r]], err_msg=f"row {r}")
+    assert band_path(want, k)[:-n_bad].mean() > 0.9  # the band path is the one exercised
     check_topk(got["out"], _masked(nan_free(x), lengths), k)
-
-
-@pytest.mark.gpu
-def test_mosaic_falls_back_to_the_triton_kernels():
-    """L % 4 != 0: the Triton kernels, whole (the same intermediates as backend "triton")."""
-    rows, num_keys, k = 1024, 4098, 2048
-    rng = np.random.default_rng(3)
-    x, lengths, _ = _mosaic_rows(rng, rows, num_keys, k)
-    got = stages(jnp.asarray(x), k, lengths=jnp.asarray(lengths), backend="mosaic")
-    want = stages(jnp.asarray(x), k, lengths=jnp.asarray(lengths))
-    for name in ("out", "thresholds", "counts"):
-        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
 
 
 @pytest.mark.gpu

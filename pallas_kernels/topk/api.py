@@ -48,13 +48,12 @@ def topk(logits, k: int, *, lengths=None, backend="triton", interpret=False, blo
     With several slices a row, loads go 4 chunks at a time (one memory latency per 4); with
     >= 1024 rows, singly (it cost more than it saved).
     Latency-bound at few rows (three launches and ~3.5 dependent passes); docs/design/topk.md.
-    backend: "triton": the three kernels above; "mosaic" (Hopper), where it applies (one slice a
-      row, L and the capacity multiples of 4, a sample of <= 4096 keys; else as "triton"): steps
-      1 and 2 and the band's selection in one Mosaic GPU kernel, `mosaic.topk_write`, a warp a
-      row (no interpreter): the thresholds are the exact ranks of the same sample (radix select
-      in shared memory), the sweep ranks keys in registers with shuffle scans, and a row on the
-      band path gets its answer from the same warp; the select kernel takes the other rows.
-      The same index sets as "triton" wherever the answer has no ties at the boundary.
+    backend: "triton": the three kernels above; "mosaic": step 2 by `mosaic.topk_write` (Mosaic GPU,
+      a warp a row, shuffle scans in registers: no interpreter) where it applies, one slice a row
+      and L, capacity multiples of 4, else as "triton"; the same warp then selects the row's band
+      when it holds the answer (radix select, 8 bits a pass, in shared memory), and the select
+      kernel only takes the other rows. Same index sets as "triton" (the band's keys may come
+      in another order).
     block, num_warps, num_stages, sample, capacity, slices: the kernels' tuning (see `topk_stages`;
       without num_warps each kernel takes its own count for the row count, `triton._kernel_plan`).
     """

@@ -1,33 +1,29 @@
-"""Top-k on Hopper through Pallas Mosaic GPU: a row's thresholds, write sweep and band selection
-in one kernel, one warp a row.
+"""The top-k write sweep on Hopper through Pallas Mosaic GPU (one warp a row, in registers), and
+the band's selection by the same warp.
 
-For row n (its first lengths[n] columns), the warp
-  1. loads the row's threshold sample (the runs of 8 columns `triton._threshold_kernel` samples)
-     into registers and finds t_lo = its r_lo-th largest key and t_hi = the key just above its
-     r_hi-th (exact ranks, where the Triton kernel stops its count search within a tolerance):
-     two radix selects at once, 8 bits a pass, in histograms of its own in shared memory;
-  2. sweeps the row as the Triton write kernel with one slice a row does: the columns of
-     definite keys (>= t_hi) to out[n, 0..], band keys (in [t_lo, t_hi)) with their columns to
-     bkey / bcol[n, 0..], each in column order, entries past k / cap dropped; cnt[n, 0] =
-     (definite, band, valid, done);
-  3. when the band holds the rest of the answer (the select kernel's band path), appends the
-     band's selected keys and the -1 padding and sets done = 1: the select kernel (still
-     launched, for the other rows) skips the row.
+Same contract as the Triton write kernel of `triton.topk_stages` with one slice a row: for row n
+(its first lengths[n] columns), the columns of definite keys (>= t_hi) go to out[n, 0..] and band
+keys (in [t_lo, t_hi)) with their columns to bkey / bcol[n, 0..], each in column order, entries
+past k / cap dropped (bit-identical to the Triton sweep's); cnt[n, 0] = (definite, band, valid,
+done). Then, when the band holds the rest of the answer (the select kernel's band path), the warp
+appends the band's selected keys and the -1 padding itself and sets done = 1: the select kernel
+(still launched, for the other rows) skips the row. The same index sets as the select kernel's
+band path; the band's keys may come in another order.
 
-Why: the Triton sweep is bound by its block scans' shared-memory traffic (L1/TEX 71-75% busy,
-66-78 instructions a key, docs/design/topk.md), and its threshold and select kernels by the
-latency of their dependent count passes. Here the sweep keeps everything in registers: each
-iteration a lane loads _LOADS float4s (the warp's loads coalesced, 512 bytes each), ranks its keys
-within each float4, and the warp turns the float4s' counts into offsets with shuffle scans of
-byte-packed counters (four 32-bit words carry the definite and band counts of the 8 float4s);
-predicated scalar stores write the selected entries, checked against k and cap only in an
-iteration whose counts reach them. The next iteration's loads are issued before this one's keys
-are ranked (a warp a row leaves ~8 warps an SM at 1024 rows: too few to hide the loads
-otherwise). Inline PTX and MLIR (`plgpu.inline_mgpu`): GPU only, no interpreter. Measured
-variants: docs/design/topk.md.
+Why a second kernel: the Triton sweep is bound by its block scans' shared-memory traffic (L1/TEX
+71-75% busy, 66-78 instructions a key, docs/design/topk.md). Here a warp owns a row and keeps
+everything in registers: each iteration a lane loads _LOADS float4s (the warp's loads coalesced,
+512 bytes each), ranks its keys within each float4, and the warp turns the float4s' counts into
+offsets with shuffle scans of byte-packed counters (four 32-bit words carry the definite and band
+counts of the 8 float4s); predicated scalar stores write the selected entries, checked against k
+and cap only in an iteration whose counts reach them. The next iteration's loads are issued
+before this one's keys are ranked (a warp a row leaves ~8 warps an SM at 1024 rows: too few to
+hide the loads otherwise). The band select (`_select_band`) is a radix select in a 1 KiB
+histogram of the warp's own in shared memory. Inline PTX and MLIR (`plgpu.inline_mgpu`): GPU
+only, no interpreter. Measured variants: docs/design/topk.md.
 
-Needs L % 4 == 0 and cap % 4 == 0 (16-byte row starts) and a sample of <= MAX_SAMPLE keys;
-`triton.topk_stages` takes this kernel only then.
+Needs L % 4 == 0 and cap % 4 == 0 (16-byte row starts); `triton.topk_stages` takes this kernel
+only then.
 """
 
 from __future__ import annotations
@@ -43,11 +39,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, scf
 
-from .keys import _KEY_ABOVE, _KEY_LOW, _KEY_POS_INF, _LOW31, _RUN, _RUN_HASH, _SIGN  # key ^ _SIGN: unsigned order
-
 _LOADS = 8  # float4 loads a lane an iteration: 32 keys a lane, 1024 a warp
 _WARPS = 4  # rows (warps) a CTA
-MAX_SAMPLE = 4096  # threshold sample sizes the kernel takes (128 keys a lane)
+_LOW31 = (1 << 31) - 1
+_KEY_LOW = -2139095040  # ordered key of -FLT_MAX (see triton._KEY_LOW)
+_KEY_POS_INF = 2139095040  # ordered key of +inf
 
 
 def _scalar(v):
@@ -73,161 +69,28 @@ shfl.sync.idx.b32 $1, $0, 31, 31, 0xffffffff;
 }"""  # $2 -> ($0 inclusive warp scan, $1 the warp's total); byte lanes never carry (each <= 128)
 
 
-# MLIR building blocks (called while the kernel is lowered)
-def _i32():
-    return ir.IntegerType.get_signless(32)
-
-
-def _c(v):
-    return arith.constant(_i32(), v)
-
-
-def _cmp(pred, a, b):
-    return arith.cmpi(getattr(arith.CmpIPredicate, pred), a, b)
-
-
-def _gep(base, off):
-    """&base[off] of an i32 pointer, off i32."""
-    return llvm.getelementptr(base.type, base, [off], [mgpu_utils.DYNAMIC32], _i32(), llvm.GEPNoWrapFlags.none)
-
-
-def _ptx(text, *args, result=True):
-    """Warp-level inline PTX: one i32 result, or none (a side effect)."""
-    return mgpu_utils.inline_ptx(text, *args, result_types=_i32() if result else None, convergent=True,
-                                 has_side_effects=not result)
-
-
-def _warp_sync():
-    _ptx("bar.warp.sync 0xffffffff;", result=False)
-
-
-def _store(ptr, value, predicate):
-    mgpu_utils.inline_ptx("st.global.b32 [$0], $1;", ptr, value, predicate=predicate)
-
-
-_BINS = 256  # radix digit: 8 bits a pass
-_SELECTS = 2  # radix selects a pass can run at once (the sample's two ranks): histograms a warp
-
-
-def _radix_pass(hist, lane, shift, states, add_keys):
-    """One 8-bit pass of up to _SELECTS radix selects over a warp's keys (unsigned order: key ^
-    _SIGN). states: [(prefix, remaining)] per select: the keys whose bits above `shift` + 8
-    equal the prefix's are its candidates, and the one sought is the remaining-th largest of
-    them. add_keys(known) adds each candidate key's digit (bits shift..shift + 7) to select r's
-    histogram (hist + r * _BINS, by `red.shared.add`), known = the mask of the bits above.
-    -> the new states (the digit appended to the prefix, the candidates above it deducted)."""
-    known = arith.select(_cmp("eq", shift, _c(24)), _c(0), arith.shli(_c(-1), arith.addi(shift, _c(8))))
-    for r in range(len(states)):
-        for half in (0, 4):
-            at = _gep(hist, arith.addi(_c(r * _BINS + half), arith.muli(lane, _c(8))))
-            _ptx("st.shared.v4.b32 [$0], {$1, $1, $1, $1};", at, _c(0), result=False)
-    _warp_sync()
-    add_keys(known)
-    _warp_sync()
-    new = []
-    for r, (prefix, remaining) in enumerate(states):
-        # lane L holds digits 255 - 8 L - j, j < 8 (descending): the candidates above its digits
-        # are the lanes before it (an exclusive scan), then its own in order
-        first = arith.subi(_c(_BINS - 8), arith.muli(lane, _c(8)))
-        four = lambda at: mgpu_utils.inline_ptx(  # noqa: E731
-            "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", _gep(hist, arith.addi(at, _c(r * _BINS))),
-            result_types=[_i32()] * 4)
-        counts = list(four(arith.addi(first, _c(4))))[::-1] + list(four(first))[::-1]  # digits first + 7 ..
-        own = _c(0)
-        for h in counts:
-            own = arith.addi(own, h)
-        incl, _ = mgpu_utils.inline_ptx(_SCAN, own, result_types=[_i32()] * 2, convergent=True)
-        cum = arith.subi(incl, own)
-        hit_any, digit, before = arith.constant(ir.IntegerType.get_signless(1), 0), _c(0), _c(0)
-        for j, h in enumerate(counts):
-            nxt = arith.addi(cum, h)
-            hit = arith.andi(_cmp("slt", cum, remaining), _cmp("sge", nxt, remaining))
-            digit = arith.select(hit, arith.subi(arith.addi(first, _c(7)), _c(j)), digit)
-            before = arith.select(hit, cum, before)
-            hit_any = arith.ori(hit_any, hit)
-            cum = nxt
-        who = _ptx("bfind.u32 $0, $1;", _ptx("vote.sync.ballot.b32 $0, $1, 0xffffffff;", hit_any))
-        digit = _ptx("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;", digit, who)
-        before = _ptx("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;", before, who)
-        new.append((arith.ori(prefix, arith.shli(digit, shift)), arith.subi(remaining, before)))
-    _warp_sync()
-    return new
-
-
-def _add_digits(hist, keys, shift, known, prefixes):
-    """add_keys of `_radix_pass` for keys [(key i32, candidate i1)] held in registers."""
-    for key, ok in keys:
-        u = arith.xori(key, _c(_SIGN))
-        digit = arith.andi(arith.shrui(u, shift), _c(_BINS - 1))
-        for r, prefix in enumerate(prefixes):
-            mine = arith.andi(ok, _cmp("eq", arith.andi(u, known), arith.andi(prefix, known)))
-            mgpu_utils.inline_ptx("red.shared.add.u32 [$0], 1;", _gep(hist, arith.addi(digit, _c(r * _BINS))),
-                                  predicate=mine)
-
-
-def _sample_thresholds(x_row, row_len, hist, lane, *, num_keys, sample, r_lo, r_hi):
-    """(t_lo, t_hi) of the row from its sample, as the Triton threshold kernel's contract has it
-    (`triton._sample_plan`: the sampled runs of 8 columns at the same jittered positions), but
-    exact: t_lo = the r_lo-th largest valid sampled key (_KEY_LOW if fewer), t_hi = the key just
-    above the r_hi-th (_KEY_ABOVE if r_hi = 0 or fewer). The sample is held in registers (a
-    lane's 1/32: <= 128 keys) and both ranks are found in the same four radix passes."""
-    exact = sample >= num_keys  # the whole row (sample = next_pow2(L))
-    n_runs = sample // _RUN
-    q = _RUN if exact else num_keys // n_runs
-    keys = []
-    for t in range(-(-n_runs // 32)):
-        run = arith.addi(lane, _c(32 * t))
-        start = arith.muli(run, _c(q))
-        if not exact:
-            h = arith.shrui(arith.muli(run, _c(_RUN_HASH)), _c(16))  # the run's hash in [0, 65536)
-            start = arith.addi(start, arith.muli(arith.remui(h, _c(q // _RUN)), _c(_RUN)))
-        for e in range(_RUN):
-            pos = arith.addi(start, _c(e))
-            b = _ptx("ld.global.nc.b32 $0, [$1];", _gep(x_row, arith.minsi(pos, _c(num_keys - 1))))
-            key = arith.xori(b, arith.andi(arith.shrsi(b, _c(31)), _c(_LOW31)))
-            ok = arith.andi(_cmp("slt", pos, row_len), _cmp("slt", run, _c(n_runs)))
-            ok = arith.andi(ok, _cmp("ule", arith.subi(key, _c(_KEY_LOW)), _c(_KEY_POS_INF - _KEY_LOW)))
-            keys.append((key, ok))
-    n_valid = _c(0)
-    for _, ok in keys:
-        n_valid = arith.addi(n_valid, arith.extui(_i32(), ok))
-    n_valid = _ptx("redux.sync.add.s32 $0, $1, 0xffffffff;", n_valid)
-    ranks = (r_lo,) if r_hi in (r_lo, 0) else (r_lo, r_hi)
-    states = [(_c(0), _c(r)) for r in ranks]
-    for shift in (24, 16, 8, 0):
-        prefixes = [p for p, _ in states]
-        states = _radix_pass(hist, lane, _c(shift), states,
-                             lambda known: _add_digits(hist, keys, _c(shift), known, prefixes))
-    kth = [arith.xori(p, _c(_SIGN)) for p, _ in states]  # the ranks' keys
-    t_lo = arith.select(_cmp("sge", n_valid, _c(r_lo)), kth[0], _c(_KEY_LOW))
-    if r_hi == 0:
-        return t_lo, _c(_KEY_ABOVE)
-    t_hi = arith.select(_cmp("sge", n_valid, _c(r_hi)), arith.addi(kth[-1], _c(1)), _c(_KEY_ABOVE))
-    return t_lo, t_hi
-
-
-def _write_rows(ctx, x, lengths, thr, out, bkey, bcol, cnt, hist, block, *, n_rows, num_keys, k, cap, plan):
-    """Warp w of CTA `block` takes row n = _WARPS * block + w (if n < n_rows): thresholds from
-    its sample, the sweep, the band select."""
+def _write_rows(ctx, x, lengths, thr, out, bkey, bcol, cnt, hist, block, *, n_rows, num_keys, k, cap):
+    """Warp w of CTA `block` sweeps row n = _WARPS * block + w (if n < n_rows)."""
     del ctx
-    i32, i64 = _i32(), ir.IntegerType.get_signless(64)
-    c32, cmp, gep = _c, _cmp, _gep
+    i32, i64 = (ir.IntegerType.get_signless(b) for b in (32, 64))
+    c32 = lambda v: arith.constant(i32, v)  # noqa: E731
     gptr = lambda ref: llvm.addrspacecast(llvm.PointerType.get(address_space=1),  # noqa: E731
                                           mgpu_utils.memref_ptr(ref))
+    gep = lambda base, off: llvm.getelementptr(base.type, base, [off], [mgpu_utils.DYNAMIC32], i32,  # noqa: E731
+                                               llvm.GEPNoWrapFlags.none)
+    cmp = lambda pred, a, b: arith.cmpi(getattr(arith.CmpIPredicate, pred), a, b)  # noqa: E731
     tid = mgpu_utils.thread_idx()
     lane, warp = arith.andi(tid, c32(31)), arith.shrui(tid, c32(5))
     n = arith.addi(arith.muli(_scalar(block), c32(_WARPS)), warp)
     row_at = lambda ref, width: gep(gptr(ref), arith.muli(arith.extui(i64, n), arith.constant(i64, width)))  # noqa: E731
-    hist = gep(mgpu_utils.memref_ptr(hist), arith.muli(warp, c32(_SELECTS * _BINS)))
     with mgpu_utils.when(cmp("slt", n, c32(n_rows))):
         row_len = llvm.load(i32, gep(gptr(lengths), n))
-        x_row, out_row, bkey_row, bcol_row = (row_at(x, num_keys), row_at(out, k), row_at(bkey, cap),
-                                              row_at(bcol, cap))
-        t_lo, t_hi = _sample_thresholds(x_row, row_len, hist, lane, num_keys=num_keys, **plan)
-        mgpu_utils.inline_ptx("st.global.v2.b32 [$0], {$1, $2};", row_at(thr, 2), t_lo, t_hi,
-                              predicate=cmp("eq", lane, c32(0)))
+        thr_row = row_at(thr, 2)
+        t_lo, t_hi = llvm.load(i32, thr_row), llvm.load(i32, gep(thr_row, c32(1)))
         # [t_lo, t_hi) as key - t_lo < width, unsigned (the width can exceed 2^31); empty if t_lo > t_hi
         band_width = arith.select(cmp("sle", t_lo, t_hi), arith.subi(t_hi, t_lo), c32(0))
+        x_row, out_row, bkey_row, bcol_row = (row_at(x, num_keys), row_at(out, k), row_at(bkey, cap),
+                                              row_at(bcol, cap))
         lane_col = arith.muli(lane, c32(4))
         last_load = arith.subi(arith.andi(arith.addi(row_len, c32(3)), c32(-4)), c32(4))
 
@@ -317,119 +180,159 @@ def _write_rows(ctx, x, lengths, thr, out, bkey, bcol, cnt, hist, block, *, n_ro
         c_def, c_band, valid = mgpu_utils.fori(has_tail, carry)(
             lambda _, carry: sweep(n_full, vals, carry, masked=True)).results
         valid = mgpu_utils.inline_ptx("redux.sync.add.s32 $0, $1, 0xffffffff;", valid, result_types=i32, convergent=True)
-        done = _select_band(hist, lane, c_def, c_band, valid, t_lo, t_hi, out_row, bkey_row, bcol_row,
+        done = _select_band(hist, lane, warp, c_def, c_band, valid, t_lo, t_hi, out_row, bkey_row, bcol_row,
                             k=k, cap=cap)
         mgpu_utils.inline_ptx("st.global.v4.b32 [$0], {$1, $2, $3, $4};", row_at(cnt, 4), c_def, c_band, valid,
                               done, predicate=cmp("eq", lane, c32(0)))
 
 
+_SIGN = 1 << 31  # key ^ _SIGN: the key as an unsigned int of the same order
+_BINS = 256  # radix digit of the band select: 8 bits a pass
 
-def _select_band(hist, lane, n_def, n_band, n_valid, t_lo, t_hi, out_row, bkey_row, bcol_row, *, k, cap):
+
+def _ptx(text, *args, result=True):
+    i32 = ir.IntegerType.get_signless(32)
+    return mgpu_utils.inline_ptx(text, *args, result_types=i32 if result else None, convergent=True,
+                                 has_side_effects=not result)
+
+
+def _select_band(hist, lane, warp, n_def, n_band, n_valid, t_lo, t_hi, out_row, bkey_row, bcol_row, *, k, cap):
     """After the sweep, in the same warp: when the band holds the rest of the row's answer (as
     `triton._band_holds_answer`), append the band's (min(k, valid) - definite) largest keys'
     columns to out[n] after the definite ones, -1 past them -> 1 (the row is done: the select
     kernel skips it), else 0.
 
-    The rank-th largest band key by radix select (`_radix_pass`) from the highest byte where
+    The rank-th largest band key by radix select, 8 bits a pass from the highest bit where
     t_lo and t_hi - 1 differ (the band's keys share the bits above it; a band within one
-    binade: 2-3 passes), over the band as the sweep wrote it (L2); then one pass writes the keys
-    above it and, in band (column) order, as many equal to it as the rank leaves (positions from
-    ballots)."""
-    i32 = _i32()
-    n_sel = arith.minsi(n_valid, _c(k))
-    done = arith.andi(arith.andi(_cmp("sle", n_def, n_sel), _cmp("sge", arith.addi(n_def, n_band), n_sel)),
-                      _cmp("sle", n_band, _c(cap)))
+    binade: 2-3 passes), each pass a 256-bin histogram in the warp's shared memory over the
+    band (L2: the sweep just wrote it); then one pass writes the keys above it and, in band
+    (column) order, as many equal to it as the rank leaves, positions from ballots."""
+    i1, i32 = (ir.IntegerType.get_signless(b) for b in (1, 32))
+    c32 = lambda v: arith.constant(i32, v)  # noqa: E731
+    cmp = lambda pred, a, b: arith.cmpi(getattr(arith.CmpIPredicate, pred), a, b)  # noqa: E731
+    gep = lambda base, off: llvm.getelementptr(base.type, base, [off], [mgpu_utils.DYNAMIC32], i32,  # noqa: E731
+                                               llvm.GEPNoWrapFlags.none)
+    n_sel = arith.minsi(n_valid, c32(k))
+    done = arith.andi(arith.andi(cmp("sle", n_def, n_sel), cmp("sge", arith.addi(n_def, n_band), n_sel)),
+                      cmp("sle", n_band, c32(cap)))
     rank = arith.subi(n_sel, n_def)
-    take_all = _cmp("eq", rank, n_band)
-    search = arith.andi(arith.andi(done, _cmp("sgt", rank, _c(0))), _cmp("ne", rank, n_band))
-    u_lo = arith.xori(t_lo, _c(_SIGN))
-    differ = arith.xori(u_lo, arith.xori(arith.subi(t_hi, _c(1)), _c(_SIGN)))
-    top_byte = arith.shrui(arith.subi(_c(31), _ptx("clz.b32 $0, $1;", differ)), _c(3))
-    n_passes = arith.select(arith.andi(search, _cmp("ne", differ, _c(0))), arith.addi(top_byte, _c(1)), _c(0))
-    above_all = arith.select(_cmp("eq", n_passes, _c(4)), _c(0), arith.shli(_c(-1), arith.muli(n_passes, _c(8))))
-    _ptx("fence.acq_rel.cta;", result=False)  # the sweep's band stores, before the warp reads them
-    _warp_sync()
-    chunks = lambda n, per: arith.divui(arith.addi(n, _c(per - 1)), _c(per))  # noqa: E731
+    take_all = cmp("eq", rank, n_band)
+    search = arith.andi(done, arith.andi(cmp("sgt", rank, c32(0)), arith.xori(take_all, arith.constant(i1, 1))))
+    u_lo = arith.xori(t_lo, c32(_SIGN))
+    differ = arith.xori(u_lo, arith.xori(arith.subi(t_hi, c32(1)), c32(_SIGN)))
+    top_byte = arith.shrui(arith.subi(c32(31), _ptx("clz.b32 $0, $1;", differ)), c32(3))
+    n_passes = arith.select(arith.andi(search, cmp("ne", differ, c32(0))), arith.addi(top_byte, c32(1)), c32(0))
+    above_all = arith.select(cmp("eq", n_passes, c32(4)), c32(0), arith.shli(c32(-1), arith.muli(n_passes, c32(8))))
+    mgpu_utils.inline_ptx("fence.acq_rel.cta; bar.warp.sync 0xffffffff;", has_side_effects=True, convergent=True)
+    hist = gep(mgpu_utils.memref_ptr(hist), arith.muli(warp, c32(_BINS)))
+    chunks = lambda n, per: arith.divui(arith.addi(n, c32(per - 1)), c32(per))  # noqa: E731
 
     def radix_pass(p, state):
         prefix, remaining = state
-        shift = arith.muli(arith.subi(arith.subi(n_passes, _c(1)), p), _c(8))
+        shift = arith.muli(arith.subi(arith.subi(n_passes, c32(1)), p), c32(8))
+        known = arith.select(cmp("eq", shift, c32(24)), c32(0), arith.shli(c32(-1), arith.addi(shift, c32(8))))
+        zero = c32(0)
+        mgpu_utils.inline_ptx("st.shared.v4.b32 [$0], {$1, $1, $1, $1};", gep(hist, arith.muli(lane, c32(8))), zero,
+                              has_side_effects=True)
+        mgpu_utils.inline_ptx("st.shared.v4.b32 [$0], {$1, $1, $1, $1};",
+                              gep(hist, arith.addi(arith.muli(lane, c32(8)), c32(4))), zero, has_side_effects=True)
+        mgpu_utils.inline_ptx("bar.warp.sync 0xffffffff;", has_side_effects=True, convergent=True)
 
-        def add_keys(known):
-            def count(c, carry):  # _LOADS float4s of band keys a lane, loaded together
-                i0 = [arith.addi(arith.muli(c, _c(128 * _LOADS)), arith.addi(_c(128 * j), arith.muli(lane, _c(4))))
-                      for j in range(_LOADS)]
-                fours = [mgpu_utils.inline_ptx("ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];",
-                                               _gep(bkey_row, arith.minsi(i, _c(cap - 4))), result_types=[i32] * 4)
-                         for i in i0]
-                keys = [(key, _cmp("slt", arith.addi(i, _c(e)), n_band))
-                        for i, four in zip(i0, fours) for e, key in enumerate(four)]
-                _add_digits(hist, keys, shift, known, [prefix])
-                return carry
+        def count(c, carry):  # _LOADS float4s of band keys a lane, loaded together
+            i0 = [arith.addi(arith.muli(c, c32(128 * _LOADS)), arith.addi(c32(128 * j), arith.muli(lane, c32(4))))
+                  for j in range(_LOADS)]
+            keys = [mgpu_utils.inline_ptx("ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];",
+                                          gep(bkey_row, arith.minsi(i, c32(cap - 4))), result_types=[i32] * 4)
+                    for i in i0]
+            for i, four in zip(i0, keys):
+                for e, key in enumerate(four):
+                    u = arith.xori(key, c32(_SIGN))
+                    mine = arith.andi(cmp("slt", arith.addi(i, c32(e)), n_band),
+                                      cmp("eq", arith.andi(u, known), arith.andi(prefix, known)))
+                    digit = arith.andi(arith.shrui(u, shift), c32(_BINS - 1))
+                    mgpu_utils.inline_ptx("red.shared.add.u32 [$0], 1;", gep(hist, digit), predicate=mine)
+            return carry
 
-            mgpu_utils.fori(chunks(n_band, 128 * _LOADS), _c(0))(count)
-
-        [state] = _radix_pass(hist, lane, shift, [(prefix, remaining)], add_keys)
-        return state
+        mgpu_utils.fori(chunks(n_band, 128 * _LOADS), c32(0))(count)
+        mgpu_utils.inline_ptx("bar.warp.sync 0xffffffff;", has_side_effects=True, convergent=True)
+        # lane L holds digits 255 - 8 L - j, j < 8 (descending): the keys above its digits are the
+        # lanes before it (an exclusive scan), then its own in order
+        first = arith.subi(c32(_BINS - 8), arith.muli(lane, c32(8)))
+        lo4 = mgpu_utils.inline_ptx("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", gep(hist, first), result_types=[i32] * 4)
+        hi4 = mgpu_utils.inline_ptx("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", gep(hist, arith.addi(first, c32(4))),
+                                    result_types=[i32] * 4)
+        counts = list(hi4[::-1]) + list(lo4[::-1])  # digits first + 7, ..., first
+        own = c32(0)
+        for h in counts:
+            own = arith.addi(own, h)
+        incl, _ = mgpu_utils.inline_ptx(_SCAN, own, result_types=[i32, i32], convergent=True)
+        cum = arith.subi(incl, own)
+        hit_any, digit, before = arith.constant(i1, 0), c32(0), c32(0)
+        for j, h in enumerate(counts):
+            nxt = arith.addi(cum, h)
+            hit = arith.andi(cmp("slt", cum, remaining), cmp("sge", nxt, remaining))
+            digit = arith.select(hit, arith.subi(arith.addi(first, c32(7)), c32(j)), digit)
+            before = arith.select(hit, cum, before)
+            hit_any = arith.ori(hit_any, hit)
+            cum = nxt
+        who = _ptx("bfind.u32 $0, $1;", _ptx("vote.sync.ballot.b32 $0, $1, 0xffffffff;", hit_any))
+        digit = _ptx("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;", digit, who)
+        before = _ptx("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;", before, who)
+        mgpu_utils.inline_ptx("bar.warp.sync 0xffffffff;", has_side_effects=True, convergent=True)
+        return arith.ori(prefix, arith.shli(digit, shift)), arith.subi(remaining, before)
 
     prefix, remaining = mgpu_utils.fori(n_passes, (arith.andi(u_lo, above_all), rank))(radix_pass).results
-    pivot = arith.select(take_all, _c(0), prefix)  # take_all: every band key is above 0
+    pivot = arith.select(take_all, c32(0), prefix)  # take_all: every band key is above 0
     n_above = arith.subi(rank, remaining)  # band keys above the pivot, all taken
     lanes_before = _ptx("mov.u32 $0, %lanemask_lt;")
-    popc = lambda v: _ptx("popc.b32 $0, $1;", v)  # noqa: E731
-    ballot = lambda p: _ptx("vote.sync.ballot.b32 $0, $1, 0xffffffff;", p)  # noqa: E731
 
     def compact(c, state):  # _LOADS x 32 band entries, loaded together, ranked by ballots
         run_gt, run_eq = state
         entries = []
         for j in range(_LOADS):
-            i = arith.addi(arith.muli(c, _c(32 * _LOADS)), arith.addi(_c(32 * j), lane))
-            at = arith.minsi(i, _c(cap - 1))
-            entries.append((i, _ptx("ld.global.cg.b32 $0, [$1];", _gep(bkey_row, at)),
-                            _ptx("ld.global.cg.b32 $0, [$1];", _gep(bcol_row, at))))
+            i = arith.addi(arith.muli(c, c32(32 * _LOADS)), arith.addi(c32(32 * j), lane))
+            at = arith.minsi(i, c32(cap - 1))
+            entries.append((i, _ptx("ld.global.cg.b32 $0, [$1];", gep(bkey_row, at)),
+                            _ptx("ld.global.cg.b32 $0, [$1];", gep(bcol_row, at))))
         for i, key, col in entries:
-            inside = _cmp("slt", i, n_band)
-            u = arith.xori(key, _c(_SIGN))
-            gt = arith.andi(inside, _cmp("ugt", u, pivot))
-            eq = arith.andi(inside, _cmp("eq", u, pivot))
-            b_gt, b_eq = ballot(gt), ballot(eq)
+            inside = cmp("slt", i, n_band)
+            u = arith.xori(key, c32(_SIGN))
+            gt = arith.andi(inside, cmp("ugt", u, pivot))
+            eq = arith.andi(inside, cmp("eq", u, pivot))
+            b_gt = _ptx("vote.sync.ballot.b32 $0, $1, 0xffffffff;", gt)
+            b_eq = _ptx("vote.sync.ballot.b32 $0, $1, 0xffffffff;", eq)
+            popc = lambda v: _ptx("popc.b32 $0, $1;", v)  # noqa: E731
             eq_rank = arith.addi(run_eq, popc(arith.andi(b_eq, lanes_before)))
             pos = arith.select(gt, arith.addi(run_gt, popc(arith.andi(b_gt, lanes_before))),
                                arith.addi(n_above, eq_rank))
-            _store(_gep(out_row, arith.addi(n_def, pos)), col,
-                   arith.ori(gt, arith.andi(eq, _cmp("slt", eq_rank, remaining))))
+            take = arith.ori(gt, arith.andi(eq, cmp("slt", eq_rank, remaining)))
+            mgpu_utils.inline_ptx("st.global.b32 [$0], $1;", gep(out_row, arith.addi(n_def, pos)), col, predicate=take)
             run_gt, run_eq = arith.addi(run_gt, popc(b_gt)), arith.addi(run_eq, popc(b_eq))
         return run_gt, run_eq
 
-    n_compact = arith.select(arith.andi(done, _cmp("sgt", rank, _c(0))), chunks(n_band, 32 * _LOADS), _c(0))
-    mgpu_utils.fori(n_compact, (_c(0), _c(0)))(compact)
+    n_compact = arith.select(arith.andi(done, cmp("sgt", rank, c32(0))), chunks(n_band, 32 * _LOADS), c32(0))
+    mgpu_utils.fori(n_compact, (c32(0), c32(0)))(compact)
 
     def pad(c, carry):
-        i = arith.addi(n_sel, arith.addi(arith.muli(c, _c(32)), lane))
-        _store(_gep(out_row, i), _c(-1), _cmp("slt", i, _c(k)))
+        i = arith.addi(n_sel, arith.addi(arith.muli(c, c32(32)), lane))
+        mgpu_utils.inline_ptx("st.global.b32 [$0], $1;", gep(out_row, i), c32(-1), predicate=cmp("slt", i, c32(k)))
         return carry
 
-    mgpu_utils.fori(arith.select(done, chunks(arith.subi(_c(k), n_sel), 32), _c(0)), _c(0))(pad)
+    mgpu_utils.fori(arith.select(done, chunks(arith.subi(c32(k), n_sel), 32), c32(0)), c32(0))(pad)
     return arith.extui(i32, done)
 
 
-def topk_write(x, lengths, *, k, cap, sample, r_lo, r_hi):
-    """x [N, L] f32 (L % 4 == 0), lengths [N] int32 in [0, L]; the sample plan of
-    `triton._sample_plan` (sample size, ranks r_lo >= r_hi of the thresholds in it) ->
-    (thresholds [N, 2] (t_lo, t_hi), out [N, k], band keys [N, cap], band columns [N, cap],
-    counts [N, 1, 4]) int32: the thresholds of `_sample_thresholds`, then as
+def topk_write(x, lengths, thr, *, k, cap):
+    """x [N, L] f32 (L % 4 == 0), lengths [N] int32 in [0, L], thr [N, 2] int32 (t_lo, t_hi)
+    -> (out [N, k], band keys [N, cap], band columns [N, cap], counts [N, 1, 4]) int32, as
     `triton._write_kernel` with one slice a row (entries it does not write are undefined), plus,
     for the rows it marks done (counts[n, 0, 3] = 1), the whole answer in out[n]."""
     n_rows, num_keys = x.shape
     if num_keys % 4 or cap % 4:
         raise ValueError(f"topk_write: the row length and the band capacity must be multiples of 4 "
                          f"(16-byte rows), got {num_keys} and {cap}")
-    if not _RUN <= sample <= MAX_SAMPLE:
-        raise ValueError(f"topk_write: the sample must hold {_RUN}..{MAX_SAMPLE} keys (a lane holds 1/32 of "
-                         f"it in registers), got {sample}")
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    body = functools.partial(_write_rows, n_rows=n_rows, num_keys=num_keys, k=k, cap=cap,
-                             plan=dict(sample=sample, r_lo=r_lo, r_hi=r_hi))
+    body = functools.partial(_write_rows, n_rows=n_rows, num_keys=num_keys, k=k, cap=cap)
 
     def entry(*refs):
         plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 8 + (plgpu.Layout.WG_SPLAT(()),))(body)(
@@ -437,10 +340,11 @@ def topk_write(x, lengths, *, k, cap, sample, r_lo, r_hi):
 
     return plgpu.kernel(
         entry,
-        out_type=(i32(n_rows, 2), i32(n_rows, k), i32(n_rows, cap), i32(n_rows, cap), i32(n_rows, 1, 4)),
-        scratch_types=(plgpu.SMEM((_WARPS, _SELECTS * _BINS), jnp.int32),),
+        out_type=(i32(n_rows, k), i32(n_rows, cap), i32(n_rows, cap), i32(n_rows, 1, 4)),
+        scratch_types=(plgpu.SMEM((_WARPS, _BINS), jnp.int32),),
         grid=(pl.cdiv(n_rows, _WARPS),),
         grid_names=("rows",),
         compiler_params=plgpu.CompilerParams(),
         kernel_name="topk_write",
-    )(x, lengths)
+    )(x, lengths, thr)
+

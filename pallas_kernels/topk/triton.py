@@ -19,16 +19,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ..device import next_pow2
-from .keys import _INVALID, _KEY_ABOVE, _KEY_LOW, _KEY_POS_INF, _LOW31, _RUN, _RUN_HASH, _SIGN
-from .mosaic import MAX_SAMPLE, topk_write
+from .mosaic import topk_write
 
 
 # ----------------------------------------------------------------------------------------------
 # Keys: float32 -> int32 in the float order; count search over key intervals
 # ----------------------------------------------------------------------------------------------
 
+_SIGN = -(1 << 31)  # 0x80000000 as int32
+_LOW31 = (1 << 31) - 1
+_INVALID = -(1 << 31)  # key given to -inf / NaN / out-of-range lanes: below every valid key
+_KEY_NEG_INF = -2139095041  # ordered key of -inf (0x807FFFFF): no valid key equals it
+_KEY_LOW = _KEY_NEG_INF + 1  # ordered key of -FLT_MAX, the lowest valid key
+_KEY_POS_INF = 2139095040  # ordered key of +inf (0x7F800000), the highest valid key
+_KEY_ABOVE = _KEY_POS_INF + 1  # above every valid key
 _WAYS = 16  # thresholds per counting pass (4 bits of key range per pass)
 _Z = 5.0  # safety margin of the sampled thresholds, in standard deviations
+_RUN = 8  # sampled keys are runs of 8 adjacent columns: one 32-byte sector each
 _MIN_SLICE = 4096  # default: no row slice shorter than this
 
 
@@ -183,7 +190,7 @@ def _threshold_kernel(x_ref, len_ref, thr_ref, *pub_refs, num_keys, sample, chun
         n_runs = sample // _RUN
         q = num_keys // n_runs  # >= _RUN
         run = j // _RUN
-        h = jax.lax.shift_right_logical(run * _RUN_HASH, 16)  # hash of the run in [0, 65536)
+        h = jax.lax.shift_right_logical(run * -1640531535, 16)  # hash of the run in [0, 65536)
         pos = run * q + (h % (q // _RUN)) * _RUN + j % _RUN  # runs 8-aligned when q is
         return _row_keys(pltriton.load(x_ref.at[n, pos], mask=pos < row_len, other=-jnp.inf))
 
@@ -451,9 +458,8 @@ def topk_stages(logits, k, *, lengths, interpret, block, num_warps, num_stages, 
     "capacity": cap}; the intermediates let tests see which path each row took. group: chunks
     whose loads are issued together (default: 4 with several slices a row, else 1). num_warps:
     one count for the three kernels; None: each its own (`_kernel_plan`, which with block None
-    also picks the select kernel's chunk). backend "mosaic": thresholds and write sweep are
-    `mosaic.topk_write` where it applies (one slice a row, L and cap multiples of 4, a sample of
-    <= 4096 keys; compiled only), the rest as "triton"."""
+    also picks the select kernel's chunk). backend "mosaic": the write sweep is `mosaic.topk_write`
+    where it applies (one slice a row, L and cap multiples of 4; compiled only), the rest as "triton"."""
     n, num_keys = logits.shape
     chosen_block = block is None
     block = max(16, min(next_pow2(block or 1024), next_pow2(num_keys)))
@@ -491,11 +497,12 @@ def topk_stages(logits, k, *, lengths, interpret, block, num_warps, num_stages, 
         thr, pub = call(thr_kernel, "thresholds", out_shape=(i32((n, 2)), pub), grid=(n,))(x, lengths)
         out, bkey, bcol, cnt, _ = call(write, "write", out_shape=written + (pub,), grid=(n, n_slices),
                                        input_output_aliases={3: 4})(x, lengths, thr, pub)
-    elif backend == "mosaic" and num_keys % 4 == 0 and cap % 4 == 0 and sample <= MAX_SAMPLE:
-        thr, out, bkey, bcol, cnt = topk_write(x, lengths, k=k, cap=cap, sample=sample, r_lo=r_lo, r_hi=r_hi)
     else:
         thr = call(thr_kernel, "thresholds", out_shape=i32((n, 2)), grid=(n,))(x, lengths)
-        out, bkey, bcol, cnt = call(write, "write", out_shape=written, grid=(n, 1))(x, lengths, thr)
+        if backend == "mosaic" and num_keys % 4 == 0 and cap % 4 == 0:
+            out, bkey, bcol, cnt = topk_write(x, lengths, thr, k=k, cap=cap)
+        else:
+            out, bkey, bcol, cnt = call(write, "write", out_shape=written, grid=(n, 1))(x, lengths, thr)
     out = call(functools.partial(_select_kernel, k=k, cap=cap, block=select_block, group=group), "select",
                out_shape=i32((n, k + spare)), grid=(n,), input_output_aliases={6: 0})(
                    x, lengths, thr, cnt, bkey, bcol, out)
