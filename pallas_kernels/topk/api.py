@@ -25,7 +25,8 @@ def topk(logits, k: int, *, lengths=None, backend="triton", interpret=False, blo
 
     Keys: float32 bits mapped to an int32 whose order is the float order. Exact whatever the
     data; Pallas kernels on the Triton backend (integer compares, block scans, per-lane scatter
-    stores and a few atomics, no matrix work: nothing for Mosaic GPU's wgmma/TMA to speed up):
+    stores and a few atomics, no matrix work; backend "mosaic" replaces step 2 and the band
+    path of step 3, below):
       1. thresholds (one program per row): a sample of `sample` keys (default L/32 clamped to
          [1024, 4096]; runs of 8 adjacent columns at a jittered stride); t_lo, with ~k + 5
          sigma row keys expected >= it, and t_hi, with ~k - 5 sigma, found together: one pass
