@@ -82,7 +82,8 @@ def resolve(kernels: str, config) -> Implementations:
       indexer_logits: "mosaic" on Hopper for fp8 / bf16 indexers (the plan's RowGroup picks the
         prefill or decode kernel), else "triton";
       topk: "mosaic" on Hopper (the Triton kernels with `pallas_kernels.topk.mosaic`'s write
-        sweep where it applies: 1.6-2.4x the Triton sweep's speed), else "triton";
+        sweep and band select where they apply: ~2x the Triton kernels' speed at >= 1024 rows,
+        docs/design/topk.md), else "triton";
       sparse_mla: "mosaic" on Hopper when `sparse_mla.unsupported_reason` accepts the operands
         the config gives it (bf16 q and k_pe, rank and rope widths; an fp8 cache's upfront copy
         is accepted exactly when the cache is), else "triton";

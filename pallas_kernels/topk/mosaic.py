@@ -44,6 +44,8 @@ _WARPS = 4  # rows (warps) a CTA
 _LOW31 = (1 << 31) - 1
 _KEY_LOW = -2139095040  # ordered key of -FLT_MAX (see triton._KEY_LOW)
 _KEY_POS_INF = 2139095040  # ordered key of +inf
+_SIGN = 1 << 31  # key ^ _SIGN: the key as an unsigned int of the same order
+_BINS = 256  # radix digit of the band select: 8 bits a pass
 
 
 def _scalar(v):
@@ -186,11 +188,8 @@ def _write_rows(ctx, x, lengths, thr, out, bkey, bcol, cnt, hist, block, *, n_ro
                               done, predicate=cmp("eq", lane, c32(0)))
 
 
-_SIGN = 1 << 31  # key ^ _SIGN: the key as an unsigned int of the same order
-_BINS = 256  # radix digit of the band select: 8 bits a pass
-
-
 def _ptx(text, *args, result=True):
+    """Warp-level inline PTX: one i32 result, or none (a side effect)."""
     i32 = ir.IntegerType.get_signless(32)
     return mgpu_utils.inline_ptx(text, *args, result_types=i32 if result else None, convergent=True,
                                  has_side_effects=not result)

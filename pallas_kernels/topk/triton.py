@@ -459,7 +459,8 @@ def topk_stages(logits, k, *, lengths, interpret, block, num_warps, num_stages, 
     whose loads are issued together (default: 4 with several slices a row, else 1). num_warps:
     one count for the three kernels; None: each its own (`_kernel_plan`, which with block None
     also picks the select kernel's chunk). backend "mosaic": the write sweep is `mosaic.topk_write`
-    where it applies (one slice a row, L and cap multiples of 4; compiled only), the rest as "triton"."""
+    where it applies (one slice a row, L and cap multiples of 4; compiled only), which also
+    selects the band-path rows itself (the select kernel then skips them); the rest as "triton"."""
     n, num_keys = logits.shape
     chosen_block = block is None
     block = max(16, min(next_pow2(block or 1024), next_pow2(num_keys)))
