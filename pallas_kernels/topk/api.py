@@ -53,8 +53,8 @@ def topk(logits, k: int, *, lengths=None, backend="triton", interpret=False, blo
       a warp a row, shuffle scans in registers: no interpreter) where it applies, one slice a row
       and L, capacity multiples of 4, else as "triton"; the same warp then selects the row's band
       when it holds the answer (radix select, 8 bits a pass, in shared memory), and the select
-      kernel only takes the other rows. Same index sets as "triton" (the band's keys may come
-      in another order).
+      kernel only takes the other rows. Same index sets as "triton"; its band keys come as those
+      above the boundary value, then those equal to it, each in column order.
     block, num_warps, num_stages, sample, capacity, slices: the kernels' tuning (see `topk_stages`;
       without num_warps each kernel takes its own count for the row count, `triton._kernel_plan`).
     """
