@@ -454,7 +454,7 @@ def test_topk_many_rows(rows, num_keys, k):
 
 
 # ------------------------------------------------------------------------------------------------
-# The Mosaic write sweep (pallas_kernels.topk.mosaic): GPU only, bit-identical to Triton's
+# The Mosaic write sweep and band select (pallas_kernels.topk.mosaic): GPU only
 # ------------------------------------------------------------------------------------------------
 
 def test_mosaic_write_lowers_for_the_gpu():
