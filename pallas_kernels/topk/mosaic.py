@@ -195,6 +195,16 @@ def _ptx(text, *args, result=True):
                                  has_side_effects=not result)
 
 
+def _load(text, *args, n=1):
+    """Inline PTX that reads memory the warp writes (its histogram, the band the sweep wrote),
+    marked as having side effects: inline asm without them counts as reading no memory, so LLVM
+    may merge two with the same address or hoist one out of a loop (the histogram's addresses are
+    the same every pass) and move them across the writes."""
+    i32 = ir.IntegerType.get_signless(32)
+    out = mgpu_utils.inline_ptx(text, *args, result_types=[i32] * n, has_side_effects=True)
+    return out[0] if n == 1 else out
+
+
 def _select_band(hist, lane, warp, n_def, n_band, n_valid, t_lo, t_hi, out_row, bkey_row, bcol_row, *, k, cap):
     """After the sweep, in the same warp: when the band holds the rest of the row's answer (as
     `triton._band_holds_answer`), append the band's (min(k, valid) - definite) largest keys'
@@ -240,9 +250,8 @@ def _select_band(hist, lane, warp, n_def, n_band, n_valid, t_lo, t_hi, out_row, 
         def count(c, carry):  # _LOADS float4s of band keys a lane, loaded together
             i0 = [arith.addi(arith.muli(c, c32(128 * _LOADS)), arith.addi(c32(128 * j), arith.muli(lane, c32(4))))
                   for j in range(_LOADS)]
-            keys = [mgpu_utils.inline_ptx("ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];",
-                                          gep(bkey_row, arith.minsi(i, c32(cap - 4))), result_types=[i32] * 4)
-                    for i in i0]
+            keys = [_load("ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];",
+                          gep(bkey_row, arith.minsi(i, c32(cap - 4))), n=4) for i in i0]
             for i, four in zip(i0, keys):
                 for e, key in enumerate(four):
                     u = arith.xori(key, c32(_SIGN))
@@ -257,9 +266,8 @@ def _select_band(hist, lane, warp, n_def, n_band, n_valid, t_lo, t_hi, out_row, 
         # lane L holds digits 255 - 8 L - j, j < 8 (descending): the keys above its digits are the
         # lanes before it (an exclusive scan), then its own in order
         first = arith.subi(c32(_BINS - 8), arith.muli(lane, c32(8)))
-        lo4 = mgpu_utils.inline_ptx("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", gep(hist, first), result_types=[i32] * 4)
-        hi4 = mgpu_utils.inline_ptx("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", gep(hist, arith.addi(first, c32(4))),
-                                    result_types=[i32] * 4)
+        lo4 = _load("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", gep(hist, first), n=4)
+        hi4 = _load("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", gep(hist, arith.addi(first, c32(4))), n=4)
         counts = list(hi4[::-1]) + list(lo4[::-1])  # digits first + 7, ..., first
         own = c32(0)
         for h in counts:
@@ -291,8 +299,8 @@ def _select_band(hist, lane, warp, n_def, n_band, n_valid, t_lo, t_hi, out_row, 
         for j in range(_LOADS):
             i = arith.addi(arith.muli(c, c32(32 * _LOADS)), arith.addi(c32(32 * j), lane))
             at = arith.minsi(i, c32(cap - 1))
-            entries.append((i, _ptx("ld.global.cg.b32 $0, [$1];", gep(bkey_row, at)),
-                            _ptx("ld.global.cg.b32 $0, [$1];", gep(bcol_row, at))))
+            entries.append((i, _load("ld.global.cg.b32 $0, [$1];", gep(bkey_row, at)),
+                            _load("ld.global.cg.b32 $0, [$1];", gep(bcol_row, at))))
         for i, key, col in entries:
             inside = cmp("slt", i, n_band)
             u = arith.xori(key, c32(_SIGN))
