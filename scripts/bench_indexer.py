@@ -24,7 +24,8 @@
   runs no op outside its kernel (in a model: the kernel plus a ~0.13 us CUDA-graph gap).
   `copy_fraction` stays beside it (docs/benchmarks.md's numbers before 2026-11-29 are that one).
 * top-k (k=2048) of [rows, L] f32 logits: pallas_kernels.topk (sampled thresholds + band select;
-  backends "triton" and "mosaic", the Mosaic GPU write sweep, on the same inputs) vs lax.top_k on the same inputs, both timed on the device (`chain_ms`: 20 dependent calls in one
+  backends "triton" and "mosaic", the latter's write sweep and band select a Mosaic GPU kernel)
+  vs lax.top_k on the same inputs, both timed on the device (`chain_ms`: 20 dependent calls in one
   jit; the host-timed call is recorded as `host_ms`); GB/s of each row's own keys read once,
   against the copy bandwidth of the same bytes (`copy_fraction`: the >= 50% target), and the
   three kernels' GPU times (`kernels_us`). The causal shape is a T = S = 8K prefill's rows with
@@ -384,7 +385,7 @@ def topk_inputs(rows, length, causal, seed):
 
 
 TOPK_KERNELS = ("topk_thresholds", "topk_write", "topk_select")
-TOPK_BACKENDS = ("triton", "mosaic")  # "mosaic": the Mosaic GPU write sweep
+TOPK_BACKENDS = ("triton", "mosaic")  # "mosaic": the Mosaic GPU write sweep and band select
 
 
 def bench_topk(quick, tiling=None, shapes=None, tag=""):

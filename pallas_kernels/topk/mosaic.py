@@ -39,12 +39,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, scf
 
+from .keys import _INVALID, _KEY_LOW, _KEY_POS_INF, _LOW31, _SIGN
+
 _LOADS = 8  # float4 loads a lane an iteration: 32 keys a lane, 1024 a warp
 _WARPS = 4  # rows (warps) a CTA
-_LOW31 = (1 << 31) - 1
-_KEY_LOW = -2139095040  # ordered key of -FLT_MAX (see triton._KEY_LOW)
-_KEY_POS_INF = 2139095040  # ordered key of +inf
-_SIGN = 1 << 31  # key ^ _SIGN: the key as an unsigned int of the same order
 _BINS = 256  # radix digit of the band select: 8 bits a pass
 
 
@@ -71,16 +69,31 @@ shfl.sync.idx.b32 $1, $0, 31, 31, 0xffffffff;
 }"""  # $2 -> ($0 inclusive warp scan, $1 the warp's total); byte lanes never carry (each <= 128)
 
 
+# MLIR building blocks, called while the kernel is lowered
+def _i32():
+    return ir.IntegerType.get_signless(32)
+
+
+def _c32(v):
+    return arith.constant(_i32(), v)
+
+
+def _cmp(pred, a, b):
+    return arith.cmpi(getattr(arith.CmpIPredicate, pred), a, b)
+
+
+def _gep(base, off):
+    """&base[off] of an i32 pointer, off an i32."""
+    return llvm.getelementptr(base.type, base, [off], [mgpu_utils.DYNAMIC32], _i32(), llvm.GEPNoWrapFlags.none)
+
+
 def _write_rows(ctx, x, lengths, thr, out, bkey, bcol, cnt, hist, block, *, n_rows, num_keys, k, cap):
     """Warp w of CTA `block` sweeps row n = _WARPS * block + w (if n < n_rows)."""
     del ctx
-    i32, i64 = (ir.IntegerType.get_signless(b) for b in (32, 64))
-    c32 = lambda v: arith.constant(i32, v)  # noqa: E731
+    i32, i64 = _i32(), ir.IntegerType.get_signless(64)
+    c32, cmp, gep = _c32, _cmp, _gep
     gptr = lambda ref: llvm.addrspacecast(llvm.PointerType.get(address_space=1),  # noqa: E731
                                           mgpu_utils.memref_ptr(ref))
-    gep = lambda base, off: llvm.getelementptr(base.type, base, [off], [mgpu_utils.DYNAMIC32], i32,  # noqa: E731
-                                               llvm.GEPNoWrapFlags.none)
-    cmp = lambda pred, a, b: arith.cmpi(getattr(arith.CmpIPredicate, pred), a, b)  # noqa: E731
     tid = mgpu_utils.thread_idx()
     lane, warp = arith.andi(tid, c32(31)), arith.shrui(tid, c32(5))
     n = arith.addi(arith.muli(_scalar(block), c32(_WARPS)), warp)
@@ -144,7 +157,7 @@ def _write_rows(ctx, x, lengths, thr, out, bkey, bcol, cnt, hist, block, *, n_ro
                     if masked:
                         ok = arith.andi(ok, cmp("slt", arith.addi(c0, c32(e)), row_len))
                     valid = arith.addi(valid, arith.extui(i32, ok))
-                    key = arith.select(ok, key, c32(-(1 << 31)))
+                    key = arith.select(ok, key, c32(_INVALID))
                     is_def = cmp("sge", key, t_hi)
                     is_band = cmp("ult", arith.subi(key, t_lo), band_width)
                     unit = arith.select(is_def, c32(1), arith.select(is_band, c32(1 << 16), c32(0)))
@@ -190,8 +203,7 @@ def _write_rows(ctx, x, lengths, thr, out, bkey, bcol, cnt, hist, block, *, n_ro
 
 def _ptx(text, *args, result=True):
     """Warp-level inline PTX: one i32 result, or none (a side effect)."""
-    i32 = ir.IntegerType.get_signless(32)
-    return mgpu_utils.inline_ptx(text, *args, result_types=i32 if result else None, convergent=True,
+    return mgpu_utils.inline_ptx(text, *args, result_types=_i32() if result else None, convergent=True,
                                  has_side_effects=not result)
 
 
@@ -200,8 +212,7 @@ def _load(text, *args, n=1):
     marked as having side effects: inline asm without them counts as reading no memory, so LLVM
     may merge two with the same address or hoist one out of a loop (the histogram's addresses are
     the same every pass) and move them across the writes."""
-    i32 = ir.IntegerType.get_signless(32)
-    out = mgpu_utils.inline_ptx(text, *args, result_types=[i32] * n, has_side_effects=True)
+    out = mgpu_utils.inline_ptx(text, *args, result_types=[_i32()] * n, has_side_effects=True)
     return out[0] if n == 1 else out
 
 
@@ -216,11 +227,8 @@ def _select_band(hist, lane, warp, n_def, n_band, n_valid, t_lo, t_hi, out_row, 
     binade: 2-3 passes), each pass a 256-bin histogram in the warp's shared memory over the
     band (L2: the sweep just wrote it); then one pass writes the keys above it and, in band
     (column) order, as many equal to it as the rank leaves, positions from ballots."""
-    i1, i32 = (ir.IntegerType.get_signless(b) for b in (1, 32))
-    c32 = lambda v: arith.constant(i32, v)  # noqa: E731
-    cmp = lambda pred, a, b: arith.cmpi(getattr(arith.CmpIPredicate, pred), a, b)  # noqa: E731
-    gep = lambda base, off: llvm.getelementptr(base.type, base, [off], [mgpu_utils.DYNAMIC32], i32,  # noqa: E731
-                                               llvm.GEPNoWrapFlags.none)
+    i1, i32 = ir.IntegerType.get_signless(1), _i32()
+    c32, cmp, gep = _c32, _cmp, _gep
     n_sel = arith.minsi(n_valid, c32(k))
     done = arith.andi(arith.andi(cmp("sle", n_def, n_sel), cmp("sge", arith.addi(n_def, n_band), n_sel)),
                       cmp("sle", n_band, c32(cap)))
@@ -292,6 +300,7 @@ def _select_band(hist, lane, warp, n_def, n_band, n_valid, t_lo, t_hi, out_row, 
     pivot = arith.select(take_all, c32(0), prefix)  # take_all: every band key is above 0
     n_above = arith.subi(rank, remaining)  # band keys above the pivot, all taken
     lanes_before = _ptx("mov.u32 $0, %lanemask_lt;")
+    popc = lambda v: _ptx("popc.b32 $0, $1;", v)  # noqa: E731
 
     def compact(c, state):  # _LOADS x 32 band entries, loaded together, ranked by ballots
         run_gt, run_eq = state
@@ -308,7 +317,6 @@ def _select_band(hist, lane, warp, n_def, n_band, n_valid, t_lo, t_hi, out_row, 
             eq = arith.andi(inside, cmp("eq", u, pivot))
             b_gt = _ptx("vote.sync.ballot.b32 $0, $1, 0xffffffff;", gt)
             b_eq = _ptx("vote.sync.ballot.b32 $0, $1, 0xffffffff;", eq)
-            popc = lambda v: _ptx("popc.b32 $0, $1;", v)  # noqa: E731
             eq_rank = arith.addi(run_eq, popc(arith.andi(b_eq, lanes_before)))
             pos = arith.select(gt, arith.addi(run_gt, popc(arith.andi(b_gt, lanes_before))),
                                arith.addi(n_above, eq_rank))

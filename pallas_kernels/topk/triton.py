@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ..device import next_pow2
+from .keys import _INVALID, _KEY_ABOVE, _KEY_LOW, _KEY_POS_INF, _LOW31, _SIGN
 from .mosaic import topk_write
 
 
@@ -26,13 +27,6 @@ from .mosaic import topk_write
 # Keys: float32 -> int32 in the float order; count search over key intervals
 # ----------------------------------------------------------------------------------------------
 
-_SIGN = -(1 << 31)  # 0x80000000 as int32
-_LOW31 = (1 << 31) - 1
-_INVALID = -(1 << 31)  # key given to -inf / NaN / out-of-range lanes: below every valid key
-_KEY_NEG_INF = -2139095041  # ordered key of -inf (0x807FFFFF): no valid key equals it
-_KEY_LOW = _KEY_NEG_INF + 1  # ordered key of -FLT_MAX, the lowest valid key
-_KEY_POS_INF = 2139095040  # ordered key of +inf (0x7F800000), the highest valid key
-_KEY_ABOVE = _KEY_POS_INF + 1  # above every valid key
 _WAYS = 16  # thresholds per counting pass (4 bits of key range per pass)
 _Z = 5.0  # safety margin of the sampled thresholds, in standard deviations
 _RUN = 8  # sampled keys are runs of 8 adjacent columns: one 32-byte sector each
