@@ -22,6 +22,7 @@ from . import ops
 from .config import MLAConfig
 from .params import check_params
 from .plan import BatchMeta, BatchPlan, RowGroup
+from .validate import INT32_MAX
 
 
 def _precision(config: MLAConfig):
@@ -105,6 +106,21 @@ def _depend_on(x, unused):
     the skip_indexer=False baseline must pay for scoring that no row reads. (An optimization
     barrier does not survive XLA's dead-code elimination of unused tuple elements.)"""
     return x + jnp.where(jnp.min(unused) < -1, jnp.nan, 0.0)
+
+
+def _nonfinite_rows(x, meta: BatchMeta, num_seqs: int):
+    """[T] bool: the real rows at or after a row of their own request whose input x [T, hidden]
+    holds a non-finite value in this step.
+
+    The dense route shows such a NaN in exactly those rows (causal attention reads the bad row's
+    keys). The scored routes would not: every indexer logit of a NaN row is NaN, top-k counts NaN
+    as invalid, and a row that selects nothing attends nothing (0). forward sets these rows to NaN
+    on every route, so that a corrupted request never looks healthy; other requests' rows are
+    untouched (the flag follows meta.row_seq)."""
+    real = meta.positions >= 0
+    bad = real & ~jnp.all(jnp.isfinite(x), axis=-1)
+    first_bad = jax.ops.segment_min(jnp.where(bad, meta.positions, INT32_MAX), meta.row_seq, num_segments=num_seqs)
+    return real & (meta.positions >= first_bad[meta.row_seq])
 
 
 def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, config: MLAConfig, tensor_parallel: int):
@@ -332,7 +348,8 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
 
     params: HF-named dict (see params.py); hidden: [plan.num_tokens, hidden_size], rows in
     plan_batch's order, padding last; cache: PagedCache (donate it under jit); meta: BatchMeta.
-    Returns (out [num_tokens, hidden_size] in config.dtype, new cache). Padding rows give 0.
+    Returns (out [num_tokens, hidden_size] in config.dtype, new cache). Padding rows give 0; the
+    rows of a request at and after one whose hidden row is not finite give NaN on every route.
     Jit with plan, config and kernels static.
     tensor_axis: inside shard_map, the mesh axis that splits the attention heads (sharding.py):
       params and config hold this shard's attention heads and the whole indexer; the output is
@@ -373,6 +390,8 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
     else:
         out_heads = _sparse_program(score, attend, plan, meta, out_shape)
 
+    # a request's own non-finite input shows in its rows on every route (see _nonfinite_rows)
+    out_heads = jnp.where(_nonfinite_rows(x, meta, plan.num_seqs)[:, None, None], jnp.nan, out_heads)
     with jax.named_scope("o_proj"):
         out = linear(out_heads.reshape(T, H * c_.v_head_dim), params["o_proj.weight"], c_)
         if tensor_axis is not None:  # o_proj's columns are split by head: partial sums

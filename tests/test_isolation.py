@@ -6,7 +6,9 @@ request's NaN (a finished request whose first token was NaN, say): they are zero
 never multiplied by a 0 probability (0 * NaN = NaN). Each test plants NaN / inf where no clean
 row may look (cache pages no request uses, page 0 included; other requests' and padding rows of
 hidden) and checks that the clean rows equal the run without the poison and are finite. A
-sequence's own NaN still shows in its own rows (nothing is sanitised with isfinite).
+sequence's own NaN still shows in its own rows (nothing is sanitised with isfinite), on every
+route: a non-finite hidden row makes its own row and its request's later rows NaN, as the
+oracle and the dense route give it, also where top-k (NaN logits invalid) would select nothing.
 
 The kernel-level isolation cases are part of each op's suite, on every backend
 (test_indexer_logits.py, test_topk.py, test_sparse_mla.py, test_dense_mha.py). Here: `forward`
@@ -186,3 +188,50 @@ def test_layer_cond_dispatch(specs, nan_hidden):
     assert plan.route == "cond"
     _check_layer(clean, poisoned, rows, victims=nan_hidden)
 
+
+
+LONG = [(6, 1), (0, 20), (10, 1)]  # a decode, a long prefill (scored: masked or sparse), a decode
+
+
+@pytest.mark.parametrize("route,config,kernels", [
+    ("masked", TINY, "xla"), ("masked", FP8_KV, "xla"), ("sparse", TINY, "xla"), ("sparse", FP8_KV, "xla"),
+    ("force_sparse", TINY, "xla"), ("cond", FP8_KV, "xla"), ("dense", TINY, "xla"), ("sparse", FP8_KV, "pallas")])
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_layer_own_nonfinite_element_shows_on_every_route(route, config, kernels, value):
+    """One element of one hidden row of a request is NaN (or inf). Its row and the request's
+    later rows are non-finite on every route, as in the float32 oracle and the dense route: the
+    scored routes would otherwise give that row exactly 0 (all its indexer logits NaN, nothing
+    selected). Its earlier rows and every other request equal the clean run."""
+    specs, bad_request, bad_row = (DENSE, 1, 3) if route == "dense" else (LONG, 1, 12)
+    kw = {"masked": dict(prefill_route="masked"), "sparse": dict(prefill_route="sparse"),
+          "force_sparse": dict(force_sparse=True), "cond": dict(dispatch="cond"), "dense": {}}[route]
+    rng = np.random.default_rng(7)
+    page = config.page_size
+    free = iter(range(1, NUM_PAGES))
+    tables = [[next(free) for _ in range(-(-(c + q) // page))] for c, q in specs]
+    plan, meta = plan_batch(config, [Request(c, q, t) for (c, q), t in zip(specs, tables)], num_pages=NUM_PAGES, **kw)
+    assert plan.program == ("cond" if route == "cond" else "sparse" if route == "force_sparse" else route) or (
+        route == "sparse" and plan.route == "dense" and plan.masked == "none")
+    ctx = np.asarray([t[p // page] * page + p % page for (c, _), t in zip(specs, tables) for p in range(c)], np.int32)
+    cache = cache_lib.write(init_cache(config, NUM_PAGES), jnp.asarray(ctx), {
+        **cache_lib.encode_latent(jnp.asarray(rng.standard_normal((len(ctx), config.kv_lora_rank)), jnp.float32),
+                                  jnp.asarray(rng.standard_normal((len(ctx), config.qk_rope_head_dim)), jnp.float32),
+                                  config),
+        **cache_lib.encode_index_keys(jnp.asarray(rng.standard_normal((len(ctx), config.index_head_dim)), jnp.float32),
+                                      config)})
+    hidden = rng.standard_normal((plan.num_tokens, config.hidden_size)).astype(np.float32)
+    starts = np.cumsum([0] + [q for _, q in specs])
+    poisoned = hidden.copy()
+    poisoned[starts[bad_request] + bad_row, 5] = value
+    run = functools.partial(_forward, _params(config), meta=meta, plan=plan, config=config, kernels=kernels)
+    clean = np.asarray(run(jnp.asarray(hidden, config.jnp_dtype), cache)[0], np.float32)
+    out = np.asarray(run(jnp.asarray(poisoned, config.jnp_dtype), cache)[0], np.float32)
+    for i in range(len(specs)):
+        rows = np.arange(starts[i], starts[i + 1])
+        if i == bad_request:
+            before, after = rows[:bad_row], rows[bad_row:]
+            assert not np.isfinite(out[after]).all(axis=-1).any(), f"{route}: rows at/after the bad element finite"
+            _same(out[before], clean[before], "into the request's earlier rows")
+        else:
+            _same(out[rows], clean[rows], f"into request {i}")
+    assert (out[starts[-1]:] == 0).all()  # padding rows
