@@ -3,6 +3,7 @@ latent cache format and variant, the variants interleaved in one run.
 
     python scripts/bench_layer.py [--kinds a,b] [--variants static,cond,no_skip,xla,masked,sparse] [--kv bf16,fp8]
                                   [--repeats 7] [--out results.json] [--profile DIR]   # GPU, deepseek_v32
+    (each kind's rows are printed, and --out rewritten, as soon as the kind is measured)
     python scripts/bench_layer.py --smoke    # CPU: tiny config, 3 kinds, every variant, 1 repeat
 
 Variants: static (plan_batch's default, kernels="auto"), cond (dispatch="cond"), no_skip
@@ -275,10 +276,13 @@ def run_kind(config, kv, params, kind, specs, args, key):
     return rows
 
 
-def print_rows(rows):
-    static = {(r["kv"], r["kind"]): r.get("ms") for r in rows if r["variant"] == "static"}
-    print(f"{'kv':<5}{'kind':<22}{'rows':>13} {'route':<7}{'variant':<9}{'ms':>10}{'min':>10}{'vs static':>10}"
+HEADER = (f"{'kv':<5}{'kind':<22}{'rows':>13} {'route':<7}{'variant':<9}{'ms':>10}{'min':>10}{'vs static':>10}"
           f"{'rel_err':>10}")
+
+
+def print_rows(rows):
+    """One line per row (rows: one kind's, static first where timed), flushed."""
+    static = {(r["kv"], r["kind"]): r.get("ms") for r in rows if r["variant"] == "static"}
     for r in rows:
         head = f"{r['kv']:<5}{r['kind']:<22}{str(r['rows']) + '/' + str(r['bucket']):>13} {r['route']:<7}{r['variant']:<9}"
         if "error" in r or "note" in r:
@@ -290,6 +294,15 @@ def print_rows(rows):
         print(head + f"{r['ms']:>10.3f}{r['min_ms']:>10.3f}{ratio:>10}{err:>10}")
         for scope, t in r.get("profile_ms_per_step", {}).items():
             print(f"{'':<16}{scope:<40}{t:>10.3f} ms/step")
+    sys.stdout.flush()
+
+
+def write_rows(path: str, rows, dev) -> None:
+    """Every row measured so far as JSON (rewritten after each kind: a run cut short keeps them)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump({"device": dev.device_kind, "backend": jax.default_backend(), "argv": sys.argv[1:],
+                   "date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def main(argv=None) -> int:
@@ -300,19 +313,19 @@ def main(argv=None) -> int:
     print(f"{dev.device_kind} ({jax.default_backend()}), {'tiny' if args.smoke else 'deepseek_v32'}, "
           f"repeats {args.repeats}, jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     rows, t0 = [], time.perf_counter()
+    print(HEADER, flush=True)
     for kv in args.kv:
         config = dataclasses.replace(base, kv_cache_dtype=KV[kv])
         params = init_params(config, jax.random.key(0))
         for i, kind in enumerate(args.kinds):
-            rows += run_kind(config, kv, params, kind, kinds[kind], args, jax.random.key(100 + i))
-            print(f"  {kv} {kind}: done at {time.perf_counter() - t0:.0f} s", flush=True)
+            kind_rows = run_kind(config, kv, params, kind, kinds[kind], args, jax.random.key(100 + i))
+            print_rows(kind_rows)  # each kind as soon as it is measured
+            rows += kind_rows
+            if args.out:
+                write_rows(args.out, rows, dev)
+            print(f"  ({kv} {kind} done at {time.perf_counter() - t0:.0f} s)", flush=True)
         del params
-    print()
-    print_rows(rows)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": dev.device_kind, "backend": jax.default_backend(), "argv": sys.argv[1:],
-                       "date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)
         print(f"wrote {args.out}")
     return 0
 
