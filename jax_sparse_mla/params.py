@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import MLAConfig
+from .validate import array_dtype
 
 HF_PREFIX_MARK = ".self_attn."
 FP8_WEIGHT_BLOCK = 128  # weight_scale_inv holds one scale per 128x128 block
@@ -33,16 +34,6 @@ def param_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _dtype_of(value) -> np.dtype | None:
-    """The dtype of an array-like with a shape (numpy, jax, ShapeDtypeStruct, tracer), else None."""
-    if not (hasattr(value, "shape") and hasattr(value, "dtype")) or isinstance(value, (str, bytes)):
-        return None
-    try:
-        return np.dtype(value.dtype)
-    except TypeError:
-        return None
-
-
 def is_fp8(dtype) -> bool:
     return np.dtype(dtype).name.startswith("float8")
 
@@ -60,7 +51,7 @@ def check_params(params: Mapping[str, Any], config: MLAConfig) -> None:
         if name not in params:
             raise ValueError(f"params has no {name!r}")
         value = params[name]
-        dtype = _dtype_of(value)
+        dtype = array_dtype(value)
         if dtype is None:
             raise ValueError(f"params[{name!r}] is a {type(value).__name__}, not an array")
         if not jnp.issubdtype(dtype, jnp.floating) or is_fp8(dtype):
@@ -95,7 +86,7 @@ def _check_scale(name: str, weight_shape: tuple[int, ...], scale) -> np.ndarray:
     if len(weight_shape) != 2:
         raise ValueError(f"tensor {name!r} has a weight_scale_inv but is {len(weight_shape)}-D "
                          f"(shape {tuple(weight_shape)}); only 2-D weights are fp8 with block scales")
-    dtype = _dtype_of(scale)
+    dtype = array_dtype(scale)
     if dtype is None:
         raise ValueError(f"tensor {name}_scale_inv is a {type(scale).__name__}, not an array")
     if not jnp.issubdtype(dtype, jnp.floating) or is_fp8(dtype):
@@ -158,7 +149,7 @@ def params_from_hf(state_dict: Mapping[str, Any], config: MLAConfig) -> dict[str
     params = {}
     for name, shape in shapes.items():
         value = local[name]
-        dtype = _dtype_of(value)
+        dtype = array_dtype(value)
         if dtype is None:
             raise ValueError(f"tensor {name!r} is a {type(value).__name__}, not an array")
         if not jnp.issubdtype(dtype, jnp.floating):

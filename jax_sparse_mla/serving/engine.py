@@ -15,8 +15,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..cache import init_cache
-from ..config import MLAConfig
-from ..kernels import CHOICES as KERNEL_CHOICES
+from ..config import MLAConfig, check_config_type
+from ..kernels import check_kernels
 from ..model import jit_forward
 from ..params import init_params
 from ..plan import DISPATCH_MODES, BatchMeta, BucketPolicy, Request, check_slot_range, plan_batch
@@ -92,8 +92,7 @@ class EngineOptions:
             put(name, as_bool(getattr(self, name), name))
         if not isinstance(self.dispatch, str) or self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {self.dispatch!r}")
-        if not isinstance(self.kernels, str) or self.kernels not in KERNEL_CHOICES:
-            raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
+        check_kernels(self.kernels)
         if not isinstance(self.buckets, BucketPolicy):
             raise ValueError(f"buckets must be a BucketPolicy, got {type(self.buckets).__name__}")
         check_prefill_route(self.prefill_route)
@@ -151,8 +150,7 @@ class Engine:
     def __init__(self, config: MLAConfig, *, num_layers: int = 2, num_pages: int = 1024, seed: int = 0,
                  pool_size: int = 4096, params: Sequence[dict] | None = None, block: str = "attention",
                  moe: MoEConfig | None = None, block_params: Sequence[dict] | None = None, **options):
-        if not isinstance(config, MLAConfig):
-            raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
+        check_config_type(config)
         num_layers = as_int(num_layers, "num_layers", 1)
         num_pages, pool_size = as_int(num_pages, "num_pages", 1), as_int(pool_size, "pool_size", 1)
         check_slot_range(config, num_pages)
