@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from .config import MLAConfig
 from .model import forward
-from .params import check_params, init_params, is_fp8, params_from_hf
+from .params import cast_param, check_params, init_params, is_fp8, params_from_hf
 from .sharding import DATA, TENSOR, cache_specs, param_specs, shard_config, sharded_forward
 
 
@@ -62,8 +62,11 @@ class SparseMLA(nnx.Module):
       params: an HF-named dict (params_from_hf, a checkpoint), checked against the config.
       kernels: "auto" | "xla" | "pallas", as in model.forward.
       param_dtype: storage dtype of the parameters (any float but fp8); default: config.dtype for
-        a random init, the given dtypes for `params`. forward casts each weight to the
-        computation dtype where it is used, so storage and computation may differ.
+        a random init, the given dtypes for `params` (float64 as float32 without
+        jax_enable_x64). forward casts each weight to the computation dtype where it is used, so
+        storage and computation may differ. A weight that is not finite as stored (a
+        non-finite value, or one beyond the storage dtype's range: 1e5 in float16) raises
+        ValueError naming it (params.cast_param; unchecked under a trace).
       dtype: the computation dtype. It is config.dtype (the plan records the config, and
         `model.forward` computes in it); accepted for the Flax convention and validated against
         it: a different dtype raises ValueError (use `dataclasses.replace(config, dtype=...)`).
@@ -107,7 +110,9 @@ class SparseMLA(nnx.Module):
         self.data_axis = data_axis
         weights = {}
         for name, value in params.items():
-            value = jnp.asarray(value, param_dtype)
+            # stored as param_dtype (default: its own, as jax keeps it): refused where that overflows
+            stored = jax.dtypes.canonicalize_dtype(value.dtype if param_dtype is None else param_dtype)
+            value = jnp.asarray(cast_param(name, value, stored))
             if mesh is not None:
                 value = _place(value, specs[name], mesh)
             # eager_sharding=False: the placement is done above (flax's would skip replicated params)

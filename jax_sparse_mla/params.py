@@ -112,15 +112,33 @@ def dequantize_fp8_weight(weight, scale_inv, name: str = "weight") -> np.ndarray
     return w * full
 
 
+def cast_param(name: str, value, dtype):
+    """A weight cast to `dtype` (numpy stays numpy, on the host; a jax array stays a jax array),
+    refused (ValueError naming tensor `name`) where the cast result is not finite: a non-finite
+    value, or a finite one beyond dtype's range (3.4e38 float32 is inf in bfloat16, 1e5 in
+    float16). The check is of the result, so no cast stores inf from finite weights. Under a
+    trace (a jax tracer) the values are unknown and the cast is unchecked."""
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below, by name
+        out = value.astype(dtype)
+    if isinstance(out, jax.core.Tracer):
+        return out
+    xp = np if isinstance(out, np.ndarray) else jnp
+    if bool(xp.all(xp.isfinite(out))):
+        return out
+    if not bool(xp.all(xp.isfinite(value))):
+        raise ValueError(f"tensor {name!r} has non-finite values")
+    raise ValueError(f"tensor {name!r} overflows {np.dtype(dtype).name}: its largest magnitude is "
+                     f"{float(xp.max(xp.abs(value))):.6g}, {np.dtype(dtype).name} holds at most "
+                     f"{float(jnp.finfo(dtype).max):.6g}")
+
+
 def hf_tensor_to_param(name: str, value, scale_inv, config: MLAConfig) -> np.ndarray:
     """One checked HF tensor as a parameter, on the host: fp8 dequantised with its block scales
-    (scale_inv; None for other dtypes), float32, refused if not finite, cast to config.dtype."""
+    (scale_inv; None for other dtypes), cast to config.dtype and refused if the result is not
+    finite (cast_param: a non-finite weight, or one beyond config.dtype's range)."""
     if scale_inv is not None:
         value = dequantize_fp8_weight(value, scale_inv, name)
-    value = np.asarray(value, dtype=np.float32)
-    if not np.all(np.isfinite(value)):
-        raise ValueError(f"tensor {name!r} has non-finite values")
-    return value.astype(config.jnp_dtype)
+    return cast_param(name, np.asarray(value), config.jnp_dtype)
 
 
 def params_from_hf(state_dict: Mapping[str, Any], config: MLAConfig) -> dict[str, jax.Array]:
