@@ -9,7 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from .config import MLAConfig
+from .config import MLAConfig, check_config_type
+from .kernels import check_kernels
 from .model import forward
 from .params import cast_param, check_params, init_params, is_fp8, params_from_hf
 from .sharding import DATA, TENSOR, cache_specs, param_specs, shard_config, sharded_forward
@@ -76,11 +77,15 @@ class SparseMLA(nnx.Module):
         must divide over it).
 
     Use inside a caller's jit (nnx.jit, or nnx.split/merge around jax.jit); plan is static.
+    Arguments of another type raise ValueError naming them, here and in each call (forward's
+    checks, model.check_arguments).
     """
 
     def __init__(self, config: MLAConfig, *, rngs: nnx.Rngs | None = None, params: Mapping[str, Any] | None = None,
                  kernels: str = "auto", param_dtype=None, dtype=None, tensor_axis: str = TENSOR,
                  data_axis: str = DATA, mesh: Mesh | None = None):
+        check_config_type(config)
+        check_kernels(kernels)
         if dtype is not None and jnp.dtype(dtype) != config.jnp_dtype:
             raise ValueError(f"dtype={jnp.dtype(dtype).name} differs from config.dtype={config.dtype!r}: the "
                              f"computation dtype is the config's; use dataclasses.replace(config, dtype=...)")

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import MLAConfig
-from .validate import array_dtype
+from .config import MLAConfig, check_config_type
+from .validate import array_dtype, check_type
 
 HF_PREFIX_MARK = ".self_attn."
 FP8_WEIGHT_BLOCK = 128  # weight_scale_inv holds one scale per 128x128 block
@@ -38,30 +38,34 @@ def is_fp8(dtype) -> bool:
     return np.dtype(dtype).name.startswith("float8")
 
 
-def check_params(params: Mapping[str, Any], config: MLAConfig) -> None:
-    """Raises ValueError naming the first missing, non-array, non-float, misshapen or unexpected parameter.
-
-    Each parameter must be an array (numpy, jax, or a ShapeDtypeStruct / tracer) of float16,
-    bfloat16, float32 or float64; fp8 weights are dequantized by params_from_hf, not taken here.
-    """
-    if not isinstance(params, Mapping):
-        raise ValueError(f"params must be a dict of arrays, got {type(params).__name__}")
-    shapes = param_shapes(config)
+def check_arrays(arrays: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], what: str) -> None:
+    """Raises ValueError naming `what` if it is not a dict, else its first missing, non-array,
+    non-float (fp8 included), misshapen or unexpected entry (`what[name]`). Each entry must be
+    an array (numpy, jax, or a ShapeDtypeStruct / tracer) of float16, bfloat16, float32 or
+    float64 with the shape `shapes[name]`."""
+    check_type(arrays, what, Mapping, "a dict of arrays")
     for name, shape in shapes.items():
-        if name not in params:
-            raise ValueError(f"params has no {name!r}")
-        value = params[name]
+        if name not in arrays:
+            raise ValueError(f"{what} has no {name!r}")
+        value = arrays[name]
         dtype = array_dtype(value)
         if dtype is None:
-            raise ValueError(f"params[{name!r}] is a {type(value).__name__}, not an array")
+            raise ValueError(f"{what}[{name!r}] is a {type(value).__name__}, not an array")
         if not jnp.issubdtype(dtype, jnp.floating) or is_fp8(dtype):
-            raise ValueError(f"params[{name!r}] has dtype {dtype}, expected a floating dtype "
+            raise ValueError(f"{what}[{name!r}] has dtype {dtype}, expected a floating dtype "
                              f"(float16, bfloat16, float32 or float64; fp8 weights go through params_from_hf)")
         if tuple(value.shape) != shape:
-            raise ValueError(f"params[{name!r}] has shape {tuple(value.shape)}, expected {shape}")
-    unexpected = sorted(set(params) - set(shapes), key=str)
+            raise ValueError(f"{what}[{name!r}] has shape {tuple(value.shape)}, expected {shape}")
+    unexpected = sorted(set(arrays) - set(shapes), key=str)
     if unexpected:
-        raise ValueError(f"unexpected params: {unexpected}")
+        raise ValueError(f"unexpected {what}: {unexpected}")
+
+
+def check_params(params: Mapping[str, Any], config: MLAConfig, what: str = "params") -> None:
+    """Raises ValueError naming `config` if it is not an MLAConfig, else as check_arrays with
+    param_shapes(config) (fp8 weights are dequantized by params_from_hf, not taken here)."""
+    check_config_type(config)
+    check_arrays(params, param_shapes(config), what)
 
 
 def init_params(config: MLAConfig, key: jax.Array) -> dict[str, jax.Array]:

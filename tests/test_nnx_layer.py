@@ -79,6 +79,34 @@ def test_weights_that_overflow_the_param_dtype_are_refused(param_dtype, source, 
     nnx.eval_shape(lambda: SparseMLA(TINY, rngs=nnx.Rngs(0), param_dtype=jnp.float16))
 
 
+def test_arguments_of_other_types_are_refused_by_name():
+    """The constructor and the calls refuse a wrongly typed argument with a ValueError naming it
+    (the calls through forward's and sharded_forward's checks)."""
+    from jax_sparse_mla.sharding import make_mesh, plan_data_parallel
+
+    for kwargs, message in [(dict(config={}), "config must be an MLAConfig, got dict"),
+                            (dict(config=None), "config must be an MLAConfig, got NoneType"),
+                            (dict(params=[1.0]), "params must be a dict of arrays, got list"),
+                            (dict(kernels="cuda"), "kernels must be one of .*got 'cuda'")]:
+        with pytest.raises(ValueError, match=message):
+            SparseMLA(**{"config": TINY, "rngs": nnx.Rngs(0), **kwargs})
+    layer = SparseMLA(TINY, rngs=nnx.Rngs(0), kernels="xla")
+    plan, meta = plan_batch(TINY, [Request(0, 3, [0])], num_pages=8)
+    x, cache = jnp.ones((plan.num_tokens, TINY.hidden_size)), init_cache(TINY, 8)
+    for args, message in [((x, None, meta, plan), "cache must be a PagedCache .*got NoneType"),
+                          ((x, {}, meta, plan), "cache must be a PagedCache .*got dict"),
+                          ((None, cache, meta, plan), "hidden must be an array .*got NoneType"),
+                          ((x, cache, (), plan), "meta must be a BatchMeta .*got tuple"),
+                          ((x, cache, meta, None), "plan must be a BatchPlan .*got NoneType")]:
+        with pytest.raises(ValueError, match=message):
+            layer(*args)
+    dp_plan, dp_meta = plan_data_parallel(TINY, [[Request(0, 3, [0])]], pages_per_shard=8)
+    with pytest.raises(ValueError, match="cache must be a PagedCache .*got tuple"):
+        layer.sharded(x, (), dp_meta, dp_plan, mesh=make_mesh(1, 1))
+    with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh .*got str"):
+        layer.sharded(x, cache, dp_meta, dp_plan, mesh="mesh")
+
+
 def test_from_hf_keeps_the_hf_names():
     params = init_params(TINY, jax.random.key(3))
     state_dict = {f"model.layers.0.self_attn.{k}": np.asarray(v) for k, v in params.items()}
