@@ -450,9 +450,10 @@ def check_slot_range(config: MLAConfig, num_pages: int) -> None:
                          f"int32 (at most {slot_pages} pages)")
 
 
-def _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch,
-                   tensor_parallel=1, prefill_route="auto") -> int | None:
-    """Checks plan_batch's arguments other than the requests; returns num_pages as an int (or None)."""
+def check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch,
+                  tensor_parallel=1, prefill_route="auto") -> int | None:
+    """Checks plan_batch's arguments other than the requests (the one statement of them: the
+    planners and precompile.enumerate_plans share it); returns num_pages as an int (or None)."""
     check_config_type(config)
     if not is_int(tensor_parallel) or tensor_parallel < 1:
         raise ValueError(f"tensor_parallel must be a positive int, got {tensor_parallel!r}")
@@ -549,8 +550,8 @@ def check_batch(config, requests, num_pages, force_sparse, skip_indexer, buckets
                 prefill_route="auto"):
     """plan_batch's checks: -> (the requests with Python int lengths and list tables, num_pages as
     an int or None). Raises ValueError for the first problem."""
-    num_pages = _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel,
-                               prefill_route)
+    num_pages = check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel,
+                              prefill_route)
     if isinstance(requests, (str, bytes, Request)) or not isinstance(requests, collections.abc.Iterable):
         raise ValueError(f"requests must be a sequence of Requests, got {type(requests).__name__}")
     return _validate(config, list(requests), num_pages), num_pages
