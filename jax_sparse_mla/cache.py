@@ -14,14 +14,14 @@ Indexer key cache per token: `index_k` [P, page, D] in the indexer dtype, plus
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
 from . import ops
-from .config import FP8_TILE, MLAConfig
+from .config import FP8_TILE, MLAConfig, check_config_type
 from .kernels import dequantize_index_keys, dequantize_latent, gather_paged_rows
+from .validate import as_int, as_page_ids, check_type
 
 
 @jax.tree_util.register_dataclass
@@ -64,7 +64,10 @@ def init_cache(config: MLAConfig, num_pages: int) -> PagedCache:
 
 
 def check_cache(cache: PagedCache, config: MLAConfig) -> None:
-    """Raises ValueError if the cache's arrays do not match the config (shapes and dtypes)."""
+    """Raises ValueError if config is not an MLAConfig, cache not a PagedCache, or the cache's
+    arrays do not match the config (shapes and dtypes)."""
+    check_config_type(config)
+    check_type(cache, "cache", PagedCache, "a PagedCache (from init_cache)")
     expected = jax.eval_shape(lambda: init_cache(config, cache.num_pages))
     for field in dataclasses.fields(PagedCache):
         got, want = getattr(cache, field.name), getattr(expected, field.name)
@@ -103,19 +106,43 @@ def write(cache: PagedCache, slot_mapping, rows: dict[str, jax.Array]) -> PagedC
     return dataclasses.replace(cache, **updates)
 
 
-def _sequence_rows(cache: PagedCache, name: str, block_table, length: int, page_size: int):
-    """Rows [length, ...] of one cache field for the first `length` positions of a sequence."""
-    a = cache.flat(name)
-    return None if a is None else gather_paged_rows(a, jnp.asarray(block_table)[None], page_size)[0, :length]
+def _sequence_reader(cache: PagedCache, block_table, length, config: MLAConfig):
+    """name -> rows [length, ...] of that cache field (None for a field the cache lacks) for the
+    first `length` positions of a sequence. ValueError naming the argument: cache not a
+    PagedCache of config's layout, block_table not a list of page ids (validate.as_page_ids) or
+    with an entry outside [0, num_pages) (-1 included), length not an integer >= 0 or more rows
+    than block_table's pages hold."""
+    check_cache(cache, config)
+    table = as_page_ids(block_table, "block_table")
+    length = as_int(length, "length", 0)
+    for k, page in enumerate(table):
+        if not 0 <= page < cache.num_pages:
+            raise ValueError(f"block_table[{k}] = {page} is not a page of the cache: page ids are in "
+                             f"[0, {cache.num_pages})")
+    needed = -(-length // config.page_size)
+    if needed > len(table):
+        raise ValueError(f"length = {length} rows need {needed} pages of {config.page_size}, but block_table "
+                         f"lists {len(table)}")
+    pages = jnp.asarray(table[:needed], jnp.int32)[None]
+
+    def rows(name: str):
+        a = cache.flat(name)
+        return None if a is None else gather_paged_rows(a, pages, config.page_size)[0, :length]
+    return rows
 
 
 def read_latent(cache: PagedCache, block_table, length: int, config: MLAConfig):
-    """Dense, dequantized latent rows of one sequence: (c [length, R], k_pe [length, rope]) float32."""
-    rows = functools.partial(_sequence_rows, cache, block_table=block_table, length=length, page_size=config.page_size)
+    """Dense, dequantized latent rows of one sequence: (c [length, R], k_pe [length, rope]) float32.
+
+    block_table: the sequence's page ids (a list, tuple or 1-D numpy integer array), every entry
+    a page of the cache; length: the rows to read, at most what the table's pages hold. Exactly
+    `length` rows come back; ValueError naming the argument otherwise (see _sequence_reader)."""
+    rows = _sequence_reader(cache, block_table, length, config)
     return dequantize_latent(rows("latent"), rows("latent_scale")), rows("k_pe").astype(jnp.float32)
 
 
 def read_indexer_keys(cache: PagedCache, block_table, length: int, config: MLAConfig):
-    """Dense, dequantized indexer keys of one sequence: [length, D] float32."""
-    rows = functools.partial(_sequence_rows, cache, block_table=block_table, length=length, page_size=config.page_size)
+    """Dense, dequantized indexer keys of one sequence: [length, D] float32 (arguments and errors
+    as read_latent's)."""
+    rows = _sequence_reader(cache, block_table, length, config)
     return dequantize_index_keys(rows("index_k"), rows("index_k_scale"))

@@ -42,7 +42,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .cache import PagedCache, check_cache, init_cache
-from .config import MLAConfig, RopeScaling
+from .config import MLAConfig, RopeScaling, check_config_type
 from .params import FP8_WEIGHT_BLOCK, check_params, hf_tensor_to_param, param_shapes, params_from_hf
 from .validate import is_int
 
@@ -94,8 +94,7 @@ def save_checkpoint(directory, params: Mapping[str, jax.Array], cache: PagedCach
     if the directory exists and overwrite is False.
     """
     path = pathlib.Path(directory).absolute()
-    if not isinstance(config, MLAConfig):
-        raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
+    check_config_type(config)
     check_params(params, config)
     if cache is not None:
         check_cache(cache, config)
@@ -622,8 +621,7 @@ def save_model_checkpoint(directory, layers: Sequence[Mapping[str, jax.Array]],
     with overwrite, only an earlier model checkpoint (or an empty directory) is replaced.
     """
     path = pathlib.Path(directory).absolute()
-    if not isinstance(config, MLAConfig):
-        raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
+    check_config_type(config)
     if isinstance(layers, Mapping) or not isinstance(layers, Sequence) or not layers:
         raise ValueError(f"layers must be a non-empty list of per-layer params dicts, got {type(layers).__name__}")
     if caches is not None and (not isinstance(caches, Sequence) or len(caches) != len(layers)):

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
-from .validate import as_int, as_real
+from .validate import as_int, as_real, check_type
 
 ACTIVATION_DTYPES = ("bfloat16", "float32")
 KV_CACHE_DTYPES = ("bfloat16", "float32", "fp8")
@@ -257,3 +257,8 @@ class MLAConfig:
             return jnp.dtype(jnp.float8_e4m3fn), self.kv_lora_rank // FP8_TILE, jnp.dtype(jnp.bfloat16)
         dt = jnp.dtype(self.kv_cache_dtype)
         return dt, 0, dt
+
+
+def check_config_type(config) -> None:
+    """ValueError naming `config` unless it is an MLAConfig (every entry point that takes one)."""
+    check_type(config, "config", MLAConfig, "an MLAConfig")

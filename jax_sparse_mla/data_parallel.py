@@ -25,13 +25,14 @@ devices, for a latency-bound batch or when the weights must be split.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 
 from .cache import PagedCache, init_cache
-from .config import MLAConfig
-from .model import jit_forward
+from .config import MLAConfig, check_config_type
+from .kernels import check_kernels
+from .model import check_arguments, jit_forward
 from .plan import BatchMeta, BatchPlan, Request, plan_batch
 
 
@@ -78,8 +79,15 @@ def data_parallel_step(params: Sequence[dict], hidden: Sequence[jax.Array | None
     params, caches: per device (replicate_params, init_device_caches); plans: plan_shards's;
     hidden[d]: [plan.num_tokens, hidden_size] of device d's plan (None for an idle device), rows
     in plan_batch's order. outs[d] is None for an idle device, whose cache is returned as it was.
-    Each cache is donated to its device's step.
+    Each cache is donated to its device's step. ValueError naming the argument (and the data
+    shard) for one of another type: lists that are not sequences, a plan that is not
+    plan_shards's (plan, meta) pair, and each busy device's arguments as model.check_arguments.
     """
+    check_config_type(config)
+    check_kernels(kernels)
+    for name, value in (("params", params), ("hidden", hidden), ("caches", caches), ("plans", plans)):
+        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+            raise ValueError(f"{name} must be a sequence with one entry per device, got {type(value).__name__}")
     if not len(params) == len(hidden) == len(caches) == len(plans):
         raise ValueError(f"params, hidden, caches and plans must have one entry per device, got "
                          f"{len(params)}, {len(hidden)}, {len(caches)}, {len(plans)}")
@@ -93,7 +101,14 @@ def data_parallel_step(params: Sequence[dict], hidden: Sequence[jax.Array | None
             continue
         if x is None:
             raise ValueError(f"data shard {d} has a plan but no hidden states")
+        if not isinstance(planned, (tuple, list)) or len(planned) != 2:
+            raise ValueError(f"data shard {d}: plans[{d}] must be None or a (plan, meta) pair from plan_shards, "
+                             f"got {type(planned).__name__}")
         plan, meta = planned
+        try:
+            check_arguments(p, x, cache, meta, plan, config, kernels)
+        except ValueError as e:
+            raise ValueError(f"data shard {d}: {e}") from None
         device = next(iter(cache.latent.devices()))
         out, cache = jit_forward(p, jax.device_put(x, device), cache, meta, plan=plan, config=config, kernels=kernels)
         outs.append(out)

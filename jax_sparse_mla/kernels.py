@@ -75,6 +75,12 @@ class Implementations:
 XLA = OpImpl("xla")
 
 
+def check_kernels(kernels) -> None:
+    """ValueError naming `kernels` unless it is one of CHOICES."""
+    if not isinstance(kernels, str) or kernels not in CHOICES:
+        raise ValueError(f"kernels must be one of {CHOICES}, got {kernels!r}")
+
+
 def resolve(kernels: str, config) -> Implementations:
     """kernels choice and the layer's (per-shard) MLAConfig -> Implementations, decided once.
 
@@ -95,8 +101,7 @@ def resolve(kernels: str, config) -> Implementations:
         PJRT_NPROC).
     Off the GPU every Pallas backend interprets.
     """
-    if kernels not in CHOICES:
-        raise ValueError(f"kernels must be one of {CHOICES}, got {kernels!r}")
+    check_kernels(kernels)
     interpret = interpret_mode()
     if kernels == "xla" or (kernels == "auto" and interpret):
         return Implementations(XLA, XLA, XLA, XLA)

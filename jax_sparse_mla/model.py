@@ -19,10 +19,10 @@ import jax.numpy as jnp
 from . import cache as cache_lib
 from . import kernels as kernel_ops
 from . import ops
-from .config import MLAConfig
+from .config import MLAConfig, check_config_type
 from .params import check_params
 from .plan import BatchMeta, BatchPlan, RowGroup
-from .validate import INT32_MAX
+from .validate import INT32_MAX, array_dtype, check_type
 
 
 def _precision(config: MLAConfig):
@@ -123,11 +123,32 @@ def _nonfinite_rows(x, meta: BatchMeta, num_seqs: int):
     return real & (meta.positions >= first_bad[meta.row_seq])
 
 
+def check_arguments(params, hidden, cache, meta, plan, config, kernels, tensor_axis=None) -> None:
+    """The checks of a layer step's arguments that do not depend on the plan's sizes, shared by
+    every entry point that runs one (forward, sharding.sharded_forward,
+    data_parallel.data_parallel_step; nnx_layer and the serving engine through these):
+    ValueError naming the first argument that is not what forward's docstring says: config an
+    MLAConfig, plan a BatchPlan, meta a BatchMeta, kernels one of kernels.CHOICES, tensor_axis
+    None or a str (a mesh axis name), hidden a floating-point array, cache a PagedCache of
+    config's layout (cache.check_cache), params a dict of config's arrays (params.check_params).
+    The shapes against the plan are each caller's (forward's and sharded_forward's differ)."""
+    check_config_type(config)
+    check_type(plan, "plan", BatchPlan, "a BatchPlan (from plan_batch or sharding.plan_data_parallel)")
+    check_type(meta, "meta", BatchMeta, "a BatchMeta (from plan_batch or sharding.plan_data_parallel)")
+    kernel_ops.check_kernels(kernels)
+    if tensor_axis is not None and not isinstance(tensor_axis, str):
+        raise ValueError(f"tensor_axis must be None or a mesh axis name (a str), got {tensor_axis!r}")
+    dtype = array_dtype(hidden)
+    if dtype is None:
+        raise ValueError(f"hidden must be an array [num_tokens, hidden_size], got {type(hidden).__name__}")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"hidden must be floating point, got {dtype}")
+    cache_lib.check_cache(cache, config)
+    check_params(params, config)
+
+
 def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, config: MLAConfig, tensor_parallel: int):
-    if not isinstance(plan, BatchPlan):
-        raise ValueError(f"plan must be a BatchPlan (from plan_batch), got {type(plan).__name__}")
-    if not isinstance(meta, BatchMeta):
-        raise ValueError(f"meta must be a BatchMeta (from plan_batch), got {type(meta).__name__}")
+    """forward's checks of its arguments' sizes against the plan (check_arguments has passed)."""
     if plan.tensor_parallel != tensor_parallel:
         raise ValueError(f"the plan was made for a tensor axis of size {plan.tensor_parallel}, this forward runs "
                          f"under one of size {tensor_parallel}: run it through sharding.sharded_forward on such a mesh")
@@ -135,9 +156,6 @@ def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, confi
     if hidden.ndim != 2 or hidden.shape != (plan.num_tokens, config.hidden_size):
         raise ValueError(f"hidden has shape {hidden.shape}, expected [plan.num_tokens, hidden_size] = "
                          f"{[plan.num_tokens, config.hidden_size]}")
-    if not jnp.issubdtype(hidden.dtype, jnp.floating):
-        raise ValueError(f"hidden must be floating point, got {hidden.dtype}")
-    cache_lib.check_cache(cache, config)
     if plan.num_pages is not None and plan.num_pages != cache.num_pages:
         raise ValueError(f"the plan was validated for {plan.num_pages} pages, the cache has {cache.num_pages}")
     for name, shape in BatchMeta.shapes(plan).items():
@@ -146,7 +164,6 @@ def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, confi
             raise ValueError(f"meta.{name} has shape {got.shape}, expected {shape} for this plan (was it made by plan_batch?)")
     if (meta.dense_flag is None) != (plan.use_dense_mha is not None):
         raise ValueError("meta.dense_flag must be set exactly for dispatch='cond' plans (use_dense_mha None)")
-    check_params(params, config)
 
 
 def _pick(a, rows):
@@ -346,16 +363,20 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
             config: MLAConfig, kernels: str = "auto", tensor_axis: str | None = None):
     """One attention layer step over a planned batch.
 
-    params: HF-named dict (see params.py); hidden: [plan.num_tokens, hidden_size], rows in
-    plan_batch's order, padding last; cache: PagedCache (donate it under jit); meta: BatchMeta.
-    Returns (out [num_tokens, hidden_size] in config.dtype, new cache). Padding rows give 0; the
-    rows of a request at and after one whose hidden row is not finite give NaN on every route.
+    params: HF-named dict of arrays (see params.py); hidden: floating-point array
+    [plan.num_tokens, hidden_size], rows in plan_batch's order, padding last; cache: PagedCache
+    (donate it under jit); meta: BatchMeta; plan: BatchPlan (both from plan_batch); config:
+    MLAConfig; kernels: one of kernels.CHOICES. Returns (out [num_tokens, hidden_size] in
+    config.dtype, new cache). Padding rows give 0; the rows of a request at and after one whose
+    hidden row is not finite give NaN on every route. An argument of another type or shape raises
+    ValueError naming it (check_arguments, then the plan's sizes).
     Jit with plan, config and kernels static.
     tensor_axis: inside shard_map, the mesh axis that splits the attention heads (sharding.py):
       params and config hold this shard's attention heads and the whole indexer; the output is
       summed over the axis, and scoring is split over it by rows where the plan says so
       (RowGroup.indexer_shards: the top-k positions are all-gathered).
     """
+    check_arguments(params, hidden, cache, meta, plan, config, kernels, tensor_axis)
     _check_inputs(params, hidden, cache, meta, plan, config, 1 if tensor_axis is None else jax.lax.axis_size(tensor_axis))
     impl = kernel_ops.resolve(kernels, config)  # every device-dependent choice, once
     c_ = config

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from .config import MLAConfig
+from .config import MLAConfig, check_config_type
+from .kernels import check_kernels
 from .model import forward
-from .params import check_params, init_params, is_fp8, params_from_hf
+from .params import cast_param, check_params, init_params, is_fp8, params_from_hf
 from .sharding import DATA, TENSOR, cache_specs, param_specs, shard_config, sharded_forward
 
 
@@ -62,8 +63,11 @@ class SparseMLA(nnx.Module):
       params: an HF-named dict (params_from_hf, a checkpoint), checked against the config.
       kernels: "auto" | "xla" | "pallas", as in model.forward.
       param_dtype: storage dtype of the parameters (any float but fp8); default: config.dtype for
-        a random init, the given dtypes for `params`. forward casts each weight to the
-        computation dtype where it is used, so storage and computation may differ.
+        a random init, the given dtypes for `params` (float64 as float32 without
+        jax_enable_x64). forward casts each weight to the computation dtype where it is used, so
+        storage and computation may differ. A weight that is not finite as stored (a
+        non-finite value, or one beyond the storage dtype's range: 1e5 in float16) raises
+        ValueError naming it (params.cast_param; unchecked under a trace).
       dtype: the computation dtype. It is config.dtype (the plan records the config, and
         `model.forward` computes in it); accepted for the Flax convention and validated against
         it: a different dtype raises ValueError (use `dataclasses.replace(config, dtype=...)`).
@@ -73,11 +77,15 @@ class SparseMLA(nnx.Module):
         must divide over it).
 
     Use inside a caller's jit (nnx.jit, or nnx.split/merge around jax.jit); plan is static.
+    Arguments of another type raise ValueError naming them, here and in each call (forward's
+    checks, model.check_arguments).
     """
 
     def __init__(self, config: MLAConfig, *, rngs: nnx.Rngs | None = None, params: Mapping[str, Any] | None = None,
                  kernels: str = "auto", param_dtype=None, dtype=None, tensor_axis: str = TENSOR,
                  data_axis: str = DATA, mesh: Mesh | None = None):
+        check_config_type(config)
+        check_kernels(kernels)
         if dtype is not None and jnp.dtype(dtype) != config.jnp_dtype:
             raise ValueError(f"dtype={jnp.dtype(dtype).name} differs from config.dtype={config.dtype!r}: the "
                              f"computation dtype is the config's; use dataclasses.replace(config, dtype=...)")
@@ -107,7 +115,9 @@ class SparseMLA(nnx.Module):
         self.data_axis = data_axis
         weights = {}
         for name, value in params.items():
-            value = jnp.asarray(value, param_dtype)
+            # stored as param_dtype (default: its own, as jax keeps it): refused where that overflows
+            stored = jax.dtypes.canonicalize_dtype(value.dtype if param_dtype is None else param_dtype)
+            value = jnp.asarray(cast_param(name, value, stored))
             if mesh is not None:
                 value = _place(value, specs[name], mesh)
             # eager_sharding=False: the placement is done above (flax's would skip replicated params)

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import MLAConfig
+from .config import MLAConfig, check_config_type
+from .validate import array_dtype, check_type
 
 HF_PREFIX_MARK = ".self_attn."
 FP8_WEIGHT_BLOCK = 128  # weight_scale_inv holds one scale per 128x128 block
@@ -33,44 +34,38 @@ def param_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _dtype_of(value) -> np.dtype | None:
-    """The dtype of an array-like with a shape (numpy, jax, ShapeDtypeStruct, tracer), else None."""
-    if not (hasattr(value, "shape") and hasattr(value, "dtype")) or isinstance(value, (str, bytes)):
-        return None
-    try:
-        return np.dtype(value.dtype)
-    except TypeError:
-        return None
-
-
 def is_fp8(dtype) -> bool:
     return np.dtype(dtype).name.startswith("float8")
 
 
-def check_params(params: Mapping[str, Any], config: MLAConfig) -> None:
-    """Raises ValueError naming the first missing, non-array, non-float, misshapen or unexpected parameter.
-
-    Each parameter must be an array (numpy, jax, or a ShapeDtypeStruct / tracer) of float16,
-    bfloat16, float32 or float64; fp8 weights are dequantized by params_from_hf, not taken here.
-    """
-    if not isinstance(params, Mapping):
-        raise ValueError(f"params must be a dict of arrays, got {type(params).__name__}")
-    shapes = param_shapes(config)
+def check_arrays(arrays: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], what: str) -> None:
+    """Raises ValueError naming `what` if it is not a dict, else its first missing, non-array,
+    non-float (fp8 included), misshapen or unexpected entry (`what[name]`). Each entry must be
+    an array (numpy, jax, or a ShapeDtypeStruct / tracer) of float16, bfloat16, float32 or
+    float64 with the shape `shapes[name]`."""
+    check_type(arrays, what, Mapping, "a dict of arrays")
     for name, shape in shapes.items():
-        if name not in params:
-            raise ValueError(f"params has no {name!r}")
-        value = params[name]
-        dtype = _dtype_of(value)
+        if name not in arrays:
+            raise ValueError(f"{what} has no {name!r}")
+        value = arrays[name]
+        dtype = array_dtype(value)
         if dtype is None:
-            raise ValueError(f"params[{name!r}] is a {type(value).__name__}, not an array")
+            raise ValueError(f"{what}[{name!r}] is a {type(value).__name__}, not an array")
         if not jnp.issubdtype(dtype, jnp.floating) or is_fp8(dtype):
-            raise ValueError(f"params[{name!r}] has dtype {dtype}, expected a floating dtype "
+            raise ValueError(f"{what}[{name!r}] has dtype {dtype}, expected a floating dtype "
                              f"(float16, bfloat16, float32 or float64; fp8 weights go through params_from_hf)")
         if tuple(value.shape) != shape:
-            raise ValueError(f"params[{name!r}] has shape {tuple(value.shape)}, expected {shape}")
-    unexpected = sorted(set(params) - set(shapes), key=str)
+            raise ValueError(f"{what}[{name!r}] has shape {tuple(value.shape)}, expected {shape}")
+    unexpected = sorted(set(arrays) - set(shapes), key=str)
     if unexpected:
-        raise ValueError(f"unexpected params: {unexpected}")
+        raise ValueError(f"unexpected {what}: {unexpected}")
+
+
+def check_params(params: Mapping[str, Any], config: MLAConfig, what: str = "params") -> None:
+    """Raises ValueError naming `config` if it is not an MLAConfig, else as check_arrays with
+    param_shapes(config) (fp8 weights are dequantized by params_from_hf, not taken here)."""
+    check_config_type(config)
+    check_arrays(params, param_shapes(config), what)
 
 
 def init_params(config: MLAConfig, key: jax.Array) -> dict[str, jax.Array]:
@@ -95,7 +90,7 @@ def _check_scale(name: str, weight_shape: tuple[int, ...], scale) -> np.ndarray:
     if len(weight_shape) != 2:
         raise ValueError(f"tensor {name!r} has a weight_scale_inv but is {len(weight_shape)}-D "
                          f"(shape {tuple(weight_shape)}); only 2-D weights are fp8 with block scales")
-    dtype = _dtype_of(scale)
+    dtype = array_dtype(scale)
     if dtype is None:
         raise ValueError(f"tensor {name}_scale_inv is a {type(scale).__name__}, not an array")
     if not jnp.issubdtype(dtype, jnp.floating) or is_fp8(dtype):
@@ -121,15 +116,33 @@ def dequantize_fp8_weight(weight, scale_inv, name: str = "weight") -> np.ndarray
     return w * full
 
 
+def cast_param(name: str, value, dtype):
+    """A weight cast to `dtype` (numpy stays numpy, on the host; a jax array stays a jax array),
+    refused (ValueError naming tensor `name`) where the cast result is not finite: a non-finite
+    value, or a finite one beyond dtype's range (3.4e38 float32 is inf in bfloat16, 1e5 in
+    float16). The check is of the result, so no cast stores inf from finite weights. Under a
+    trace (a jax tracer) the values are unknown and the cast is unchecked."""
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below, by name
+        out = value.astype(dtype)
+    if isinstance(out, jax.core.Tracer):
+        return out
+    xp = np if isinstance(out, np.ndarray) else jnp
+    if bool(xp.all(xp.isfinite(out))):
+        return out
+    if not bool(xp.all(xp.isfinite(value))):
+        raise ValueError(f"tensor {name!r} has non-finite values")
+    raise ValueError(f"tensor {name!r} overflows {np.dtype(dtype).name}: its largest magnitude is "
+                     f"{float(xp.max(xp.abs(value))):.6g}, {np.dtype(dtype).name} holds at most "
+                     f"{float(jnp.finfo(dtype).max):.6g}")
+
+
 def hf_tensor_to_param(name: str, value, scale_inv, config: MLAConfig) -> np.ndarray:
     """One checked HF tensor as a parameter, on the host: fp8 dequantised with its block scales
-    (scale_inv; None for other dtypes), float32, refused if not finite, cast to config.dtype."""
+    (scale_inv; None for other dtypes), cast to config.dtype and refused if the result is not
+    finite (cast_param: a non-finite weight, or one beyond config.dtype's range)."""
     if scale_inv is not None:
         value = dequantize_fp8_weight(value, scale_inv, name)
-    value = np.asarray(value, dtype=np.float32)
-    if not np.all(np.isfinite(value)):
-        raise ValueError(f"tensor {name!r} has non-finite values")
-    return value.astype(config.jnp_dtype)
+    return cast_param(name, np.asarray(value), config.jnp_dtype)
 
 
 def params_from_hf(state_dict: Mapping[str, Any], config: MLAConfig) -> dict[str, jax.Array]:
@@ -158,7 +171,7 @@ def params_from_hf(state_dict: Mapping[str, Any], config: MLAConfig) -> dict[str
     params = {}
     for name, shape in shapes.items():
         value = local[name]
-        dtype = _dtype_of(value)
+        dtype = array_dtype(value)
         if dtype is None:
             raise ValueError(f"tensor {name!r} is a {type(value).__name__}, not an array")
         if not jnp.issubdtype(dtype, jnp.floating):

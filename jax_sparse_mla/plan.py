@@ -35,8 +35,8 @@ import jax
 import numpy as np
 
 from . import policy
-from .config import MLAConfig
-from .validate import INT32_MAX, as_bool, as_int, is_int
+from .config import MLAConfig, check_config_type
+from .validate import INT32_MAX, as_bool, as_int, as_page_ids, is_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,8 +236,7 @@ class BatchPlan:
         """Raises ValueError naming each field in which `config` differs from the one planned for.
         shards: config is one of this many tensor shards' (sharding.shard_config: its attention
         heads count 1 / shards of the layer's)."""
-        if not isinstance(config, MLAConfig):
-            raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
+        check_config_type(config)
         if not isinstance(self.config, PlanConfig):
             raise ValueError(f"plan.config must be a PlanConfig (make plans with plan_batch), got {self.config!r}")
         layer = dataclasses.replace(PlanConfig.of(config), num_attention_heads=config.num_attention_heads * shards)
@@ -335,31 +334,6 @@ class BatchMeta:
                             for name, shape in BatchMeta.shapes(plan).items()})
 
 
-def _page_ids(i: int, table) -> list[int]:
-    """Request i's block table as a list of Python ints, each in int32 range."""
-    where = f"request {i}: block_table"
-    if isinstance(table, np.ndarray):
-        if table.ndim != 1:
-            raise ValueError(f"{where} must be 1-D, got a numpy array of shape {table.shape}")
-        if table.dtype.kind not in "iu":
-            raise ValueError(f"{where} must hold integer page ids, got a numpy array of dtype {table.dtype}")
-        values = table.tolist()
-    elif isinstance(table, (str, bytes)) or not isinstance(table, collections.abc.Sequence):
-        raise ValueError(f"{where} must be a list, tuple or 1-D numpy integer array of page ids (on the host), "
-                         f"got {type(table).__name__}")
-    else:
-        values = list(table)
-        if not all(type(v) is int for v in values):  # (fast path: plain ints)
-            for k, v in enumerate(values):
-                if not is_int(v):
-                    raise ValueError(f"{where}[{k}] must be an integer page id, got {v!r} ({type(v).__name__})")
-            values = [int(v) for v in values]
-    if values and (min(values) < -INT32_MAX - 1 or max(values) > INT32_MAX):
-        k = next(k for k, v in enumerate(values) if not -INT32_MAX - 1 <= v <= INT32_MAX)
-        raise ValueError(f"{where}[{k}] = {values[k]} is outside int32")
-    return values
-
-
 def _alias_error(i: int, k: int, writes: bool, page: int, j: int, kj: int, j_writes: bool) -> ValueError:
     """Request i's block_table[k] names `page`, which request j (maybe i) already holds as its
     block_table[kj]; `writes`, `j_writes`: whether this step writes that entry's page."""
@@ -444,7 +418,7 @@ def _validate(config: MLAConfig, requests, num_pages: int | None) -> list[Reques
         try:
             context_len = as_int(r.context_len, f"request {i}: context_len", 0)
             query_len = as_int(r.query_len, f"request {i}: query_len", 1)
-            table = _page_ids(i, r.block_table)
+            table = as_page_ids(r.block_table, f"request {i}: block_table")
         except ValueError as e:
             refuse(str(e))
         total = context_len + query_len
@@ -476,11 +450,11 @@ def check_slot_range(config: MLAConfig, num_pages: int) -> None:
                          f"int32 (at most {slot_pages} pages)")
 
 
-def _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch,
-                   tensor_parallel=1, prefill_route="auto") -> int | None:
-    """Checks plan_batch's arguments other than the requests; returns num_pages as an int (or None)."""
-    if not isinstance(config, MLAConfig):
-        raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
+def check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch,
+                  tensor_parallel=1, prefill_route="auto") -> int | None:
+    """Checks plan_batch's arguments other than the requests (the one statement of them: the
+    planners and precompile.enumerate_plans share it); returns num_pages as an int (or None)."""
+    check_config_type(config)
     if not is_int(tensor_parallel) or tensor_parallel < 1:
         raise ValueError(f"tensor_parallel must be a positive int, got {tensor_parallel!r}")
     if config.num_attention_heads % tensor_parallel:
@@ -576,8 +550,8 @@ def check_batch(config, requests, num_pages, force_sparse, skip_indexer, buckets
                 prefill_route="auto"):
     """plan_batch's checks: -> (the requests with Python int lengths and list tables, num_pages as
     an int or None). Raises ValueError for the first problem."""
-    num_pages = _check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel,
-                               prefill_route)
+    num_pages = check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel,
+                              prefill_route)
     if isinstance(requests, (str, bytes, Request)) or not isinstance(requests, collections.abc.Iterable):
         raise ValueError(f"requests must be a sequence of Requests, got {type(requests).__name__}")
     return _validate(config, list(requests), num_pages), num_pages

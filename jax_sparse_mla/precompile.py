@@ -59,11 +59,11 @@ import jax.numpy as jnp
 from . import kernels as kernel_ops
 from . import policy
 from .cache import init_cache
-from .config import MLAConfig
+from .config import MLAConfig, check_config_type
 from .model import jit_forward
 from .params import init_params
-from .plan import DISPATCH_MODES, MASKED, BatchMeta, BatchPlan, BucketPolicy, PlanConfig
-from .validate import as_bool, as_int
+from .plan import MASKED, BatchMeta, BatchPlan, BucketPolicy, PlanConfig, check_options
+from .validate import as_int
 
 
 def _values(hi: int, minimum: int, lo: int = 1) -> list[int]:
@@ -100,22 +100,19 @@ def enumerate_plans(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *
     skip_indexer=..., force_sparse=..., tensor_parallel=..., prefill_route=...) can return for a batch of at most
     max_num_seqs requests, at most max_num_batched_tokens new tokens, each request at most
     max_model_len tokens long (context + new) and all holding at most num_pages pages (a superset:
-    see the module docstring). Sorted by (route, sizes)."""
-    if not isinstance(config, MLAConfig):
-        raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
-    if not isinstance(buckets, BucketPolicy):
-        raise ValueError(f"buckets must be a BucketPolicy, got {type(buckets).__name__}")
-    if dispatch not in DISPATCH_MODES:
-        raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
-    skip_indexer, force_sparse = as_bool(skip_indexer, "skip_indexer"), as_bool(force_sparse, "force_sparse")
-    policy.check_prefill_route(prefill_route)
-    P = as_int(num_pages, "num_pages", 1)
+    see the module docstring). Sorted by (route, sizes). The options plan_batch takes too are
+    checked as it checks them (plan.check_options; num_pages is required here), the limits as
+    positive integers: ValueError naming the argument."""
+    if num_pages is None:
+        raise ValueError("num_pages must be a positive int (the cache's page count bounds the plans), got None")
+    P = check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel,
+                      prefill_route)
+    skip_indexer, force_sparse, tp = bool(skip_indexer), bool(force_sparse), int(tensor_parallel)
     S_max = as_int(max_num_seqs, "max_num_seqs", 1)
     B = as_int(max_num_batched_tokens, "max_num_batched_tokens", 1)
     L = config.max_position_embeddings
     if max_model_len is not None:
         L = min(L, as_int(max_model_len, "max_model_len", 1))
-    tp = as_int(tensor_parallel, "tensor_parallel", 1)
     ps, K, bp = config.page_size, config.index_topk, buckets
     n_max = min(S_max, B, P)  # each request has >= 1 row and >= 1 page
     m_max = min(_cdiv(L, ps), P)  # a request's pages
@@ -352,6 +349,7 @@ def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num
     """
     from tqdm.auto import tqdm
 
+    check_config_type(config)
     if method not in ("auto", "aot", "call"):
         raise ValueError(f"method must be 'auto', 'aot' or 'call', got {method!r}")
     reproducible = kernel_ops.resolve(kernels, config).lowers_reproducibly

@@ -54,11 +54,11 @@ from jax.sharding import PartitionSpec as P
 
 from .cache import PagedCache, init_cache
 from .config import MLAConfig
-from .model import forward
+from .model import check_arguments, forward
 from .params import param_shapes
 from .plan import (BatchMeta, BatchPlan, BucketPolicy, Request, check_batch, padded_sizes, plan_host,
                    pad_ids, request_routes)
-from .validate import is_int
+from .validate import check_type, is_int
 
 DATA = "data"
 TENSOR = "tensor"
@@ -251,11 +251,12 @@ def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh:
     mesh's tensor size (BatchPlan.tensor_parallel); each shard's forward gets this plan and its
     per-shard config, and checks one against the other (BatchPlan.check_config(config, shards=tp)).
     data_axis / tensor_axis: the mesh's axis names for the sequences and the heads.
+    An argument of another type (model.check_arguments; mesh a Mesh) or size raises ValueError naming it.
     Jit with mesh, plan, config, kernels and the axis names static (`jit_sharded_forward`).
     """
+    check_arguments(params, hidden, cache, meta, plan, config, kernels, tensor_axis)
+    check_type(mesh, "mesh", (Mesh, jax.sharding.AbstractMesh), "a jax.sharding.Mesh (make_mesh)")
     dp, tp = _axis_sizes(mesh, data_axis, tensor_axis)
-    if not isinstance(plan, BatchPlan):
-        raise ValueError(f"plan must be a BatchPlan (from plan_data_parallel), got {type(plan).__name__}")
     plan.check_config(config)  # planned with the full config
     if plan.tensor_parallel != tp:
         raise ValueError(f"the plan was made for a tensor axis of size {plan.tensor_parallel}, the mesh's has {tp}: "

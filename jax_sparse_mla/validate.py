@@ -1,7 +1,9 @@
-"""Host-side argument checks shared by the planner and the serving loop (ValueError naming the argument)."""
+"""Host-side argument checks shared by the package's entry points (the planner, the layer step,
+the caches, the serving loop): ValueError naming the argument."""
 
 from __future__ import annotations
 
+import collections.abc
 import math
 
 import numpy as np
@@ -44,3 +46,45 @@ def as_bool(value, what: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{what} must be a bool, got {value!r}")
     return bool(value)
+
+
+def check_type(value, what: str, kind, expected: str) -> None:
+    """ValueError naming `what` unless value is an instance of `kind` (a type or tuple of types),
+    described to the caller as `expected` ("a PagedCache (from init_cache)", ...)."""
+    if not isinstance(value, kind):
+        raise ValueError(f"{what} must be {expected}, got {type(value).__name__}")
+
+
+def array_dtype(value) -> np.dtype | None:
+    """The dtype of an array-like with a shape (numpy, jax, ShapeDtypeStruct, tracer), else None."""
+    if not (hasattr(value, "shape") and hasattr(value, "dtype")) or isinstance(value, (str, bytes)):
+        return None
+    try:
+        return np.dtype(value.dtype)
+    except TypeError:
+        return None
+
+
+def as_page_ids(table, what: str) -> list[int]:
+    """A block table (a list, tuple or 1-D numpy integer array of page ids, on the host) as a
+    list of Python ints, each in int32 range; ValueError naming `what` (or its entry `what[k]`)."""
+    if isinstance(table, np.ndarray):
+        if table.ndim != 1:
+            raise ValueError(f"{what} must be 1-D, got a numpy array of shape {table.shape}")
+        if table.dtype.kind not in "iu":
+            raise ValueError(f"{what} must hold integer page ids, got a numpy array of dtype {table.dtype}")
+        values = table.tolist()
+    elif isinstance(table, (str, bytes)) or not isinstance(table, collections.abc.Sequence):
+        raise ValueError(f"{what} must be a list, tuple or 1-D numpy integer array of page ids (on the host), "
+                         f"got {type(table).__name__}")
+    else:
+        values = list(table)
+        if not all(type(v) is int for v in values):  # (fast path: plain ints)
+            for k, v in enumerate(values):
+                if not is_int(v):
+                    raise ValueError(f"{what}[{k}] must be an integer page id, got {v!r} ({type(v).__name__})")
+            values = [int(v) for v in values]
+    if values and (min(values) < -INT32_MAX - 1 or max(values) > INT32_MAX):
+        k = next(k for k, v in enumerate(values) if not -INT32_MAX - 1 <= v <= INT32_MAX)
+        raise ValueError(f"{what}[{k}] = {values[k]} is outside int32")
+    return values

@@ -57,6 +57,44 @@ def test_write_then_read_back(kv_cache_dtype, indexer_dtype):
     assert not np.any(np.asarray(cache.latent[0]).astype(np.float32))  # page 0 untouched
 
 
+@pytest.mark.parametrize("read", [read_latent, read_indexer_keys])
+@pytest.mark.parametrize("table,length,message", [
+    ([4, 1], 10, r"length = 10 rows need 3 pages of 4, but block_table lists 2"),  # (gave 8 rows)
+    ([], 1, r"length = 1 rows need 1 pages of 4, but block_table lists 0"),
+    ([4, 6, 3], 10, r"block_table\[1\] = 6 is not a page of the cache: page ids are in \[0, 6\)"),  # (clamped)
+    ([4, 1, 99], 5, r"block_table\[2\] = 99 is not a page of the cache"),  # an entry past the rows, too
+    ([4, -1, 3], 10, r"block_table\[1\] = -1 is not a page of the cache"),  # (read page 0's rows... as zeros)
+    ([-1], 0, r"block_table\[0\] = -1 is not a page of the cache"),
+    ([4, 1, 3], -1, "length must be >= 0, got -1"),
+    ([4, 1, 3], 2.0, "length must be an integer, got 2.0"),
+    ([4, 1.0, 3], 10, r"block_table\[1\] must be an integer page id, got 1.0"),
+    (np.array([[4, 1, 3]]), 10, r"block_table must be 1-D"),
+    (jnp.array([4, 1, 3]), 10, "block_table must be a list, tuple or 1-D numpy integer array"),
+    (None, 10, "block_table must be a list, tuple or 1-D numpy integer array .* got NoneType"),
+])
+def test_reads_refuse_tables_that_do_not_hold_the_rows(read, table, length, message):
+    """read_latent / read_indexer_keys return exactly `length` rows from pages of the cache, or
+    refuse, naming the argument: never fewer rows, a clamped page or a -1 page's zeros."""
+    cache = init_cache(TINY, 6)
+    with pytest.raises(ValueError, match=message):
+        read(cache, table, length, TINY)
+
+
+def test_reads_return_the_rows_asked_for_and_check_the_cache():
+    cache = init_cache(TINY, 6)
+    for table, length in [([4, 1, 3], 10), (np.array([5, 0], np.int64), 8), ((2,), 0), ([4, 1, 3], np.int32(9))]:
+        c, k_pe = read_latent(cache, table, length, TINY)
+        assert c.shape == (length, TINY.kv_lora_rank) and k_pe.shape == (length, TINY.qk_rope_head_dim)
+        assert read_indexer_keys(cache, table, length, TINY).shape == (length, TINY.index_head_dim)
+    for bad, message in [({"latent": cache.latent}, "cache must be a PagedCache .*got dict"),
+                         (None, "cache must be a PagedCache .*got NoneType"),
+                         (init_cache(dataclasses.replace(TINY, kv_cache_dtype="fp8"), 6), "cache.latent")]:
+        with pytest.raises(ValueError, match=message):
+            read_latent(bad, [4, 1, 3], 10, TINY)
+    with pytest.raises(ValueError, match="config must be an MLAConfig, got dict"):
+        read_indexer_keys(cache, [4, 1, 3], 10, {})
+
+
 def test_plan_routes_each_prefill_by_its_length():
     k = TINY.index_topk
     dense, _ = plan_batch(TINY, [Request(0, k, list(range(4))), Request(3, 4, [4, 5])])

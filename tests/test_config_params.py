@@ -93,6 +93,28 @@ def test_params_from_hf_errors_name_the_tensor(mutate, message):
         params_from_hf(state, TINY)
 
 
+@pytest.mark.parametrize("dtype,source,value", [
+    ("bfloat16", np.float32, 3.4e38),     # finite in float32, rounds to inf in bfloat16
+    ("bfloat16", np.float32, -3.4e38),
+    ("bfloat16", np.float64, 1e300),
+    ("float32", np.float64, 1e39),        # finite in float64, inf in float32
+    ("float32", np.float64, -3.5e38),
+])
+def test_params_from_hf_refuses_weights_that_overflow_the_config_dtype(dtype, source, value):
+    """The finiteness check is of the cast weights: one that overflows config.dtype is refused by
+    name, not stored as inf."""
+    config = dataclasses.replace(TINY, dtype=dtype)
+    state = {k: np.array(v, source) for k, v in init_params(TINY, jax.random.key(0)).items()}
+    state["kv_b_proj.weight"][3, 5] = value
+    with pytest.raises(ValueError, match=f"tensor 'kv_b_proj.weight' overflows {dtype}"):
+        params_from_hf(state, config)
+    state["kv_b_proj.weight"][3, 5] = 1e30  # fits
+    assert np.isfinite(np.asarray(params_from_hf(state, config)["kv_b_proj.weight"], np.float32)).all()
+    state["kv_b_proj.weight"][3, 5] = np.inf  # a non-finite source says so
+    with pytest.raises(ValueError, match="tensor 'kv_b_proj.weight' has non-finite values"):
+        params_from_hf(state, config)
+
+
 # ---- refusing wrongly typed weights and configs -------------------------------------------------
 
 @pytest.mark.parametrize("value,message", [

@@ -9,7 +9,7 @@ import pytest
 
 from jax_sparse_mla import MLAConfig, Request, init_cache, plan_batch, read_indexer_keys, read_latent
 from jax_sparse_mla import kernels as kernel_ops
-from jax_sparse_mla.model import forward
+from jax_sparse_mla.model import forward, jit_forward
 from jax_sparse_mla.synthetic import Harness, rel_err
 
 TINY = MLAConfig.tiny()  # topk 16, page 4, float32 activations, bf16 latent cache, fp8 indexer
@@ -244,6 +244,47 @@ def test_hidden_shape_and_cache_dtype_errors():
         forward(h.params, x[:-1], wrong, meta, plan=plan, config=TINY)
     with pytest.raises(ValueError, match="kernels must be one of"):
         forward(h.params, x[:-1], h.cache, meta, plan=plan, config=TINY, kernels="cuda")
+
+
+def _step_arguments():
+    """forward's arguments for a one-request batch of the tiny config: a dict to corrupt."""
+    h = Harness(TINY)
+    plan, meta = plan_batch(TINY, [Request(0, 3, [0])])
+    return dict(params=h.params, hidden=jnp.ones((plan.num_tokens, TINY.hidden_size)), cache=h.cache, meta=meta,
+                plan=plan, config=TINY, kernels="xla")
+
+
+WRONG_TYPES = [  # (argument, value, message): each names the argument and what it must be
+    ("cache", {}, "cache must be a PagedCache .*got dict"),
+    ("cache", (), "cache must be a PagedCache .*got tuple"),
+    ("cache", None, "cache must be a PagedCache .*got NoneType"),
+    ("params", None, "params must be a dict of arrays, got NoneType"),
+    ("params", [], "params must be a dict of arrays, got list"),
+    ("hidden", None, r"hidden must be an array \[num_tokens, hidden_size\], got NoneType"),
+    ("hidden", [[0.0] * 64] * 16, r"hidden must be an array .*got list"),
+    ("hidden", np.zeros((16, 64), np.int32), "hidden must be floating point, got int32"),
+    ("meta", None, "meta must be a BatchMeta .*got NoneType"),
+    ("meta", {}, "meta must be a BatchMeta .*got dict"),
+    ("plan", None, "plan must be a BatchPlan .*got NoneType"),
+    ("plan", (), "plan must be a BatchPlan .*got tuple"),
+    ("config", {}, "config must be an MLAConfig, got dict"),
+    ("config", None, "config must be an MLAConfig, got NoneType"),
+    ("kernels", None, "kernels must be one of .*got None"),
+    ("kernels", 3, "kernels must be one of .*got 3"),
+    ("tensor_axis", 3, "tensor_axis must be None or a mesh axis name .*got 3"),
+]
+
+
+@pytest.mark.parametrize("name,value,message", WRONG_TYPES)
+def test_forward_refuses_arguments_of_other_types(name, value, message):
+    """A wrongly typed argument is a ValueError naming it (not an AttributeError from inside)."""
+    args = _step_arguments()
+    args[name] = value
+    # (jit's static arguments must hash: a dict config fails in jax.jit itself)
+    for step in (forward, jit_forward) if name in ("cache", "params", "hidden", "meta") else (forward,):
+        with pytest.raises(ValueError, match=message):
+            step(args["params"], args["hidden"], args["cache"], args["meta"],
+                 **{k: v for k, v in args.items() if k not in ("params", "hidden", "cache", "meta")})
 
 
 @pytest.mark.parametrize("kv_cache_dtype,indexer_dtype,route", [("bfloat16", "fp8", "sparse"),

@@ -131,6 +131,20 @@ def test_load_errors_name_the_file_layer_and_tensor(tmp_path, kw, message):
         load_model_from_safetensors(tmp_path, progress=False, **OVERRIDES)
 
 
+def test_load_refuses_weights_that_overflow_the_config_dtype(tmp_path):
+    """3.4e38 is a finite float32 weight and inf in bfloat16: with dtype="bfloat16" both loaders
+    refuse it by name (the check is of the cast weights); float32 keeps it."""
+    write(tmp_path, replace={L1 + "q_a_layernorm.weight": np.full(48, 3.4e38, np.float32)})
+    bf16 = {**OVERRIDES, "dtype": "bfloat16"}
+    with pytest.raises(ValueError, match=rf"layer 1 of .*: tensor '{L1}q_a_layernorm.weight' overflows bfloat16"
+                                         r".*\(in model-0000\d-of-00003.safetensors\)"):
+        load_model_from_safetensors(tmp_path, progress=False, **bf16)
+    with pytest.raises(ValueError, match=r"layer 1 of .*: tensor 'q_a_layernorm.weight' overflows bfloat16"):
+        load_layer_from_safetensors(tmp_path, 1, **bf16)
+    _, params = load_layer_from_safetensors(tmp_path, 1, **OVERRIDES)
+    assert float(params["q_a_layernorm.weight"].max()) == np.float32(3.4e38)
+
+
 def test_load_refuses_damaged_files_bad_layers_and_shardings(tmp_path, ckpt):
     path, _ = ckpt
     with pytest.raises(ValueError, match=r"layer 3 is out of range: .*config.json has 3 layers"):

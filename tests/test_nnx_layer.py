@@ -54,6 +54,59 @@ def test_param_dtype_and_dtype():
         SparseMLA(TINY, rngs=nnx.Rngs(0), tensor_axis="x", data_axis="x")
 
 
+@pytest.mark.parametrize("param_dtype,source,value", [
+    (jnp.float16, np.float32, 1e5),       # float16 holds at most 65504
+    (jnp.float16, np.float32, -7e4),
+    (jnp.float16, jnp.float32, 1e5),      # a jax array is checked as a numpy one
+    (None, np.float64, 1e300),            # stored as float32 (no jax_enable_x64): inf
+    (jnp.float32, np.float64, 1e39),
+])
+def test_weights_that_overflow_the_param_dtype_are_refused(param_dtype, source, value):
+    """The weights are checked as stored (after the cast to param_dtype): none becomes inf."""
+    params = {k: np.array(v, np.float64) for k, v in init_params(TINY, jax.random.key(0)).items()}
+    params["o_proj.weight"][1, 2] = value
+    params = {k: (jnp.asarray(v, source) if source is jnp.float32 else np.asarray(v, source)) for k, v in params.items()}
+    stored = "float32" if param_dtype is None else jnp.dtype(param_dtype).name
+    with pytest.raises(ValueError, match=f"tensor 'o_proj.weight' overflows {stored}"):
+        SparseMLA(TINY, params=params, param_dtype=param_dtype)
+    if abs(value) < 3e38:  # in bfloat16's range
+        layer = SparseMLA(TINY, params=params, param_dtype=jnp.bfloat16)
+        assert np.isfinite(np.asarray(layer.params()["o_proj.weight"], np.float32)).all()
+    params["o_proj.weight"] = np.full(params["o_proj.weight"].shape, np.nan, np.float32)
+    with pytest.raises(ValueError, match="tensor 'o_proj.weight' has non-finite values"):
+        SparseMLA(TINY, params=params, param_dtype=param_dtype)
+    # under a trace the values are unknown: an abstract init is not refused
+    nnx.eval_shape(lambda: SparseMLA(TINY, rngs=nnx.Rngs(0), param_dtype=jnp.float16))
+
+
+def test_arguments_of_other_types_are_refused_by_name():
+    """The constructor and the calls refuse a wrongly typed argument with a ValueError naming it
+    (the calls through forward's and sharded_forward's checks)."""
+    from jax_sparse_mla.sharding import make_mesh, plan_data_parallel
+
+    for kwargs, message in [(dict(config={}), "config must be an MLAConfig, got dict"),
+                            (dict(config=None), "config must be an MLAConfig, got NoneType"),
+                            (dict(params=[1.0]), "params must be a dict of arrays, got list"),
+                            (dict(kernels="cuda"), "kernels must be one of .*got 'cuda'")]:
+        with pytest.raises(ValueError, match=message):
+            SparseMLA(**{"config": TINY, "rngs": nnx.Rngs(0), **kwargs})
+    layer = SparseMLA(TINY, rngs=nnx.Rngs(0), kernels="xla")
+    plan, meta = plan_batch(TINY, [Request(0, 3, [0])], num_pages=8)
+    x, cache = jnp.ones((plan.num_tokens, TINY.hidden_size)), init_cache(TINY, 8)
+    for args, message in [((x, None, meta, plan), "cache must be a PagedCache .*got NoneType"),
+                          ((x, {}, meta, plan), "cache must be a PagedCache .*got dict"),
+                          ((None, cache, meta, plan), "hidden must be an array .*got NoneType"),
+                          ((x, cache, (), plan), "meta must be a BatchMeta .*got tuple"),
+                          ((x, cache, meta, None), "plan must be a BatchPlan .*got NoneType")]:
+        with pytest.raises(ValueError, match=message):
+            layer(*args)
+    dp_plan, dp_meta = plan_data_parallel(TINY, [[Request(0, 3, [0])]], pages_per_shard=8)
+    with pytest.raises(ValueError, match="cache must be a PagedCache .*got tuple"):
+        layer.sharded(x, (), dp_meta, dp_plan, mesh=make_mesh(1, 1))
+    with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh .*got str"):
+        layer.sharded(x, cache, dp_meta, dp_plan, mesh="mesh")
+
+
 def test_from_hf_keeps_the_hf_names():
     params = init_params(TINY, jax.random.key(3))
     state_dict = {f"model.layers.0.self_attn.{k}": np.asarray(v) for k, v in params.items()}

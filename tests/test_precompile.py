@@ -285,3 +285,32 @@ def test_engine_precompile_call_leaves_nothing_to_compile():
     result = engine.run(Workload(num_requests=4, input_len=12, output_len=5, input_range_ratio=0.9, seed=1),
                         progress=False)
     assert compiles == [] and all(s.new_programs == 0 for s in result.steps)
+
+
+@pytest.mark.parametrize("options", [
+    dict(tensor_parallel=3), dict(tensor_parallel=8), dict(tensor_parallel=0), dict(tensor_parallel=True),
+    dict(tensor_parallel=2.0), dict(dispatch="dynamic"), dict(dispatch=None), dict(buckets=None),
+    dict(buckets=dict(min_tokens=8)), dict(num_pages=0), dict(num_pages=2.5), dict(num_pages=True),
+    dict(num_pages=2 ** 29 + 1), dict(prefill_route="dense"), dict(prefill_route=None), dict(force_sparse=1),
+    dict(force_sparse=None), dict(skip_indexer="yes"), dict(skip_indexer=0),
+])
+def test_enumeration_refuses_the_options_plan_batch_refuses(options):
+    """enumerate_plans and count_programs check the options they share with plan_batch as it does
+    (tensor_parallel 3 or 8 does not divide the tiny config's 4 heads): the same ValueError."""
+    options = {"num_pages": LIMITS["num_pages"], **options}
+    buckets = options.pop("buckets", BucketPolicy())
+    with pytest.raises(ValueError) as planned:
+        plan_batch(TINY, [Request(0, 5, [0, 1])], buckets=buckets, **options)
+    limits = {**LIMITS, **options}
+    for enumerate_ in (enumerate_plans, count_programs):
+        with pytest.raises(ValueError) as enumerated:
+            enumerate_(TINY, buckets, **limits)
+        assert str(enumerated.value) == str(planned.value)
+
+
+def test_enumeration_needs_num_pages_and_an_mla_config():
+    with pytest.raises(ValueError, match="num_pages must be a positive int .* got None"):
+        enumerate_plans(TINY, **{**LIMITS, "num_pages": None})
+    with pytest.raises(ValueError, match="config must be an MLAConfig, got dict"):
+        count_programs({}, **LIMITS)
+    assert count_programs(TINY, **LIMITS, tensor_parallel=2)["total"] > 0  # 2 divides 4 heads

@@ -345,6 +345,43 @@ def test_block_arguments_are_checked():
     assert Engine(TINY, num_layers=1, num_pages=8).block == "attention"
 
 
+def test_engine_and_block_params_of_other_types_are_refused_by_name():
+    """Engine checks the per-layer params and block params it is given (not at the first step),
+    and the decoder block's functions their params and input: a ValueError naming the argument."""
+    import jax
+    from jax_sparse_mla import init_params
+    from jax_sparse_mla.serving import block
+    from jax_sparse_mla.serving.block import MoEConfig, init_block_params
+
+    params = init_params(TINY, jax.random.key(0))
+    moe = MoEConfig.tiny()
+    bp = init_block_params(TINY, moe, jax.random.key(1))
+    kw = dict(num_layers=2, num_pages=8)
+    for kwargs, message in [
+        (dict(params=params), "params must be a list with one dict of arrays per layer, got dict"),
+        (dict(params=3), "params must be a list .*got int"),
+        (dict(params=[params, None]), r"params\[1\] must be a dict of arrays, got NoneType"),
+        (dict(params=[params, {**params, "o_proj.weight": None}]), r"params\[1\]\['o_proj.weight'\] is a NoneType"),
+        (dict(params=[params, {}]), r"params\[1\] has no 'q_a_proj.weight'"),
+        (dict(block="decoder", block_params=bp), "block_params must be a list .*got dict"),
+        (dict(block="decoder", block_params=[bp, ()]), r"block_params\[1\] must be a dict of arrays, got tuple"),
+        (dict(block="decoder", block_params=[bp, {**bp, "router.weight": bp["router.weight"][:, :3]}]),
+         r"block_params\[1\]\['router.weight'\] has shape \(64, 3\), expected \(64, 8\)"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Engine(TINY, **kw, **kwargs)
+    x = jax.numpy.ones((4, TINY.hidden_size))
+    for call, message in [(lambda: block.attn_input(None, x, config=TINY), "params must be a dict of arrays"),
+                          (lambda: block.attn_input({}, x, config=TINY), "params has no 'attn_norm.weight'"),
+                          (lambda: block.attn_input(bp, None, config=TINY), "x must be a floating-point array"),
+                          (lambda: block.ffn_residual([], x, config=TINY, moe=moe), "params must be a dict of arrays"),
+                          (lambda: block.ffn_residual(bp, x, config=TINY, moe=None), "moe must be a MoEConfig"),
+                          (lambda: block.ffn_residual(bp, [[1.0]], config=TINY, moe=moe), "x must be a floating-point")]:
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert block.ffn_residual(bp, x, config=TINY, moe=moe).shape == x.shape
+
+
 def test_decoder_block_precompile_covers_the_moe_programs():
     from jax_sparse_mla.serving import block
 

@@ -162,6 +162,51 @@ def test_data_parallel_checks_its_arguments():
         data_parallel_step([{}], [np.zeros(1)], [None], [None], config=TINY)
 
 
+@pytest.mark.parametrize("name,value,message", [
+    ("cache", {}, "cache must be a PagedCache .*got dict"),
+    ("cache", None, "cache must be a PagedCache .*got NoneType"),
+    ("params", (), "params must be a dict of arrays, got tuple"),
+    ("hidden", [[0.0]], "hidden must be an array .*got list"),
+    ("meta", None, "meta must be a BatchMeta .*got NoneType"),
+    ("plan", {}, "plan must be a BatchPlan .*got dict"),
+    ("config", None, "config must be an MLAConfig, got NoneType"),
+    ("kernels", "cuda", "kernels must be one of .*got 'cuda'"),
+    ("mesh", None, "mesh must be a jax.sharding.Mesh .*got NoneType"),
+])
+def test_step_entry_points_refuse_arguments_of_other_types(name, value, message):
+    """sharded_forward and data_parallel_step make forward's type checks (model.check_arguments):
+    a ValueError naming the argument, not an AttributeError from inside."""
+    from jax_sparse_mla import init_cache, init_params
+    from jax_sparse_mla.data_parallel import data_parallel_step
+    from jax_sparse_mla.sharding import make_mesh, sharded_forward
+
+    plan, meta = plan_data_parallel(TINY, [[Request(0, 3, [0])]], pages_per_shard=8)
+    args = dict(params=init_params(TINY, jax.random.key(0)), hidden=np.ones((plan.num_tokens, TINY.hidden_size),
+                np.float32), cache=init_cache(TINY, 8), meta=meta, plan=plan, config=TINY, kernels="xla",
+                mesh=make_mesh(1, 1))
+    args[name] = value
+    with pytest.raises(ValueError, match=message):
+        sharded_forward(**args)
+    if name == "mesh":
+        return
+    step = dict(params=[args["params"]], hidden=[args["hidden"]], caches=[args["cache"]],
+                plans=[(args["plan"], args["meta"])], config=args["config"], kernels=args["kernels"])
+    per_shard = "" if name in ("config", "kernels") else "data shard 0: "
+    with pytest.raises(ValueError, match=per_shard + message):
+        data_parallel_step(**step)
+
+
+def test_data_parallel_step_refuses_lists_and_plans_of_other_types():
+    from jax_sparse_mla.data_parallel import data_parallel_step
+
+    for kwargs, message in [(dict(params={}), "params must be a sequence with one entry per device, got dict"),
+                            (dict(caches=None), "caches must be a sequence with one entry per device, got NoneType"),
+                            (dict(plans=[("plan",)]), r"data shard 0: plans\[0\] must be None or a \(plan, meta\) pair")]:
+        with pytest.raises(ValueError, match=message):
+            data_parallel_step(**{**dict(params=[{}], hidden=[np.zeros(1)], caches=[None], plans=[None], config=TINY),
+                                  **kwargs})
+
+
 def test_a_shard_config_is_checked_against_the_layer_plan():
     plan, _ = plan_batch(TINY, [Request(0, 5, [0, 1])], tensor_parallel=2)
     plan.check_config(shard_config(TINY, 2), 2)  # what sharded_forward's shards do

@@ -32,14 +32,16 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import ops
-from ..config import MLAConfig
-from ..validate import as_int
+from ..config import MLAConfig, check_config_type
+from ..params import check_arrays
+from ..validate import array_dtype, as_int, check_type
 
 BLOCKS = ("attention", "decoder")
 SCORINGS = ("sigmoid", "softmax")
@@ -155,6 +157,21 @@ def moe_ffn(params, x, moe: MoEConfig):
     return out
 
 
+def check_block_params(params, config: MLAConfig, moe: MoEConfig, what: str = "block_params") -> None:
+    """ValueError naming config or moe if not an MLAConfig / a MoEConfig, else `what` or its first
+    missing, non-float, misshapen or unexpected entry (params.check_arrays with block_param_shapes)."""
+    check_config_type(config)
+    check_type(moe, "moe", MoEConfig, "a MoEConfig")
+    check_arrays(params, block_param_shapes(config, moe), what)
+
+
+def _check_x(x) -> None:
+    dtype = array_dtype(x)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"x must be a floating-point array [T, hidden_size], got "
+                         f"{type(x).__name__ if dtype is None else dtype}")
+
+
 def norm(params, name: str, x, config: MLAConfig):
     """RMSNorm with params[name] (config.rms_norm_eps) -> config dtype."""
     return ops.rms_norm(x, params[name], config.rms_norm_eps).astype(config.jnp_dtype)
@@ -162,13 +179,22 @@ def norm(params, name: str, x, config: MLAConfig):
 
 @partial(jax.jit, static_argnames=("config",))
 def attn_input(params, x, *, config: MLAConfig):
-    """RMSNorm(x) with the attention norm: the attention layer's input."""
+    """RMSNorm(x) with the attention norm: the attention layer's input. params: a dict with
+    "attn_norm.weight" [hidden_size] (the block params); ValueError naming a wrongly typed argument."""
+    check_config_type(config)
+    check_type(params, "params", Mapping, "a dict of arrays (the block params)")
+    used = {"attn_norm.weight": (config.hidden_size,)}  # (the other block params are ffn_residual's)
+    check_arrays({k: params[k] for k in used if k in params}, used, "params")
+    _check_x(x)
     return norm(params, "attn_norm.weight", x, config)
 
 
 @partial(jax.jit, static_argnames=("config", "moe"))
 def ffn_residual(params, x, *, config: MLAConfig, moe: MoEConfig):
-    """x + moe(RMSNorm(x)) in config dtype (x: the residual stream after the attention)."""
+    """x + moe(RMSNorm(x)) in config dtype (x: the residual stream after the attention; params:
+    the block params, check_block_params); ValueError naming a wrongly typed argument."""
+    check_block_params(params, config, moe, "params")
+    _check_x(x)
     y = moe_ffn(params, norm(params, "ffn_norm.weight", x, config), moe)
     return (x.astype(jnp.float32) + y).astype(config.jnp_dtype)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +15,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..cache import init_cache
-from ..config import MLAConfig
-from ..kernels import CHOICES as KERNEL_CHOICES
+from ..config import MLAConfig, check_config_type
+from ..kernels import check_kernels
 from ..model import jit_forward
-from ..params import init_params
+from ..params import check_params, init_params
 from ..plan import DISPATCH_MODES, BatchMeta, BucketPolicy, Request, check_slot_range, plan_batch
 from ..policy import check_prefill_route
 from ..validate import as_bool, as_int, is_int
@@ -92,8 +92,7 @@ class EngineOptions:
             put(name, as_bool(getattr(self, name), name))
         if not isinstance(self.dispatch, str) or self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {self.dispatch!r}")
-        if not isinstance(self.kernels, str) or self.kernels not in KERNEL_CHOICES:
-            raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
+        check_kernels(self.kernels)
         if not isinstance(self.buckets, BucketPolicy):
             raise ValueError(f"buckets must be a BucketPolicy, got {type(self.buckets).__name__}")
         check_prefill_route(self.prefill_route)
@@ -126,6 +125,17 @@ class _Running:
         return self.computed < self.spec.input_len
 
 
+def _check_layers(layers, what: str, num_layers: int, check: Callable[[object, str], None]) -> None:
+    """ValueError naming `what` unless it is a sequence of num_layers entries, or naming
+    `what[layer]` (check(entry, name) raises) for the first bad entry."""
+    if isinstance(layers, (str, bytes, Mapping)) or not isinstance(layers, Sequence):
+        raise ValueError(f"{what} must be a list with one dict of arrays per layer, got {type(layers).__name__}")
+    if len(layers) != num_layers:
+        raise ValueError(f"got {len(layers)} layers of {what} for num_layers={num_layers}")
+    for layer, entry in enumerate(layers):
+        check(entry, f"{what}[{layer}]")
+
+
 @jax.jit
 def _gather_rows(pool, rows):
     """pool [P + 1, hidden] (last row zeros), rows [T] int32 -> [T, hidden]."""
@@ -143,6 +153,8 @@ class Engine:
     params: list of N per-layer param dicts (default: init_params with keys fold_in(seed, layer)).
     block_params: list of N per-layer decoder-block param dicts (norms, router, experts; default
       serving.block.init_block_params with keys fold_in(seed, 2**21 + layer)); decoder only.
+      Both are checked here (params.check_params, block.check_block_params): ValueError naming
+      params[layer] / block_params[layer] and the entry.
     caches: one PagedCache of num_pages pages per layer (donated and replaced every step).
     pool: [pool_size + 1, hidden_size] seeded random token hidden states (the last row is zeros,
       used for padding rows).
@@ -151,8 +163,7 @@ class Engine:
     def __init__(self, config: MLAConfig, *, num_layers: int = 2, num_pages: int = 1024, seed: int = 0,
                  pool_size: int = 4096, params: Sequence[dict] | None = None, block: str = "attention",
                  moe: MoEConfig | None = None, block_params: Sequence[dict] | None = None, **options):
-        if not isinstance(config, MLAConfig):
-            raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
+        check_config_type(config)
         num_layers = as_int(num_layers, "num_layers", 1)
         num_pages, pool_size = as_int(num_pages, "num_pages", 1), as_int(pool_size, "pool_size", 1)
         check_slot_range(config, num_pages)
@@ -169,8 +180,8 @@ class Engine:
         key = jax.random.key(seed)
         if params is None:
             params = [init_params(config, jax.random.fold_in(key, layer)) for layer in range(num_layers)]
-        elif len(params) != num_layers:
-            raise ValueError(f"got {len(params)} layers of params for num_layers={num_layers}")
+        else:
+            _check_layers(params, "params", num_layers, lambda p, what: check_params(p, config, what))
         self.params = list(params)
         self.block = block
         self.moe = (moe or MoEConfig.for_config(config)) if block == "decoder" else None
@@ -178,8 +189,9 @@ class Engine:
             if block_params is None:
                 block_params = [_block.init_block_params(config, self.moe, jax.random.fold_in(key, (1 << 21) + layer))
                                 for layer in range(num_layers)]
-            elif len(block_params) != num_layers:
-                raise ValueError(f"got {len(block_params)} layers of block_params for num_layers={num_layers}")
+            else:
+                _check_layers(block_params, "block_params", num_layers,
+                              lambda p, what: _block.check_block_params(p, config, self.moe, what))
         self.block_params = list(block_params) if block_params is not None else None
         self.caches = [init_cache(config, num_pages) for _ in range(num_layers)]
         pool = jax.random.normal(jax.random.fold_in(key, 1 << 20), (pool_size, config.hidden_size), jnp.float32)
