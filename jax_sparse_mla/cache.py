@@ -37,6 +37,10 @@ class PagedCache:
     def num_pages(self) -> int:
         return self.latent.shape[0]
 
+    def arrays(self) -> dict[str, jax.Array]:
+        """{field name: array} of the fields this cache has (its None fields left out)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
     def flat(self, name: str):
         """One cache array with pages flattened to slots: [num_slots, ...] (None stays None)."""
         a = getattr(self, name)
@@ -64,7 +68,10 @@ def init_cache(config: MLAConfig, num_pages: int) -> PagedCache:
 
 
 def check_cache(cache: PagedCache, config: MLAConfig) -> None:
-    """Raises ValueError if the cache's arrays do not match the config (shapes and dtypes)."""
+    """Raises ValueError if the cache is not a PagedCache or its arrays do not match the config
+    (shapes and dtypes)."""
+    if not isinstance(cache, PagedCache):
+        raise ValueError(f"cache must be a PagedCache, got {type(cache).__name__}")
     expected = jax.eval_shape(lambda: init_cache(config, cache.num_pages))
     for field in dataclasses.fields(PagedCache):
         got, want = getattr(cache, field.name), getattr(expected, field.name)

@@ -31,7 +31,7 @@ import jax
 
 from .cache import PagedCache, init_cache
 from .config import MLAConfig
-from .model import jit_forward
+from .model import check_inputs, jit_forward
 from .plan import BatchMeta, BatchPlan, Request, plan_batch
 
 
@@ -78,21 +78,34 @@ def data_parallel_step(params: Sequence[dict], hidden: Sequence[jax.Array | None
     params, caches: per device (replicate_params, init_device_caches); plans: plan_shards's;
     hidden[d]: [plan.num_tokens, hidden_size] of device d's plan (None for an idle device), rows
     in plan_batch's order. outs[d] is None for an idle device, whose cache is returned as it was.
-    Each cache is donated to its device's step.
+    Each cache is donated to its device's step. Every device's inputs are checked (what forward
+    checks: model.check_inputs) before any device runs: a bad input for one device raises
+    ValueError naming the device (`device 1 (data shard 1): hidden has shape ...`) and leaves
+    every cache as it was.
     """
     if not len(params) == len(hidden) == len(caches) == len(plans):
         raise ValueError(f"params, hidden, caches and plans must have one entry per device, got "
                          f"{len(params)}, {len(hidden)}, {len(caches)}, {len(plans)}")
-    outs, new_caches = [], []
     for d, (p, x, cache, planned) in enumerate(zip(params, hidden, caches, plans)):
         if planned is None:
             if x is not None:
                 raise ValueError(f"data shard {d} is idle (no plan) but has hidden states")
-            outs.append(None)
-            new_caches.append(cache)
             continue
         if x is None:
             raise ValueError(f"data shard {d} has a plan but no hidden states")
+        try:
+            if not isinstance(planned, tuple) or len(planned) != 2:
+                raise ValueError(f"its plan must be plan_shards's (plan, meta) pair, got {type(planned).__name__}")
+            plan, meta = planned
+            check_inputs(p, x, cache, meta, plan, config)
+        except ValueError as e:
+            raise ValueError(f"device {d} (data shard {d}): {e}") from None
+    outs, new_caches = [], []
+    for p, x, cache, planned in zip(params, hidden, caches, plans):
+        if planned is None:
+            outs.append(None)
+            new_caches.append(cache)
+            continue
         plan, meta = planned
         device = next(iter(cache.latent.devices()))
         out, cache = jit_forward(p, jax.device_put(x, device), cache, meta, plan=plan, config=config, kernels=kernels)

@@ -11,6 +11,7 @@ are compiled and lax.cond picks at run time (dispatch="cond").
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,6 +23,7 @@ from . import ops
 from .config import MLAConfig
 from .params import check_params
 from .plan import BatchMeta, BatchPlan, RowGroup
+from .validate import check_not_deleted
 
 
 def _precision(config: MLAConfig):
@@ -107,7 +109,14 @@ def _depend_on(x, unused):
     return x + jnp.where(jnp.min(unused) < -1, jnp.nan, 0.0)
 
 
-def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, config: MLAConfig, tensor_parallel: int):
+def check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, config: MLAConfig,
+                 tensor_parallel: int = 1) -> None:
+    """The checks `forward` runs on its arguments (at trace time), for callers that must check
+    several layer steps before running any (data_parallel_step). ValueError naming the argument
+    and the field or tensor: a plan or meta not from plan_batch, a plan for another config, tensor
+    axis size or cache size, hidden of the wrong shape or dtype, a cache or params that do not
+    match the config, and an array already deleted (donated to an earlier call; concrete
+    arguments only)."""
     if not isinstance(plan, BatchPlan):
         raise ValueError(f"plan must be a BatchPlan (from plan_batch), got {type(plan).__name__}")
     if not isinstance(meta, BatchMeta):
@@ -116,7 +125,9 @@ def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, confi
         raise ValueError(f"the plan was made for a tensor axis of size {plan.tensor_parallel}, this forward runs "
                          f"under one of size {tensor_parallel}: run it through sharding.sharded_forward on such a mesh")
     plan.check_config(config, tensor_parallel)  # slots, routes and the fp8 split were computed for that config
-    if hidden.ndim != 2 or hidden.shape != (plan.num_tokens, config.hidden_size):
+    if not (hasattr(hidden, "shape") and hasattr(hidden, "dtype")):
+        raise ValueError(f"hidden must be an array, got {type(hidden).__name__}")
+    if len(hidden.shape) != 2 or hidden.shape != (plan.num_tokens, config.hidden_size):
         raise ValueError(f"hidden has shape {hidden.shape}, expected [plan.num_tokens, hidden_size] = "
                          f"{[plan.num_tokens, config.hidden_size]}")
     if not jnp.issubdtype(hidden.dtype, jnp.floating):
@@ -131,6 +142,9 @@ def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, confi
     if (meta.dense_flag is None) != (plan.use_dense_mha is not None):
         raise ValueError("meta.dense_flag must be set exactly for dispatch='cond' plans (use_dense_mha None)")
     check_params(params, config)
+    check_not_deleted({"hidden": hidden, **{f"params[{name!r}]": p for name, p in params.items()},
+                       **{f"cache.{name}": a for name, a in cache.arrays().items()},
+                       **{f"meta.{f.name}": getattr(meta, f.name) for f in dataclasses.fields(meta)}})
 
 
 def _pick(a, rows):
@@ -339,7 +353,7 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
       summed over the axis, and scoring is split over it by rows where the plan says so
       (RowGroup.indexer_shards: the top-k positions are all-gathered).
     """
-    _check_inputs(params, hidden, cache, meta, plan, config, 1 if tensor_axis is None else jax.lax.axis_size(tensor_axis))
+    check_inputs(params, hidden, cache, meta, plan, config, 1 if tensor_axis is None else jax.lax.axis_size(tensor_axis))
     impl = kernel_ops.resolve(kernels, config)  # every device-dependent choice, once
     c_ = config
     T, H = plan.num_tokens, c_.num_attention_heads

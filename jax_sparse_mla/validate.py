@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from typing import Any, Mapping
 
+import jax
 import numpy as np
 
 INT32_MAX = 2 ** 31 - 1
@@ -44,3 +46,12 @@ def as_bool(value, what: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{what} must be a bool, got {value!r}")
     return bool(value)
+
+
+def check_not_deleted(arrays: Mapping[str, Any]) -> None:
+    """ValueError naming the first of `arrays` ({its name in the message: value}) that is a deleted
+    jax.Array (donated to an earlier call, or .delete()d); other values (numpy arrays, abstract
+    values, tracers) pass."""
+    for what, value in arrays.items():
+        if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer) and value.is_deleted():
+            raise ValueError(f"{what} has been deleted (donated to an earlier call, or .delete()d)")

@@ -162,6 +162,21 @@ def test_data_parallel_checks_its_arguments():
         data_parallel_step([{}], [np.zeros(1)], [None], [None], config=TINY)
 
 
+def test_data_parallel_checks_every_device_before_running_any():
+    """A bad input for device 1 (a hidden row too many, a plan for another cache size or tensor
+    axis, params missing a tensor, a deleted cache) is refused naming device 1 and the input,
+    before device 0 runs: device 0's cache is not donated."""
+    r = run_with_cpu_devices("import json; from tests.support.sharding import device_parallel_refusals; "
+                             "print('RESULT', json.dumps(device_parallel_refusals()))", devices=2)
+    expected = {"hidden": "hidden has shape", "pages": "validated for 16 pages, the cache has 32",
+                "tensor": "tensor axis of size 2", "params": "params has no 'indexer.wk.weight'",
+                "deleted": "cache.latent has been deleted"}
+    for name, fragment in expected.items():
+        assert r[name]["message"] is not None and r[name]["message"].startswith("device 1 (data shard 1): "), r[name]
+        assert fragment in r[name]["message"], r[name]
+        assert r[name]["device 0 cache alive"], (name, r[name])
+
+
 def test_a_shard_config_is_checked_against_the_layer_plan():
     plan, _ = plan_batch(TINY, [Request(0, 5, [0, 1])], tensor_parallel=2)
     plan.check_config(shard_config(TINY, 2), 2)  # what sharded_forward's shards do

@@ -162,3 +162,39 @@ def device_parallel_errors(kv_cache_dtype="bfloat16"):
             a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
             worst = max(worst, float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)))
     return {"err": worst, "routes": routes, "placed": bool(placed)}
+
+
+def device_parallel_refusals():
+    """data_parallel_step on 2 devices with device 0's inputs good and one of device 1's bad:
+    for each bad input, the error message and whether device 0's cache is still alive (not
+    donated to a step that ran before the refusal)."""
+    from jax_sparse_mla.data_parallel import data_parallel_step, init_device_caches, plan_shards, replicate_params
+
+    devices = jax.devices()[:2]
+    params = replicate_params(init_params(TINY, jax.random.key(0)), devices)
+    shards = [[Request(0, 5, [0, 1])], [Request(0, 9, [2, 3, 4])]]
+    plans = plan_shards(TINY, shards, devices, pages_per_device=PAGES)
+    hidden = [jnp.zeros((p.num_tokens, TINY.hidden_size), jnp.float32) for p, _ in plans]
+    other_pages = plan_shards(TINY, shards, devices, pages_per_device=PAGES // 2)[1]
+    other_tensor = plan_batch(TINY, shards[1], num_pages=PAGES, tensor_parallel=2)
+    no_wk = {k: v for k, v in params[1].items() if k != "indexer.wk.weight"}
+    bad = {"hidden": dict(hidden=[hidden[0], jnp.zeros((hidden[1].shape[0] + 1, TINY.hidden_size))]),
+           "pages": dict(plans=[plans[0], other_pages]),
+           "tensor": dict(plans=[plans[0], other_tensor]),
+           "params": dict(params=[params[0], no_wk]),
+           "deleted": dict(caches="delete 1")}
+    out = {}
+    for name, changes in bad.items():
+        caches = init_device_caches(TINY, devices, PAGES)
+        if changes.get("caches") == "delete 1":
+            caches[1].latent.delete()
+        args = dict(params=params, hidden=hidden, caches=caches, plans=plans)
+        args.update({k: v for k, v in changes.items() if k != "caches"})
+        try:
+            data_parallel_step(args["params"], args["hidden"], args["caches"], args["plans"], config=TINY)
+            message = None
+        except ValueError as e:
+            message = str(e)
+        out[name] = {"message": message,
+                     "device 0 cache alive": not any(a.is_deleted() for a in jax.tree.leaves(caches[0]))}
+    return out
