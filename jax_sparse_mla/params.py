@@ -47,30 +47,59 @@ def is_fp8(dtype) -> bool:
     return np.dtype(dtype).name.startswith("float8")
 
 
+def check_arrays(arrays: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], what: str) -> None:
+    """Raises ValueError naming the first missing, non-array, non-float, misshapen or unexpected
+    entry of the dict `arrays` (`what` names it in the message: `params['o_proj.weight'] has
+    shape ...`) against {name: shape}.
+
+    Each entry must be an array (numpy, jax, or a ShapeDtypeStruct / tracer) of float16,
+    bfloat16, float32 or float64 (no fp8).
+    """
+    if not isinstance(arrays, Mapping):
+        raise ValueError(f"{what} must be a dict of arrays, got {type(arrays).__name__}")
+    for name, shape in shapes.items():
+        if name not in arrays:
+            raise ValueError(f"{what} has no {name!r}")
+        value = arrays[name]
+        dtype = _dtype_of(value)
+        if dtype is None:
+            raise ValueError(f"{what}[{name!r}] is a {type(value).__name__}, not an array")
+        if not jnp.issubdtype(dtype, jnp.floating) or is_fp8(dtype):
+            raise ValueError(f"{what}[{name!r}] has dtype {dtype}, expected a floating dtype "
+                             f"(float16, bfloat16, float32 or float64; fp8 weights go through params_from_hf)")
+        if tuple(value.shape) != shape:
+            raise ValueError(f"{what}[{name!r}] has shape {tuple(value.shape)}, expected {shape}")
+    unexpected = sorted(set(arrays) - set(shapes), key=str)
+    if unexpected:
+        raise ValueError(f"unexpected {what}: {unexpected}")
+
+
 def check_params(params: Mapping[str, Any], config: MLAConfig) -> None:
-    """Raises ValueError naming the first missing, non-array, non-float, misshapen or unexpected parameter.
+    """Raises ValueError naming the first missing, non-array, non-float, misshapen or unexpected
+    parameter of one attention layer (check_arrays against param_shapes(config)).
 
     Each parameter must be an array (numpy, jax, or a ShapeDtypeStruct / tracer) of float16,
     bfloat16, float32 or float64; fp8 weights are dequantized by params_from_hf, not taken here.
+    Values are not read (see check_finite).
     """
-    if not isinstance(params, Mapping):
-        raise ValueError(f"params must be a dict of arrays, got {type(params).__name__}")
-    shapes = param_shapes(config)
-    for name, shape in shapes.items():
-        if name not in params:
-            raise ValueError(f"params has no {name!r}")
-        value = params[name]
-        dtype = _dtype_of(value)
-        if dtype is None:
-            raise ValueError(f"params[{name!r}] is a {type(value).__name__}, not an array")
-        if not jnp.issubdtype(dtype, jnp.floating) or is_fp8(dtype):
-            raise ValueError(f"params[{name!r}] has dtype {dtype}, expected a floating dtype "
-                             f"(float16, bfloat16, float32 or float64; fp8 weights go through params_from_hf)")
-        if tuple(value.shape) != shape:
-            raise ValueError(f"params[{name!r}] has shape {tuple(value.shape)}, expected {shape}")
-    unexpected = sorted(set(params) - set(shapes), key=str)
-    if unexpected:
-        raise ValueError(f"unexpected params: {unexpected}")
+    check_arrays(params, param_shapes(config), "params")
+
+
+@jax.jit
+def _all_finite(arrays):
+    return {name: jnp.all(jnp.isfinite(a)) for name, a in arrays.items()}
+
+
+def check_finite(arrays: Mapping[str, Any], what: str) -> None:
+    """Raises ValueError naming the first array of the dict `arrays` (float arrays, as
+    check_arrays checks them; `what` names the dict) that holds a NaN or an infinity. Reads the
+    values: one device program over the concrete arrays (abstract values and tracers are skipped)."""
+    concrete = {name: a for name, a in arrays.items()
+                if isinstance(a, (np.ndarray, jax.Array)) and not isinstance(a, jax.core.Tracer)}
+    finite = jax.device_get(_all_finite(concrete))
+    for name in concrete:
+        if not finite[name]:
+            raise ValueError(f"{what}[{name!r}] has non-finite values (NaN or inf)")
 
 
 def init_params(config: MLAConfig, key: jax.Array) -> dict[str, jax.Array]:

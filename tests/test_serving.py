@@ -275,6 +275,60 @@ def test_engine_arguments_are_checked(kwargs, message):
         Engine(TINY, **{**dict(num_layers=1, num_pages=8), **kwargs})
 
 
+def _spoil(arrays, name, how):
+    """A copy of the dict `arrays` with `name` removed, reshaped, cast to int32 or given a NaN / inf."""
+    import jax.numpy as jnp
+
+    arrays = dict(arrays)
+    a = arrays[name]
+    if how == "missing":
+        del arrays[name]
+    elif how == "shape":
+        arrays[name] = a[..., :-1]
+    elif how == "int32":
+        arrays[name] = a.astype(jnp.int32)
+    else:
+        arrays[name] = a.at[(0,) * a.ndim].set(jnp.nan if how == "nan" else jnp.inf)
+    return arrays
+
+
+@pytest.mark.parametrize("name,how,message", [
+    ("indexer.wk.weight", "missing", "layer 1: params has no 'indexer.wk.weight'"),
+    ("o_proj.weight", "shape", r"layer 1: params\['o_proj.weight'\] has shape \(64, 63\), expected \(64, 64\)"),
+    ("kv_a_layernorm.weight", "int32", r"layer 1: params\['kv_a_layernorm.weight'\] has dtype int32"),
+    ("q_b_proj.weight", "nan", r"layer 1: params\['q_b_proj.weight'\] has non-finite values"),
+])
+def test_engine_checks_every_layers_params_at_construction(name, how, message):
+    import jax
+    from jax_sparse_mla import init_params
+
+    good = init_params(TINY, jax.random.key(0))
+    with pytest.raises(ValueError, match=message):
+        Engine(TINY, num_layers=2, num_pages=8, params=[good, _spoil(good, name, how)])
+    with pytest.raises(ValueError, match="params must be a list of per-layer dicts, got dict"):
+        Engine(TINY, num_layers=2, num_pages=8, params=good)
+
+
+@pytest.mark.parametrize("name,how,message", [
+    ("router.weight", "missing", "layer 1: block_params has no 'router.weight'"),
+    ("experts.up", "shape", r"layer 1: block_params\['experts.up'\] has shape \(8, 64, 31\), expected \(8, 64, 32\)"),
+    ("ffn_norm.weight", "int32", r"layer 1: block_params\['ffn_norm.weight'\] has dtype int32"),
+    ("experts.down", "inf", r"layer 1: block_params\['experts.down'\] has non-finite values"),
+    ("attn_norm.weight", "nan", r"layer 1: block_params\['attn_norm.weight'\] has non-finite values"),
+])
+def test_engine_checks_every_layers_block_params_at_construction(name, how, message):
+    import jax
+    from jax_sparse_mla.serving.block import MoEConfig, init_block_params
+
+    good = init_block_params(TINY, MoEConfig.tiny(), jax.random.key(0))
+    with pytest.raises(ValueError, match=message):
+        Engine(TINY, num_layers=2, num_pages=8, block="decoder", block_params=[good, _spoil(good, name, how)])
+    with pytest.raises(ValueError, match=r"layer 0: block_params\['router.weight'\] has shape \(64, 8\), "
+                                         r"expected \(64, 4\)"):  # the block params of another MoEConfig
+        Engine(TINY, num_layers=2, num_pages=8, block="decoder", moe=MoEConfig.tiny(num_experts=4),
+               block_params=[good, good])
+
+
 def test_run_arguments_are_checked():
     engine = Engine(TINY, num_layers=1, num_pages=8)
     for kwargs, message in [(dict(max_steps=-1), "max_steps \\(or None\\) must be >= 0, got -1"),

@@ -39,6 +39,7 @@ import numpy as np
 
 from .. import ops
 from ..config import MLAConfig
+from ..params import check_arrays
 from ..validate import as_int
 
 BLOCKS = ("attention", "decoder")
@@ -91,12 +92,21 @@ class MoEConfig:
 
 
 def block_param_shapes(config: MLAConfig, moe: MoEConfig) -> dict[str, tuple[int, ...]]:
+    """Block param name -> shape (the weight layout above; the shared expert's only when
+    moe.num_shared_experts > 0)."""
     h, e, i, s = config.hidden_size, moe.num_experts, moe.intermediate_size, moe.shared_size
     shapes = {"attn_norm.weight": (h,), "ffn_norm.weight": (h,), "router.weight": (h, e),
               "experts.gate": (e, h, i), "experts.up": (e, h, i), "experts.down": (e, i, h)}
     if s:
         shapes.update({"shared.gate": (h, s), "shared.up": (h, s), "shared.down": (s, h)})
     return shapes
+
+
+def check_block_params(params, config: MLAConfig, moe: MoEConfig) -> None:
+    """Raises ValueError naming the first missing, non-array, non-float, misshapen or unexpected
+    block param (`block_params['router.weight'] has shape ...`): params.check_arrays against
+    block_param_shapes(config, moe). Values are not read (see params.check_finite)."""
+    check_arrays(params, block_param_shapes(config, moe), "block_params")
 
 
 @partial(jax.jit, static_argnames=("shape", "dtype", "fan_in", "norm"))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,7 @@ from ..cache import init_cache
 from ..config import MLAConfig
 from ..kernels import CHOICES as KERNEL_CHOICES
 from ..model import jit_forward
-from ..params import init_params
+from ..params import check_finite, check_params, init_params
 from ..plan import DISPATCH_MODES, BatchMeta, BucketPolicy, Request, check_slot_range, plan_batch
 from ..policy import check_prefill_route
 from ..validate import as_bool, as_int, is_int
@@ -143,6 +143,10 @@ class Engine:
     params: list of N per-layer param dicts (default: init_params with keys fold_in(seed, layer)).
     block_params: list of N per-layer decoder-block param dicts (norms, router, experts; default
       serving.block.init_block_params with keys fold_in(seed, 2**21 + layer)); decoder only.
+    Given params and block_params are checked here, every layer before any step runs: each
+    tensor present, an array of the right shape, floating (params.check_params,
+    block.check_block_params) and finite (params.check_finite); ValueError naming the layer and
+    the tensor (`layer 1: block_params['ffn_norm.weight'] has dtype int32, ...`).
     caches: one PagedCache of num_pages pages per layer (donated and replaced every step).
     pool: [pool_size + 1, hidden_size] seeded random token hidden states (the last row is zeros,
       used for padding rows).
@@ -167,19 +171,20 @@ class Engine:
             raise ValueError('moe and block_params are for block="decoder"')
         self.options = EngineOptions().with_overrides(options)
         key = jax.random.key(seed)
-        if params is None:
-            params = [init_params(config, jax.random.fold_in(key, layer)) for layer in range(num_layers)]
-        elif len(params) != num_layers:
-            raise ValueError(f"got {len(params)} layers of params for num_layers={num_layers}")
-        self.params = list(params)
         self.block = block
         self.moe = (moe or MoEConfig.for_config(config)) if block == "decoder" else None
+        if params is None:
+            params = [init_params(config, jax.random.fold_in(key, layer)) for layer in range(num_layers)]
+        else:
+            _check_layers(params, num_layers, "params", lambda p: check_params(p, config))
         if block == "decoder":
             if block_params is None:
                 block_params = [_block.init_block_params(config, self.moe, jax.random.fold_in(key, (1 << 21) + layer))
                                 for layer in range(num_layers)]
-            elif len(block_params) != num_layers:
-                raise ValueError(f"got {len(block_params)} layers of block_params for num_layers={num_layers}")
+            else:
+                _check_layers(block_params, num_layers, "block_params",
+                              lambda p: _block.check_block_params(p, config, self.moe))
+        self.params = list(params)
         self.block_params = list(block_params) if block_params is not None else None
         self.caches = [init_cache(config, num_pages) for _ in range(num_layers)]
         pool = jax.random.normal(jax.random.fold_in(key, 1 << 20), (pool_size, config.hidden_size), jnp.float32)
@@ -385,6 +390,21 @@ class Engine:
             outputs = {k: np.concatenate(v) for k, v in outputs.items()}
         return ServeResult(requests=sorted(metrics, key=lambda m: m.id), steps=steps, duration_s=clock,
                            wall_s=time.perf_counter() - wall0, outputs=outputs)
+
+
+def _check_layers(layers, num_layers: int, what: str, check: Callable[[dict], None]) -> None:
+    """Per-layer dicts of arrays (the Engine argument `what`): one per layer, each passing
+    check(layer's dict) and params.check_finite; ValueError naming the layer and the tensor."""
+    if isinstance(layers, (Mapping, str, bytes)) or not isinstance(layers, Sequence):
+        raise ValueError(f"{what} must be a list of per-layer dicts, got {type(layers).__name__}")
+    if len(layers) != num_layers:
+        raise ValueError(f"got {len(layers)} layers of {what} for num_layers={num_layers}")
+    for layer, arrays in enumerate(layers):
+        try:
+            check(arrays)
+            check_finite(arrays, what)
+        except ValueError as e:
+            raise ValueError(f"layer {layer}: {e}") from None
 
 
 def _schedule(running: list[_Running], waiting: deque[tuple[RequestSpec, RequestMetrics]],
