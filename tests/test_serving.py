@@ -165,6 +165,29 @@ def test_no_compilation_after_warmup_over_1000_random_steps():
     assert all(p.num_tokens == BUDGET and p.pages_per_seq == 8 for p in plans)
 
 
+@pytest.mark.parametrize("block,dtype", [("attention", "float32"), ("decoder", "bfloat16")])
+def test_after_warmup_a_serving_run_compiles_nothing(block, dtype):
+    """Engine.warmup covers every program a step runs (the row gather of its token ids, the
+    layers, the residual adds; the decoder block's norms and MoE): a run of mixed prefill /
+    decode steps after it compiles nothing, outputs collected included."""
+    import jax
+
+    from tests.support import compiled_functions
+
+    jax.clear_caches()  # programs an earlier test compiled would hide one that warm-up misses
+    engine = Engine(MLAConfig.tiny(dtype=dtype), num_layers=2, num_pages=48, max_num_batched_tokens=16,
+                    max_num_seqs=4, block=block)
+    w = Workload(5, input_len=12, output_len=4, input_range_ratio=0.5, concurrency=3, seed=1)
+    assert engine.warmup(w) > 0
+    with compiled_functions() as compiled:
+        result = engine.run(w, progress=False, collect_outputs=True)
+    assert compiled == [], compiled
+    assert all(r.finished for r in result.requests) and sum(s.new_programs for s in result.steps) == 0
+    assert any(s.num_prefills and s.num_decodes for s in result.steps)  # mixed steps
+    assert any(s.num_prefills and not s.num_decodes for s in result.steps)
+    assert any(s.num_decodes and not s.num_prefills for s in result.steps)
+
+
 # --- host-side refusal of bad input (before any device work) ------------------------------------
 
 @pytest.mark.parametrize("args,message", [

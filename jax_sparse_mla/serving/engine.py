@@ -204,6 +204,14 @@ class Engine:
         return np.asarray(self.pool[self.token_rows(spec)].astype(jnp.float32))
 
     # ---- one step -------------------------------------------------------------------------
+    def _step_input(self, num_tokens: int, rows: np.ndarray | Sequence[int] = ()) -> jax.Array:
+        """A step's x [num_tokens, hidden]: the pool rows `rows` (host ints), then zero rows (padding).
+        The row ids go to _gather_rows as a host numpy array (a transfer, no program of its own:
+        jnp.asarray would compile one per shape), so every step compiles only what warm-up ran."""
+        ids = np.full(num_tokens, self.pool_size, np.int32)
+        ids[:len(rows)] = rows
+        return _gather_rows(self.pool, ids)
+
     def _forward(self, plan, meta, x, kernels: str):
         """x [plan.num_tokens, hidden] through every layer (residual) -> x, caches updated."""
         for layer, params in enumerate(self.params):
@@ -231,8 +239,7 @@ class Engine:
             if plan in seen:
                 continue
             seen.add(plan)
-            rows = jnp.full((plan.num_tokens,), self.pool_size, jnp.int32)  # the zero row
-            self._forward(plan, meta, _gather_rows(self.pool, rows), opts.kernels).block_until_ready()
+            self._forward(plan, meta, self._step_input(plan.num_tokens), opts.kernels).block_until_ready()
         return jit_forward._cache_size() - before
 
     def precompile(self, *, method: str = "auto", cache_dir: str | None = None, max_model_len: int | None = None,
@@ -256,16 +263,15 @@ class Engine:
                                 max_model_len=max_model_len, **kw)
 
         def call(plan):
-            rows = jnp.full((plan.num_tokens,), self.pool_size, jnp.int32)  # the zero row
-            meta = jax.tree.map(jnp.asarray, BatchMeta.empty(plan))
-            self._forward(plan, meta, _gather_rows(self.pool, rows), opts.kernels).block_until_ready()
+            meta = jax.device_put(BatchMeta.empty(plan))
+            self._forward(plan, meta, self._step_input(plan.num_tokens), opts.kernels).block_until_ready()
 
         report = precompile(self.config, opts.buckets, num_pages=self.num_pages, max_num_seqs=opts.max_num_seqs,
                             max_num_batched_tokens=opts.max_num_batched_tokens, kernels=opts.kernels,
                             params=self.params[0], method=method, cache_dir=cache_dir, plans=plans,
                             call=call, progress=progress)
         for n in sorted({p.num_tokens for p in plans}):
-            x = _gather_rows(self.pool, jnp.full((n,), self.pool_size, jnp.int32))
+            x = self._step_input(n)
             if self.block == "decoder":  # the block's norm and MoE programs, one per num_tokens
                 attn_in = _block.attn_input(self.block_params[0], x, config=self.config)
                 x = _block.ffn_residual(self.block_params[0], x + attn_in, config=self.config, moe=self.moe)
@@ -278,15 +284,15 @@ class Engine:
         picked by position. Returns (x [plan.num_tokens, hidden] after the last layer, plan)."""
         opts = self.options.with_overrides(overrides)
         plan, meta = plan_batch(self.config, list(requests), num_pages=self.num_pages, **opts.plan_kwargs())
-        rows = np.full(plan.num_tokens, self.pool_size, np.int32)
-        n = sum(r.query_len for r in requests)
-        rows[:n] = np.arange(n) % self.pool_size
-        return self._forward(plan, meta, _gather_rows(self.pool, jnp.asarray(rows)), opts.kernels), plan
+        rows = np.arange(sum(r.query_len for r in requests)) % self.pool_size
+        return self._forward(plan, meta, self._step_input(plan.num_tokens, rows), opts.kernels), plan
 
     def warmup(self, workload: Workload | Sequence[RequestSpec], **overrides) -> int:
         """Compiles every program a run of this workload will need: a dry run of the scheduler
-        (no device work, zero step times) collects the batches, then compile_batches. Exact when
-        arrivals do not depend on timing (request_rate=inf); otherwise best effort."""
+        (no device work, zero step times) collects the batches, then compile_batches runs each
+        distinct plan's step (its row gather, layers and residual adds) once, so that the run
+        compiles nothing at all. Exact when arrivals do not depend on timing
+        (request_rate=inf); otherwise best effort."""
         batches: list[list[Request]] = []
         self.run(workload, progress=False, _dry_run=batches, **overrides)
         return self.compile_batches(batches, **overrides)
@@ -353,14 +359,13 @@ class Engine:
                     _dry_run.append(requests)
                     t_fwd = t1 = t0
                 else:
-                    rows = np.full(plan.num_tokens, self.pool_size, np.int32)
-                    rows[:n_real] = np.concatenate([r.token_rows[r.computed:r.computed + n] for r, n in work])
+                    rows = np.concatenate([r.token_rows[r.computed:r.computed + n] for r, n in work])
                     t_fwd = time.perf_counter()
-                    x = self._forward(plan, meta, _gather_rows(self.pool, jnp.asarray(rows)), opts.kernels)
+                    x = self._forward(plan, meta, self._step_input(plan.num_tokens, rows), opts.kernels)
                     x.block_until_ready()
                     t1 = time.perf_counter()
                     if collect_outputs:
-                        host = np.asarray(x.astype(jnp.float32))
+                        host = np.asarray(x).astype(np.float32)  # on the host: no cast program to compile
                         row = 0
                         for r, n in work:
                             outputs.setdefault(r.spec.id, []).append(host[row:row + n])
