@@ -18,17 +18,21 @@ from tests.support.sharding import PAGES, ROUTES, TINY, mesh_errors
 # (data, tensor) meshes: tensor, data and mixed; and whether the indexer splits its scoring by
 # rows over the tensor shards for every group it divides (INDEXER_SPLIT_MIN_ROWS 1; by default
 # the tiny batches are far below it: every shard scores every row). A mesh takes the first
-# data x tensor of 8 virtual devices; all run in one subprocess (the CPU suite's budget), the fp8
-# split last (UPFRONT_MIN_USES 1, so that the tiny config's long prefill splits).
+# data x tensor of 8 virtual devices; all run in one subprocess (the CPU suite's budget), with
+# dispatch="cond" plans on a (1, 2) and a (1, 4) mesh, the fp8 split last (UPFRONT_MIN_USES 1, so
+# that the tiny config's long prefill splits).
 MESHES = [((1, 2), False), ((2, 1), False), ((2, 4), False), ((2, 2), True), ((1, 4), True)]
 TOL = 1e-4
 _MESH_RUN = f"""
 import json
 from jax_sparse_mla import policy
-from tests.support.sharding import mesh_errors
+from tests.support.sharding import cond_refusal_on_data_shards, mesh_errors
 results = mesh_errors({[m for m, split in MESHES if not split]!r})
+results["cond 1x2"] = mesh_errors([(1, 2)], dispatch="cond")["1x2"]
+results["cond 2x1 refusal"] = cond_refusal_on_data_shards()
 policy.INDEXER_SPLIT_MIN_ROWS = 1
 results.update(mesh_errors({[m for m, split in MESHES if split]!r}))
+results["cond 1x4 split"] = mesh_errors([(1, 4)], dispatch="cond")["1x4"]
 policy.INDEXER_SPLIT_MIN_ROWS = {policy.INDEXER_SPLIT_MIN_ROWS}
 policy.UPFRONT_MIN_USES = 1
 results["fp8 2x2"] = mesh_errors([(2, 2)], "fp8")["2x2"]
@@ -64,6 +68,22 @@ def test_fp8_split_mesh_matches_one_device(mesh_results):
     r = mesh_results["fp8 2x2"]
     assert r["routes"] == ROUTES and r["err"] < TOL, r
     assert r["splits"][0] > 0  # step 1: the long prefill's rows over their own pages
+
+
+@pytest.mark.parametrize("name,split_rows", [("cond 1x2", False), ("cond 1x4 split", True)])
+def test_cond_plan_mesh_matches_one_device(mesh_results, name, split_rows):
+    """A plan_batch(..., dispatch="cond") plan through sharded_forward (its scalar dense_flag
+    replicated over the mesh): both branches, each step as the one-device forward of the same
+    cond plan gives it; with the indexer's rows split over the tensor shards (all_gather inside
+    the branch) too."""
+    r = mesh_results[name]
+    assert r["routes"] == ROUTES and r["err"] < TOL, r
+    assert (4 in r["indexer_shards"]) == split_rows, r["indexer_shards"]
+
+
+def test_cond_plan_on_a_mesh_with_data_shards_is_refused_up_front(mesh_results):
+    assert 'a dispatch="cond" plan' in mesh_results["cond 2x1 refusal"] and \
+        "plan_data_parallel" in mesh_results["cond 2x1 refusal"]
 
 
 def test_param_specs_split_heads():

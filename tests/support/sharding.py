@@ -27,10 +27,12 @@ STEPS = [
 ROUTES = ["dense", "sparse", "dense", "sparse"]
 
 
-def mesh_errors(meshes, kv_cache_dtype="bfloat16"):
+def mesh_errors(meshes, kv_cache_dtype="bfloat16", dispatch="static"):
     """For each (data, tensor) mesh: the largest relative error of any step's output rows and of the
     final caches against one-device forward runs of each shard's own batch, the step routes and
-    the plans' fp8 splits (BatchPlan.num_upfront_rows)."""
+    the plans' fp8 splits (BatchPlan.num_upfront_rows). dispatch="cond" (meshes with one data
+    shard): the step is plan_batch's cond plan, and its route the program dense_flag picks; the
+    one-device runs use cond plans too."""
     config = dataclasses.replace(TINY, kv_cache_dtype=kv_cache_dtype)
     rng = np.random.default_rng(0)
     params = init_params(config, jax.random.key(0))
@@ -60,8 +62,13 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16"):
                     seqs[d][sid][1] += n
                 shards.append(reqs)
                 rows.append(np.concatenate(x) if x else np.zeros((0, config.hidden_size), np.float32))
-            plan, meta = plan_data_parallel(config, shards, pages_per_shard=PAGES, tensor_parallel=tp)
-            routes.append(plan.route)
+            if dispatch == "cond":
+                assert dp == 1, "cond plans come from plan_batch: one data shard"
+                plan, meta = plan_batch(config, shards[0], num_pages=PAGES, dispatch="cond", tensor_parallel=tp)
+                routes.append("dense" if int(meta.dense_flag) else "sparse")
+            else:
+                plan, meta = plan_data_parallel(config, shards, pages_per_shard=PAGES, tensor_parallel=tp)
+                routes.append(plan.route)
             splits.append(plan.num_upfront_rows)
             indexer_shards += [g.indexer_shards for g in plan.groups]
             T = plan.num_tokens
@@ -75,7 +82,7 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16"):
                 assert not np.any(out[d * T + len(rows[d]):(d + 1) * T]), "padding rows must give 0"
                 if not shards[d]:
                     continue
-                p1, m1 = plan_batch(config, shards[d], num_pages=PAGES)
+                p1, m1 = plan_batch(config, shards[d], num_pages=PAGES, dispatch=dispatch)
                 x1 = np.zeros((p1.num_tokens, config.hidden_size), np.float32)
                 x1[:len(rows[d])] = rows[d]
                 ref, local_caches[d] = jit_forward(params, jnp.asarray(x1), local_caches[d], m1, plan=p1, config=config)
@@ -97,6 +104,19 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16"):
             "wq_b_rows": sorted(s.data.shape[0] for s in sharded_params["indexer.wq_b.weight"].addressable_shards),
             "indexer_shards": indexer_shards}
     return results
+
+
+def cond_refusal_on_data_shards():
+    """The ValueError sharded_forward raises for a dispatch="cond" plan on a (2, 1) mesh."""
+    mesh = make_mesh(2, 1)
+    plan, meta = plan_batch(TINY, [Request(0, 5, [0, 1])], num_pages=PAGES, dispatch="cond")
+    try:
+        jit_sharded_forward(shard_params(init_params(TINY, jax.random.key(0)), mesh, TINY),
+                            jnp.zeros((2 * plan.num_tokens, TINY.hidden_size)), init_sharded_cache(TINY, mesh, PAGES),
+                            meta, mesh=mesh, plan=plan, config=TINY)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 # Steps per device for data_parallel: each device's own requests, routes differing by device.
