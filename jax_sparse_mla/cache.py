@@ -37,6 +37,10 @@ class PagedCache:
     def num_pages(self) -> int:
         return self.latent.shape[0]
 
+    def arrays(self) -> dict[str, jax.Array]:
+        """{field name: array} of the fields this cache has (its None fields left out)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
     def flat(self, name: str):
         """One cache array with pages flattened to slots: [num_slots, ...] (None stays None)."""
         a = getattr(self, name)

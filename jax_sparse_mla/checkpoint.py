@@ -31,7 +31,7 @@ import dataclasses
 import json
 import pathlib
 import shutil
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import ml_dtypes  # registers bfloat16 / float8 with numpy (safetensors' numpy reader needs bfloat16)
@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from .cache import PagedCache, check_cache, init_cache
 from .config import MLAConfig, RopeScaling, check_config_type
 from .params import FP8_WEIGHT_BLOCK, check_params, hf_tensor_to_param, param_shapes, params_from_hf
-from .validate import is_int
+from .validate import check_not_deleted, is_int
 
 FORMAT = "jax_sparse_mla.checkpoint/1"
 INDEX_FILE = "model.safetensors.index.json"
@@ -81,23 +81,81 @@ def _config_diff(saved: MLAConfig, expected: MLAConfig) -> str:
                      for f in dataclasses.fields(MLAConfig) if getattr(saved, f.name) != getattr(expected, f.name))
 
 
-def _cache_fields(cache: PagedCache) -> dict[str, jax.Array]:
-    return {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache) if getattr(cache, f.name) is not None}
+def _check_saveable(params: Mapping[str, Any], cache: PagedCache | None, config: MLAConfig) -> None:
+    """Everything a save needs of a layer, checked before anything is written: the params
+    (check_params) and the cache (check_cache) match the config, and each array holds data that
+    can be written (numpy or jax, not abstract, not deleted). ValueError naming the array."""
+    check_params(params, config)
+    arrays = {f"params[{name!r}]": value for name, value in params.items()}
+    if cache is not None:
+        check_cache(cache, config)
+        arrays.update({f"cache.{name}": value for name, value in cache.arrays().items()})
+    for what, value in arrays.items():
+        if not isinstance(value, (np.ndarray, jax.Array)) or isinstance(value, jax.core.Tracer):
+            raise ValueError(f"{what} is a {type(value).__name__}, not an array with data to save")
+    check_not_deleted(arrays)
+
+
+def _sync(tag: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"jax_sparse_mla.checkpoint:{tag}")
+
+
+def _write_beside(path: pathlib.Path, write: Callable[[pathlib.Path], None]) -> None:
+    """Writes a checkpoint for `path` with write(target) beside it, then puts it in place.
+
+    target lies in a staging sibling directory (<path>.saving/); `path`, if it exists, is
+    replaced only once write has returned, by renames (the old checkpoint is moved into the
+    staging directory, the new one to `path`), and the old one is removed last, with the staging
+    directory. A failure at any point leaves `path` as it was. A staging directory left by a
+    process killed mid-save is removed first (its old checkpoint moved back if `path` is gone).
+    Multi-process: every process writes its shards; the first one renames and removes.
+    """
+    staging = path.with_name(path.name + ".saving")
+    new, replaced = staging / path.name, staging / "replaced"
+    primary = jax.process_index() == 0
+    if primary and staging.exists():
+        if replaced.exists() and not path.exists():
+            replaced.rename(path)
+        shutil.rmtree(staging)
+    _sync(f"staged:{path}")
+    try:
+        write(new)
+        _sync(f"written:{path}")
+        if primary:
+            if path.exists():
+                path.rename(replaced)
+            try:
+                new.rename(path)
+            except BaseException:
+                if replaced.exists():
+                    replaced.rename(path)
+                raise
+    finally:
+        if primary:
+            shutil.rmtree(staging, ignore_errors=True)
+        _sync(f"done:{path}")
+
+
+def _orbax_save(path: pathlib.Path, items: Mapping[str, Any]) -> None:
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        ckptr.save(path, args=ocp.args.Composite(**items))
 
 
 def save_checkpoint(directory, params: Mapping[str, jax.Array], cache: PagedCache | None = None, *,
                     config: MLAConfig, overwrite: bool = False) -> None:
     """Saves params (HF-named dict) and optionally a PagedCache, with the config, to `directory`.
 
-    Arrays may be sharded (each host writes its shards). Raises ValueError naming a missing,
-    non-float or misshapen parameter, or a cache that does not match the config; FileExistsError
-    if the directory exists and overwrite is False.
+    Arrays may be sharded (each host writes its shards). Every array is checked before anything
+    is written: ValueError naming a missing, non-float or misshapen parameter, a cache that does
+    not match the config, or an array without data (abstract, or deleted: donated to an earlier
+    call). FileExistsError if the directory exists and overwrite is False. The checkpoint is
+    written beside the directory (<directory>.saving/) and moved there once complete: with
+    overwrite, the old one is replaced only then, and a failure while writing leaves it as it was.
     """
     path = pathlib.Path(directory).absolute()
     check_config_type(config)
-    check_params(params, config)
-    if cache is not None:
-        check_cache(cache, config)
+    _check_saveable(params, cache, config)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
     meta = {"format": FORMAT, "config": _config_to_json(config),
@@ -105,9 +163,8 @@ def save_checkpoint(directory, params: Mapping[str, jax.Array], cache: PagedCach
             "param_dtypes": {name: str(np.dtype(p.dtype)) for name, p in params.items()}}
     items = {"params": ocp.args.StandardSave(dict(params)), "meta": ocp.args.JsonSave(meta)}
     if cache is not None:
-        items["cache"] = ocp.args.StandardSave(_cache_fields(cache))
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-        ckptr.save(path, args=ocp.args.Composite(**items), force=overwrite)
+        items["cache"] = ocp.args.StandardSave(cache.arrays())
+    _write_beside(path, lambda target: _orbax_save(target, items))
 
 
 def _sharding_for(shardings, name: str, what: str):
@@ -210,7 +267,7 @@ def restore_checkpoint(directory, *, param_shardings=None, cache_shardings=None,
                          for name, shape in shapes.items()}
         items = {"params": ocp.args.StandardRestore(params_target)}
         if num_pages is not None:
-            abstract = _cache_fields(jax.eval_shape(lambda: init_cache(config, num_pages)))
+            abstract = jax.eval_shape(lambda: init_cache(config, num_pages)).arrays()
             _check_saved_arrays(path, "cache", {name: (a.shape, a.dtype) for name, a in abstract.items()})
             items["cache"] = ocp.args.StandardRestore(
                 {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_sharding_for(cache_shardings, name, "cache_shardings"))
@@ -615,10 +672,13 @@ def save_model_checkpoint(directory, layers: Sequence[Mapping[str, jax.Array]],
     or serving.Engine's .params) and optionally one PagedCache per layer (Engine's .caches).
 
     Layout: directory/layer_<i>/ is save_checkpoint's for layer i; directory/stack/ the number of
-    layers, whether caches were saved, and the config (written last). Every layer is checked
-    before anything is written: ValueError naming the layer and the array (`layer 1: params has
-    no 'indexer.wk.weight'`). FileExistsError if the directory exists and overwrite is False;
-    with overwrite, only an earlier model checkpoint (or an empty directory) is replaced.
+    layers, whether caches were saved, and the config (written last). Every array of every layer
+    is checked (as save_checkpoint checks them) before anything is written: ValueError naming the
+    layer and the array (`layer 1: params has no 'indexer.wk.weight'`, `layer 0: cache.latent has
+    been deleted ...`). FileExistsError if the directory exists and overwrite is False; with
+    overwrite, only an earlier model checkpoint (or an empty directory) is replaced, and only once
+    the new one is complete (written beside it, as save_checkpoint does): a failure while writing
+    leaves the old one as it was.
     """
     path = pathlib.Path(directory).absolute()
     check_config_type(config)
@@ -627,13 +687,13 @@ def save_model_checkpoint(directory, layers: Sequence[Mapping[str, jax.Array]],
     if caches is not None and (not isinstance(caches, Sequence) or len(caches) != len(layers)):
         raise ValueError(f"caches must be None or a list with one PagedCache per layer ({len(layers)}), "
                          f"got {type(caches).__name__}{'' if not isinstance(caches, Sequence) else f' of {len(caches)}'}")
-    for i, params in enumerate(layers):
+    with_caches = caches is not None
+    caches = list(caches) if with_caches else [None] * len(layers)
+    for i, (params, cache) in enumerate(zip(layers, caches)):
         try:
-            check_params(params, config)
-            if caches is not None:
-                if not isinstance(caches[i], PagedCache):
-                    raise ValueError(f"cache is a {type(caches[i]).__name__}, not a PagedCache")
-                check_cache(caches[i], config)
+            if with_caches and not isinstance(cache, PagedCache):
+                raise ValueError(f"cache is a {type(cache).__name__}, not a PagedCache")
+            _check_saveable(params, cache, config)
         except ValueError as e:
             raise ValueError(f"layer {i}: {e}") from None
     if path.exists():
@@ -641,16 +701,15 @@ def save_model_checkpoint(directory, layers: Sequence[Mapping[str, jax.Array]],
             raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
         if not path.is_dir() or (any(path.iterdir()) and not (path / STACK_ITEM).is_dir()):
             raise ValueError(f"{path} exists and is not a model checkpoint (no {STACK_ITEM}/): not replacing it")
-        if jax.process_index() == 0:
-            shutil.rmtree(path)
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices(f"jax_sparse_mla.save_model_checkpoint:{path}")
-    for i, params in enumerate(layers):
-        save_checkpoint(_layer_dir(path, i), params, None if caches is None else caches[i], config=config)
-    meta = {"format": STACK_FORMAT, "num_layers": len(layers), "caches": caches is not None,
+    meta = {"format": STACK_FORMAT, "num_layers": len(layers), "caches": with_caches,
             "config": _config_to_json(config)}
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-        ckptr.save(path / STACK_ITEM, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta)))
+
+    def write(target: pathlib.Path) -> None:
+        for i, (params, cache) in enumerate(zip(layers, caches)):
+            save_checkpoint(_layer_dir(target, i), params, cache, config=config)
+        _orbax_save(target / STACK_ITEM, {"meta": ocp.args.JsonSave(meta)})
+
+    _write_beside(path, write)
 
 
 def _is_cache_sharding(value) -> bool:

@@ -32,7 +32,7 @@ import jax
 from .cache import PagedCache, init_cache
 from .config import MLAConfig, check_config_type
 from .kernels import check_kernels
-from .model import check_arguments, jit_forward
+from .model import check_arguments, check_inputs, jit_forward
 from .plan import BatchMeta, BatchPlan, Request, plan_batch
 
 
@@ -79,9 +79,10 @@ def data_parallel_step(params: Sequence[dict], hidden: Sequence[jax.Array | None
     params, caches: per device (replicate_params, init_device_caches); plans: plan_shards's;
     hidden[d]: [plan.num_tokens, hidden_size] of device d's plan (None for an idle device), rows
     in plan_batch's order. outs[d] is None for an idle device, whose cache is returned as it was.
-    Each cache is donated to its device's step. ValueError naming the argument (and the data
-    shard) for one of another type: lists that are not sequences, a plan that is not
-    plan_shards's (plan, meta) pair, and each busy device's arguments as model.check_arguments.
+    Each cache is donated to its device's step. Every device's arguments are checked (what
+    forward checks: model.check_arguments, model.check_inputs) before any device runs: ValueError
+    naming the data shard and the argument (`data shard 1: hidden has shape ...`; lists that are
+    not sequences, a plan that is not plan_shards's (plan, meta) pair), every cache left as it was.
     """
     check_config_type(config)
     check_kernels(kernels)
@@ -91,13 +92,10 @@ def data_parallel_step(params: Sequence[dict], hidden: Sequence[jax.Array | None
     if not len(params) == len(hidden) == len(caches) == len(plans):
         raise ValueError(f"params, hidden, caches and plans must have one entry per device, got "
                          f"{len(params)}, {len(hidden)}, {len(caches)}, {len(plans)}")
-    outs, new_caches = [], []
     for d, (p, x, cache, planned) in enumerate(zip(params, hidden, caches, plans)):
         if planned is None:
             if x is not None:
                 raise ValueError(f"data shard {d} is idle (no plan) but has hidden states")
-            outs.append(None)
-            new_caches.append(cache)
             continue
         if x is None:
             raise ValueError(f"data shard {d} has a plan but no hidden states")
@@ -107,8 +105,16 @@ def data_parallel_step(params: Sequence[dict], hidden: Sequence[jax.Array | None
         plan, meta = planned
         try:
             check_arguments(p, x, cache, meta, plan, config, kernels)
+            check_inputs(p, x, cache, meta, plan, config)
         except ValueError as e:
             raise ValueError(f"data shard {d}: {e}") from None
+    outs, new_caches = [], []
+    for p, x, cache, planned in zip(params, hidden, caches, plans):
+        if planned is None:
+            outs.append(None)
+            new_caches.append(cache)
+            continue
+        plan, meta = planned
         device = next(iter(cache.latent.devices()))
         out, cache = jit_forward(p, jax.device_put(x, device), cache, meta, plan=plan, config=config, kernels=kernels)
         outs.append(out)

@@ -11,6 +11,7 @@ are compiled and lax.cond picks at run time (dispatch="cond").
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,7 +23,7 @@ from . import ops
 from .config import MLAConfig, check_config_type
 from .params import check_params
 from .plan import BatchMeta, BatchPlan, RowGroup
-from .validate import INT32_MAX, array_dtype, check_type
+from .validate import INT32_MAX, array_dtype, check_not_deleted, check_type
 
 
 def _precision(config: MLAConfig):
@@ -147,13 +148,18 @@ def check_arguments(params, hidden, cache, meta, plan, config, kernels, tensor_a
     check_params(params, config)
 
 
-def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, config: MLAConfig, tensor_parallel: int):
-    """forward's checks of its arguments' sizes against the plan (check_arguments has passed)."""
+def check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, config: MLAConfig,
+                 tensor_parallel: int = 1) -> None:
+    """forward's checks of its arguments' sizes against the plan, once check_arguments has passed,
+    for callers that must check several layer steps before running any (data_parallel_step).
+    ValueError naming the argument and the field or tensor: a plan for another config, tensor
+    axis size or cache size, hidden or meta of the wrong shape, and an array already deleted
+    (donated to an earlier call; concrete arguments only)."""
     if plan.tensor_parallel != tensor_parallel:
         raise ValueError(f"the plan was made for a tensor axis of size {plan.tensor_parallel}, this forward runs "
                          f"under one of size {tensor_parallel}: run it through sharding.sharded_forward on such a mesh")
     plan.check_config(config, tensor_parallel)  # slots, routes and the fp8 split were computed for that config
-    if hidden.ndim != 2 or hidden.shape != (plan.num_tokens, config.hidden_size):
+    if len(hidden.shape) != 2 or hidden.shape != (plan.num_tokens, config.hidden_size):
         raise ValueError(f"hidden has shape {hidden.shape}, expected [plan.num_tokens, hidden_size] = "
                          f"{[plan.num_tokens, config.hidden_size]}")
     if plan.num_pages is not None and plan.num_pages != cache.num_pages:
@@ -164,6 +170,9 @@ def _check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, confi
             raise ValueError(f"meta.{name} has shape {got.shape}, expected {shape} for this plan (was it made by plan_batch?)")
     if (meta.dense_flag is None) != (plan.use_dense_mha is not None):
         raise ValueError("meta.dense_flag must be set exactly for dispatch='cond' plans (use_dense_mha None)")
+    check_not_deleted({"hidden": hidden, **{f"params[{name!r}]": p for name, p in params.items()},
+                       **{f"cache.{name}": a for name, a in cache.arrays().items()},
+                       **{f"meta.{f.name}": getattr(meta, f.name) for f in dataclasses.fields(meta)}})
 
 
 def _pick(a, rows):
@@ -377,7 +386,7 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
       (RowGroup.indexer_shards: the top-k positions are all-gathered).
     """
     check_arguments(params, hidden, cache, meta, plan, config, kernels, tensor_axis)
-    _check_inputs(params, hidden, cache, meta, plan, config, 1 if tensor_axis is None else jax.lax.axis_size(tensor_axis))
+    check_inputs(params, hidden, cache, meta, plan, config, 1 if tensor_axis is None else jax.lax.axis_size(tensor_axis))
     impl = kernel_ops.resolve(kernels, config)  # every device-dependent choice, once
     c_ = config
     T, H = plan.num_tokens, c_.num_attention_heads

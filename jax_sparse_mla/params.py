@@ -63,9 +63,27 @@ def check_arrays(arrays: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]
 
 def check_params(params: Mapping[str, Any], config: MLAConfig, what: str = "params") -> None:
     """Raises ValueError naming `config` if it is not an MLAConfig, else as check_arrays with
-    param_shapes(config) (fp8 weights are dequantized by params_from_hf, not taken here)."""
+    param_shapes(config) (fp8 weights are dequantized by params_from_hf, not taken here). Values
+    are not read (see check_finite)."""
     check_config_type(config)
     check_arrays(params, param_shapes(config), what)
+
+
+@jax.jit
+def _all_finite(arrays):
+    return {name: jnp.all(jnp.isfinite(a)) for name, a in arrays.items()}
+
+
+def check_finite(arrays: Mapping[str, Any], what: str) -> None:
+    """Raises ValueError naming the first array of the dict `arrays` (float arrays, as
+    check_arrays checks them; `what` names the dict) that holds a NaN or an infinity. Reads the
+    values: one device program over the concrete arrays (abstract values and tracers are skipped)."""
+    concrete = {name: a for name, a in arrays.items()
+                if isinstance(a, (np.ndarray, jax.Array)) and not isinstance(a, jax.core.Tracer)}
+    finite = jax.device_get(_all_finite(concrete))
+    for name in concrete:
+        if not finite[name]:
+            raise ValueError(f"{what}[{name!r}] has non-finite values (NaN or inf)")
 
 
 def init_params(config: MLAConfig, key: jax.Array) -> dict[str, jax.Array]:

@@ -38,7 +38,8 @@ Placement (`shard_params`, `cache_shardings`, `init_sharded_cache`):
     split over "data", replicated over "tensor".
   meta: each BatchMeta field is the concatenation of the shards' fields along its first axis
     (positions [dp * T], block_tables [dp * S, W], dense_key_start [dp * (S + 1)], ...; the
-    per-shard shapes are BatchMeta.shapes(plan)).
+    per-shard shapes are BatchMeta.shapes(plan)); a dispatch="cond" plan's dense_flag (a scalar:
+    plan_batch's meta on a mesh with one data shard) is replicated.
 """
 
 from __future__ import annotations
@@ -240,13 +241,24 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
 
 # ---- the sharded step ----------------------------------------------------------------------------
 
+def _meta_specs(meta: BatchMeta, data_axis: str) -> BatchMeta:
+    """A BatchMeta of PartitionSpecs for sharded_forward's shard_map: every per-row / per-sequence
+    field split over data_axis, a cond plan's scalar dense_flag replicated (every shard runs the
+    branch it picks); None fields stay None."""
+    specs = jax.tree.map(lambda _: P(data_axis), meta)
+    return specs if meta.dense_flag is None else dataclasses.replace(specs, dense_flag=P())
+
+
 def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh: Mesh, plan: BatchPlan,
                     config: MLAConfig, kernels: str = "auto", data_axis: str = DATA, tensor_axis: str = TENSOR):
     """`model.forward` over a (data, tensor) mesh; see the module docstring for every layout.
 
     params: full HF-named dict (sharded as param_specs, or placed there by jit);
     hidden: [dp * plan.num_tokens, hidden_size]; cache: PagedCache of dp * pages_per_shard pages;
-    meta: from plan_data_parallel. Returns (out [dp * plan.num_tokens, hidden_size], new cache).
+    meta: from plan_data_parallel, or on a mesh with one data shard from plan_batch(...,
+    tensor_parallel=tp), dispatch="cond" included (both programs compiled, lax.cond on the
+    replicated dense_flag picks one on every shard). Returns (out [dp * plan.num_tokens,
+    hidden_size], new cache).
     plan: planned with this (full) config, which is checked (BatchPlan.check_config), and for this
     mesh's tensor size (BatchPlan.tensor_parallel); each shard's forward gets this plan and its
     per-shard config, and checks one against the other (BatchPlan.check_config(config, shards=tp)).
@@ -267,6 +279,9 @@ def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh:
                          f"{[dp * plan.num_tokens, config.hidden_size]}")
     if cache.num_pages % dp:
         raise ValueError(f"the cache's {cache.num_pages} pages do not split over a data axis of size {dp}")
+    if plan.use_dense_mha is None and dp > 1:
+        raise ValueError(f'a dispatch="cond" plan (plan_batch\'s, one batch) runs on a mesh with one data shard; '
+                         f"this one has {dp}: plan the shards with plan_data_parallel (static plans)")
     if meta.positions.shape != (dp * plan.num_tokens,):
         raise ValueError(f"meta.positions has shape {meta.positions.shape}, expected {(dp * plan.num_tokens,)}: "
                          "make meta with plan_data_parallel for this mesh's data axis")
@@ -278,7 +293,8 @@ def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh:
     # check_vma=False: the Pallas kernels inside forward carry no varying-axes annotations. The
     # outputs are replicated over "tensor" by construction (psum; identical cache writes).
     rows = P(data_axis)
-    step = jax.shard_map(per_shard, mesh=mesh, in_specs=(param_specs(config, tensor_axis=tensor_axis), rows, rows, rows),
+    step = jax.shard_map(per_shard, mesh=mesh,
+                         in_specs=(param_specs(config, tensor_axis=tensor_axis), rows, rows, _meta_specs(meta, data_axis)),
                          out_specs=(rows, rows), check_vma=False)
     return step(params, hidden, cache, meta)
 

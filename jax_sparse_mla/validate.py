@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import collections.abc
 import math
+from typing import Any, Mapping
 
+import jax
 import numpy as np
 
 INT32_MAX = 2 ** 31 - 1
@@ -88,3 +90,10 @@ def as_page_ids(table, what: str) -> list[int]:
         k = next(k for k, v in enumerate(values) if not -INT32_MAX - 1 <= v <= INT32_MAX)
         raise ValueError(f"{what}[{k}] = {values[k]} is outside int32")
     return values
+def check_not_deleted(arrays: Mapping[str, Any]) -> None:
+    """ValueError naming the first of `arrays` ({its name in the message: value}) that is a deleted
+    jax.Array (donated to an earlier call, or .delete()d); other values (numpy arrays, abstract
+    values, tracers) pass."""
+    for what, value in arrays.items():
+        if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer) and value.is_deleted():
+            raise ValueError(f"{what} has been deleted (donated to an earlier call, or .delete()d)")

@@ -83,6 +83,54 @@ def test_orbax_save_rejects_bad_params_and_cache(tmp_path):
         restore_checkpoint(tmp_path / "nothing")
 
 
+def test_orbax_overwrite_replaces_the_old_checkpoint_only_once_the_new_one_is_complete(tmp_path, monkeypatch):
+    """overwrite=True: arrays that cannot be saved (deleted: donated to an earlier call; abstract)
+    are refused before anything is written, and a failure while writing leaves the old checkpoint
+    restorable and no staging directory behind."""
+    from jax_sparse_mla import checkpoint
+
+    params, cache = init_params(TINY, jax.random.key(0)), init_cache(TINY, 4)
+    path = tmp_path / "ckpt"
+    save_checkpoint(path, params, cache, config=TINY)
+
+    def assert_old_checkpoint():
+        _, got, got_cache = restore_checkpoint(path, config=TINY)
+        for name in params:
+            np.testing.assert_array_equal(_bits(got[name]), _bits(params[name]))
+        assert got_cache.num_pages == 4
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging directory left
+
+    newer = {k: v + 1 for k, v in params.items()}
+    donated = init_cache(TINY, 4)
+    donated.index_k.delete()
+    with pytest.raises(ValueError, match="cache.index_k has been deleted"):
+        save_checkpoint(path, newer, donated, config=TINY, overwrite=True)
+    deleted = {**newer, "o_proj.weight": newer["o_proj.weight"] * 2}
+    deleted["o_proj.weight"].delete()
+    with pytest.raises(ValueError, match=r"params\['o_proj.weight'\] has been deleted"):
+        save_checkpoint(path, deleted, config=TINY, overwrite=True)
+    abstract = {**newer, "q_a_proj.weight": jax.ShapeDtypeStruct(newer["q_a_proj.weight"].shape, jnp.float32)}
+    with pytest.raises(ValueError, match=r"params\['q_a_proj.weight'\] is a ShapeDtypeStruct, not an array with data"):
+        save_checkpoint(path, abstract, config=TINY, overwrite=True)
+    assert_old_checkpoint()
+
+    real = checkpoint._orbax_save
+
+    def fails_after_writing(target, items):
+        real(target, items)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint, "_orbax_save", fails_after_writing)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(path, newer, config=TINY, overwrite=True)
+    assert_old_checkpoint()
+    monkeypatch.setattr(checkpoint, "_orbax_save", real)
+    save_checkpoint(path, newer, config=TINY, overwrite=True)
+    _, got, got_cache = restore_checkpoint(path)
+    assert got_cache is None and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    np.testing.assert_array_equal(_bits(got["o_proj.weight"]), _bits(newer["o_proj.weight"]))
+
+
 # ---- Hugging Face safetensors ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("index", [True, False], ids=["sharded+index", "single-file"])

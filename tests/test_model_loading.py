@@ -296,3 +296,48 @@ def test_stack_errors_name_the_layer_and_the_array(stack, tmp_path):
     path = damaged("nocache", lambda p: shutil.rmtree(p / "layer_2" / "cache"))
     with pytest.raises(ValueError, match="layer 2 of .*: the saved cache are missing or damaged"):
         restore_model_checkpoint(path)
+
+
+def test_stack_overwrite_replaces_the_old_stack_only_once_the_new_one_is_complete(stack, tmp_path, monkeypatch):
+    """save_model_checkpoint(overwrite=True) with one layer's cache donated (deleted) is refused
+    before anything is written; a failure injected while writing (after layer 0 is written) leaves
+    the old stack restorable; no staging directory is left behind either way."""
+    from jax_sparse_mla import checkpoint
+
+    config, layers, caches, _ = stack
+    path = tmp_path / "model"
+    save_model_checkpoint(path, layers[:2], caches[:2], config=config)
+
+    def assert_old_stack():
+        _, got_layers, got_caches = restore_model_checkpoint(path, config=config)
+        assert len(got_layers) == len(got_caches) == 2
+        for i in range(2):
+            assert_same_arrays(got_layers[i], layers[i], f"layer {i}")
+            np.testing.assert_array_equal(bits(got_caches[i].latent), bits(caches[i].latent))
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+    newer = [{k: v * 2 for k, v in p.items()} for p in layers]
+    donated = [_filled_cache(config, 4, i) for i in range(3)]
+    donated[1].k_pe.delete()
+    with pytest.raises(ValueError, match="layer 1: cache.k_pe has been deleted"):
+        save_model_checkpoint(path, newer, donated, config=config, overwrite=True)
+    assert_old_stack()
+
+    real, calls = checkpoint.save_checkpoint, []
+
+    def fails_at_layer_1(directory, *args, **kw):
+        calls.append(directory)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        real(directory, *args, **kw)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", fails_at_layer_1)
+    with pytest.raises(OSError, match="disk full"):
+        save_model_checkpoint(path, newer, config=config, overwrite=True)
+    assert len(calls) == 2
+    assert_old_stack()
+    monkeypatch.setattr(checkpoint, "save_checkpoint", real)
+    save_model_checkpoint(path, newer, config=config, overwrite=True)
+    _, got_layers, got_caches = restore_model_checkpoint(path)
+    assert got_caches is None and len(got_layers) == 3 and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert_same_arrays(got_layers[2], newer[2], "layer 2")

@@ -13,12 +13,11 @@ import pytest
 from jax_sparse_mla import BucketPolicy, MLAConfig, Request, plan_batch
 from jax_sparse_mla import kernels as kernel_ops
 from jax_sparse_mla.precompile import count_programs, enable_persistent_cache, enumerate_plans, precompile
-from tests.support import run_python, scored_plan
+from tests.support import COMPILE_EVENT, run_python, scored_plan
 
 TINY = MLAConfig.tiny()
 LIMITS = dict(num_pages=17, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=32)
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
-# the persistent compilation cache's lookups (jax._src.compiler); a hit also reports _COMPILE_EVENT
+# the persistent compilation cache's lookups (jax._src.compiler); a hit also reports COMPILE_EVENT
 _CACHE_HIT, _CACHE_MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
 
 
@@ -113,7 +112,7 @@ def test_after_precompile_a_serving_run_compiles_nothing(tmp_path):
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, secs, **kw: compiles.append(kw.get("fun_name"))
-        if event == _COMPILE_EVENT and "forward" in str(kw.get("fun_name")) else None)
+        if event == COMPILE_EVENT and "forward" in str(kw.get("fun_name")) else None)
     # one sequence a step: 9 programs instead of LIMITS' 41 (an XLA compile on a CPU costs ~3 s),
     # masked and unmasked steps in the run; two-sequence batches: the Engine.precompile test below
     # and the serving tests
@@ -281,7 +280,7 @@ def test_engine_precompile_call_leaves_nothing_to_compile():
     assert report.per_route == {"cond": report.num_programs} and report.method == "call"
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **kw: compiles.append(kw.get("fun_name")) if event == _COMPILE_EVENT else None)
+        lambda event, secs, **kw: compiles.append(kw.get("fun_name")) if event == COMPILE_EVENT else None)
     result = engine.run(Workload(num_requests=4, input_len=12, output_len=5, input_range_ratio=0.9, seed=1),
                         progress=False)
     assert compiles == [] and all(s.new_programs == 0 for s in result.steps)

@@ -8,9 +8,7 @@ session may already have imported the fuser, which would hide the recompile); co
 with jax.monitoring's backend-compile duration events of `forward`.
 """
 
-from tests.support import run_python
-
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+from tests.support import COMPILE_EVENT, run_python
 
 
 def _scenario():
@@ -24,7 +22,7 @@ def _scenario():
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, secs, **kw: compiles.append(kw.get("fun_name"))
-        if event == _COMPILE_EVENT and "forward" in str(kw.get("fun_name")) else None)
+        if event == COMPILE_EVENT and "forward" in str(kw.get("fun_name")) else None)
     config = MLAConfig.tiny()
     params = init_params(config, jax.random.key(0))
     cache = init_cache(config, 16)

@@ -165,6 +165,29 @@ def test_no_compilation_after_warmup_over_1000_random_steps():
     assert all(p.num_tokens == BUDGET and p.pages_per_seq == 8 for p in plans)
 
 
+@pytest.mark.parametrize("block,dtype", [("attention", "float32"), ("decoder", "bfloat16")])
+def test_after_warmup_a_serving_run_compiles_nothing(block, dtype):
+    """Engine.warmup covers every program a step runs (the row gather of its token ids, the
+    layers, the residual adds; the decoder block's norms and MoE): a run of mixed prefill /
+    decode steps after it compiles nothing, outputs collected included."""
+    import jax
+
+    from tests.support import compiled_functions
+
+    jax.clear_caches()  # programs an earlier test compiled would hide one that warm-up misses
+    engine = Engine(MLAConfig.tiny(dtype=dtype), num_layers=2, num_pages=48, max_num_batched_tokens=16,
+                    max_num_seqs=4, block=block)
+    w = Workload(5, input_len=12, output_len=4, input_range_ratio=0.5, concurrency=3, seed=1)
+    assert engine.warmup(w) > 0
+    with compiled_functions() as compiled:
+        result = engine.run(w, progress=False, collect_outputs=True)
+    assert compiled == [], compiled
+    assert all(r.finished for r in result.requests) and sum(s.new_programs for s in result.steps) == 0
+    assert any(s.num_prefills and s.num_decodes for s in result.steps)  # mixed steps
+    assert any(s.num_prefills and not s.num_decodes for s in result.steps)
+    assert any(s.num_decodes and not s.num_prefills for s in result.steps)
+
+
 # --- host-side refusal of bad input (before any device work) ------------------------------------
 
 @pytest.mark.parametrize("args,message", [
@@ -273,6 +296,60 @@ def test_engine_options_are_checked_at_construction_and_per_run(kwargs, message)
 def test_engine_arguments_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Engine(TINY, **{**dict(num_layers=1, num_pages=8), **kwargs})
+
+
+def _spoil(arrays, name, how):
+    """A copy of the dict `arrays` with `name` removed, reshaped, cast to int32 or given a NaN / inf."""
+    import jax.numpy as jnp
+
+    arrays = dict(arrays)
+    a = arrays[name]
+    if how == "missing":
+        del arrays[name]
+    elif how == "shape":
+        arrays[name] = a[..., :-1]
+    elif how == "int32":
+        arrays[name] = a.astype(jnp.int32)
+    else:
+        arrays[name] = a.at[(0,) * a.ndim].set(jnp.nan if how == "nan" else jnp.inf)
+    return arrays
+
+
+@pytest.mark.parametrize("name,how,message", [
+    ("indexer.wk.weight", "missing", "layer 1: params has no 'indexer.wk.weight'"),
+    ("o_proj.weight", "shape", r"layer 1: params\['o_proj.weight'\] has shape \(64, 63\), expected \(64, 64\)"),
+    ("kv_a_layernorm.weight", "int32", r"layer 1: params\['kv_a_layernorm.weight'\] has dtype int32"),
+    ("q_b_proj.weight", "nan", r"layer 1: params\['q_b_proj.weight'\] has non-finite values"),
+])
+def test_engine_checks_every_layers_params_at_construction(name, how, message):
+    import jax
+    from jax_sparse_mla import init_params
+
+    good = init_params(TINY, jax.random.key(0))
+    with pytest.raises(ValueError, match=message):
+        Engine(TINY, num_layers=2, num_pages=8, params=[good, _spoil(good, name, how)])
+    with pytest.raises(ValueError, match="params must be a list of per-layer dicts, got dict"):
+        Engine(TINY, num_layers=2, num_pages=8, params=good)
+
+
+@pytest.mark.parametrize("name,how,message", [
+    ("router.weight", "missing", "layer 1: block_params has no 'router.weight'"),
+    ("experts.up", "shape", r"layer 1: block_params\['experts.up'\] has shape \(8, 64, 31\), expected \(8, 64, 32\)"),
+    ("ffn_norm.weight", "int32", r"layer 1: block_params\['ffn_norm.weight'\] has dtype int32"),
+    ("experts.down", "inf", r"layer 1: block_params\['experts.down'\] has non-finite values"),
+    ("attn_norm.weight", "nan", r"layer 1: block_params\['attn_norm.weight'\] has non-finite values"),
+])
+def test_engine_checks_every_layers_block_params_at_construction(name, how, message):
+    import jax
+    from jax_sparse_mla.serving.block import MoEConfig, init_block_params
+
+    good = init_block_params(TINY, MoEConfig.tiny(), jax.random.key(0))
+    with pytest.raises(ValueError, match=message):
+        Engine(TINY, num_layers=2, num_pages=8, block="decoder", block_params=[good, _spoil(good, name, how)])
+    with pytest.raises(ValueError, match=r"layer 0: block_params\['router.weight'\] has shape \(64, 8\), "
+                                         r"expected \(64, 4\)"):  # the block params of another MoEConfig
+        Engine(TINY, num_layers=2, num_pages=8, block="decoder", moe=MoEConfig.tiny(num_experts=4),
+               block_params=[good, good])
 
 
 def test_run_arguments_are_checked():

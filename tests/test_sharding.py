@@ -18,17 +18,21 @@ from tests.support.sharding import PAGES, ROUTES, TINY, mesh_errors
 # (data, tensor) meshes: tensor, data and mixed; and whether the indexer splits its scoring by
 # rows over the tensor shards for every group it divides (INDEXER_SPLIT_MIN_ROWS 1; by default
 # the tiny batches are far below it: every shard scores every row). A mesh takes the first
-# data x tensor of 8 virtual devices; all run in one subprocess (the CPU suite's budget), the fp8
-# split last (UPFRONT_MIN_USES 1, so that the tiny config's long prefill splits).
+# data x tensor of 8 virtual devices; all run in one subprocess (the CPU suite's budget), with
+# dispatch="cond" plans on a (1, 2) and a (1, 4) mesh, the fp8 split last (UPFRONT_MIN_USES 1, so
+# that the tiny config's long prefill splits).
 MESHES = [((1, 2), False), ((2, 1), False), ((2, 4), False), ((2, 2), True), ((1, 4), True)]
 TOL = 1e-4
 _MESH_RUN = f"""
 import json
 from jax_sparse_mla import policy
-from tests.support.sharding import mesh_errors
+from tests.support.sharding import cond_refusal_on_data_shards, mesh_errors
 results = mesh_errors({[m for m, split in MESHES if not split]!r})
+results["cond 1x2"] = mesh_errors([(1, 2)], dispatch="cond")["1x2"]
+results["cond 2x1 refusal"] = cond_refusal_on_data_shards()
 policy.INDEXER_SPLIT_MIN_ROWS = 1
 results.update(mesh_errors({[m for m, split in MESHES if split]!r}))
+results["cond 1x4 split"] = mesh_errors([(1, 4)], dispatch="cond")["1x4"]
 policy.INDEXER_SPLIT_MIN_ROWS = {policy.INDEXER_SPLIT_MIN_ROWS}
 policy.UPFRONT_MIN_USES = 1
 results["fp8 2x2"] = mesh_errors([(2, 2)], "fp8")["2x2"]
@@ -64,6 +68,22 @@ def test_fp8_split_mesh_matches_one_device(mesh_results):
     r = mesh_results["fp8 2x2"]
     assert r["routes"] == ROUTES and r["err"] < TOL, r
     assert r["splits"][0] > 0  # step 1: the long prefill's rows over their own pages
+
+
+@pytest.mark.parametrize("name,split_rows", [("cond 1x2", False), ("cond 1x4 split", True)])
+def test_cond_plan_mesh_matches_one_device(mesh_results, name, split_rows):
+    """A plan_batch(..., dispatch="cond") plan through sharded_forward (its scalar dense_flag
+    replicated over the mesh): both branches, each step as the one-device forward of the same
+    cond plan gives it; with the indexer's rows split over the tensor shards (all_gather inside
+    the branch) too."""
+    r = mesh_results[name]
+    assert r["routes"] == ROUTES and r["err"] < TOL, r
+    assert (4 in r["indexer_shards"]) == split_rows, r["indexer_shards"]
+
+
+def test_cond_plan_on_a_mesh_with_data_shards_is_refused_up_front(mesh_results):
+    assert 'a dispatch="cond" plan' in mesh_results["cond 2x1 refusal"] and \
+        "plan_data_parallel" in mesh_results["cond 2x1 refusal"]
 
 
 def test_param_specs_split_heads():
@@ -205,6 +225,19 @@ def test_data_parallel_step_refuses_lists_and_plans_of_other_types():
         with pytest.raises(ValueError, match=message):
             data_parallel_step(**{**dict(params=[{}], hidden=[np.zeros(1)], caches=[None], plans=[None], config=TINY),
                                   **kwargs})
+def test_data_parallel_checks_every_device_before_running_any():
+    """A bad input for device 1 (a hidden row too many, a plan for another cache size or tensor
+    axis, params missing a tensor, a deleted cache) is refused naming device 1 and the input,
+    before device 0 runs: device 0's cache is not donated."""
+    r = run_with_cpu_devices("import json; from tests.support.sharding import device_parallel_refusals; "
+                             "print('RESULT', json.dumps(device_parallel_refusals()))", devices=2)
+    expected = {"hidden": "hidden has shape", "pages": "validated for 16 pages, the cache has 32",
+                "tensor": "tensor axis of size 2", "params": "params has no 'indexer.wk.weight'",
+                "deleted": "cache.latent has been deleted"}
+    for name, fragment in expected.items():
+        assert r[name]["message"] is not None and r[name]["message"].startswith("data shard 1: "), r[name]
+        assert fragment in r[name]["message"], r[name]
+        assert r[name]["device 0 cache alive"], (name, r[name])
 
 
 def test_a_shard_config_is_checked_against_the_layer_plan():

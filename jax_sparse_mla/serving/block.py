@@ -93,6 +93,8 @@ class MoEConfig:
 
 
 def block_param_shapes(config: MLAConfig, moe: MoEConfig) -> dict[str, tuple[int, ...]]:
+    """Block param name -> shape (the weight layout above; the shared expert's only when
+    moe.num_shared_experts > 0)."""
     h, e, i, s = config.hidden_size, moe.num_experts, moe.intermediate_size, moe.shared_size
     shapes = {"attn_norm.weight": (h,), "ffn_norm.weight": (h,), "router.weight": (h, e),
               "experts.gate": (e, h, i), "experts.up": (e, h, i), "experts.down": (e, i, h)}
@@ -159,7 +161,8 @@ def moe_ffn(params, x, moe: MoEConfig):
 
 def check_block_params(params, config: MLAConfig, moe: MoEConfig, what: str = "block_params") -> None:
     """ValueError naming config or moe if not an MLAConfig / a MoEConfig, else `what` or its first
-    missing, non-float, misshapen or unexpected entry (params.check_arrays with block_param_shapes)."""
+    missing, non-float, misshapen or unexpected entry (params.check_arrays with block_param_shapes).
+    Values are not read (see params.check_finite)."""
     check_config_type(config)
     check_type(moe, "moe", MoEConfig, "a MoEConfig")
     check_arrays(params, block_param_shapes(config, moe), what)

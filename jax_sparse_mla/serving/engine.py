@@ -18,7 +18,7 @@ from ..cache import init_cache
 from ..config import MLAConfig, check_config_type
 from ..kernels import check_kernels
 from ..model import jit_forward
-from ..params import check_params, init_params
+from ..params import check_finite, check_params, init_params
 from ..plan import DISPATCH_MODES, BatchMeta, BucketPolicy, Request, check_slot_range, plan_batch
 from ..policy import check_prefill_route
 from ..validate import as_bool, as_int, is_int
@@ -125,17 +125,6 @@ class _Running:
         return self.computed < self.spec.input_len
 
 
-def _check_layers(layers, what: str, num_layers: int, check: Callable[[object, str], None]) -> None:
-    """ValueError naming `what` unless it is a sequence of num_layers entries, or naming
-    `what[layer]` (check(entry, name) raises) for the first bad entry."""
-    if isinstance(layers, (str, bytes, Mapping)) or not isinstance(layers, Sequence):
-        raise ValueError(f"{what} must be a list with one dict of arrays per layer, got {type(layers).__name__}")
-    if len(layers) != num_layers:
-        raise ValueError(f"got {len(layers)} layers of {what} for num_layers={num_layers}")
-    for layer, entry in enumerate(layers):
-        check(entry, f"{what}[{layer}]")
-
-
 @jax.jit
 def _gather_rows(pool, rows):
     """pool [P + 1, hidden] (last row zeros), rows [T] int32 -> [T, hidden]."""
@@ -153,8 +142,10 @@ class Engine:
     params: list of N per-layer param dicts (default: init_params with keys fold_in(seed, layer)).
     block_params: list of N per-layer decoder-block param dicts (norms, router, experts; default
       serving.block.init_block_params with keys fold_in(seed, 2**21 + layer)); decoder only.
-      Both are checked here (params.check_params, block.check_block_params): ValueError naming
-      params[layer] / block_params[layer] and the entry.
+    Given params and block_params are checked here, every layer before any step runs: each
+    tensor present, an array of the right shape, floating (params.check_params,
+    block.check_block_params) and finite (params.check_finite); ValueError naming the layer and
+    the tensor (`layer 1: block_params['ffn_norm.weight'] has dtype int32, ...`).
     caches: one PagedCache of num_pages pages per layer (donated and replaced every step).
     pool: [pool_size + 1, hidden_size] seeded random token hidden states (the last row is zeros,
       used for padding rows).
@@ -178,20 +169,20 @@ class Engine:
             raise ValueError('moe and block_params are for block="decoder"')
         self.options = EngineOptions().with_overrides(options)
         key = jax.random.key(seed)
+        self.block = block
+        self.moe = (moe or MoEConfig.for_config(config)) if block == "decoder" else None
         if params is None:
             params = [init_params(config, jax.random.fold_in(key, layer)) for layer in range(num_layers)]
         else:
-            _check_layers(params, "params", num_layers, lambda p, what: check_params(p, config, what))
-        self.params = list(params)
-        self.block = block
-        self.moe = (moe or MoEConfig.for_config(config)) if block == "decoder" else None
+            _check_layers(params, num_layers, "params", lambda p, what: check_params(p, config, what))
         if block == "decoder":
             if block_params is None:
                 block_params = [_block.init_block_params(config, self.moe, jax.random.fold_in(key, (1 << 21) + layer))
                                 for layer in range(num_layers)]
             else:
-                _check_layers(block_params, "block_params", num_layers,
+                _check_layers(block_params, num_layers, "block_params",
                               lambda p, what: _block.check_block_params(p, config, self.moe, what))
+        self.params = list(params)
         self.block_params = list(block_params) if block_params is not None else None
         self.caches = [init_cache(config, num_pages) for _ in range(num_layers)]
         pool = jax.random.normal(jax.random.fold_in(key, 1 << 20), (pool_size, config.hidden_size), jnp.float32)
@@ -211,6 +202,14 @@ class Engine:
         return np.asarray(self.pool[self.token_rows(spec)].astype(jnp.float32))
 
     # ---- one step -------------------------------------------------------------------------
+    def _step_input(self, num_tokens: int, rows: np.ndarray | Sequence[int] = ()) -> jax.Array:
+        """A step's x [num_tokens, hidden]: the pool rows `rows` (host ints), then zero rows (padding).
+        The row ids go to _gather_rows as a host numpy array (a transfer, no program of its own:
+        jnp.asarray would compile one per shape), so every step compiles only what warm-up ran."""
+        ids = np.full(num_tokens, self.pool_size, np.int32)
+        ids[:len(rows)] = rows
+        return _gather_rows(self.pool, ids)
+
     def _forward(self, plan, meta, x, kernels: str):
         """x [plan.num_tokens, hidden] through every layer (residual) -> x, caches updated."""
         for layer, params in enumerate(self.params):
@@ -238,8 +237,7 @@ class Engine:
             if plan in seen:
                 continue
             seen.add(plan)
-            rows = jnp.full((plan.num_tokens,), self.pool_size, jnp.int32)  # the zero row
-            self._forward(plan, meta, _gather_rows(self.pool, rows), opts.kernels).block_until_ready()
+            self._forward(plan, meta, self._step_input(plan.num_tokens), opts.kernels).block_until_ready()
         return jit_forward._cache_size() - before
 
     def precompile(self, *, method: str = "auto", cache_dir: str | None = None, max_model_len: int | None = None,
@@ -263,16 +261,15 @@ class Engine:
                                 max_model_len=max_model_len, **kw)
 
         def call(plan):
-            rows = jnp.full((plan.num_tokens,), self.pool_size, jnp.int32)  # the zero row
-            meta = jax.tree.map(jnp.asarray, BatchMeta.empty(plan))
-            self._forward(plan, meta, _gather_rows(self.pool, rows), opts.kernels).block_until_ready()
+            meta = jax.device_put(BatchMeta.empty(plan))
+            self._forward(plan, meta, self._step_input(plan.num_tokens), opts.kernels).block_until_ready()
 
         report = precompile(self.config, opts.buckets, num_pages=self.num_pages, max_num_seqs=opts.max_num_seqs,
                             max_num_batched_tokens=opts.max_num_batched_tokens, kernels=opts.kernels,
                             params=self.params[0], method=method, cache_dir=cache_dir, plans=plans,
                             call=call, progress=progress)
         for n in sorted({p.num_tokens for p in plans}):
-            x = _gather_rows(self.pool, jnp.full((n,), self.pool_size, jnp.int32))
+            x = self._step_input(n)
             if self.block == "decoder":  # the block's norm and MoE programs, one per num_tokens
                 attn_in = _block.attn_input(self.block_params[0], x, config=self.config)
                 x = _block.ffn_residual(self.block_params[0], x + attn_in, config=self.config, moe=self.moe)
@@ -285,15 +282,15 @@ class Engine:
         picked by position. Returns (x [plan.num_tokens, hidden] after the last layer, plan)."""
         opts = self.options.with_overrides(overrides)
         plan, meta = plan_batch(self.config, list(requests), num_pages=self.num_pages, **opts.plan_kwargs())
-        rows = np.full(plan.num_tokens, self.pool_size, np.int32)
-        n = sum(r.query_len for r in requests)
-        rows[:n] = np.arange(n) % self.pool_size
-        return self._forward(plan, meta, _gather_rows(self.pool, jnp.asarray(rows)), opts.kernels), plan
+        rows = np.arange(sum(r.query_len for r in requests)) % self.pool_size
+        return self._forward(plan, meta, self._step_input(plan.num_tokens, rows), opts.kernels), plan
 
     def warmup(self, workload: Workload | Sequence[RequestSpec], **overrides) -> int:
         """Compiles every program a run of this workload will need: a dry run of the scheduler
-        (no device work, zero step times) collects the batches, then compile_batches. Exact when
-        arrivals do not depend on timing (request_rate=inf); otherwise best effort."""
+        (no device work, zero step times) collects the batches, then compile_batches runs each
+        distinct plan's step (its row gather, layers and residual adds) once, so that the run
+        compiles nothing at all. Exact when arrivals do not depend on timing
+        (request_rate=inf); otherwise best effort."""
         batches: list[list[Request]] = []
         self.run(workload, progress=False, _dry_run=batches, **overrides)
         return self.compile_batches(batches, **overrides)
@@ -360,14 +357,13 @@ class Engine:
                     _dry_run.append(requests)
                     t_fwd = t1 = t0
                 else:
-                    rows = np.full(plan.num_tokens, self.pool_size, np.int32)
-                    rows[:n_real] = np.concatenate([r.token_rows[r.computed:r.computed + n] for r, n in work])
+                    rows = np.concatenate([r.token_rows[r.computed:r.computed + n] for r, n in work])
                     t_fwd = time.perf_counter()
-                    x = self._forward(plan, meta, _gather_rows(self.pool, jnp.asarray(rows)), opts.kernels)
+                    x = self._forward(plan, meta, self._step_input(plan.num_tokens, rows), opts.kernels)
                     x.block_until_ready()
                     t1 = time.perf_counter()
                     if collect_outputs:
-                        host = np.asarray(x.astype(jnp.float32))
+                        host = np.asarray(x).astype(np.float32)  # on the host: no cast program to compile
                         row = 0
                         for r, n in work:
                             outputs.setdefault(r.spec.id, []).append(host[row:row + n])
@@ -397,6 +393,21 @@ class Engine:
             outputs = {k: np.concatenate(v) for k, v in outputs.items()}
         return ServeResult(requests=sorted(metrics, key=lambda m: m.id), steps=steps, duration_s=clock,
                            wall_s=time.perf_counter() - wall0, outputs=outputs)
+
+
+def _check_layers(layers, num_layers: int, what: str, check: Callable[[dict, str], None]) -> None:
+    """Per-layer dicts of arrays (the Engine argument `what`): one per layer, each passing
+    check(layer's dict, what) and params.check_finite; ValueError naming the layer and the tensor."""
+    if isinstance(layers, (Mapping, str, bytes)) or not isinstance(layers, Sequence):
+        raise ValueError(f"{what} must be a list of per-layer dicts, got {type(layers).__name__}")
+    if len(layers) != num_layers:
+        raise ValueError(f"got {len(layers)} layers of {what} for num_layers={num_layers}")
+    for layer, arrays in enumerate(layers):
+        try:
+            check(arrays, what)
+            check_finite(arrays, what)
+        except ValueError as e:
+            raise ValueError(f"layer {layer}: {e}") from None
 
 
 def _schedule(running: list[_Running], waiting: deque[tuple[RequestSpec, RequestMetrics]],

@@ -6,6 +6,7 @@ one call into each op per backend (the only place to adapt when a kernel signatu
 the backends' limits; `tests.support.cases` the input builders more than one op's suite uses.
 """
 
+import contextlib
 import json
 import os
 import pathlib
@@ -26,6 +27,26 @@ INTERPRET = not ON_GPU
 # test that runs an interpreted kernel over thousands of programs jits that one call with these
 # options (-O2, XLA's default): at -O0 the 4096-row top-k took 5x longer.
 OPTIMIZED = {"xla_backend_optimization_level": 2}
+
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+
+
+@contextlib.contextmanager
+def compiled_functions():
+    """Yields a list that collects the name of every function XLA compiles inside the block
+    (jax.monitoring's backend-compile events, e.g. 'jit(forward)')."""
+    names = []
+
+    def listener(event, secs, **kw):
+        if event == COMPILE_EVENT:
+            names.append(kw.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def quantize_fp8_blocks(w):

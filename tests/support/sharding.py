@@ -27,10 +27,12 @@ STEPS = [
 ROUTES = ["dense", "sparse", "dense", "sparse"]
 
 
-def mesh_errors(meshes, kv_cache_dtype="bfloat16"):
+def mesh_errors(meshes, kv_cache_dtype="bfloat16", dispatch="static"):
     """For each (data, tensor) mesh: the largest relative error of any step's output rows and of the
     final caches against one-device forward runs of each shard's own batch, the step routes and
-    the plans' fp8 splits (BatchPlan.num_upfront_rows)."""
+    the plans' fp8 splits (BatchPlan.num_upfront_rows). dispatch="cond" (meshes with one data
+    shard): the step is plan_batch's cond plan, and its route the program dense_flag picks; the
+    one-device runs use cond plans too."""
     config = dataclasses.replace(TINY, kv_cache_dtype=kv_cache_dtype)
     rng = np.random.default_rng(0)
     params = init_params(config, jax.random.key(0))
@@ -60,8 +62,13 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16"):
                     seqs[d][sid][1] += n
                 shards.append(reqs)
                 rows.append(np.concatenate(x) if x else np.zeros((0, config.hidden_size), np.float32))
-            plan, meta = plan_data_parallel(config, shards, pages_per_shard=PAGES, tensor_parallel=tp)
-            routes.append(plan.route)
+            if dispatch == "cond":
+                assert dp == 1, "cond plans come from plan_batch: one data shard"
+                plan, meta = plan_batch(config, shards[0], num_pages=PAGES, dispatch="cond", tensor_parallel=tp)
+                routes.append("dense" if int(meta.dense_flag) else "sparse")
+            else:
+                plan, meta = plan_data_parallel(config, shards, pages_per_shard=PAGES, tensor_parallel=tp)
+                routes.append(plan.route)
             splits.append(plan.num_upfront_rows)
             indexer_shards += [g.indexer_shards for g in plan.groups]
             T = plan.num_tokens
@@ -75,7 +82,7 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16"):
                 assert not np.any(out[d * T + len(rows[d]):(d + 1) * T]), "padding rows must give 0"
                 if not shards[d]:
                     continue
-                p1, m1 = plan_batch(config, shards[d], num_pages=PAGES)
+                p1, m1 = plan_batch(config, shards[d], num_pages=PAGES, dispatch=dispatch)
                 x1 = np.zeros((p1.num_tokens, config.hidden_size), np.float32)
                 x1[:len(rows[d])] = rows[d]
                 ref, local_caches[d] = jit_forward(params, jnp.asarray(x1), local_caches[d], m1, plan=p1, config=config)
@@ -97,6 +104,19 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16"):
             "wq_b_rows": sorted(s.data.shape[0] for s in sharded_params["indexer.wq_b.weight"].addressable_shards),
             "indexer_shards": indexer_shards}
     return results
+
+
+def cond_refusal_on_data_shards():
+    """The ValueError sharded_forward raises for a dispatch="cond" plan on a (2, 1) mesh."""
+    mesh = make_mesh(2, 1)
+    plan, meta = plan_batch(TINY, [Request(0, 5, [0, 1])], num_pages=PAGES, dispatch="cond")
+    try:
+        jit_sharded_forward(shard_params(init_params(TINY, jax.random.key(0)), mesh, TINY),
+                            jnp.zeros((2 * plan.num_tokens, TINY.hidden_size)), init_sharded_cache(TINY, mesh, PAGES),
+                            meta, mesh=mesh, plan=plan, config=TINY)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 # Steps per device for data_parallel: each device's own requests, routes differing by device.
@@ -162,3 +182,39 @@ def device_parallel_errors(kv_cache_dtype="bfloat16"):
             a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
             worst = max(worst, float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)))
     return {"err": worst, "routes": routes, "placed": bool(placed)}
+
+
+def device_parallel_refusals():
+    """data_parallel_step on 2 devices with device 0's inputs good and one of device 1's bad:
+    for each bad input, the error message and whether device 0's cache is still alive (not
+    donated to a step that ran before the refusal)."""
+    from jax_sparse_mla.data_parallel import data_parallel_step, init_device_caches, plan_shards, replicate_params
+
+    devices = jax.devices()[:2]
+    params = replicate_params(init_params(TINY, jax.random.key(0)), devices)
+    shards = [[Request(0, 5, [0, 1])], [Request(0, 9, [2, 3, 4])]]
+    plans = plan_shards(TINY, shards, devices, pages_per_device=PAGES)
+    hidden = [jnp.zeros((p.num_tokens, TINY.hidden_size), jnp.float32) for p, _ in plans]
+    other_pages = plan_shards(TINY, shards, devices, pages_per_device=PAGES // 2)[1]
+    other_tensor = plan_batch(TINY, shards[1], num_pages=PAGES, tensor_parallel=2)
+    no_wk = {k: v for k, v in params[1].items() if k != "indexer.wk.weight"}
+    bad = {"hidden": dict(hidden=[hidden[0], jnp.zeros((hidden[1].shape[0] + 1, TINY.hidden_size))]),
+           "pages": dict(plans=[plans[0], other_pages]),
+           "tensor": dict(plans=[plans[0], other_tensor]),
+           "params": dict(params=[params[0], no_wk]),
+           "deleted": dict(caches="delete 1")}
+    out = {}
+    for name, changes in bad.items():
+        caches = init_device_caches(TINY, devices, PAGES)
+        if changes.get("caches") == "delete 1":
+            caches[1].latent.delete()
+        args = dict(params=params, hidden=hidden, caches=caches, plans=plans)
+        args.update({k: v for k, v in changes.items() if k != "caches"})
+        try:
+            data_parallel_step(args["params"], args["hidden"], args["caches"], args["plans"], config=TINY)
+            message = None
+        except ValueError as e:
+            message = str(e)
+        out[name] = {"message": message,
+                     "device 0 cache alive": not any(a.is_deleted() for a in jax.tree.leaves(caches[0]))}
+    return out
