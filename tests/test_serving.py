@@ -435,15 +435,15 @@ def test_engine_and_block_params_of_other_types_are_refused_by_name():
     bp = init_block_params(TINY, moe, jax.random.key(1))
     kw = dict(num_layers=2, num_pages=8)
     for kwargs, message in [
-        (dict(params=params), "params must be a list with one dict of arrays per layer, got dict"),
+        (dict(params=params), "params must be a list of per-layer dicts, got dict"),
         (dict(params=3), "params must be a list .*got int"),
-        (dict(params=[params, None]), r"params\[1\] must be a dict of arrays, got NoneType"),
-        (dict(params=[params, {**params, "o_proj.weight": None}]), r"params\[1\]\['o_proj.weight'\] is a NoneType"),
-        (dict(params=[params, {}]), r"params\[1\] has no 'q_a_proj.weight'"),
+        (dict(params=[params, None]), r"layer 1: params must be a dict of arrays, got NoneType"),
+        (dict(params=[params, {**params, "o_proj.weight": None}]), r"layer 1: params\['o_proj.weight'\] is a NoneType"),
+        (dict(params=[params, {}]), r"layer 1: params has no 'q_a_proj.weight'"),
         (dict(block="decoder", block_params=bp), "block_params must be a list .*got dict"),
-        (dict(block="decoder", block_params=[bp, ()]), r"block_params\[1\] must be a dict of arrays, got tuple"),
+        (dict(block="decoder", block_params=[bp, ()]), r"layer 1: block_params must be a dict of arrays, got tuple"),
         (dict(block="decoder", block_params=[bp, {**bp, "router.weight": bp["router.weight"][:, :3]}]),
-         r"block_params\[1\]\['router.weight'\] has shape \(64, 3\), expected \(64, 8\)"),
+         r"layer 1: block_params\['router.weight'\] has shape \(64, 3\), expected \(64, 8\)"),
     ]:
         with pytest.raises(ValueError, match=message):
             Engine(TINY, **kw, **kwargs)

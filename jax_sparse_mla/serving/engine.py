@@ -111,6 +111,24 @@ class EngineOptions:
 
 
 @dataclasses.dataclass
+class _InFlight:
+    """A step dispatched to the device and not yet waited for (Engine.run): what recording it needs."""
+
+    work: list
+    plan: object
+    meta: BatchMeta
+    x: jax.Array | None  # the last layer's output (None in a dry run)
+    emitters: list[RequestMetrics]  # requests that output a token in this step
+    num_decodes: int
+    prefill_tokens: int
+    new_programs: int
+    begin_s: float  # the run's clock: scheduling began
+    planned_s: float  # planned (plan_batch returned)
+    dispatch_s: float  # the first layer's dispatch began
+    dispatched_s: float  # the last layer's dispatch returned
+
+
+@dataclasses.dataclass
 class _Running:
     """A request admitted to the engine (holding its pages) until it finishes."""
 
@@ -119,6 +137,7 @@ class _Running:
     token_rows: np.ndarray  # [cache_len] pool row of each token this request feeds
     metrics: RequestMetrics
     computed: int = 0  # tokens in the cache
+    emitted: int = 0  # output tokens of the steps dispatched so far
 
     @property
     def prefilling(self) -> bool:
@@ -329,66 +348,100 @@ class Engine:
         metrics: list[RequestMetrics] = []
         steps: list[StepRecord] = []
         outputs = {} if collect_outputs else None
-        clock, wall0 = 0.0, time.perf_counter()
+        wall0 = time.perf_counter()
+        skipped = 0.0  # idle time jumped over (no request in the engine until the next arrival)
+        last_end = 0.0  # the run's clock when the last recorded step ended
+
+        def now() -> float:  # the run's clock (a dry run's stands still between arrivals)
+            return skipped + (0.0 if dry else time.perf_counter() - wall0)
+
+        def finish(step: _InFlight) -> None:  # waits for a dispatched step, then records it
+            nonlocal last_end
+            if step.x is not None:
+                step.x.block_until_ready()
+            end = now()
+            if collect_outputs and step.x is not None:
+                host = np.asarray(step.x).astype(np.float32)  # on the host: no cast program to compile
+                row = 0
+                for r, n in step.work:
+                    outputs.setdefault(r.spec.id, []).append(host[row:row + n])
+                    row += n
+            for m in step.emitters:
+                m.token_times_s.append(end)
+            plan, work = step.plan, step.work
+            steps.append(StepRecord(
+                index=len(steps), start_s=last_end, duration_s=end - last_end,
+                forward_s=end - step.dispatch_s, host_s=step.dispatched_s - step.begin_s,
+                plan_s=step.planned_s - step.begin_s, device_s=end - max(last_end, step.dispatch_s),
+                route=plan.route, branch=_branch(plan.route, step.meta.dense_flag),
+                has_indexer_scoring=bool(plan.has_indexer_scoring), num_scored_tokens=plan.num_scored_tokens,
+                num_tokens=sum(n for _, n in work), padded_tokens=plan.num_tokens, num_decodes=step.num_decodes,
+                num_prefills=len(work) - step.num_decodes, prefill_tokens=step.prefill_tokens,
+                new_programs=step.new_programs, plan=plan))
+            last_end = end
+            bar.update(1)
+            if len(steps) % 16 == 0:
+                bar.set_postfix(done=sum(m.finished for m in metrics), running=len(running), refresh=False)
+
+        inflight: _InFlight | None = None  # dispatched, not yet waited for
         bar = tqdm(total=max_steps, desc=desc, unit="step", leave=False, disable=not progress or dry)
         try:
             while pending or waiting or running:
-                if max_steps is not None and len(steps) >= max_steps:
+                if max_steps is not None and len(steps) + (inflight is not None) >= max_steps:
                     break
                 # client: send what has arrived, under the concurrency cap
-                if not waiting and not running and pending and pending[0].arrival_s > clock:
-                    clock = pending[0].arrival_s  # idle: jump to the next arrival
-                while pending and pending[0].arrival_s <= clock and (
+                if not waiting and not running and pending and pending[0].arrival_s > now():
+                    if inflight is not None:
+                        finish(inflight)
+                        inflight = None
+                    skipped += pending[0].arrival_s - now()  # idle: jump to the next arrival
+                    last_end = now()
+                while pending and pending[0].arrival_s <= now() and (
                         concurrency is None or len(waiting) + len(running) < concurrency):
                     s = pending.popleft()
-                    m = RequestMetrics(s.id, s.input_len, s.output_len, arrival_s=clock)
+                    m = RequestMetrics(s.id, s.input_len, s.output_len, arrival_s=now())
                     metrics.append(m)
                     waiting.append((s, m))
-                t0 = time.perf_counter()
+                # step N + 1 is scheduled, planned and dispatched while step N runs on the device:
+                # what it needs of step N is host bookkeeping (token counts, pages), not its output
+                begin = now()
                 work = _schedule(running, waiting, allocator, budget=opts.max_num_batched_tokens,
                                  max_num_seqs=opts.max_num_seqs, page_size=page, token_rows=self.token_rows)
                 if not work:
                     raise RuntimeError("scheduler made no progress (this is a bug)")
                 requests = [Request(r.computed, n, r.pages) for r, n in work]
                 plan, meta = plan_batch(self.config, requests, num_pages=self.num_pages, **opts.plan_kwargs())
-                n_real = sum(n for _, n in work)
-                before = 0 if dry else jit_forward._cache_size()
-                if dry:
-                    _dry_run.append(requests)
-                    t_fwd = t1 = t0
-                else:
-                    rows = np.concatenate([r.token_rows[r.computed:r.computed + n] for r, n in work])
-                    t_fwd = time.perf_counter()
-                    x = self._forward(plan, meta, self._step_input(plan.num_tokens, rows), opts.kernels)
-                    x.block_until_ready()
-                    t1 = time.perf_counter()
-                    if collect_outputs:
-                        host = np.asarray(x).astype(np.float32)  # on the host: no cast program to compile
-                        row = 0
-                        for r, n in work:
-                            outputs.setdefault(r.spec.id, []).append(host[row:row + n])
-                            row += n
-                clock += t1 - t0
-                n_dec = sum(1 for r, n in work if not r.prefilling)
-                steps.append(StepRecord(
-                    index=len(steps), start_s=clock - (t1 - t0), duration_s=t1 - t0, forward_s=t1 - t_fwd,
-                    route=plan.route, branch=_branch(plan.route, meta.dense_flag), has_indexer_scoring=bool(plan.has_indexer_scoring),
-                    num_scored_tokens=plan.num_scored_tokens, num_tokens=n_real,
-                    padded_tokens=plan.num_tokens, num_decodes=n_dec, num_prefills=len(work) - n_dec,
-                    prefill_tokens=sum(n for r, n in work if r.prefilling),
-                    new_programs=0 if dry else jit_forward._cache_size() - before, plan=plan))
+                planned = now()
+                rows = np.concatenate([r.token_rows[r.computed:r.computed + n] for r, n in work])
+                num_decodes = sum(1 for r, n in work if not r.prefilling)
+                prefill_tokens = sum(n for r, n in work if r.prefilling)
+                emitters = []
                 for r, n in work:  # advance; a finished prefill or a decode yields one output token
                     r.computed += n
                     if not r.prefilling:
-                        r.metrics.token_times_s.append(clock)
-                    if r.metrics.finished:
-                        allocator.free(r.pages)
+                        r.emitted += 1
+                        emitters.append(r.metrics)
+                    if r.emitted == r.spec.output_len:  # its last token is computed by this step
+                        allocator.free(r.pages)  # (a later step that reuses them runs after this one)
                         running.remove(r)
-                bar.update(1)
-                if len(steps) % 16 == 0:
-                    bar.set_postfix(done=sum(m.finished for m in metrics), running=len(running), refresh=False)
+                dispatch = now()
+                if dry:
+                    _dry_run.append(requests)
+                    x, new_programs = None, 0
+                else:
+                    before = jit_forward._cache_size()
+                    x = self._forward(plan, meta, self._step_input(plan.num_tokens, rows), opts.kernels)
+                    new_programs = jit_forward._cache_size() - before
+                step = _InFlight(work, plan, meta, x, emitters, num_decodes, prefill_tokens, new_programs,
+                                 begin_s=begin, planned_s=planned, dispatch_s=dispatch, dispatched_s=now())
+                if inflight is not None:
+                    finish(inflight)
+                inflight = step
+            if inflight is not None:
+                finish(inflight)
         finally:
             bar.close()
+        clock = last_end
         if outputs is not None:
             outputs = {k: np.concatenate(v) for k, v in outputs.items()}
         return ServeResult(requests=sorted(metrics, key=lambda m: m.id), steps=steps, duration_s=clock,

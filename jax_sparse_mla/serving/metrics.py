@@ -51,8 +51,14 @@ class RequestMetrics:
 class StepRecord:
     """One served step.
 
-    start_s / duration_s: on the run's clock (duration: scheduling, planning and every layer up to
-    block_until_ready). forward_s: from the first layer's dispatch to ready. route: plan.route
+    Steps are pipelined (Engine.run): step N + 1 is scheduled, planned and dispatched while step N
+    runs on the device. start_s / duration_s: on the run's clock, from the end of the previous step
+    (or the arrival that ended an idle gap) to this step's output being ready; the steps tile the
+    run. forward_s: from the first layer's dispatch to ready. host_s: the host's time for this step
+    (scheduling, planning, dispatching every layer), mostly hidden behind the previous step;
+    plan_s: its scheduling and planning part. device_s: from when the device could start the step
+    (its dispatch began and the previous step had ended) to ready, an estimate of its device time
+    that is exact when the host keeps ahead of the device. route: plan.route
     ("dense" / "sparse" / "cond"); branch: the program that ran ("dense" / "sparse": for a cond
     plan, the branch meta.dense_flag picks). num_tokens: real rows; padded_tokens: plan.num_tokens.
     new_programs: executables jit_forward compiled during this step. plan: the step's BatchPlan.
@@ -62,6 +68,9 @@ class StepRecord:
     start_s: float
     duration_s: float
     forward_s: float
+    host_s: float
+    plan_s: float
+    device_s: float
     route: str
     branch: str
     has_indexer_scoring: bool
@@ -113,6 +122,9 @@ class ServeResult:
             "total_token_throughput": (in_tokens + out_tokens) / dur,
             **_stats_ms([r.ttft_s for r in done], "ttft"), **_stats_ms([r.tpot_s for r in done], "tpot"),
             **_stats_ms([s.duration_s for s in self.steps], "step"),
+            **_stats_ms([s.host_s for s in self.steps], "host"), **_stats_ms([s.plan_s for s in self.steps], "plan"),
+            **_stats_ms([s.device_s for s in self.steps], "device"),
+            "host_share": (sum(s.host_s for s in self.steps) / dur) if self.steps else None,
             "steps_by_route": routes, "steps_with_scoring": sum(s.has_indexer_scoring for s in self.steps),
             "new_programs": sum(s.new_programs for s in self.steps),
         }
