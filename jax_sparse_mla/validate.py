@@ -19,9 +19,13 @@ def as_int(value, what: str, minimum: int) -> int:
     if not is_int(value):
         raise ValueError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
     if not minimum <= value <= INT32_MAX:
-        raise ValueError(f"{what} must be >= {minimum}" + (", got " if value < minimum else " and < 2**31, got ")
-                         + str(value))
+        raise ValueError(range_message(what, minimum, value))
     return int(value)
+
+
+def range_message(what: str, minimum: int, value) -> str:
+    """as_int's message for an integer outside [minimum, 2**31)."""
+    return f"{what} must be >= {minimum}" + (", got " if value < minimum else " and < 2**31, got ") + str(value)
 
 
 def as_real(value, what: str, *, finite: bool = False, positive: bool = False, nonnegative: bool = False) -> float:
