@@ -2,6 +2,9 @@
 
 A batch is a list of `Request`s, each adding `query_len` new tokens after `context_len` cached
 ones. Rows of `hidden` are the new tokens, request after request in the given order, then padding.
+`plan_batch` takes the Requests; `plan_arrays` the same batch as host arrays (context_lens,
+query_lens, block_tables), what an engine keeps. Both check and plan it with numpy ops over the
+batch, on one path (plan_batch converts its Requests to the arrays first; docs/design/plan.md).
 
 Routing. A request is a *decode* when it adds one token to a non-empty context, otherwise a
 *prefill*. A prefill whose total length (context + new) is <= index_topk would have top-k select
