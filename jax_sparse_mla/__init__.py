@@ -1,6 +1,7 @@
 """DeepSeek-V3.2 sparse MLA attention (DSA) for JAX.
 
-Functional core: MLAConfig, init_params / params_from_hf, init_cache, plan_batch, forward.
+Functional core: MLAConfig, init_params / params_from_hf, init_cache, plan_batch (plan_arrays: from
+host arrays), forward.
 Flax NNX wrapper: SparseMLA. Oracle: jax_sparse_mla.reference.
 Meshes (heads over "tensor", sequences over "data"): jax_sparse_mla.sharding; a program per
 device (data-parallel attention, each device its own plan and cache): jax_sparse_mla.data_parallel.
@@ -21,7 +22,8 @@ _EXPORTS = {
     "SparseMLA": "nnx_layer",
     "init_params": "params", "params_from_hf": "params",
     "count_programs": "precompile", "enumerate_plans": "precompile",  # (precompile: jax_sparse_mla.precompile)
-    "BatchMeta": "plan", "BatchPlan": "plan", "BucketPolicy": "plan", "Request": "plan", "plan_batch": "plan",
+    "BatchMeta": "plan", "BatchPlan": "plan", "BucketPolicy": "plan", "Request": "plan", "plan_arrays": "plan",
+    "plan_batch": "plan",
     "init_sharded_cache": "sharding", "jit_sharded_forward": "sharding", "make_mesh": "sharding",
     "plan_data_parallel": "sharding", "shard_params": "sharding", "sharded_forward": "sharding",
 }
@@ -43,6 +45,6 @@ __all__ = [
     "BatchMeta", "BatchPlan", "BucketPolicy", "MLAConfig", "PagedCache", "Request", "RopeScaling",
     "SparseMLA", "count_programs", "enumerate_plans", "forward", "init_cache", "init_params", "init_sharded_cache",
     "jit_forward", "jit_sharded_forward",
-    "load_layer_from_safetensors", "make_mesh", "params_from_hf", "plan_batch", "plan_data_parallel",
+    "load_layer_from_safetensors", "make_mesh", "params_from_hf", "plan_arrays", "plan_batch", "plan_data_parallel",
     "read_indexer_keys", "read_latent", "restore_checkpoint", "save_checkpoint", "shard_params", "sharded_forward",
 ]

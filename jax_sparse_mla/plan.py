@@ -2,6 +2,9 @@
 
 A batch is a list of `Request`s, each adding `query_len` new tokens after `context_len` cached
 ones. Rows of `hidden` are the new tokens, request after request in the given order, then padding.
+`plan_batch` takes the Requests; `plan_arrays` the same batch as host arrays (context_lens,
+query_lens, block_tables), what an engine keeps. Both check and plan it with numpy ops over the
+batch, on one path (plan_batch converts its Requests to the arrays first; docs/design/plan.md).
 
 Routing. A request is a *decode* when it adds one token to a non-empty context, otherwise a
 *prefill*. A prefill whose total length (context + new) is <= index_topk would have top-k select
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -36,7 +40,12 @@ import numpy as np
 
 from . import policy
 from .config import MLAConfig, check_config_type
-from .validate import INT32_MAX, as_bool, as_int, as_page_ids, is_int
+from .validate import INT32_MAX, as_bool, as_int, as_page_ids, is_int, range_message
+
+
+def is_decode(context_len, query_len):
+    """Whether a request is a decode: one token after a non-empty context (ints or arrays of them)."""
+    return (query_len == 1) & (context_len > 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +62,7 @@ class Request:
 
     @property
     def is_decode(self) -> bool:
-        return self.query_len == 1 and self.context_len > 0
+        return bool(is_decode(self.context_len, self.query_len))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +106,9 @@ class PlanConfig:
 
     @classmethod
     def of(cls, config: MLAConfig) -> PlanConfig:
-        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+        return cls(page_size=config.page_size, index_topk=config.index_topk, kv_cache_dtype=config.kv_cache_dtype,
+                   num_attention_heads=config.num_attention_heads,
+                   max_position_embeddings=config.max_position_embeddings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,6 +345,105 @@ class BatchMeta:
                             for name, shape in BatchMeta.shapes(plan).items()})
 
 
+# ---- validation ----------------------------------------------------------------------------------
+#
+# One implementation for both entry points: plan_arrays checks its arrays (shapes, dtypes) and
+# hands them to _validate; plan_batch converts its Requests to the same arrays (_from_requests,
+# which checks what only a Python object can get wrong: types) and hands them over too. _validate
+# finds the first problem in request order with numpy: each request's length checks as masks over
+# the batch (its first failing one is its problem), then the page checks of the requests before
+# the first one with a length problem (an earlier request's pages come first, as a loop over the
+# requests would report them).
+
+INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
+# A request's checks, in the order the first failing one is reported. _from_requests reports
+# the type problems (the "request", "context_len", "query_len" and "block_table" stages) of the
+# first request that has one; the others are masks over the batch.
+_STAGES = ("request", "context_len", "context_len range", "query_len", "query_len range", "block_table",
+           "block_table int32", "max_position_embeddings", "pages")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Batch:
+    """A batch that passed the checks (check_batch / check_arrays), as host arrays.
+
+    context_lens, query_lens: [B] int64. block_tables: [B, W] integer page ids, W the most pages
+    a request's tokens occupy (ceil(total_len / page_size)); row i holds request i's pages where
+    occupied[i] is True (its first ceil(total_len / page_size) entries), anything past them.
+    """
+
+    context_lens: np.ndarray
+    query_lens: np.ndarray
+    block_tables: np.ndarray
+    occupied: np.ndarray  # [B, W] bool
+
+    def __len__(self) -> int:
+        return len(self.context_lens)
+
+
+def _int64(value, what: str, minimum: int) -> int:
+    """value as an int, for the arrays: ValueError unless it is an integer (not bool), or when
+    it does not fit int64 (as_int's range message; the range itself is checked on the arrays)."""
+    if type(value) is not int:
+        if not is_int(value):
+            as_int(value, what, minimum)  # raises its type message
+        value = int(value)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(range_message(what, minimum, value))
+    return value
+
+
+def _from_requests(requests: list):
+    """Requests -> (context_lens, query_lens [B'] int64, block_tables [B', W] int64 -1 padded,
+    table_lens [B'], problem): problem is (request, stage, message) for the first request with
+    a type problem (then B' stops at it, its fields from that stage on placeholders), else None."""
+    ctx, q, tables = [], [], []
+    problem = None
+    for i, r in enumerate(requests):
+        stage, values = "request", [0, 1, np.zeros(0, np.int64)]  # placeholders: pass the checks before
+        try:
+            if not isinstance(r, Request):
+                raise ValueError(f"request {i}: expected a Request, got {type(r).__name__}")
+            stage = "context_len"
+            values[0] = _int64(r.context_len, f"request {i}: context_len", 0)
+            stage = "query_len"
+            values[1] = _int64(r.query_len, f"request {i}: query_len", 1)
+            stage = "block_table"
+            values[2] = as_page_ids(r.block_table, f"request {i}: block_table")
+        except ValueError as e:
+            problem = (i, stage, str(e))
+        ctx.append(values[0])
+        q.append(values[1])
+        tables.append(values[2])
+        if problem:
+            break
+    lens = np.array([len(t) for t in tables], np.int64)
+    out = np.full((len(tables), int(lens.max(initial=0))), -1, np.int64)
+    out[np.arange(out.shape[1]) < lens[:, None]] = np.concatenate(tables)
+    return np.array(ctx, np.int64), np.array(q, np.int64), out, lens, problem
+
+
+def _array_arg(value, name: str, ndim: int) -> np.ndarray:
+    """plan_arrays's argument `name` as a numpy integer array of ndim dimensions (ValueError naming it)."""
+    if not isinstance(value, (np.ndarray, list, tuple)):
+        raise ValueError(f"{name} must be a {ndim}-D numpy integer array (on the host), got {type(value).__name__}")
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError, OverflowError) as e:  # e.g. ragged nested lists
+        raise ValueError(f"{name} must be a {ndim}-D integer array, got a {type(value).__name__} numpy cannot "
+                         f"convert ({e})") from None
+    if array.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {array.shape}")
+    if array.dtype.kind not in "iu" or array.dtype.itemsize > 8:
+        raise ValueError(f"{name} must hold integers, got dtype {array.dtype}")
+    return array
+
+
+def _wider_than_int32(dtype) -> bool:
+    """Whether an integer dtype holds values outside int32."""
+    return dtype.itemsize > 4 or (dtype.kind == "u" and dtype.itemsize == 4)
+
+
 def _alias_error(i: int, k: int, writes: bool, page: int, j: int, kj: int, j_writes: bool) -> ValueError:
     """Request i's block_table[k] names `page`, which request j (maybe i) already holds as its
     block_table[kj]; `writes`, `j_writes`: whether this step writes that entry's page."""
@@ -355,85 +465,135 @@ def _alias_error(i: int, k: int, writes: bool, page: int, j: int, kj: int, j_wri
                       f"in this step (its block_table[{kj}])")
 
 
-def _scan_pages(requests: Sequence[Request], limit: int, bound: str, page_size: int) -> None:
-    """Raises for the first page (in request, then table order) outside [0, limit) or aliased
-    (see plan_batch); requests hold Python int lengths and list tables of enough pages."""
-    owner: dict[int, tuple[int, int, bool]] = {}  # page -> (request, table index, written this step)
-    for i, r in enumerate(requests):
-        first_written = r.context_len // page_size  # pages first_written .. needed - 1 are written
-        mine: dict[int, tuple[int, bool]] = {}
-        for k in range(-(-r.total_len // page_size)):
-            page, writes = r.block_table[k], k >= first_written
-            if not 0 <= page < limit:
-                raise ValueError(f"request {i}: page id {page} is outside {bound} (block_table[{k}])")
-            if page in mine:
-                raise _alias_error(i, k, writes, page, i, *mine[page])
-            mine[page] = (k, writes)
-            if page in owner:
-                j, kj, j_writes = owner[page]
-                if writes or j_writes:  # (two readers: a shared prefix page, fine)
-                    raise _alias_error(i, k, writes, page, j, kj, j_writes)
-            else:
-                owner[page] = (i, k, writes)
+def _first_alias(pages: np.ndarray, hi: int, starts: np.ndarray, first_written: np.ndarray) -> int | None:
+    """The first entry of `pages` (every request's occupied pages, request after request, each
+    in [0, hi)) that holds a page an earlier entry holds while one of the two is written this
+    step or both are the same request's; None if there is none. starts: where each request's
+    entries start; first_written: each request's first written table index.
+
+    A page held once is fine, so only the pages held more than once are looked at. Whether there
+    are any: where hi is not far past the entry count, by marking each entry's page in a byte
+    array of hi (O(entries + hi), no sort), else by sorting the ids. The holders of the pages
+    held more than once, sorted by page (stable: in entry order), are fine exactly when every two
+    neighbours are two different requests that both read the page; the first bad one is the
+    second of a bad neighbour pair."""
+    if hi <= 32 * pages.size:
+        ids = pages.astype(np.intp)  # (numpy's fancy indexing is fastest with intp)
+        seen = np.zeros(hi, np.uint8)
+        seen[ids] = 1
+        if np.count_nonzero(seen) == pages.size:
+            return None
+        held = np.flatnonzero(np.bincount(ids, minlength=hi)[ids] > 1)
+    else:
+        ids = np.sort(pages)
+        again = ids[1:] == ids[:-1]
+        if not again.any():
+            return None
+        held = np.flatnonzero(np.isin(pages, ids[1:][again]))
+    held = held[np.argsort(pages[held], kind="stable")]  # by page, then entry
+    req = np.searchsorted(starts, held, side="right") - 1
+    writes = held - starts[req] >= first_written[req]
+    page = pages[held]
+    bad = (page[1:] == page[:-1]) & (writes[1:] | writes[:-1] | (req[1:] == req[:-1]))
+    return int(held[1:][bad].min()) if bad.any() else None
 
 
-def _pages_ok(requests: Sequence[Request], limit: int, page_size: int) -> bool:
-    """Whether _scan_pages would pass, vectorised: every occupied page in [0, limit), and a page
-    held twice only by two different requests that both read it."""
-    if not requests:
-        return True
-    needed = [-(-r.total_len // page_size) for r in requests]
-    pages = np.concatenate([np.asarray(r.block_table[:n], np.int64) for r, n in zip(requests, needed)])
-    if pages.size and (pages.min() < 0 or pages.max() >= limit):
-        return False
-    owner = np.repeat(np.arange(len(requests)), needed)
-    writes = np.concatenate([np.arange(n) >= r.context_len // page_size for r, n in zip(requests, needed)])
-    order = np.argsort(pages, kind="stable")  # a page's holders in request order
-    pages, owner, writes = pages[order], owner[order], writes[order]
-    again = pages[1:] == pages[:-1]
-    return not np.any(again & (writes[1:] | writes[:-1] | (owner[1:] == owner[:-1])))
+def _page_problem(pages, starts, ctx, ps: int, limit: int, bound: str) -> ValueError | None:
+    """The first page problem (in request, then table order: a page outside [0, limit), or
+    aliased, see plan_batch) of requests whose occupied pages, request after request, are
+    `pages` (request r's from starts[r]); None if there is none."""
+    lo, hi = int(pages.min()), int(pages.max())
+    outside = (pages < 0) | (pages >= limit) if lo < 0 or hi >= limit else None
+    first_outside = int(np.argmax(outside)) if outside is not None else pages.size
+    first_written = ctx // ps  # a request's pages from its first_written-th on are written
+    if outside is not None and first_outside:
+        hi = int(pages[:first_outside].max())
+    alias = _first_alias(pages[:first_outside], hi + 1, starts, first_written) if first_outside else None
+    if alias is None and outside is None:
+        return None
+    e = first_outside if alias is None else alias
+
+    def entry(e):  # (request, table index, written this step)
+        r = int(np.searchsorted(starts, e, side="right") - 1)
+        return r, int(e - starts[r]), bool(e - starts[r] >= first_written[r])
+    i, k, writes = entry(e)
+    page = int(pages[e])
+    if alias is None:
+        return ValueError(f"request {i}: page id {page} is outside {bound} (block_table[{k}])")
+    earlier = [entry(f) for f in np.flatnonzero(pages[:e] == page)]
+    j, kj, j_writes = next((h for h in earlier if h[0] == i), earlier[0])  # its own holding, else the first
+    return _alias_error(i, k, writes, page, j, kj, j_writes)
 
 
-def _validate(config: MLAConfig, requests, num_pages: int | None) -> list[Request]:
-    """Checks the batch (see plan_batch) and returns it with Python int lengths and list tables.
-    Raises for the first problem in request order."""
-    if len(requests) == 0:
-        raise ValueError("empty batch: plan_batch needs at least one request")
+def _validate(config: MLAConfig, ctx: np.ndarray, q: np.ndarray, tables: np.ndarray, num_pages: int | None, *,
+              table_lens: np.ndarray | None = None, problem=None) -> Batch:
+    """Checks a batch given as arrays (see plan_batch) and returns it as a Batch; raises
+    ValueError for its first problem in request order.
+
+    ctx, q: [B] integer arrays; tables: [B, W] integer array. table_lens: [B] entries of each
+    request's table (plan_batch; None: W each, plan_arrays, whose block_tables' width is named).
+    problem: (request, stage, message), a type problem _from_requests found (the arrays stop at
+    that request)."""
     ps = config.page_size
     slot_pages = max_slot_pages(config)
     limit = slot_pages if num_pages is None else num_pages
-    bound = (f"[0, {num_pages})" if num_pages is not None else
-             f"[0, {slot_pages}), the pages of {ps} tokens whose slot numbers fit int32")
-    max_len = config.max_position_embeddings  # < 2**31 (MLAConfig checks it)
-    out: list[Request] = []
 
-    def refuse(message: str):  # a problem of request len(out); an earlier request's pages come first
-        if not _pages_ok(out, limit, ps):
-            _scan_pages(out, limit, bound, ps)
-        raise ValueError(message)
+    # each request's length checks, masks over the batch
+    bad = {"context_len range": ctx < 0, "query_len range": q < 1}
+    if _wider_than_int32(ctx.dtype):
+        bad["context_len range"] |= ctx > INT32_MAX
+    if _wider_than_int32(q.dtype):
+        bad["query_len range"] |= q > INT32_MAX
+    if _wider_than_int32(tables.dtype):
+        bad["block_table int32"] = ((tables < -INT32_MAX - 1) | (tables > INT32_MAX)).any(axis=1)
+    ctx64, q64 = ctx.astype(np.int64), q.astype(np.int64)  # (a uint64 past int64 wraps: flagged above)
+    total = ctx64 + q64
+    needed = -(-total // ps)  # the pages a request's tokens occupy
+    bad["max_position_embeddings"] = total > config.max_position_embeddings
+    bad["pages"] = (tables.shape[1] if table_lens is None else table_lens) < needed
+    any_bad = functools.reduce(np.logical_or, bad.values())
+    if problem is not None:
+        any_bad[problem[0]] = True
+    first = int(np.argmax(any_bad)) if any_bad.any() else len(ctx)  # the first request with a length problem
 
-    for i, r in enumerate(requests):
-        if not isinstance(r, Request):
-            refuse(f"request {i}: expected a Request, got {type(r).__name__}")
-        try:
-            context_len = as_int(r.context_len, f"request {i}: context_len", 0)
-            query_len = as_int(r.query_len, f"request {i}: query_len", 1)
-            table = as_page_ids(r.block_table, f"request {i}: block_table")
-        except ValueError as e:
-            refuse(str(e))
-        total = context_len + query_len
-        if total > max_len:
-            refuse(f"request {i}: context_len + query_len = {total} tokens exceeds max_position_embeddings "
-                   f"= {config.max_position_embeddings}")
-        needed = -(-total // ps)
-        if len(table) < needed:
-            refuse(f"request {i}: block_table has {len(table)} pages, but context_len + query_len = "
-                   f"{total} tokens need {needed} pages of {ps}")
-        out.append(Request(context_len, query_len, table))
-    if not _pages_ok(out, limit, ps):
-        _scan_pages(out, limit, bound, ps)
-        raise AssertionError("_pages_ok and _scan_pages disagree")  # unreachable
-    return out
+    # the page checks of the requests before it (their lengths are valid)
+    batch = None
+    if first:
+        n = needed[:first]
+        w = int(n.max())
+        occupied = np.arange(w) < n[:, None]
+        block_tables = tables[:first, :w]
+        bound = (f"[0, {num_pages})" if num_pages is not None else
+                 f"[0, {slot_pages}), the pages of {ps} tokens whose slot numbers fit int32")
+        error = _page_problem(block_tables[occupied], np.cumsum(n) - n, ctx64[:first], ps, limit, bound)
+        if error is not None:
+            raise error
+        batch = Batch(ctx64[:first], q64[:first], block_tables, occupied)
+    if first == len(ctx):
+        return batch
+
+    # the first request with a length problem: its first failing check
+    i = first
+    stage = next(s for s in _STAGES if (problem is not None and problem[:2] == (i, s)) or (s in bad and bad[s][i]))
+    if problem is not None and problem[:2] == (i, stage):
+        raise ValueError(problem[2])
+    what = f"request {i}: context_len + query_len = {total[i]} tokens"
+    if stage == "context_len range":
+        message = range_message(f"request {i}: context_len", 0, ctx[i].item())
+    elif stage == "query_len range":
+        message = range_message(f"request {i}: query_len", 1, q[i].item())
+    elif stage == "block_table int32":
+        k = int(np.argmax((tables[i] < -INT32_MAX - 1) | (tables[i] > INT32_MAX)))
+        message = f"request {i}: block_table[{k}] = {tables[i, k]} is outside int32"
+    elif stage == "max_position_embeddings":
+        message = f"{what} exceeds max_position_embeddings = {config.max_position_embeddings}"
+    elif table_lens is not None:
+        message = (f"request {i}: block_table has {table_lens[i]} pages, but context_len + query_len = {total[i]} "
+                   f"tokens need {needed[i]} pages of {ps}")
+    else:
+        message = (f"request {i}: block_tables has {tables.shape[1]} columns, but context_len + query_len = "
+                   f"{total[i]} tokens need {needed[i]} pages of {ps}")
+    raise ValueError(message)
 
 
 def max_slot_pages(config: MLAConfig) -> int:
@@ -475,32 +635,104 @@ def check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispat
     return int(num_pages)
 
 
-def _upfront_split(config: MLAConfig, requests: Sequence[Request], attends_sparsely, row_starts, tables, buckets,
-                   tensor_parallel: int):
-    """(upfront rows, kernel rows, upfront pages, their bucketed sizes) of the fp8 split (see
-    BatchPlan), or None when the cache is not fp8, no prefill attends sparsely, or dequantising
-    its pages would not pay (policy.dequantize_route, per-shard heads). tables[i]: request i's
-    pages that its tokens fill."""
-    if config.kv_cache_dtype != "fp8":
-        return None
-    upfront_rows, kernel_rows, pages = [], [], []
-    for i, r in enumerate(requests):
-        if not attends_sparsely[i]:
-            continue
-        rows = range(row_starts[i], row_starts[i] + r.query_len)
-        if r.is_decode:
-            kernel_rows.extend(rows)
-        else:
-            upfront_rows.extend(rows)
-            pages.extend(tables[i].tolist())
-    if not upfront_rows:
-        return None
-    sizes = (buckets.round_up(len(upfront_rows), 1), buckets.round_up(len(kernel_rows), 1) if kernel_rows else 0,
-             buckets.round_up(len(pages), buckets.min_pages_per_seq))
-    route = policy.dequantize_route(sizes[0], config.num_attention_heads // tensor_parallel, config.index_topk,
-                                    sizes[2] * config.page_size)
-    return (upfront_rows, kernel_rows, pages, sizes) if route == "upfront" else None
+def check_batch(config, requests, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel=1,
+                prefill_route="auto") -> tuple[Batch, int | None]:
+    """plan_batch's checks: -> (the batch as arrays, num_pages as an int or None). Raises
+    ValueError for the first problem."""
+    num_pages = check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel,
+                              prefill_route)
+    if isinstance(requests, (str, bytes, Request)) or not isinstance(requests, collections.abc.Iterable):
+        raise ValueError(f"requests must be a sequence of Requests, got {type(requests).__name__}")
+    requests = list(requests)
+    if not requests:
+        raise ValueError("empty batch: plan_batch needs at least one request")
+    ctx, q, tables, table_lens, problem = _from_requests(requests)
+    return _validate(config, ctx, q, tables, num_pages, table_lens=table_lens, problem=problem), num_pages
 
+
+def check_arrays(config, context_lens, query_lens, block_tables, num_pages, force_sparse, skip_indexer, buckets,
+                 dispatch, tensor_parallel=1, prefill_route="auto") -> tuple[Batch, int | None]:
+    """plan_arrays's checks: -> (the batch, num_pages as an int or None). Raises ValueError for
+    the first problem (an argument's shape or dtype, naming it; then the requests')."""
+    num_pages = check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel,
+                              prefill_route)
+    ctx = _array_arg(context_lens, "context_lens", 1)
+    q = _array_arg(query_lens, "query_lens", 1)
+    tables = _array_arg(block_tables, "block_tables", 2)
+    if q.shape != ctx.shape:
+        raise ValueError(f"query_lens has shape {q.shape}, context_lens {ctx.shape}: one length each per request")
+    if tables.shape[0] != ctx.shape[0]:
+        raise ValueError(f"block_tables has {tables.shape[0]} rows for {ctx.shape[0]} requests (context_lens): "
+                         "one row each")
+    if not ctx.size:
+        raise ValueError("empty batch: plan_arrays needs at least one request")
+    return _validate(config, ctx, q, tables, num_pages), num_pages
+
+
+# ---- routes and sizes ----------------------------------------------------------------------------
+
+ROUTES = ("sparse", "dense", "masked")  # a request's route, by its code in route_codes
+SPARSE, DENSE, MASKED_ROUTE = 0, 1, 2
+
+
+def _lengths(requests) -> tuple[np.ndarray, np.ndarray]:
+    """(context_lens, query_lens) int64 of a Batch or a sequence of Requests."""
+    if isinstance(requests, Batch):
+        return requests.context_lens, requests.query_lens
+    return (np.array([r.context_len for r in requests], np.int64), np.array([r.query_len for r in requests], np.int64))
+
+
+def route_codes(config: MLAConfig, context_lens, query_lens, force_sparse: bool,
+                prefill_route: str = "auto") -> np.ndarray:
+    """Each request's route in a static plan, as an int8 code into ROUTES: "dense" (a prefill of
+    <= index_topk tokens: dense MHA, not scored), "masked" (a longer prefill: scored, then masked
+    MHA) or "sparse" (decodes, longer prefills the cost model or prefill_route sends there,
+    everything under force_sparse)."""
+    policy.check_prefill_route(prefill_route)
+    ctx, q = np.asarray(context_lens, np.int64), np.asarray(query_lens, np.int64)
+    codes = np.zeros(ctx.shape, np.int8)
+    if force_sparse:
+        return codes
+    prefill = ~is_decode(ctx, q)
+    short = prefill & (ctx + q <= config.index_topk)
+    codes[short] = DENSE
+    long_ = np.flatnonzero(prefill & ~short)
+    if prefill_route == "masked":
+        codes[long_] = MASKED_ROUTE
+    elif prefill_route == "auto" and long_.size:
+        codes[long_[policy.masked_cheaper(ctx[long_], q[long_], config.index_topk)]] = MASKED_ROUTE
+    return codes
+
+
+def request_routes(config: MLAConfig, requests, force_sparse: bool, prefill_route: str = "auto") -> list[str]:
+    """Each request's route name (route_codes) for a Batch or a sequence of Requests."""
+    return [ROUTES[c] for c in route_codes(config, *_lengths(requests), force_sparse, prefill_route).tolist()]
+
+
+def _dense(routes) -> np.ndarray:
+    """Which requests the dense program's MHA call runs (route "dense" or "masked"), from route
+    names or codes."""
+    routes = np.asarray(routes)
+    return routes != ("sparse" if routes.dtype.kind in "US" else SPARSE)
+
+
+def padded_sizes(config: MLAConfig, requests, routes, buckets: BucketPolicy) -> tuple[int, int, int, int]:
+    """(num_tokens, num_seqs, pages_per_seq, num_dense_keys) of a static plan of the requests (a
+    Batch or Requests), routed as `routes` says (names from request_routes or route_codes)."""
+    ctx, q = _lengths(requests)
+    return _padded_sizes(config, ctx, q, _dense(routes), buckets)
+
+
+def _padded_sizes(config, ctx, q, dense, buckets) -> tuple[int, int, int, int]:
+    total = ctx + q
+    dense_keys = int(total[dense].sum())
+    return (buckets.round_up(int(q.sum()), buckets.min_tokens),
+            buckets.round_up(len(ctx), buckets.min_seqs),
+            buckets.round_up(int(-(-total.max() // config.page_size)), buckets.min_pages_per_seq),
+            buckets.round_up(dense_keys, buckets.min_dense_keys) if dense.any() else 0)
+
+
+# ---- the plan ------------------------------------------------------------------------------------
 
 def pad_ids(values, size: int):
     """values as int32 [size], -1 padded."""
@@ -509,12 +741,159 @@ def pad_ids(values, size: int):
     return out
 
 
+def _upfront_split(config: MLAConfig, batch: Batch, block_tables, attends_sparsely, row_seq, buckets,
+                   tensor_parallel: int):
+    """(upfront rows, kernel rows, upfront pages, their bucketed sizes) of the fp8 split (see
+    BatchPlan), or None when the cache is not fp8, no prefill attends sparsely, or dequantising
+    its pages would not pay (policy.dequantize_route, per-shard heads). block_tables: the
+    batch's, -1 past each request's pages; row_seq: each real row's request."""
+    if config.kv_cache_dtype != "fp8":
+        return None
+    decode = is_decode(batch.context_lens, batch.query_lens)
+    upfront = attends_sparsely & ~decode
+    if not upfront.any():
+        return None
+    upfront_rows = np.flatnonzero(upfront[row_seq])
+    kernel_rows = np.flatnonzero((attends_sparsely & decode)[row_seq])
+    tables = block_tables[:len(batch)][upfront]
+    pages = tables[tables >= 0]  # the upfront requests' pages, sequence after sequence
+    sizes = (buckets.round_up(len(upfront_rows), 1), buckets.round_up(len(kernel_rows), 1) if len(kernel_rows) else 0,
+             buckets.round_up(len(pages), buckets.min_pages_per_seq))
+    route = policy.dequantize_route(sizes[0], config.num_attention_heads // tensor_parallel, config.index_topk,
+                                    sizes[2] * config.page_size)
+    return (upfront_rows, kernel_rows, pages, sizes) if route == "upfront" else None
+
+
+def _slots(block_tables: np.ndarray, seq: np.ndarray, pos: np.ndarray, page_size: int) -> np.ndarray:
+    """The cache slot of position pos[t] of sequence seq[t] (int32 block tables: int32)."""
+    return block_tables[seq, pos // page_size] * page_size + (pos % page_size).astype(np.int32)
+
+
+def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """The concatenated ranges [starts[i], starts[i] + lens[i]) (int64)."""
+    offsets = np.cumsum(lens) - lens
+    return np.arange(int(lens.sum())) + np.repeat(starts - offsets, lens)
+
+
+def plan_host(config: MLAConfig, batch: Batch, *, num_pages: int | None, force_sparse: bool,
+              skip_indexer: bool, buckets: BucketPolicy, dispatch: str,
+              tensor_parallel: int = 1, prefill_route: str = "auto") -> tuple[BatchPlan, BatchMeta]:
+    """plan_batch for a batch and options that passed `check_batch` / `check_arrays`; the
+    metadata is numpy, on the host. Numpy over the batch's arrays: no loop over its requests."""
+    page = config.page_size
+    if dispatch == "cond":
+        prefill_route = "sparse"
+    ctx, q = batch.context_lens, batch.query_lens
+    B, w = batch.block_tables.shape
+    codes = route_codes(config, ctx, q, force_sparse, prefill_route)
+    dense = codes != SPARSE  # run in the dense program's dense MHA call
+    num_tokens, num_seqs, width, static_dense_keys = _padded_sizes(config, ctx, q, dense, buckets)
+
+    block_tables = np.full((num_seqs, width), -1, np.int32)
+    tables = block_tables[:B, :w]  # its pages, -1 past them
+    np.copyto(tables, batch.block_tables, casting="unsafe", where=batch.occupied)  # (int32 range checked)
+
+    # rows: request after request
+    row_seq = np.repeat(np.arange(B, dtype=np.int32), q)
+    pos = _ranges(ctx, q)
+    n = len(row_seq)
+    positions = np.full(num_tokens, -1, np.int32)
+    positions[:n] = pos
+    slot_mapping = np.full(num_tokens, -1, np.int32)
+    slot_mapping[:n] = _slots(tables, row_seq, pos, page)
+    row_seq_out = np.zeros(num_tokens, np.int32)
+    row_seq_out[:n] = row_seq
+
+    # the dense MHA call: its requests' rows and keys (none in a batch without dense requests)
+    dense_query_start = np.zeros(num_seqs + 1, np.int32)
+    dense_key_start = np.zeros(num_seqs + 1, np.int32)
+    dense_rows = dense_key_slots = ()
+    if dense.any():
+        dense_query_start[1:B + 1] = np.where(dense, q, 0).cumsum()
+        dense_query_start[B + 1:] = dense_query_start[B]
+        dense_key_start[1:B + 1] = np.where(dense, ctx + q, 0).cumsum()
+        dense_key_start[B + 1:] = dense_key_start[B]
+        dense_rows = dense[row_seq].nonzero()[0]
+        dense_seqs = dense.nonzero()[0]
+        key_lens = (ctx + q)[dense_seqs]
+        key_pos = _ranges(np.zeros_like(key_lens), key_lens)
+        dense_key_slots = _slots(tables, np.repeat(dense_seqs, key_lens), key_pos, page)
+    scored = (codes[row_seq] != DENSE).nonzero()[0]  # attends sparsely or as masked MHA
+
+    if dispatch == "cond":  # sizes from the buckets alone: one program per shape bucket
+        use_dense = None
+        num_sparse = num_tokens
+        num_dense_keys = buckets.round_up(num_seqs * config.index_topk, buckets.min_dense_keys)
+    else:
+        use_dense = bool(dense.any())
+        num_sparse = buckets.round_up(len(scored), 1) if use_dense and len(scored) else 0
+        num_dense_keys = static_dense_keys
+    split = None if dispatch == "cond" else _upfront_split(config, batch, block_tables, ~dense, row_seq,
+                                                             buckets, tensor_parallel)
+    upfront_rows, kernel_rows, upfront_pages, (num_upfront_rows, num_kernel_rows, num_upfront_pages) = (
+        split or ([], [], [], (0, 0, 0)))
+    has_masked = bool((codes == MASKED_ROUTE).any())
+    plan = BatchPlan(num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=width, use_dense_mha=use_dense,
+                     num_sparse_tokens=num_sparse, num_dense_keys=num_dense_keys,
+                     skip_indexer=skip_indexer or use_dense is False, num_pages=num_pages,
+                     num_upfront_rows=num_upfront_rows, num_kernel_rows=num_kernel_rows,
+                     num_upfront_pages=num_upfront_pages, config=PlanConfig.of(config),
+                     masked="none" if not has_masked else "all" if dense.all() else "some",
+                     tensor_parallel=tensor_parallel)
+    masked_flags = np.zeros(num_sparse, np.int32)
+    if num_sparse:
+        masked_flags[:len(scored)] = codes[row_seq[scored]] == MASKED_ROUTE
+    meta = BatchMeta(
+        positions=positions, slot_mapping=slot_mapping, row_seq=row_seq_out, block_tables=block_tables,
+        sparse_rows=pad_ids(scored if num_sparse else [], num_sparse),  # unused by the sparse program
+        dense_rows=pad_ids(dense_rows, num_tokens), dense_query_start=dense_query_start,
+        dense_key_slots=pad_ids(dense_key_slots, num_dense_keys), dense_key_start=dense_key_start,
+        upfront_rows=pad_ids(upfront_rows, num_upfront_rows), kernel_rows=pad_ids(kernel_rows, num_kernel_rows),
+        upfront_pages=pad_ids(upfront_pages, num_upfront_pages), masked_flags=masked_flags,
+        dense_flag=np.int32(dense.any()) if dispatch == "cond" else None)
+    return plan, meta
+
+
+def _plan(config, batch, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel, prefill_route):
+    plan, meta = plan_host(config, batch, num_pages=num_pages, force_sparse=bool(force_sparse),
+                           skip_indexer=bool(skip_indexer), buckets=buckets, dispatch=dispatch,
+                           tensor_parallel=int(tensor_parallel), prefill_route=prefill_route)
+    return plan, jax.device_put(meta)  # one batched transfer of the whole pytree
+
+
+def plan_arrays(config: MLAConfig, context_lens, query_lens, block_tables, *, num_pages: int | None = None,
+                force_sparse: bool = False, skip_indexer: bool = True,
+                buckets: BucketPolicy = BucketPolicy(), dispatch: str = "static",
+                tensor_parallel: int = 1, prefill_route: str = "auto") -> tuple[BatchPlan, BatchMeta]:
+    """plan_batch for a batch given as host arrays (an engine's own state, no Request objects):
+    the same checks, the same plan and metadata, planned with numpy ops over the batch (no loop
+    over its requests or pages).
+
+    context_lens, query_lens: [B] integer arrays; block_tables: [B, W] integer array (int32),
+    row i request i's page ids, -1 past its pages (entries past the ceil(total_len / page_size)
+    pages its tokens occupy are ignored; W must cover those). Lists and tuples are converted.
+    Raises ValueError naming the argument (shape, dtype) or the request and field, as
+    plan_batch does. Options as plan_batch's.
+    """
+    batch, num_pages = check_arrays(config, context_lens, query_lens, block_tables, num_pages, force_sparse,
+                                    skip_indexer, buckets, dispatch, tensor_parallel, prefill_route)
+    return _plan(config, batch, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel,
+                 prefill_route)
+
+
 def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int | None = None,
                force_sparse: bool = False, skip_indexer: bool = True,
                buckets: BucketPolicy = BucketPolicy(), dispatch: str = "static",
                tensor_parallel: int = 1, prefill_route: str = "auto") -> tuple[BatchPlan, BatchMeta]:
     """Validates a batch on the host and returns its static plan and traced metadata.
 
+    requests: context_len, query_len and page ids are Python or numpy integers (not bool);
+      block tables are lists, tuples or 1-D numpy integer arrays (entries past the
+      ceil(total_len / page_size) pages a request's tokens occupy are ignored). Those pages
+      must be distinct within a request, and a page this step writes (from the one holding
+      position context_len on) must not be read or written by another request; two requests
+      may read one page (a shared prefix). context_len + query_len <= max_position_embeddings.
+      The requests are converted to arrays and planned as plan_arrays plans them.
     force_sparse: route every prefill through the indexer and sparse attention (no dense or
       masked MHA).
     prefill_route: how prefills longer than index_topk attend: "auto" (policy.prefill_route's
@@ -524,12 +903,6 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
     num_pages: the cache's page count; page ids outside [0, num_pages) are rejected. Without
       it page ids are only checked to be >= 0 and to have int32 slot numbers (an id past the
       cache would read clamped slots and write nowhere), so engines should pass it.
-    requests: context_len, query_len and page ids are Python or numpy integers (not bool);
-      block tables are lists, tuples or 1-D numpy integer arrays (entries past the
-      ceil(total_len / page_size) pages a request's tokens occupy are ignored). Those pages
-      must be distinct within a request, and a page this step writes (from the one holding
-      position context_len on) must not be read or written by another request; two requests
-      may read one page (a shared prefix). context_len + query_len <= max_position_embeddings.
     dispatch: "static" (the route is in the plan) or "cond" (in meta.dense_flag; the plan's
       sizes then depend on the shape buckets only).
     tensor_parallel: the tensor-axis size the batch will run under (a positive divisor of
@@ -538,122 +911,7 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
       through sharding.sharded_forward.
     Raises ValueError naming the request and the problem before anything touches a device.
     """
-    requests, num_pages = check_batch(config, requests, num_pages, force_sparse, skip_indexer, buckets, dispatch,
-                                      tensor_parallel, prefill_route)
-    plan, meta = plan_host(config, requests, num_pages=num_pages, force_sparse=bool(force_sparse),
-                           skip_indexer=bool(skip_indexer), buckets=buckets, dispatch=dispatch,
-                           tensor_parallel=int(tensor_parallel), prefill_route=prefill_route)
-    return plan, jax.device_put(meta)  # one batched transfer of the whole pytree
-
-
-def check_batch(config, requests, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel=1,
-                prefill_route="auto"):
-    """plan_batch's checks: -> (the requests with Python int lengths and list tables, num_pages as
-    an int or None). Raises ValueError for the first problem."""
-    num_pages = check_options(config, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel,
-                              prefill_route)
-    if isinstance(requests, (str, bytes, Request)) or not isinstance(requests, collections.abc.Iterable):
-        raise ValueError(f"requests must be a sequence of Requests, got {type(requests).__name__}")
-    return _validate(config, list(requests), num_pages), num_pages
-
-
-def request_routes(config: MLAConfig, requests: Sequence[Request], force_sparse: bool,
-                   prefill_route: str = "auto") -> list[str]:
-    """Each request's route in a static plan: "dense" (a prefill of <= index_topk tokens: dense
-    MHA, not scored), "masked" (a longer prefill: scored, then masked MHA) or "sparse" (decodes,
-    longer prefills the cost model or prefill_route sends there, everything under force_sparse)."""
-    policy.check_prefill_route(prefill_route)
-
-    def route(r: Request) -> str:
-        if force_sparse or r.is_decode:
-            return "sparse"
-        if r.total_len <= config.index_topk:
-            return "dense"
-        if prefill_route != "auto":
-            return prefill_route
-        return policy.prefill_route(r.context_len, r.query_len, config.index_topk)
-    return [route(r) for r in requests]
-
-
-def padded_sizes(config: MLAConfig, requests: Sequence[Request], routes: Sequence[str],
-                 buckets: BucketPolicy) -> tuple[int, int, int, int]:
-    """(num_tokens, num_seqs, pages_per_seq, num_dense_keys) of a static plan of the requests,
-    routed as request_routes says."""
-    page = config.page_size
-    dense = [route != "sparse" for route in routes]
-    dense_keys = sum(r.total_len for r, d in zip(requests, dense) if d)
-    return (buckets.round_up(sum(r.query_len for r in requests), buckets.min_tokens),
-            buckets.round_up(len(requests), buckets.min_seqs),
-            buckets.round_up(max(-(-r.total_len // page) for r in requests), buckets.min_pages_per_seq),
-            buckets.round_up(dense_keys, buckets.min_dense_keys) if any(dense) else 0)
-
-
-def plan_host(config: MLAConfig, requests: Sequence[Request], *, num_pages: int | None, force_sparse: bool,
-              skip_indexer: bool, buckets: BucketPolicy, dispatch: str,
-              tensor_parallel: int = 1, prefill_route: str = "auto") -> tuple[BatchPlan, BatchMeta]:
-    """plan_batch for requests and options that passed `check_batch`; the metadata is numpy, on the host."""
-    page = config.page_size
-    if dispatch == "cond":
-        prefill_route = "sparse"
-    routes = request_routes(config, requests, force_sparse, prefill_route)
-    dense = [route != "sparse" for route in routes]  # run in the dense program's dense MHA call
-    num_tokens, num_seqs, width, static_dense_keys = padded_sizes(config, requests, routes, buckets)
-
-    positions = np.full(num_tokens, -1, np.int32)
-    slot_mapping = np.full(num_tokens, -1, np.int32)
-    row_seq = np.zeros(num_tokens, np.int32)
-    block_tables = np.full((num_seqs, width), -1, np.int32)
-    dense_query_len = np.zeros(num_seqs, np.int32)
-    dense_key_len = np.zeros(num_seqs, np.int32)
-    sparse_rows, masked_flags, dense_rows, dense_key_slots, row_starts, tables = [], [], [], [], [], []
-    row = 0
-    for i, r in enumerate(requests):
-        pos = np.arange(r.context_len, r.total_len)
-        table = np.asarray(list(r.block_table)[: -(-r.total_len // page)], np.int32)
-        row_starts.append(row)
-        tables.append(table)
-        positions[row:row + r.query_len] = pos
-        slot_mapping[row:row + r.query_len] = table[pos // page] * page + pos % page
-        row_seq[row:row + r.query_len] = i
-        block_tables[i, :len(table)] = table
-        if dense[i]:
-            dense_query_len[i], dense_key_len[i] = r.query_len, r.total_len
-            dense_rows.extend(range(row, row + r.query_len))
-            all_pos = np.arange(r.total_len)
-            dense_key_slots.extend(table[all_pos // page] * page + all_pos % page)
-        if routes[i] != "dense":  # scored: attends sparsely or as masked MHA
-            sparse_rows.extend(range(row, row + r.query_len))
-            masked_flags.extend([int(routes[i] == "masked")] * r.query_len)
-        row += r.query_len
-
-    if dispatch == "cond":  # sizes from the buckets alone: one program per shape bucket
-        use_dense = None
-        num_sparse = num_tokens
-        num_dense_keys = buckets.round_up(num_seqs * config.index_topk, buckets.min_dense_keys)
-    else:
-        use_dense = any(dense)
-        num_sparse = buckets.round_up(len(sparse_rows), 1) if use_dense and sparse_rows else 0
-        num_dense_keys = static_dense_keys
-    split = None if dispatch == "cond" else _upfront_split(config, requests, [not d for d in dense], row_starts,
-                                                             tables, buckets, tensor_parallel)
-    upfront_rows, kernel_rows, upfront_pages, (num_upfront_rows, num_kernel_rows, num_upfront_pages) = (
-        split or ([], [], [], (0, 0, 0)))
-    plan = BatchPlan(num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=width, use_dense_mha=use_dense,
-                     num_sparse_tokens=num_sparse, num_dense_keys=num_dense_keys,
-                     skip_indexer=skip_indexer or use_dense is False, num_pages=num_pages,
-                     num_upfront_rows=num_upfront_rows, num_kernel_rows=num_kernel_rows,
-                     num_upfront_pages=num_upfront_pages, config=PlanConfig.of(config),
-                     masked=("none" if "masked" not in routes else "all" if "sparse" not in routes else "some"),
-                     tensor_parallel=tensor_parallel)
-    meta = BatchMeta(
-        positions=positions, slot_mapping=slot_mapping, row_seq=row_seq, block_tables=block_tables,
-        sparse_rows=pad_ids(sparse_rows if num_sparse else [], num_sparse),  # unused by the sparse program
-        dense_rows=pad_ids(dense_rows, num_tokens),
-        dense_query_start=np.concatenate([[0], np.cumsum(dense_query_len)]).astype(np.int32),
-        dense_key_slots=pad_ids(dense_key_slots, num_dense_keys),
-        dense_key_start=np.concatenate([[0], np.cumsum(dense_key_len)]).astype(np.int32),
-        upfront_rows=pad_ids(upfront_rows, num_upfront_rows), kernel_rows=pad_ids(kernel_rows, num_kernel_rows),
-        upfront_pages=pad_ids(upfront_pages, num_upfront_pages),
-        masked_flags=np.maximum(pad_ids(masked_flags if num_sparse else [], num_sparse), 0),
-        dense_flag=np.int32(any(dense)) if dispatch == "cond" else None)
-    return plan, meta
+    batch, num_pages = check_batch(config, requests, num_pages, force_sparse, skip_indexer, buckets, dispatch,
+                                   tensor_parallel, prefill_route)
+    return _plan(config, batch, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel,
+                 prefill_route)

@@ -1,12 +1,15 @@
 """The batch-dependent kernel choices, made on the host when a batch is planned (plan.py).
 
-Pure Python over static sizes: no jax arrays, nothing from pallas_kernels. Head counts are PER
-SHARD (the heads one device's kernels run: num_attention_heads / tensor_parallel). The device-
-dependent choices (which backend runs each op) are made once by `kernels.resolve`; the kernels
-themselves take both as arguments and decide nothing.
+Python and numpy over static sizes (the prefill route rule also over arrays of lengths): no jax
+arrays, nothing from pallas_kernels. Head counts are PER SHARD (the heads one device's kernels
+run: num_attention_heads / tensor_parallel). The device-dependent choices (which backend runs
+each op) are made once by `kernels.resolve`; the kernels themselves take both as arguments and
+decide nothing.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 # fp8 latent cache: dequantising the pages a group of rows reads once, upfront, into a bf16 copy
 # pays when the kernel would otherwise dequantise >= this many gathered rows (rows x topk x one
@@ -86,24 +89,35 @@ def check_prefill_route(value) -> None:
         raise ValueError(f"prefill_route must be one of {PREFILL_ROUTES}, got {value!r}")
 
 
-def _positions_sum(start: int, end: int, cap: int | None = None) -> int:
-    """sum of min(p + 1, cap) for p in [start, end) (cap None: no cap)."""
+def _positions_sum(start, end, cap=None):
+    """sum of min(p + 1, cap) for p in [start, end) (cap None: no cap); ints or int64 arrays."""
     def upto(n):  # sum of min(i, cap) for i in 1..n
-        if cap is None or n <= cap:
+        if cap is None:
             return n * (n + 1) // 2
-        return cap * (cap + 1) // 2 + (n - cap) * cap
+        m = np.minimum(n, cap)
+        return m * (m + 1) // 2 + (n - m) * cap
     return upto(end) - upto(start)
 
 
-def route_costs(context_len: int, query_len: int, topk: int) -> dict[str, float]:
-    """{"sparse": ns, "masked": ns} per shard head of a prefill's attention (see the constants)."""
+def route_costs(context_len, query_len, topk: int) -> dict:
+    """{"sparse": ns, "masked": ns} per shard head of a prefill's attention (see the constants):
+    floats for int lengths, float64 arrays for arrays of them (int64 arithmetic: exact)."""
+    context_len = np.asarray(context_len, np.int64)
+    query_len = np.asarray(query_len, np.int64)
     end = context_len + query_len
-    return {"sparse": SPARSE_NS_PER_KEY * _positions_sum(context_len, end, topk) + ABSORB_NS_PER_ROW * query_len,
-            "masked": MASKED_NS_PER_KEY * _positions_sum(context_len, end) + UP_NS_PER_KEY * end}
+    costs = {"sparse": SPARSE_NS_PER_KEY * _positions_sum(context_len, end, topk) + ABSORB_NS_PER_ROW * query_len,
+             "masked": MASKED_NS_PER_KEY * _positions_sum(context_len, end) + UP_NS_PER_KEY * end}
+    return costs if end.ndim else {name: float(cost) for name, cost in costs.items()}
+
+
+def masked_cheaper(context_lens, query_lens, topk: int):
+    """Whether masked MHA is the cheaper route of each prefill (total length > topk) by
+    route_costs (ties: sparse): the rule of prefill_route, over arrays of lengths (bool array)."""
+    costs = route_costs(context_lens, query_lens, topk)
+    return np.less(costs["masked"], costs["sparse"])
 
 
 def prefill_route(context_len: int, query_len: int, topk: int) -> str:
     """"masked" or "sparse" for a prefill whose total length exceeds topk: the cheaper by
-    route_costs (ties: sparse)."""
-    costs = route_costs(context_len, query_len, topk)
-    return "masked" if costs["masked"] < costs["sparse"] else "sparse"
+    route_costs (ties: sparse; masked_cheaper over one prefill)."""
+    return "masked" if masked_cheaper(context_len, query_len, topk) else "sparse"

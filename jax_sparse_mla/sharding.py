@@ -57,8 +57,8 @@ from .cache import PagedCache, init_cache
 from .config import MLAConfig
 from .model import check_arguments, forward
 from .params import param_shapes
-from .plan import (BatchMeta, BatchPlan, BucketPolicy, Request, check_batch, padded_sizes, plan_host,
-                   pad_ids, request_routes)
+from .plan import (BatchMeta, BatchPlan, BucketPolicy, Request, check_batch, pad_ids, padded_sizes, plan_host,
+                   route_codes)
 from .validate import check_type, is_int
 
 DATA = "data"
@@ -146,17 +146,14 @@ def _merge_upfront_splits(plan: BatchPlan, plans: dict, sparse_rows: dict, bucke
         return plan, plans
 
     def ids(a):  # the entries of a -1 padded id list
-        return [int(v) for v in a if v >= 0]
+        return a[a >= 0]
 
     upfront = {d: ids(m.upfront_rows) for d, (_, m) in plans.items()}
     pages = {d: ids(m.upfront_pages) for d, (_, m) in plans.items()}
-    kernel = {}
-    for d in plans:  # the shard's other sparse rows
-        split_rows = set(upfront[d])
-        kernel[d] = [int(r) for r in sparse_rows[d] if int(r) not in split_rows]
+    kernel = {d: sparse_rows[d][~np.isin(sparse_rows[d], upfront[d])] for d in plans}  # the shard's other sparse rows
     plan = dataclasses.replace(
         plan, num_upfront_rows=max(BucketPolicy.round_up(len(r), 1) for r in upfront.values()),
-        num_kernel_rows=max(BucketPolicy.round_up(len(r), 1) if r else 0 for r in kernel.values()),
+        num_kernel_rows=max(BucketPolicy.round_up(len(r), 1) if len(r) else 0 for r in kernel.values()),
         num_upfront_pages=max(BucketPolicy.round_up(len(p), buckets.min_pages_per_seq) for p in pages.values()))
     return plan, {d: (plan, dataclasses.replace(
         m, upfront_rows=pad_ids(upfront[d], plan.num_upfront_rows),
@@ -204,15 +201,15 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
             raise ValueError(f"data shard {d}: {e}") from None
     force_sparse, skip_indexer = bool(force_sparse), bool(skip_indexer)
     # every shard's sizes padded to the largest shard's buckets
-    sizes = [padded_sizes(config, reqs, request_routes(config, reqs, force_sparse, "sparse"), buckets)
-             for reqs in checked.values()]
+    sizes = [padded_sizes(config, b, route_codes(config, b.context_lens, b.query_lens, force_sparse, "sparse"),
+                          buckets) for b in checked.values()]
     common = dataclasses.replace(
         buckets, min_tokens=max(s[0] for s in sizes), min_seqs=max(s[1] for s in sizes),
         min_pages_per_seq=max(s[2] for s in sizes), min_dense_keys=max([buckets.min_dense_keys] + [s[3] for s in sizes]))
-    plans = {d: plan_host(config, reqs, num_pages=num_pages, force_sparse=force_sparse, skip_indexer=skip_indexer,
+    plans = {d: plan_host(config, b, num_pages=num_pages, force_sparse=force_sparse, skip_indexer=skip_indexer,
                           buckets=common, dispatch="static", tensor_parallel=int(tensor_parallel),
                           prefill_route="sparse")
-             for d, reqs in checked.items()}
+             for d, b in checked.items()}
     base = next(iter(plans.values()))[0]
     dense = any(p.use_dense_mha for p, _ in plans.values())
     # Each shard's sparse rows: plan_batch's for dense-routed shards, every real row otherwise.

@@ -23,9 +23,13 @@ def as_int(value, what: str, minimum: int) -> int:
     if not is_int(value):
         raise ValueError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
     if not minimum <= value <= INT32_MAX:
-        raise ValueError(f"{what} must be >= {minimum}" + (", got " if value < minimum else " and < 2**31, got ")
-                         + str(value))
+        raise ValueError(range_message(what, minimum, value))
     return int(value)
+
+
+def range_message(what: str, minimum: int, value) -> str:
+    """as_int's message for an integer outside [minimum, 2**31)."""
+    return f"{what} must be >= {minimum}" + (", got " if value < minimum else " and < 2**31, got ") + str(value)
 
 
 def as_real(value, what: str, *, finite: bool = False, positive: bool = False, nonnegative: bool = False) -> float:
@@ -67,29 +71,34 @@ def array_dtype(value) -> np.dtype | None:
         return None
 
 
-def as_page_ids(table, what: str) -> list[int]:
-    """A block table (a list, tuple or 1-D numpy integer array of page ids, on the host) as a
-    list of Python ints, each in int32 range; ValueError naming `what` (or its entry `what[k]`)."""
+def as_page_ids(table, what: str) -> np.ndarray:
+    """A block table (a list, tuple or 1-D numpy integer array of page ids, on the host) as an
+    int64 array; ValueError naming `what` (or its entry `what[k]`) for what is not a table of
+    integers. Entries past int64 are refused as outside int32; the int32 range of the others is
+    the caller's to check (plan_batch reports it in its order of a request's problems)."""
     if isinstance(table, np.ndarray):
         if table.ndim != 1:
             raise ValueError(f"{what} must be 1-D, got a numpy array of shape {table.shape}")
         if table.dtype.kind not in "iu":
             raise ValueError(f"{what} must hold integer page ids, got a numpy array of dtype {table.dtype}")
-        values = table.tolist()
-    elif isinstance(table, (str, bytes)) or not isinstance(table, collections.abc.Sequence):
+        if table.dtype == np.uint64 and table.size and table.max() > np.iinfo(np.int64).max:
+            k = int(np.argmax(table > INT32_MAX))
+            raise ValueError(f"{what}[{k}] = {table[k]} is outside int32")
+        return table.astype(np.int64)
+    if isinstance(table, (str, bytes)) or not isinstance(table, collections.abc.Sequence):
         raise ValueError(f"{what} must be a list, tuple or 1-D numpy integer array of page ids (on the host), "
                          f"got {type(table).__name__}")
-    else:
-        values = list(table)
-        if not all(type(v) is int for v in values):  # (fast path: plain ints)
-            for k, v in enumerate(values):
-                if not is_int(v):
-                    raise ValueError(f"{what}[{k}] must be an integer page id, got {v!r} ({type(v).__name__})")
-            values = [int(v) for v in values]
-    if values and (min(values) < -INT32_MAX - 1 or max(values) > INT32_MAX):
+    values = table if isinstance(table, list) else list(table)
+    if not all(type(v) is int for v in values):  # (fast path: plain ints)
+        for k, v in enumerate(values):
+            if not is_int(v):
+                raise ValueError(f"{what}[{k}] must be an integer page id, got {v!r} ({type(v).__name__})")
+        values = [int(v) for v in values]
+    try:
+        return np.array(values, np.int64)
+    except OverflowError:  # an entry past int64
         k = next(k for k, v in enumerate(values) if not -INT32_MAX - 1 <= v <= INT32_MAX)
-        raise ValueError(f"{what}[{k}] = {values[k]} is outside int32")
-    return values
+        raise ValueError(f"{what}[{k}] = {values[k]} is outside int32") from None
 def check_not_deleted(arrays: Mapping[str, Any]) -> None:
     """ValueError naming the first of `arrays` ({its name in the message: value}) that is a deleted
     jax.Array (donated to an earlier call, or .delete()d); other values (numpy arrays, abstract
