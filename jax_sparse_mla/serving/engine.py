@@ -19,7 +19,7 @@ from ..config import MLAConfig, check_config_type
 from ..kernels import check_kernels
 from ..model import jit_forward
 from ..params import check_finite, check_params, init_params
-from ..plan import DISPATCH_MODES, BatchMeta, BucketPolicy, Request, check_slot_range, plan_batch
+from ..plan import DISPATCH_MODES, BatchMeta, BucketPolicy, Request, check_slot_range, plan_arrays, plan_batch
 from ..policy import check_prefill_route
 from ..validate import as_bool, as_int, is_int
 from . import block as _block
@@ -134,6 +134,7 @@ class _Running:
 
     spec: RequestSpec
     pages: list[int]
+    table: np.ndarray  # [len(pages)] int32: the pages as the plan's block-table row
     token_rows: np.ndarray  # [cache_len] pool row of each token this request feeds
     metrics: RequestMetrics
     computed: int = 0  # tokens in the cache
@@ -409,8 +410,13 @@ class Engine:
                                  max_num_seqs=opts.max_num_seqs, page_size=page, token_rows=self.token_rows)
                 if not work:
                     raise RuntimeError("scheduler made no progress (this is a bug)")
-                requests = [Request(r.computed, n, r.pages) for r, n in work]
-                plan, meta = plan_batch(self.config, requests, num_pages=self.num_pages, **opts.plan_kwargs())
+                # the batch as arrays (plan_arrays: vectorised checks, no Request objects)
+                tables = np.full((len(work), max(len(r.table) for r, _ in work)), -1, np.int32)
+                for i, (r, _) in enumerate(work):
+                    tables[i, :len(r.table)] = r.table
+                plan, meta = plan_arrays(self.config, np.array([r.computed for r, _ in work]),
+                                         np.array([n for _, n in work]), tables, num_pages=self.num_pages,
+                                         **opts.plan_kwargs())
                 planned = now()
                 rows = np.concatenate([r.token_rows[r.computed:r.computed + n] for r, n in work])
                 num_decodes = sum(1 for r, n in work if not r.prefilling)
@@ -426,7 +432,7 @@ class Engine:
                         running.remove(r)
                 dispatch = now()
                 if dry:
-                    _dry_run.append(requests)
+                    _dry_run.append([Request(r.computed - n, n, r.pages) for r, n in work])
                     x, new_programs = None, 0
                 else:
                     before = jit_forward._cache_size()
@@ -488,7 +494,7 @@ def _schedule(running: list[_Running], waiting: deque[tuple[RequestSpec, Request
                 raise PoolTooSmallError(f"request {spec.id} does not fit an empty cache")  # unreachable
             break
         waiting.popleft()
-        r = _Running(spec, pages, token_rows(spec), m)
+        r = _Running(spec, pages, np.asarray(pages, np.int32), token_rows(spec), m)
         running.append(r)
         n = min(spec.input_len, budget)
         work.append((r, n))

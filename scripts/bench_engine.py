@@ -1,0 +1,78 @@
+"""The engine's host share: Engine.run over requests that prefill, then decode together, with the
+host time of each step (scheduling, planning, dispatch; StepRecord.host_s) beside its device
+time (StepRecord.device_s) and its duration. Steps are pipelined: the host plans step N + 1
+while the device runs step N, so host time under the device's is hidden.
+
+    python scripts/bench_engine.py [--seqs 256] [--context 4096] [--decodes 32] [--layers 4]
+                                   [--dispatch static] [--out engine.json]    # GPU, deepseek_v32
+    python scripts/bench_engine.py --smoke    # CPU: tiny config, 8 sequences
+
+Prints one line for the decode steps (every sequence decoding) and one for the prefill steps:
+medians of host_s, plan_s, device_s and duration_s, and host / duration. The run is warmed up
+first (Engine.warmup compiles every program it will need), so no step compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from jax_sparse_mla import MLAConfig  # noqa: E402
+from jax_sparse_mla.serving import Engine, RequestSpec  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny config on CPU, 8 sequences of 40 tokens")
+    p.add_argument("--seqs", type=int, default=256)
+    p.add_argument("--context", type=int, default=4096, help="prompt tokens of each sequence")
+    p.add_argument("--decodes", type=int, default=32, help="decode steps after the prefills")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dispatch", default="static", choices=("static", "cond"))
+    p.add_argument("--out", default=None, help="write the step records and the medians as JSON here")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.seqs, a.context, a.decodes, a.layers = 8, 40, 4, 2
+    config = MLAConfig.tiny() if a.smoke else MLAConfig.deepseek_v32()
+    pages = a.seqs * -(-(a.context + a.decodes) // config.page_size)
+    engine = Engine(config, num_layers=a.layers, num_pages=pages, dispatch=a.dispatch,
+                    max_num_seqs=a.seqs, max_num_batched_tokens=max(8192, a.seqs))
+    specs = [RequestSpec(i, a.context, a.decodes + 1) for i in range(a.seqs)]
+    print(f"{jax.devices()[0].device_kind} ({jax.default_backend()}), {'tiny' if a.smoke else 'deepseek_v32'}, "
+          f"{a.layers} layers, {a.seqs} x {a.context} tokens then {a.decodes} decode steps, dispatch {a.dispatch}, "
+          f"jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+    t0 = time.perf_counter()
+    compiled = engine.warmup(specs)
+    print(f"warm-up: {compiled} programs in {time.perf_counter() - t0:.1f} s", flush=True)
+    result = engine.run(specs, progress=False)
+    rows = {}
+    for name, steps in (("decode", [s for s in result.steps if s.num_prefills == 0]),
+                        ("prefill", [s for s in result.steps if s.num_prefills > 0])):
+        if not steps:
+            continue
+        med = {f: statistics.median(getattr(s, f) for s in steps) * 1e3
+               for f in ("host_s", "plan_s", "device_s", "duration_s")}
+        rows[name] = {"steps": len(steps), **{k.replace("_s", "_ms"): v for k, v in med.items()},
+                      "host_share": med["host_s"] / med["duration_s"],
+                      "new_programs": sum(s.new_programs for s in steps)}
+        r = rows[name]
+        print(f"{name:<8} steps {r['steps']:>4}  host {r['host_ms']:8.3f} ms (plan {r['plan_ms']:.3f})  device "
+              f"{r['device_ms']:8.3f} ms  step {r['duration_ms']:8.3f} ms  host / step {r['host_share']:.3f}  "
+              f"compiled {r['new_programs']}", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d"),
+                       "medians": rows, "summary": result.summary()}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
