@@ -57,7 +57,7 @@ class StepRecord:
     run. forward_s: from the first layer's dispatch to ready. host_s: the host's time for this step
     (scheduling, planning, dispatching every layer), mostly hidden behind the previous step;
     plan_s: its scheduling and planning part. device_s: from when the device could start the step
-    (its dispatch began and the previous step had ended) to ready, an estimate of its device time
+    (its dispatch began and the previous step had ended) to ready, an estimate of its GPU time
     that is exact when the host keeps ahead of the device. route: plan.route
     ("dense" / "sparse" / "cond"); branch: the program that ran ("dense" / "sparse": for a cond
     plan, the branch meta.dense_flag picks). num_tokens: real rows; padded_tokens: plan.num_tokens.

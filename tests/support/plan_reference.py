@@ -12,7 +12,7 @@ import collections.abc
 import numpy as np
 
 from jax_sparse_mla import policy
-from jax_sparse_mla.plan import BatchMeta, BatchPlan, BucketPolicy, PlanConfig, Request
+from jax_sparse_mla.plan import BatchMeta, BatchPlan, BucketPolicy, PlanConfig, Request, _alias_error
 
 INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
 
@@ -53,23 +53,7 @@ def _page_ids(i, table):
 
 
 def _alias(i, k, writes, page, j, kj, j_writes):
-    if j == i:
-        if writes and j_writes:
-            what = f"is written by this step more than once (block_table[{kj}] and block_table[{k}])"
-        elif writes:
-            what = f"is written by this step (block_table[{k}]) and is also its context page block_table[{kj}]"
-        else:
-            what = f"holds two ranges of its context (block_table[{kj}] and block_table[{k}])"
-        return f"request {i}: page {page} {what}: the pages a request's tokens occupy must be distinct"
-    if writes and j_writes:
-        return (f"request {i}: page {page} is written by this step more than once (block_table[{k}]; "
-                f"also by request {j}, its block_table[{kj}])")
-    if writes:
-        return (f"request {i}: page {page} is written by this step (block_table[{k}]), but request {j} "
-                f"reads it as context (its block_table[{kj}])")
-    return (f"request {i}: page {page} is read as context (block_table[{k}]), but request {j} writes it "
-            f"in this step (its block_table[{kj}])")
-
+    return str(_alias_error(i, k, writes, page, j, kj, j_writes))  # the message text is the library's
 
 def _scan_pages(requests, limit, bound, ps):
     """The first page problem of requests (Python int lengths, list tables), or None."""
