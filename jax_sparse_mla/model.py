@@ -1,12 +1,13 @@
 """The functional core: one sparse-MLA layer step over a planned batch.
 
-`forward` projects every row and writes both paged caches, then runs one of two programs: the
-dense program sends short prefills through dense causal MHA (k_nope and v up-projected from the
-latent cache) and scores the rows in meta.sparse_rows (decodes, long prefills): those routed
-masked run in the same dense MHA call restricted to their top-k positions (masked MHA), the
-others attend sparsely; the sparse program scores every row with the lightning indexer, takes
-top-k and runs absorbed sparse attention over the selected latent rows. The plan picks one statically, or both
-are compiled and lax.cond picks at run time (dispatch="cond").
+`forward` projects every row and writes both paged caches, then runs the plan's program. A static
+plan's (the exact program) is one of two: the dense program sends short prefills through dense
+causal MHA (k_nope and v up-projected from the latent cache) and scores the rows in
+meta.sparse_rows (decodes, long prefills): those routed masked run in the same dense MHA call
+restricted to their top-k positions (masked MHA), the others attend sparsely; the sparse program
+scores every row with the lightning indexer, takes top-k and runs absorbed sparse attention over
+the selected latent rows. A cond plan's (the serving program, `_cond_program`) holds the same
+stages, each at a size lax.switch picks at run time.
 """
 
 from __future__ import annotations
@@ -166,10 +167,10 @@ def check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, config
         raise ValueError(f"the plan was validated for {plan.num_pages} pages, the cache has {cache.num_pages}")
     for name, shape in BatchMeta.shapes(plan).items():
         got = getattr(meta, name)
-        if got is not None and got.shape != shape:  # (a missing dense_flag: below)
+        if got is not None and got.shape != shape:  # (a missing branches: below)
             raise ValueError(f"meta.{name} has shape {got.shape}, expected {shape} for this plan (was it made by plan_batch?)")
-    if (meta.dense_flag is None) != (plan.use_dense_mha is not None):
-        raise ValueError("meta.dense_flag must be set exactly for dispatch='cond' plans (use_dense_mha None)")
+    if (meta.branches is None) != (plan.use_dense_mha is not None):
+        raise ValueError("meta.branches must be set exactly for dispatch='cond' plans (use_dense_mha None)")
     check_not_deleted({"hidden": hidden, **{f"params[{name!r}]": p for name, p in params.items()},
                        **{f"cache.{name}": a for name, a in cache.arrays().items()},
                        **{f"meta.{f.name}": getattr(meta, f.name) for f in dataclasses.fields(meta)}})
@@ -325,10 +326,6 @@ def _dense_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out_s
     with `masked`) and the others sparsely -> out_shape [T, H, v] f32.
 
     Scores only meta.sparse_rows, or every row when plan.skip_indexer is False (the baseline).
-    A cond plan sizes meta.sparse_rows and meta.dense_key_slots for any batch of its buckets, so
-    work follows the batch through lax.cond: the sparse rows' projections, scoring and attention
-    run only when one exists, and the dense keys' up-projection covers num_tokens keys when the
-    batch's fit there; a batch of short prefills then pays what the static dense program does.
     """
     T = plan.num_tokens
     all_positions = None if plan.skip_indexer else score(None, plan.group("all"))
@@ -348,22 +345,68 @@ def _dense_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out_s
         max_kv_len = min(plan.num_dense_keys, plan.pages_per_seq * plan.config.page_size)
         rows, dense_out = dense(selection=_dense_selection(meta, top, scored_index, topk), max_kv_len=max_kv_len)
         attending = jnp.where(meta.masked_flags > 0, -1, meta.sparse_rows)
-    elif plan.use_dense_mha is None and plan.num_dense_keys > T:
-        # a cond plan's dense keys are sized for sequences with context (num_seqs * index_topk):
-        # when the batch's keys fit in num_tokens (prefills without context), up-project only those
-        rows, dense_out = jax.lax.cond(meta.dense_key_start[-1] <= T, lambda: dense(num_keys=T), dense)
     else:
         rows, dense_out = dense()
     out_heads = _put_rows(jnp.zeros(out_shape, jnp.float32), rows, dense_out)
     if plan.num_sparse_tokens and plan.masked != "all":
-        sparse = functools.partial(_attend_sparsely, score, attend, plan, meta, rows=attending,
-                                   all_positions=all_positions)
-        if plan.use_dense_mha is None and all_positions is None:
-            # cond plans size their sparse rows for any batch: attend only when one exists
-            out_heads = jax.lax.cond(jnp.any(meta.sparse_rows >= 0), sparse, lambda o: o, out_heads)
-        else:
-            out_heads = sparse(out_heads)
+        out_heads = _attend_sparsely(score, attend, plan, meta, out_heads, rows=attending,
+                                     all_positions=all_positions)
     if not plan.skip_indexer:  # baseline: keep scoring that (mostly) no row reads
+        out_heads = _depend_on(out_heads, all_positions)
+    return out_heads
+
+
+def _cond_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out_shape, topk: int):
+    """The serving program (dispatch="cond"): three stages, each run at the size meta.branches
+    picks from the plan's ladders (pick 0: the stage does not run) -> out_shape [T, H, v] f32.
+
+    1. scoring of meta.sparse_rows[:n] (n from plan.score_sizes; every row, the baseline, without
+       skip_indexer): top-k positions [T, topk] aligned with meta.sparse_rows, -1 past n;
+    2. the dense MHA call (`dense`: _dense_prefill) over the first k of meta.dense_key_slots (k
+       from plan.key_sizes), with the rows meta.masked_flags marks restricted to their top-k
+       positions in the masked picks;
+    3. sparse attention of meta.sparse_rows[:n] (n from plan.attend_sizes; the plan puts the
+       sparsely attending rows first, the masked ones are skipped).
+    Each stage's every size is compiled into the program (lax.switch), so the program is one per
+    shape bucket and a step pays for its real rows and keys, up to the ladders' steps.
+    """
+    T = plan.num_tokens
+    none = jnp.full((T, topk), -1, jnp.int32)
+    all_positions = None
+    if plan.skip_indexer:
+        def scoring(n):
+            return lambda: jnp.concatenate([score(meta.sparse_rows[:n], plan.group("sparse", n)), none[n:]])
+        top = jax.lax.switch(meta.branches[0], [lambda: none] + [scoring(n) for n in plan.score_sizes])
+    else:  # baseline: every row scored
+        all_positions = score(None, plan.group("all"))
+        top = jnp.where(meta.sparse_rows[:, None] >= 0, _pick(all_positions, meta.sparse_rows), -1)
+
+    scored_index = _put_rows(jnp.full((T,), -1, jnp.int32), meta.sparse_rows, jnp.arange(T, dtype=jnp.int32))
+    longest = plan.pages_per_seq * plan.config.page_size  # a sequence's keys fit its block table
+
+    def dense_call(num_keys, masked):
+        def run():
+            if masked:
+                rows, out = dense(num_keys=num_keys, selection=_dense_selection(meta, top, scored_index, topk),
+                                  max_kv_len=min(num_keys, longest))
+            else:
+                rows, out = dense(num_keys=num_keys)
+            return _put_rows(jnp.zeros(out_shape, jnp.float32), rows, out)
+        return run
+
+    calls = [(k, False) for k in plan.key_sizes] + [(k, True) for k in plan.key_sizes if plan.masked != "none"]
+    out_heads = jax.lax.switch(meta.branches[1], [lambda: jnp.zeros(out_shape, jnp.float32)]
+                               + [dense_call(*call) for call in calls])
+
+    def attending(n):
+        def run(out_heads):
+            rows = jnp.where(meta.masked_flags[:n] > 0, -1, meta.sparse_rows[:n])
+            out = attend(rows, jnp.where(rows[:, None] >= 0, top[:n], -1), meta.block_tables, plan.group("sparse", n))
+            return _put_rows(out_heads, rows, out)
+        return run
+
+    out_heads = jax.lax.switch(meta.branches[2], [lambda o: o] + [attending(n) for n in plan.attend_sizes], out_heads)
+    if all_positions is not None:  # baseline: keep scoring that (mostly) no row reads
         out_heads = _depend_on(out_heads, all_positions)
     return out_heads
 
@@ -411,10 +454,8 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
                                impl=impl.sparse_mla)
     dense = functools.partial(_dense_prefill, q_nope, q_pe, w_uk, w_uv, cache, meta, c_, impl.dense_mha)
     out_shape = (T, H, c_.v_head_dim)
-    if plan.use_dense_mha is None:  # dispatch="cond": both programs, one runs
-        out_heads = jax.lax.cond(meta.dense_flag > 0,
-                                 lambda: _dense_program(score, attend, dense, plan, meta, out_shape, c_.index_topk),
-                                 lambda: _sparse_program(score, attend, plan, meta, out_shape))
+    if plan.use_dense_mha is None:  # dispatch="cond": the serving program
+        out_heads = _cond_program(score, attend, dense, plan, meta, out_shape, c_.index_topk)
     elif plan.use_dense_mha:
         out_heads = _dense_program(score, attend, dense, plan, meta, out_shape, c_.index_topk)
     else:
@@ -429,7 +470,7 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
     return out.astype(c_.jnp_dtype), cache
 
 
-# XLA's command buffers (CUDA graphs) off: around the lax.cond of a dispatch="cond" program they
+# XLA's command buffers (CUDA graphs) off: around the conditionals of a dispatch="cond" program they
 # cost 1.2-2.6x the static program's step on an H100, against 1.09-1.17x without them, and the
 # static programs run as fast without them (docs/design/dispatch.md).
 jit_forward = jax.jit(forward, static_argnames=("plan", "config", "kernels"), donate_argnames=("cache",),

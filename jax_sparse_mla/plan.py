@@ -20,12 +20,17 @@ row as soon as one row needs it. A batch with no dense or masked prefill runs th
 program. `skip_indexer=False` is the baseline that scores every row whatever the route. The
 indexer key cache is written for every row either way.
 
-Dispatch. `dispatch="static"`: the route is a static plan field, one executable per plan, chosen
-on the host. `dispatch="cond"`: one executable per shape bucket holds both programs and picks
-one at run time with lax.cond on a traced flag (meta.dense_flag), for engines that keep a
-single captured program per shape. Cond plans keep those two programs only: their long
-prefills attend sparsely (a masked route's keys and bitmask are sized by its sequences,
-which a shape bucket does not bound).
+Dispatch. `dispatch="static"`: every size is the batch's own bucket and the route a static plan
+field: one executable per plan, chosen on the host (the exact program, the reference).
+`dispatch="cond"`: the serving program. Its static sizes are the shape buckets alone (rows,
+sequences, block-table width; BucketPolicy.for_limits fixes the last two at an engine's limits),
+and the work of each stage is picked at run time by lax.switch from a ladder of sizes
+(BatchPlan.score_sizes, key_sizes, attend_sizes; meta.branches holds the three picks): the scored
+rows, the dense / masked MHA call's keys (0: no dense call) and the sparsely attending rows, so
+that a step pays for the rows it has, not for its bucket. A cond plan routes requests as a static
+one does, except that dense and masked requests whose keys would pass its largest key size
+attend sparsely instead (the same result: top-k over at most index_topk keys selects them all,
+and masked MHA is sparse attention in another form).
 """
 
 from __future__ import annotations
@@ -86,6 +91,19 @@ class BucketPolicy:
     def round_up(n: int, minimum: int) -> int:
         return max(minimum, 1 << int(max(n - 1, 0)).bit_length())
 
+    @classmethod
+    def for_limits(cls, config: MLAConfig, *, max_num_seqs: int, max_model_len: int | None = None) -> BucketPolicy:
+        """The policy of a serving engine: sequence count and block-table width fixed at its
+        limits (every batch of at most max_num_seqs requests, each at most max_model_len tokens,
+        default the config's max_position_embeddings, gets num_seqs = max_num_seqs and
+        pages_per_seq = ceil(max_model_len / page_size)), so that only the row count is
+        bucketed. The kernels' work follows the real sequences and lengths, not these sizes
+        (fixing them cost 0-3% a layer step on an H100: docs/design/dispatch.md); a dispatch="cond"
+        plan then compiles one program per row bucket."""
+        max_num_seqs = as_int(max_num_seqs, "max_num_seqs", 1)
+        length = config.max_position_embeddings if max_model_len is None else as_int(max_model_len, "max_model_len", 1)
+        return cls(min_seqs=max_num_seqs, min_pages_per_seq=-(-length // config.page_size))
+
 
 DISPATCH_MODES = ("static", "cond")
 MASKED = ("none", "some", "all")  # BatchPlan.masked
@@ -140,6 +158,29 @@ class RowGroup:
     dequantize: str
 
 
+ROW_LADDER_STEPS = 5  # a cond plan's row sizes: num_tokens, / 2, ..., / 16
+KEY_LADDER = (-3, 2)  # a cond plan's dense key sizes: num_tokens x 2**e for e in [-3, 2]
+MIN_LADDER_SIZE = 16
+
+
+def row_ladder(num_tokens: int) -> tuple[int, ...]:
+    """A cond plan's sizes for its scored and its sparsely attending rows (ascending): num_tokens
+    halved ROW_LADDER_STEPS - 1 times, none below MIN_LADDER_SIZE (or num_tokens if smaller).
+    Rows past a stage's real ones cost little in its kernels; the halving bounds what they cost
+    in its dense matmuls (the indexer queries, q / o latent projections) to the real rows'."""
+    low = min(num_tokens, MIN_LADDER_SIZE)
+    return tuple(sorted({max(low, -(-num_tokens // 2 ** j)) for j in range(ROW_LADDER_STEPS)}))
+
+
+def key_ladder(num_tokens: int) -> tuple[int, ...]:
+    """A cond plan's sizes for the keys of its dense / masked MHA call (ascending; the
+    up-projection of k and v is a dense matmul over them): num_tokens x 2**e for e in KEY_LADDER,
+    none below MIN_LADDER_SIZE."""
+    lo, hi = KEY_LADDER
+    return tuple(sorted({max(MIN_LADDER_SIZE, num_tokens << e if e >= 0 else -(-num_tokens >> -e))
+                         for e in range(lo, hi + 1)}))
+
+
 def _row_groups(plan: BatchPlan) -> tuple[RowGroup, ...]:
     """Every RowGroup the plan's program(s) call, in call order (BatchPlan.groups)."""
     c = plan.config
@@ -155,11 +196,14 @@ def _row_groups(plan: BatchPlan) -> tuple[RowGroup, ...]:
         shards = policy.indexer_shards(num_rows, plan.tensor_parallel)
         return RowGroup(name, num_rows, shards, policy.indexer_kernel(num_rows // shards, plan.num_seqs), route)
 
+    if plan.use_dense_mha is None:  # the cond program: each size of its row ladder
+        calls = ([] if plan.skip_indexer else [("all", plan.num_tokens)]) + [("sparse", n) for n in plan.attend_sizes]
+        return tuple(group(name, n) for name, n in calls)
     split = [("upfront", plan.num_upfront_rows)] + ([("kernel", plan.num_kernel_rows)] if plan.num_kernel_rows else [])
     calls = []
-    if plan.use_dense_mha is not True:  # the sparse program
+    if plan.use_dense_mha is False:  # the sparse program
         calls += split if plan.num_upfront_rows else [("all", plan.num_tokens)]
-    if plan.use_dense_mha is not False:  # the dense program
+    else:  # the dense program
         if not plan.skip_indexer:
             calls.append(("all", plan.num_tokens))
         if plan.num_sparse_tokens:
@@ -178,8 +222,9 @@ class BatchPlan:
     num_seqs: padded sequence count.
     pages_per_seq: block-table width W; each sequence sees W * page_size key positions.
     use_dense_mha: True: the dense program (short prefills run dense MHA, the rows in
-      meta.sparse_rows attend sparsely or, with `masked`, as masked MHA); False: the all-sparse program; None: both, picked at
-      run time by meta.dense_flag (dispatch="cond").
+      meta.sparse_rows attend sparsely or, with `masked`, as masked MHA); False: the all-sparse
+      program; None: the cond program (dispatch="cond"), whose stages' sizes meta.branches picks
+      at run time from score_sizes, key_sizes and attend_sizes.
     num_sparse_tokens: padded count of meta.sparse_rows, the dense program's scored rows (decodes
       and long prefills, attending sparsely or as masked MHA); 0 when there are none or
       use_dense_mha is False.
@@ -200,9 +245,10 @@ class BatchPlan:
       (policy.dequantize_route): a prefill gathers each row of its sequence many times. The
       three sizes are power-of-two buckets, so an fp8 cache compiles more programs.
     masked: whether the dense program's MHA call restricts rows to their top-k positions (masked
-      MHA: the rows of meta.sparse_rows that meta.masked_flags marks; static dispatch): "none",
-      "some" (the other scored rows attend sparsely) or "all" (every scored row: the program
-      has no sparse attention).
+      MHA: the rows of meta.sparse_rows that meta.masked_flags marks): "none", "some" (the other
+      scored rows attend sparsely) or "all" (every scored row: the program has no sparse
+      attention). A cond plan: "some" when its program holds the masked MHA calls (a batch's
+      long prefills may attend masked), "none" when they attend sparsely.
     tensor_parallel: the tensor-axis size the plan was made for (its fp8 split decided with
       num_attention_heads / tensor_parallel heads per shard, its indexer split per group).
       Keyword-only; forward requires the size of the tensor axis it runs under (1 without one;
@@ -210,8 +256,8 @@ class BatchPlan:
     groups: every RowGroup the program calls the indexer or sparse attention on, with the
       kernel shape and fp8 route decided for it (computed from the other fields: not an
       argument, and recomputed by dataclasses.replace).
-    In a cond plan, num_sparse_tokens is num_tokens and num_dense_keys num_seqs * index_topk
-    (padded): sizes that fit any batch of the bucket.
+    In a cond plan, num_sparse_tokens is num_tokens and num_dense_keys key_sizes[-1] (0 with
+    force_sparse): the sizes of meta's arrays, which fit any batch of the bucket.
     """
 
     num_tokens: int
@@ -231,17 +277,41 @@ class BatchPlan:
     groups: tuple[RowGroup, ...] = dataclasses.field(init=False)
 
     def __post_init__(self):
-        if self.masked not in MASKED or (self.masked != "none" and self.use_dense_mha is not True):
-            raise ValueError(f"BatchPlan.masked must be one of {MASKED} ('none' unless use_dense_mha is True), "
-                             f"got {self.masked!r} with use_dense_mha={self.use_dense_mha!r}")
+        allowed = {True: MASKED, False: ("none",), None: ("none", "some")}.get(self.use_dense_mha, ())
+        if self.masked not in allowed:
+            raise ValueError(f"BatchPlan.masked must be one of {MASKED} ('none' with use_dense_mha False, 'none' or "
+                             f"'some' with None), got {self.masked!r} with use_dense_mha={self.use_dense_mha!r}")
         object.__setattr__(self, "groups", _row_groups(self))
 
-    def group(self, name: str) -> RowGroup:
-        """The RowGroup called `name` (ValueError if the plan's program has no such call)."""
+    def group(self, name: str, num_rows: int | None = None) -> RowGroup:
+        """The RowGroup called `name` (of num_rows rows, where a cond plan has one per ladder
+        size); ValueError if the plan's program has no such call."""
         for g in self.groups:
-            if g.name == name:
+            if g.name == name and num_rows in (None, g.num_rows):
                 return g
-        raise ValueError(f"the plan has no {name!r} row group (it has {[g.name for g in self.groups]})")
+        raise ValueError(f"the plan has no {name!r} row group of {num_rows} rows "
+                         f"(it has {[(g.name, g.num_rows) for g in self.groups]})")
+
+    @property
+    def attend_sizes(self) -> tuple[int, ...]:
+        """A cond plan's sizes for its sparsely attending rows, and for its scored rows where it
+        scores only those (skip_indexer): row_ladder(num_tokens) (ascending; a batch with none
+        takes neither stage). () for a static plan."""
+        return row_ladder(self.num_tokens) if self.use_dense_mha is None else ()
+
+    @property
+    def score_sizes(self) -> tuple[int, ...]:
+        """A cond plan's sizes for its scored rows: attend_sizes, or (num_tokens,) without
+        skip_indexer (every row scored). () for a static plan."""
+        if self.use_dense_mha is not None:
+            return ()
+        return self.attend_sizes if self.skip_indexer else (self.num_tokens,)
+
+    @property
+    def key_sizes(self) -> tuple[int, ...]:
+        """A cond plan's sizes for the keys of its dense / masked MHA call: key_ladder(num_tokens),
+        () when num_dense_keys is 0 (force_sparse: no dense call) and for a static plan."""
+        return key_ladder(self.num_tokens) if self.use_dense_mha is None and self.num_dense_keys else ()
 
     def check_config(self, config: MLAConfig, shards: int = 1) -> None:
         """Raises ValueError naming each field in which `config` differs from the one planned for.
@@ -273,7 +343,7 @@ class BatchPlan:
 
     @property
     def has_indexer_scoring(self) -> bool:
-        """Whether the program contains indexer scoring (a cond program always holds the sparse branch)."""
+        """Whether the program contains indexer scoring (a cond program always holds it)."""
         return self.num_scored_tokens != 0
 
     @property
@@ -302,7 +372,8 @@ class BatchMeta:
     slot_mapping: jax.Array  # [T]: cache slot each row writes [-1: writes nowhere]
     row_seq: jax.Array  # [T]: sequence index of each row [0; a padding row's position is -1]
     block_tables: jax.Array  # [S, W]: page ids [-1 past each sequence's pages]
-    # [num_sparse_tokens]: the dense program's scored rows (attending sparsely or as masked MHA) [-1]
+    # [num_sparse_tokens]: the dense program's scored rows (attending sparsely or as masked MHA);
+    # in a cond plan every scored row, those attending sparsely first [-1]
     sparse_rows: jax.Array
     # [T]: rows of the sequences run as dense or masked MHA, sequence after sequence [-1]
     dense_rows: jax.Array
@@ -319,13 +390,15 @@ class BatchMeta:
     upfront_pages: jax.Array  # [num_upfront_pages]
     # [num_sparse_tokens]: 1 where that row of sparse_rows attends as masked MHA, else 0 [0]
     masked_flags: jax.Array
-    # []: 1 when the cond program should take its dense branch; None unless dispatch="cond"
-    # (plan.use_dense_mha is None).
-    dense_flag: jax.Array | None = None
+    # [3]: a cond plan's run-time picks, 0 where the stage does not run: (scoring: i scores
+    # sparse_rows[:score_sizes[i - 1]]; the dense call: i <= len(key_sizes) runs it over
+    # key_sizes[i - 1] keys, len(key_sizes) + i the same with masked rows; sparse attention: i
+    # attends sparse_rows[:attend_sizes[i - 1]]) [0]. None unless dispatch="cond".
+    branches: jax.Array | None = None
 
     @staticmethod
     def shapes(plan: BatchPlan) -> dict[str, tuple[int, ...]]:
-        """The shape of each field for `plan` (dense_flag only for a cond plan; None otherwise)."""
+        """The shape of each field for `plan` (branches only for a cond plan; None otherwise)."""
         T, S = plan.num_tokens, plan.num_seqs
         shapes = {"positions": (T,), "slot_mapping": (T,), "row_seq": (T,), "block_tables": (S, plan.pages_per_seq),
                   "sparse_rows": (plan.num_sparse_tokens,), "dense_rows": (T,), "dense_query_start": (S + 1,),
@@ -333,14 +406,14 @@ class BatchMeta:
                   "upfront_rows": (plan.num_upfront_rows,), "kernel_rows": (plan.num_kernel_rows,),
                   "upfront_pages": (plan.num_upfront_pages,), "masked_flags": (plan.num_sparse_tokens,)}
         if plan.use_dense_mha is None:
-            shapes["dense_flag"] = ()
+            shapes["branches"] = (3,)
         return shapes
 
     @staticmethod
     def empty(plan: BatchPlan) -> BatchMeta:
         """Host (numpy) metadata of a batch with no work for `plan`: every row padding, every
-        sequence empty (the padding values above; a cond plan's dense_flag 0)."""
-        zero = ("row_seq", "dense_query_start", "dense_key_start", "dense_flag", "masked_flags")
+        sequence empty (the padding values above; a cond plan's branches 0: no stage runs)."""
+        zero = ("row_seq", "dense_query_start", "dense_key_start", "branches", "masked_flags")
         return BatchMeta(**{name: np.full(shape, 0 if name in zero else -1, np.int32)
                             for name, shape in BatchMeta.shapes(plan).items()})
 
@@ -781,11 +854,15 @@ def plan_host(config: MLAConfig, batch: Batch, *, num_pages: int | None, force_s
     """plan_batch for a batch and options that passed `check_batch` / `check_arrays`; the
     metadata is numpy, on the host. Numpy over the batch's arrays: no loop over its requests."""
     page = config.page_size
-    if dispatch == "cond":
-        prefill_route = "sparse"
+    cond = dispatch == "cond"
     ctx, q = batch.context_lens, batch.query_lens
     B, w = batch.block_tables.shape
     codes = route_codes(config, ctx, q, force_sparse, prefill_route)
+    if cond:  # dense and masked requests past the program's largest key size attend sparsely
+        keys = key_ladder(buckets.round_up(int(q.sum()), buckets.min_tokens))
+        over = np.flatnonzero(np.cumsum(np.where(codes != SPARSE, ctx + q, 0)) > keys[-1])
+        if over.size:
+            codes[over[0]:] = SPARSE
     dense = codes != SPARSE  # run in the dense program's dense MHA call
     num_tokens, num_seqs, width, static_dense_keys = _padded_sizes(config, ctx, q, dense, buckets)
 
@@ -818,40 +895,57 @@ def plan_host(config: MLAConfig, batch: Batch, *, num_pages: int | None, force_s
         key_lens = (ctx + q)[dense_seqs]
         key_pos = _ranges(np.zeros_like(key_lens), key_lens)
         dense_key_slots = _slots(tables, np.repeat(dense_seqs, key_lens), key_pos, page)
-    scored = (codes[row_seq] != DENSE).nonzero()[0]  # attends sparsely or as masked MHA
+    row_codes = codes[row_seq]
+    if cond:  # the scored rows, those attending sparsely first (each stage takes a prefix)
+        attending = (row_codes == SPARSE).nonzero()[0]
+        scored = np.concatenate([attending, (row_codes == MASKED_ROUTE).nonzero()[0]])
+    else:
+        scored = (row_codes != DENSE).nonzero()[0]  # attends sparsely or as masked MHA
 
-    if dispatch == "cond":  # sizes from the buckets alone: one program per shape bucket
+    branches = None
+    if cond:  # sizes from the buckets alone: one program per shape bucket
         use_dense = None
         num_sparse = num_tokens
-        num_dense_keys = buckets.round_up(num_seqs * config.index_topk, buckets.min_dense_keys)
+        num_dense_keys = 0 if force_sparse else keys[-1]
+        masked = "none" if force_sparse or prefill_route == "sparse" else "some"
     else:
         use_dense = bool(dense.any())
         num_sparse = buckets.round_up(len(scored), 1) if use_dense and len(scored) else 0
         num_dense_keys = static_dense_keys
-    split = None if dispatch == "cond" else _upfront_split(config, batch, block_tables, ~dense, row_seq,
-                                                             buckets, tensor_parallel)
+        has_masked = bool((codes == MASKED_ROUTE).any())
+        masked = "none" if not has_masked else "all" if dense.all() else "some"
+    split = None if cond else _upfront_split(config, batch, block_tables, ~dense, row_seq, buckets, tensor_parallel)
     upfront_rows, kernel_rows, upfront_pages, (num_upfront_rows, num_kernel_rows, num_upfront_pages) = (
         split or ([], [], [], (0, 0, 0)))
-    has_masked = bool((codes == MASKED_ROUTE).any())
     plan = BatchPlan(num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=width, use_dense_mha=use_dense,
                      num_sparse_tokens=num_sparse, num_dense_keys=num_dense_keys,
                      skip_indexer=skip_indexer or use_dense is False, num_pages=num_pages,
                      num_upfront_rows=num_upfront_rows, num_kernel_rows=num_kernel_rows,
-                     num_upfront_pages=num_upfront_pages, config=PlanConfig.of(config),
-                     masked="none" if not has_masked else "all" if dense.all() else "some",
+                     num_upfront_pages=num_upfront_pages, config=PlanConfig.of(config), masked=masked,
                      tensor_parallel=tensor_parallel)
     masked_flags = np.zeros(num_sparse, np.int32)
     if num_sparse:
-        masked_flags[:len(scored)] = codes[row_seq[scored]] == MASKED_ROUTE
+        masked_flags[:len(scored)] = row_codes[scored] == MASKED_ROUTE
+    if cond:
+        branches = np.array([_pick_size(plan.score_sizes, len(scored) if plan.skip_indexer else num_tokens),
+                             _pick_size(plan.key_sizes, len(dense_key_slots)),
+                             _pick_size(plan.attend_sizes, len(attending))], np.int32)
+        if branches[1] and (codes == MASKED_ROUTE).any():
+            branches[1] += len(plan.key_sizes)
     meta = BatchMeta(
         positions=positions, slot_mapping=slot_mapping, row_seq=row_seq_out, block_tables=block_tables,
         sparse_rows=pad_ids(scored if num_sparse else [], num_sparse),  # unused by the sparse program
         dense_rows=pad_ids(dense_rows, num_tokens), dense_query_start=dense_query_start,
         dense_key_slots=pad_ids(dense_key_slots, num_dense_keys), dense_key_start=dense_key_start,
         upfront_rows=pad_ids(upfront_rows, num_upfront_rows), kernel_rows=pad_ids(kernel_rows, num_kernel_rows),
-        upfront_pages=pad_ids(upfront_pages, num_upfront_pages), masked_flags=masked_flags,
-        dense_flag=np.int32(dense.any()) if dispatch == "cond" else None)
+        upfront_pages=pad_ids(upfront_pages, num_upfront_pages), masked_flags=masked_flags, branches=branches)
     return plan, meta
+
+
+def _pick_size(sizes: tuple[int, ...], count: int) -> int:
+    """A cond plan's branch for a stage of `count` items: 0 for none, else 1 + the index of the
+    smallest of `sizes` (ascending) that holds them."""
+    return 0 if count == 0 else 1 + int(np.searchsorted(sizes, count))
 
 
 def _plan(config, batch, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel, prefill_route):
@@ -897,14 +991,14 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
     force_sparse: route every prefill through the indexer and sparse attention (no dense or
       masked MHA).
     prefill_route: how prefills longer than index_topk attend: "auto" (policy.prefill_route's
-      cost model, per request), "masked" or "sparse" (every such prefill). Static dispatch only
-      (cond plans attend them sparsely).
+      cost model, per request), "masked" or "sparse" (every such prefill).
     skip_indexer: score only the rows that need top-k (False: every row, the baseline).
     num_pages: the cache's page count; page ids outside [0, num_pages) are rejected. Without
       it page ids are only checked to be >= 0 and to have int32 slot numbers (an id past the
       cache would read clamped slots and write nowhere), so engines should pass it.
-    dispatch: "static" (the route is in the plan) or "cond" (in meta.dense_flag; the plan's
-      sizes then depend on the shape buckets only).
+    dispatch: "static" (the exact program: sizes and route in the plan) or "cond" (the serving
+      program: the plan's sizes depend on the shape buckets only, each stage's size is picked
+      at run time by meta.branches; see the module docstring).
     tensor_parallel: the tensor-axis size the batch will run under (a positive divisor of
       num_attention_heads): the kernel choices are made for the heads of one shard, and the
       indexer's split over the shards (RowGroup.indexer_shards). Plans for more than 1 run

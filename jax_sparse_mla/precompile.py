@@ -62,7 +62,7 @@ from .cache import init_cache
 from .config import MLAConfig, check_config_type
 from .model import jit_forward
 from .params import init_params
-from .plan import MASKED, BatchMeta, BatchPlan, BucketPolicy, PlanConfig, check_options
+from .plan import MASKED, BatchMeta, BatchPlan, BucketPolicy, PlanConfig, check_options, key_ladder
 from .validate import as_int
 
 
@@ -142,9 +142,10 @@ def enumerate_plans(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *
                 if wlo > whi or nlo - 1 + wlo > P or qlo > nhi * min(L, whi * ps):
                     continue
                 plans.add(BatchPlan(num_tokens=T, num_seqs=S, pages_per_seq=W, use_dense_mha=None,
-                                    num_sparse_tokens=T,
-                                    num_dense_keys=bp.round_up(S * K, bp.min_dense_keys),
-                                    skip_indexer=skip_indexer, **common))
+                                    num_sparse_tokens=T, num_dense_keys=0 if force_sparse else key_ladder(T)[-1],
+                                    skip_indexer=skip_indexer,
+                                    masked="none" if force_sparse or prefill_route == "sparse" else "some",
+                                    **common))
             continue
         # the sparse program: no dense request (decodes; prefills longer than index_topk, or any with force_sparse)
         # rows == requests: every request a decode (or, forced, a one-token first prefill)

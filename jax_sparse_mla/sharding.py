@@ -38,8 +38,8 @@ Placement (`shard_params`, `cache_shardings`, `init_sharded_cache`):
     split over "data", replicated over "tensor".
   meta: each BatchMeta field is the concatenation of the shards' fields along its first axis
     (positions [dp * T], block_tables [dp * S, W], dense_key_start [dp * (S + 1)], ...; the
-    per-shard shapes are BatchMeta.shapes(plan)); a dispatch="cond" plan's dense_flag (a scalar:
-    plan_batch's meta on a mesh with one data shard) is replicated.
+    per-shard shapes are BatchMeta.shapes(plan)); a dispatch="cond" plan's branches (its stage
+    sizes: plan_batch's meta on a mesh with one data shard) are replicated.
 """
 
 from __future__ import annotations
@@ -240,10 +240,10 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
 
 def _meta_specs(meta: BatchMeta, data_axis: str) -> BatchMeta:
     """A BatchMeta of PartitionSpecs for sharded_forward's shard_map: every per-row / per-sequence
-    field split over data_axis, a cond plan's scalar dense_flag replicated (every shard runs the
-    branch it picks); None fields stay None."""
+    field split over data_axis, a cond plan's branches replicated (every shard runs the stage
+    sizes they pick); None fields stay None."""
     specs = jax.tree.map(lambda _: P(data_axis), meta)
-    return specs if meta.dense_flag is None else dataclasses.replace(specs, dense_flag=P())
+    return specs if meta.branches is None else dataclasses.replace(specs, branches=P())
 
 
 def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh: Mesh, plan: BatchPlan,
@@ -253,8 +253,8 @@ def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh:
     params: full HF-named dict (sharded as param_specs, or placed there by jit);
     hidden: [dp * plan.num_tokens, hidden_size]; cache: PagedCache of dp * pages_per_shard pages;
     meta: from plan_data_parallel, or on a mesh with one data shard from plan_batch(...,
-    tensor_parallel=tp), dispatch="cond" included (both programs compiled, lax.cond on the
-    replicated dense_flag picks one on every shard). Returns (out [dp * plan.num_tokens,
+    tensor_parallel=tp), dispatch="cond" included (the replicated meta.branches pick
+    the same stage sizes on every shard). Returns (out [dp * plan.num_tokens,
     hidden_size], new cache).
     plan: planned with this (full) config, which is checked (BatchPlan.check_config), and for this
     mesh's tensor size (BatchPlan.tensor_parallel); each shard's forward gets this plan and its

@@ -434,31 +434,32 @@ def test_cond_dispatch_matches_static_dispatch(skip_indexer):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def test_cond_dense_program_follows_the_batch():
-    """dispatch="cond": the dense program sizes its keys for sequences with context and its sparse
-    rows for the bucket, and runs only what the batch needs (lax.cond): short prefills whose keys
-    fit in num_tokens, short prefills with context (keys beyond), short prefills beside a decode
-    (sparse rows) and an all-sparse batch each give the static plan's outputs and cache."""
-    work = [[(0, 6), (1, 5)], [(0, 6), (1, 5)], [(2, 20)], [(2, 1), (3, 4)]]
+def test_cond_stages_follow_the_batch():
+    """dispatch="cond": each stage runs at the smallest size of its ladder that holds the batch
+    (meta.branches: scoring, the dense call's keys, sparse attention): short prefills (16 and 32
+    keys), a masked long prefill, a decode beside a short prefill, and short prefills with
+    context whose keys pass the largest key size (the last one then attends sparsely); each step
+    gives the static plan's outputs and cache."""
+    work = [[(0, 6), (1, 5)], [(0, 6), (1, 5)], [(2, 20)], [(2, 1), (3, 4)],
+            [(s, 12) for s in range(4, 9)], [(s, 3) for s in range(4, 9)]]
     seen, results = [], {}
     for dispatch in ("static", "cond"):
         h = Harness(TINY, seed=15)
-        for sid, n in [(0, 12), (1, 10), (2, 21), (3, 4)]:
+        for sid, n in [(0, 12), (1, 10), (2, 21), (3, 4)] + [(s, 15) for s in range(4, 9)]:
             h.add(sid, n)
         outs = []
         for w in work:
             if dispatch == "cond":
                 reqs = [Request(h.done[sid], n, h.tables[sid]) for sid, n in w]
                 plan, meta = plan_batch(TINY, reqs, num_pages=h.num_pages, dispatch="cond")
-                seen.append((bool(meta.dense_flag), int(meta.dense_key_start[-1]) <= plan.num_tokens,
-                             bool((meta.sparse_rows >= 0).any()), plan.num_dense_keys > plan.num_tokens))
+                seen.append((plan.num_tokens, meta.branches.tolist()))
             out, _, _ = h.step(w, dispatch=dispatch)
             h.check(out, TOL_F32)
             outs.append(out)
         results[dispatch] = (outs, h.cache)
-    # (dense program, keys fit num_tokens, sparse rows, keys sized beyond num_tokens) per step
-    assert seen == [(True, True, False, True), (True, False, False, True), (False, True, True, True),
-                    (True, True, True, True)]
+    # key sizes at 16 rows: 16, 32, 64; at 32: 16 .. 128 (4 sizes: masked picks add 4); at 64: 16 .. 256
+    assert seen == [(16, [0, 1, 0]), (16, [0, 2, 0]), (32, [2, 6, 0]), (16, [1, 1, 1]), (64, [0, 3, 0]),
+                    (16, [1, 3, 1])]
     (s_outs, s_cache), (c_outs, c_cache) = results["static"], results["cond"]
     for a, b in zip(s_outs, c_outs):
         for sid in a:

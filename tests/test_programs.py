@@ -157,13 +157,16 @@ def test_nnx_module_under_jit_matches_functional_forward():
 
 
 def test_cond_program_holds_both_branches_and_is_shared_by_routes():
-    """One cond executable serves a short-prefill batch and a long one of the same buckets."""
+    """One cond executable serves a short-prefill batch (a dense call, nothing scored) and a batch of
+    a long prefill (masked) beside a decode (sparse attention) of the same buckets."""
     reqs_dense = [Request(0, 10, [0, 1, 2]), Request(0, 12, [3, 4, 5])]
     reqs_sparse = [Request(0, 20, [0, 1, 2, 3, 4]), Request(20, 1, list(range(5, 11)))]
     policy = BucketPolicy(min_pages_per_seq=8)
     plan_d, meta_d = plan_batch(TINY, reqs_dense, dispatch="cond", buckets=policy)
     plan_s, meta_s = plan_batch(TINY, reqs_sparse, dispatch="cond", buckets=policy)
     assert plan_d == plan_s and plan_d.route == "cond"
-    assert int(meta_d.dense_flag) == 1 and int(meta_s.dense_flag) == 0
+    keys = len(plan_d.key_sizes)
+    assert meta_d.branches.tolist() == [0, 2, 0]  # 22 keys: the 32-key dense call
+    assert meta_s.branches.tolist() == [2, keys + 2, 1]  # 21 scored rows, the masked 32-key call, 1 attends
     hlo = compiled_hlo(plan_d, meta_d)
     assert scoring_ops(hlo)["indexer_logits"] > 0 and re.search(r"\bconditional\(", hlo)

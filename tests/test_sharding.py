@@ -72,8 +72,8 @@ def test_fp8_split_mesh_matches_one_device(mesh_results):
 
 @pytest.mark.parametrize("name,split_rows", [("cond 1x2", False), ("cond 1x4 split", True)])
 def test_cond_plan_mesh_matches_one_device(mesh_results, name, split_rows):
-    """A plan_batch(..., dispatch="cond") plan through sharded_forward (its scalar dense_flag
-    replicated over the mesh): both branches, each step as the one-device forward of the same
+    """A plan_batch(..., dispatch="cond") plan through sharded_forward (its branches
+    replicated over the mesh): dense and sparse steps, each step as the one-device forward of the same
     cond plan gives it; with the indexer's rows split over the tensor shards (all_gather inside
     the branch) too."""
     r = mesh_results[name]

@@ -60,7 +60,7 @@ class StepRecord:
     (its dispatch began and the previous step had ended) to ready, an estimate of its GPU time
     that is exact when the host keeps ahead of the device. route: plan.route
     ("dense" / "sparse" / "cond"); branch: the program that ran ("dense" / "sparse": for a cond
-    plan, the branch meta.dense_flag picks). num_tokens: real rows; padded_tokens: plan.num_tokens.
+    plan, whether meta.branches ran its dense MHA call). num_tokens: real rows; padded_tokens: plan.num_tokens.
     new_programs: executables jit_forward compiled during this step. plan: the step's BatchPlan.
     """
 

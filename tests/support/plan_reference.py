@@ -134,12 +134,18 @@ def plan_reference(config, requests, *, num_pages=None, force_sparse=False, skip
                    buckets=BucketPolicy(), dispatch="static", tensor_parallel=1, prefill_route="auto"):
     """(BatchPlan, host BatchMeta) of a valid batch of Requests, request by request."""
     page = config.page_size
-    if dispatch == "cond":
-        prefill_route = "sparse"
+    cond = dispatch == "cond"
     reqs = [(int(r.context_len), int(r.query_len), [int(p) for p in r.block_table]) for r in requests]
     routes = [route(config, c, q, force_sparse, prefill_route) for c, q, _ in reqs]
-    dense = [rt != "sparse" for rt in routes]
     num_tokens = buckets.round_up(sum(q for _, q, _ in reqs), buckets.min_tokens)
+    if cond:  # from the first dense / masked request whose keys pass the largest key size: sparse
+        cap, keys = max(4 * num_tokens, 16), 0
+        for i, (c, q, _) in enumerate(reqs):
+            keys += c + q if routes[i] != "sparse" else 0
+            if keys > cap:
+                routes[i:] = ["sparse"] * (len(reqs) - i)
+                break
+    dense = [rt != "sparse" for rt in routes]
     num_seqs = buckets.round_up(len(reqs), buckets.min_seqs)
     width = buckets.round_up(max(-(-(c + q) // page) for c, q, _ in reqs), buckets.min_pages_per_seq)
     dense_keys = sum(c + q for (c, q, _), d in zip(reqs, dense) if d)
@@ -172,9 +178,11 @@ def plan_reference(config, requests, *, num_pages=None, force_sparse=False, skip
             masked_flags += [int(rt == "masked")] * q
         row += q
 
-    if dispatch == "cond":
+    if cond:  # the rows attending sparsely first, then the masked ones
+        order = [k for k, f in enumerate(masked_flags) if not f] + [k for k, f in enumerate(masked_flags) if f]
+        sparse_rows, masked_flags = [sparse_rows[k] for k in order], [masked_flags[k] for k in order]
         use_dense, num_sparse = None, num_tokens
-        num_dense_keys = buckets.round_up(num_seqs * config.index_topk, buckets.min_dense_keys)
+        num_dense_keys = 0 if force_sparse else max(4 * num_tokens, 16)
     else:
         use_dense = any(dense)
         num_sparse = buckets.round_up(len(sparse_rows), 1) if use_dense and sparse_rows else 0
@@ -193,7 +201,8 @@ def plan_reference(config, requests, *, num_pages=None, force_sparse=False, skip
                      skip_indexer=skip_indexer or use_dense is False, num_pages=num_pages,
                      num_upfront_rows=split[0], num_kernel_rows=split[1], num_upfront_pages=split[2],
                      config=PlanConfig.of(config),
-                     masked="none" if "masked" not in routes else "all" if "sparse" not in routes else "some",
+                     masked=("none" if force_sparse or prefill_route == "sparse" else "some") if cond else
+                     "none" if "masked" not in routes else "all" if "sparse" not in routes else "some",
                      tensor_parallel=tensor_parallel)
 
     def ids(values, size):
@@ -210,5 +219,16 @@ def plan_reference(config, requests, *, num_pages=None, force_sparse=False, skip
         dense_key_start=starts(dk), upfront_rows=ids(upfront_rows, split[0]),
         kernel_rows=ids(kernel_rows, split[1]), upfront_pages=ids(upfront_pages, split[2]),
         masked_flags=ids(flags, num_sparse).clip(0),
-        dense_flag=np.int32(any(dense)) if dispatch == "cond" else None)
+        branches=_branches(plan, sparse_rows, masked_flags, len(dense_key_slots), routes) if cond else None)
     return plan, meta
+
+
+def _branches(plan, scored, masked_flags, num_keys, routes):
+    """A cond plan's meta.branches, by scanning each ladder for the first size that holds the stage."""
+    def pick(sizes, count):
+        return 0 if count == 0 else next(i + 1 for i, size in enumerate(sizes) if size >= count)
+    dense = pick(plan.key_sizes, num_keys)
+    if dense and "masked" in routes:
+        dense += len(plan.key_sizes)
+    return np.array([pick(plan.score_sizes, len(scored) if plan.skip_indexer else plan.num_tokens), dense,
+                     pick(plan.attend_sizes, masked_flags.count(0))], np.int32)

@@ -31,7 +31,8 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16", dispatch="static"):
     """For each (data, tensor) mesh: the largest relative error of any step's output rows and of the
     final caches against one-device forward runs of each shard's own batch, the step routes and
     the plans' fp8 splits (BatchPlan.num_upfront_rows). dispatch="cond" (meshes with one data
-    shard): the step is plan_batch's cond plan, and its route the program dense_flag picks; the
+    shard): the step is plan_batch's cond plan, and its route whether meta.branches runs the dense
+    call; the
     one-device runs use cond plans too."""
     config = dataclasses.replace(TINY, kv_cache_dtype=kv_cache_dtype)
     rng = np.random.default_rng(0)
@@ -65,7 +66,7 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16", dispatch="static"):
             if dispatch == "cond":
                 assert dp == 1, "cond plans come from plan_batch: one data shard"
                 plan, meta = plan_batch(config, shards[0], num_pages=PAGES, dispatch="cond", tensor_parallel=tp)
-                routes.append("dense" if int(meta.dense_flag) else "sparse")
+                routes.append("dense" if int(meta.branches[1]) else "sparse")
             else:
                 plan, meta = plan_data_parallel(config, shards, pages_per_shard=PAGES, tensor_parallel=tp)
                 routes.append(plan.route)
