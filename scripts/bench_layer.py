@@ -6,7 +6,9 @@ latent cache format and variant, the variants interleaved in one run.
     (each kind's rows are printed, and --out rewritten, as soon as the kind is measured)
     python scripts/bench_layer.py --smoke    # CPU: tiny config, 3 kinds, every variant, 1 repeat
 
-Variants: static (plan_batch's default, kernels="auto"), cond (dispatch="cond"), no_skip
+Variants: static (plan_batch's default, kernels="auto": the exact program), cond (dispatch="cond",
+the serving program, with an engine's BucketPolicy.for_limits at 256 sequences of up to 128K
+tokens: one program per row bucket), no_skip
 (skip_indexer=False: every row scored), xla (static plan, kernels="xla"), masked and sparse
 (prefill_route forced: every prefill longer than index_topk as masked MHA, or sparse). Hidden states are
 random; every cache slot holds random values of the cache's dtypes (contents do not change the
@@ -20,7 +22,7 @@ timed again.
 
 Columns: kv (latent cache format), kind (batch), rows (real rows / plan.num_tokens, the bucket),
 route (the static plan's: dense | masked | sparse; masked: its dense program has masked rows), variant, ms (median per step), min (fastest round),
-vs static (ms / the static variant's ms), rel_err (||out - out_static|| / ||out_static|| over
+vs static (ms / the static variant's ms), first (s: the first call, compile included), rel_err (||out - out_static|| / ||out_static|| over
 the real rows, of the last call). --profile DIR also writes a jax.profiler trace per (kv, kind)
 under DIR and prints each variant's GPU (or CPU) time by the layer's named scopes (projections,
 cache_write, indexer_queries, indexer_logits, indexer_topk, dense_kv_up, dense_mha,
@@ -49,6 +51,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from jax_sparse_mla import MLAConfig, Request, init_cache, init_params, jit_forward, plan_batch  # noqa: E402
+from jax_sparse_mla.plan import BucketPolicy  # noqa: E402
 
 KINDS = {  # name -> [(context_len, query_len)] per request
     "prefill_8x256": [(0, 256)] * 8, "prefill_4x1024": [(0, 1024)] * 4,
@@ -219,9 +222,22 @@ def trace_breakdown(trace_dir: str, scopes: dict[str, str]) -> dict[str, float]:
 
 # ------------------------------------------------------------------------------------------------
 
+ENGINE_LIMITS = dict(max_num_seqs=256, max_model_len=131072)  # the cond variant's BucketPolicy.for_limits
+SMOKE_LIMITS = dict(max_num_seqs=8, max_model_len=256)
+
+
+def variant_options(config, variant: str, smoke: bool) -> dict:
+    """plan_batch's options of a variant (cond: an engine's buckets at ENGINE_LIMITS)."""
+    options = dict(VARIANTS[variant][0])
+    if options.get("dispatch") == "cond":
+        options["buckets"] = BucketPolicy.for_limits(config, **(SMOKE_LIMITS if smoke else ENGINE_LIMITS))
+    return options
+
+
 def run_kind(config, kv, params, kind, specs, args, key):
     requests, num_pages = batch(config, specs)
-    plans = {v: plan_batch(config, requests, num_pages=num_pages, **VARIANTS[v][0]) for v in args.variants}
+    plans = {v: plan_batch(config, requests, num_pages=num_pages, **variant_options(config, v, args.smoke))
+             for v in args.variants}
     T = next(iter(plans.values()))[0].num_tokens
     n = sum(q for _, q in specs)
     static_plan = plan_batch(config, requests, num_pages=num_pages)[0]
@@ -231,14 +247,16 @@ def run_kind(config, kv, params, kind, specs, args, key):
     steps = {v: functools.partial(lambda c, p, m, k: jit_forward(params, hidden, c, m, plan=p, config=config,
                                                                   kernels=k), p=plans[v][0], m=plans[v][1],
                                   k=VARIANTS[v][1]) for v in args.variants}
-    ms, outs, errors, reps = defaultdict(list), {}, {}, {}
+    ms, outs, errors, reps, first = defaultdict(list), {}, {}, {}, {}
     same = {v for v in args.variants if v != "static" and "static" in plans and VARIANTS[v][1] == "auto"
             and plans[v][0] == plans["static"][0]}  # e.g. no_skip on the sparse route: the static program
     for v, step in steps.items():  # compile, warm up, size the batches of calls
         if v in same:
             continue
         try:
+            t0 = time.perf_counter()
             _, _, cache = step_time(step, cache, 1)
+            first[v] = time.perf_counter() - t0
             once, _, cache = step_time(step, cache, 1)
             reps[v] = int(min(50, max(1, 20 / max(once, 1e-3))))
         except Exception as e:  # noqa: BLE001 (an OOM at 32K for XLA, say: report and go on)
@@ -257,7 +275,8 @@ def run_kind(config, kv, params, kind, specs, args, key):
         if v in errors or v in same:
             row["error" if v in errors else "note"] = errors.get(v, "the static program (not timed again)")
         else:
-            row.update(ms=statistics.median(ms[v]), min_ms=min(ms[v]), reps=reps[v], rounds=len(ms[v]))
+            row.update(ms=statistics.median(ms[v]), min_ms=min(ms[v]), reps=reps[v], rounds=len(ms[v]),
+                       first_s=first[v])
             if base is not None:
                 a, b = np.asarray(outs[v][:n], np.float32), np.asarray(base[:n], np.float32)
                 row["rel_err"] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -277,7 +296,7 @@ def run_kind(config, kv, params, kind, specs, args, key):
 
 
 HEADER = (f"{'kv':<5}{'kind':<22}{'rows':>13} {'route':<7}{'variant':<9}{'ms':>10}{'min':>10}{'vs static':>10}"
-          f"{'rel_err':>10}")
+          f"{'first':>8}{'rel_err':>10}")
 
 
 def print_rows(rows):
@@ -291,7 +310,7 @@ def print_rows(rows):
         s = static.get((r["kv"], r["kind"]))
         ratio = f"{r['ms'] / s:.3f}" if s else "-"
         err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
-        print(head + f"{r['ms']:>10.3f}{r['min_ms']:>10.3f}{ratio:>10}{err:>10}")
+        print(head + f"{r['ms']:>10.3f}{r['min_ms']:>10.3f}{ratio:>10}{r['first_s']:>8.1f}{err:>10}")
         for scope, t in r.get("profile_ms_per_step", {}).items():
             print(f"{'':<16}{scope:<40}{t:>10.3f} ms/step")
     sys.stdout.flush()

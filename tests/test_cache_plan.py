@@ -141,8 +141,8 @@ def test_plan_routes_long_prefills_masked_with_their_keys_in_the_dense_call():
     assert alone.masked == "all" and alone.num_sparse_tokens == 32 and list(np.asarray(meta.masked_flags[k:k + 2])) == [1, 0]
     sparse, meta = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], prefill_route="sparse")
     assert sparse.masked == "none" and not sparse.use_dense_mha
-    cond, _ = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], prefill_route="masked", dispatch="cond")
-    assert cond.masked == "none"  # cond plans attend long prefills sparsely
+    cond, cond_meta = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], prefill_route="masked", dispatch="cond")
+    assert cond.masked == "some" and cond_meta.branches[1] > len(cond.key_sizes)  # the masked dense call
     short, _ = plan_batch(TINY, [Request(0, k, list(range(4)))], prefill_route="masked")
     assert short.masked == "none" and not short.has_indexer_scoring  # <= index_topk: dense, not scored
     forced, _ = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], prefill_route="masked", force_sparse=True)
