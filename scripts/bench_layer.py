@@ -23,10 +23,21 @@ timed again.
 Columns: kv (latent cache format), kind (batch), rows (real rows / plan.num_tokens, the bucket),
 route (the static plan's: dense | masked | sparse; masked: its dense program has masked rows), variant, ms (median per step), min (fastest round),
 vs static (ms / the static variant's ms), first (s: the first call, compile included), rel_err (||out - out_static|| / ||out_static|| over
-the real rows, of the last call). --profile DIR also writes a jax.profiler trace per (kv, kind)
-under DIR and prints each variant's GPU (or CPU) time by the layer's named scopes (projections,
-cache_write, indexer_queries, indexer_logits, indexer_topk, dense_kv_up, dense_mha,
-sparse_attention, o_proj; ops outside them are named by the source function that emitted them).
+the real rows, of the last call).
+
+--profile DIR also writes a jax.profiler trace of 3 steps per (kind, kv, variant) under DIR and
+prints the variant's op time per step by the layer's named scopes (projections, cache_write,
+indexer_queries, indexer_logits, indexer_topk, dense_kv_up, dense_mha, sparse_attention, o_proj),
+then the time outside them by the layer function that emitted the ops ("forward (other)": forward
+itself; "(control flow)": a cond's or loop's own time), then the unattributed remainder, and the
+coverage: the traced op time per step (GPU kernels and copies; on CPU, XLA's thunks) and the share
+of it in named scopes and attributed at all. Every instruction of the compiled module (`HloScopes`:
+entry, cond branches, loop and fusion bodies) gets a scope from its op_name metadata; each trace
+event is matched to its instruction (`trace_breakdown`), on the GPU by the event's `hlo_op` arg
+(the thunk's instruction) or, under XLA's command buffers (hlo_op "command_buffer_N"), by the
+kernel's name (HloScopes.event_instructions says which event fields it relies on). --out rows
+then carry profile_ms_per_step ({scope: ms}), profile_traced_ms, profile_named_share and
+profile_attributed_share.
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ import re
 import statistics
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import jax
 import jax.numpy as jnp
@@ -136,7 +147,10 @@ def step_time(step, cache, reps: int):
 
 
 # ------------------------------------------------------------------------------------------------
-# --profile: kernel time by named scope
+# --profile: op time by named scope. The compiled module's instructions, in every computation
+# (the entry, conditional branches, while bodies, fusion bodies, calls such as XLA:GPU's command
+# buffers), each get a scope; the trace's op events are mapped to instructions and add their
+# self time to the instruction's scope.
 # ------------------------------------------------------------------------------------------------
 
 def _tables(text: str) -> dict[str, dict[int, str]]:
@@ -166,16 +180,23 @@ def _frames(tables, frame_id: int) -> list[tuple[str, str]]:
 
 
 DISPATCHERS = ("forward", "_dense_program", "_sparse_program", "_attend_sparsely")  # and lax.cond's lambdas
+UNATTRIBUTED = "(unattributed)"
+CONTROL_FLOW = ("conditional", "while", "call")
+NO_KERNEL = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")  # no work of their own
+CONTROL_FLOW_SCOPE = "(control flow)"  # a cond's or loop's own time outside the named scopes (predicate, dispatch)
+PROFILED_STEPS = 3
 
 
-def _scope(op_name: str, frames) -> str:
-    """The library's named scope if the op is under one; else the outermost function of the
-    layer (jax_sparse_mla/) below forward and the program dispatchers on the op's stack:
-    mla_projections, indexer_keys, encode_latent / write (cache writes), _dense_prefill,
-    _sparse_attention, ...; "linear" called by forward itself is o_proj."""
-    named = [p for p in op_name.split("/") if p in LIBRARY_SCOPES]
-    if named:
-        return named[-1]
+def _named(op_name: str | None) -> str | None:
+    """The innermost of the library's named scopes in an op_name, or None."""
+    named = [p for p in (op_name or "").split("/") if p in LIBRARY_SCOPES]
+    return named[-1] if named else None
+
+
+def _function_scope(frames) -> str:
+    """An op outside the named scopes: the outermost function of the layer (jax_sparse_mla/)
+    below forward and the program dispatchers on its stack: mla_projections, _dense_prefill,
+    _put_rows, ...; "linear" called by forward itself is o_proj; none: "forward (other)"."""
     ours = [fn for f, fn in reversed(frames) if "jax_sparse_mla" in f]  # outermost first
     while ours and (ours[0] in DISPATCHERS + ("<module>",) or ours[0].endswith("<lambda>")):
         ours = ours[1:]
@@ -184,40 +205,263 @@ def _scope(op_name: str, frames) -> str:
     return "o_proj" if ours == ["linear"] else ours[0]
 
 
-def hlo_scopes(compiled_text: str) -> dict[str, str]:
-    """HLO instruction name -> scope, from the compiled module's op metadata and stack frames."""
-    tables, out = _tables(compiled_text), {}
-    pat = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*metadata=\{([^}]*)\}")
-    for line in compiled_text.splitlines():
-        if re.search(r"\s(conditional|while|call)\(", line):
-            continue  # control flow: its event spans its branches' ops, which are counted themselves
-        if m := pat.match(line):
-            op_name = re.search(r'op_name="([^"]*)"', m.group(2))
-            frame = re.search(r"stack_frame_id=(\d+)", m.group(2))
-            out[m.group(1)] = _scope(op_name.group(1) if op_name else "",
-                                     _frames(tables, int(frame.group(1))) if frame else [])
+@dataclasses.dataclass(frozen=True)
+class _Instruction:
+    computation: str
+    opcode: str
+    operands: tuple[str, ...]
+    op_name: str | None  # metadata op_name (None: no metadata)
+    frame: int | None  # metadata stack_frame_id
+    dedup: str | None  # metadata deduplicated_name: the instruction whose kernel this one runs
+    calls: tuple[str, ...]  # computations it calls (fusion body, branches, loop body, call)
+
+
+_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+                    r"|\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+
+
+def _operation(rest: str) -> tuple[str, tuple[str, ...]]:
+    """(opcode, operand names) of an instruction's right-hand side: `type opcode(operands), attributes`
+    (a tuple type in parentheses)."""
+    i = 0
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += (ch == "(") - (ch == ")")
+            if depth == 0:
+                break
+        i += 1
+    m = re.compile(r"[^\s(]*\s+([\w\-]+)\(").match(rest, i)
+    if not m:
+        return "?", ()
+    depth, j = 0, m.end() - 1
+    for j in range(m.end() - 1, len(rest)):
+        depth += (rest[j] == "(") - (rest[j] == ")")
+        if depth == 0:
+            break
+    return m.group(1), tuple(re.findall(r"%([\w.\-]+)", rest[m.end():j]))
+
+
+class HloScopes:
+    """Every instruction of a compiled HLO module (`compiled.as_text()`) and its scope.
+
+    An instruction's scope: the innermost of LIBRARY_SCOPES in its metadata op_name
+    ("jit(forward)/cond/branch_1_fun/sparse_attention/..."). One with no op_name (XLA made it: a
+    copy, a layout change, a fusion of such) takes the most common named scope of its fused
+    computation's instructions, else of its users, else of its operands (transitively through
+    others without one). Else, the named scope of an instruction calling its computation (an op
+    of a branch or loop body under a scoped cond or while). An op outside the named scopes is
+    named by the function of the layer that emitted it (its stack frame, `_function_scope`)."""
+
+    def __init__(self, text: str):
+        module = re.match(r"HloModule ([\w.\-]+)", text)
+        self.module = module.group(1) if module else None
+        self.instructions: dict[str, _Instruction] = {}
+        computation = None
+        for line in text.splitlines():
+            if m := re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line):
+                computation = m.group(1)
+            elif line.startswith("}"):
+                computation = None
+            elif computation and (m := re.match(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)):
+                name, rest = m.groups()
+                op_name = re.search(r'\bop_name="([^"]*)"', rest)
+                frame = re.search(r"\bstack_frame_id=(\d+)", rest)
+                dedup = re.search(r'\bdeduplicated_name="([^"]*)"', rest)
+                calls = tuple(c.strip().lstrip("%") for m in _CALLS.finditer(rest)
+                              for c in (m.group(1) or m.group(2)).split(",") if c.strip())
+                self.instructions[name] = _Instruction(computation, *_operation(rest), op_name and op_name.group(1),
+                                                       frame and int(frame.group(1)), dedup and dedup.group(1), calls)
+        self._members, self._position, callers = defaultdict(list), {}, defaultdict(list)
+        edges = {"users": defaultdict(list), "operands": defaultdict(list)}
+        for name, ins in self.instructions.items():
+            self._position[name] = len(self._members[ins.computation])
+            self._members[ins.computation].append(name)
+            for c in ins.calls:
+                callers[c].append(name)
+            for o in ins.operands:
+                edges["users"][o].append(name)
+                edges["operands"][name].append(o)
+        self._reach: dict[str, frozenset[str]] = {}
+
+        def own(name: str) -> str | None:  # from its op_name; with none, its fused computation's
+            ins = self.instructions[name]
+            if ins.op_name is not None:
+                return _named(ins.op_name)
+            body = Counter(s for c in ins.calls for i in self._members[c]
+                           if (s := _named(self.instructions[i].op_name)))
+            return body.most_common(1)[0][0] if body else None
+
+        def along(name: str, direction: str, memo: dict) -> str | None:  # own, else its users' (operands')
+            if name not in memo:
+                memo[name] = own(name)
+                if memo[name] is None and self.instructions[name].op_name is None:
+                    found = Counter(s for n in edges[direction][name] if (s := along(n, direction, memo)))
+                    memo[name] = found.most_common(1)[0][0] if found else None
+            return memo[name]
+
+        down, up, memo = {}, {}, {}
+
+        def named(name: str) -> str | None:  # the named scope of an instruction, or None
+            if name not in memo:
+                scope = along(name, "users", down) or along(name, "operands", up)
+                for caller in callers[self.instructions[name].computation] if scope is None else ():
+                    scope = scope or named(caller)
+                memo[name] = scope
+            return memo[name]
+
+        tables = _tables(text)
+        self.scope = {name: named(name) or (CONTROL_FLOW_SCOPE if ins.opcode in CONTROL_FLOW else
+                                            _function_scope(_frames(tables, ins.frame) if ins.frame else []))
+                      for name, ins in self.instructions.items()}
+        # kernel name -> instructions: a fusion's kernel is named by its instruction (or the one
+        # whose kernel it reuses), '.' and '-' as '_'; a Pallas kernel by a component of its custom
+        # call's op_name (Mosaic GPU appends "_mosaic_gpu_kernel")
+        self._kernels = defaultdict(set)
+        for name, ins in self.instructions.items():
+            if ins.opcode in CONTROL_FLOW:
+                continue
+            for key in (name, ins.dedup):
+                if key:
+                    self._kernels[re.sub(r"[.\-]", "_", key)].add(name)
+            if ins.opcode == "custom-call":
+                for part in (ins.op_name or "").split("/"):
+                    self._kernels[part].add(name)
+
+    def reachable(self, name: str) -> frozenset[str]:
+        """The computations an instruction calls, transitively."""
+        if name not in self._reach:
+            out, todo = set(), list(self.instructions[name].calls)
+            while todo:
+                c = todo.pop()
+                if c not in out:
+                    out.add(c)
+                    todo += [cc for i in self._members[c] for cc in self.instructions[i].calls]
+            self._reach[name] = frozenset(out)
+        return self._reach[name]
+
+    def event_instructions(self, name: str, args: dict) -> set[str]:
+        """The instructions a trace event may have run (its name and args). By its hlo_op arg, the
+        instruction whose thunk it is (XLA:GPU kernels and copies, XLA:CPU thunks). Where hlo_op
+        names a call or no instruction of the module (XLA:GPU command buffers launch their kernels
+        under the buffer's name, "command_buffer_1"), by the kernel's name (the event's name):
+        the fusions of that name (within the call's computations) or the Pallas custom calls
+        (Mosaic GPU's "<name>_mosaic_gpu_kernel", Triton's "<name>" or "<name>__<n>")."""
+        op = args.get("hlo_op")
+        if op in self.instructions and self.instructions[op].opcode != "call":
+            return {op}
+        kernel = re.sub(r"__\d+$", "", name.removesuffix("_mosaic_gpu_kernel"))  # Triton adds __<n> to repeats
+        found = self._kernels.get(re.sub(r"[.\-]", "_", kernel), set())
+        if op in self.instructions:
+            within = self.reachable(op)
+            found = {i for i in found if self.instructions[i].computation in within}
+        return found
+
+    def unmatched_around(self, before: str | None, after: str | None, matched: set[str]) -> set[str]:
+        """The instructions that may have run an event no name matches (a cuBLAS kernel in a
+        command buffer) between events of the instructions `before` and `after` on its line: the
+        work scheduled right after `before` and right before `after` in their computations (the
+        text's order is the schedule) that no event's name matched, up to a matched or control-flow
+        instruction; that control-flow instruction where there is no such work (a command buffer's
+        set_case_condition kernel: its conditional)."""
+        out = set()
+        for name, step in ((before, 1), (after, -1)):
+            if name is None:
+                continue
+            members, run = self._members[self.instructions[name].computation], []
+            k = self._position[name] + step
+            while 0 <= k < len(members) and members[k] not in matched:
+                if self.instructions[members[k]].opcode in CONTROL_FLOW:
+                    run = run or [members[k]]
+                    break
+                if self.instructions[members[k]].opcode not in NO_KERNEL:
+                    run.append(members[k])
+                k += step
+            out.update(run)
+        return out
+
+
+def _self_times(events, scopes: HloScopes) -> list[float]:
+    """Each event's self time (us): a control-flow instruction's event (XLA:CPU runs a
+    conditional's branch or a loop's body inside it, on its thread and others) less the union of
+    the events of the instructions it calls that overlap it; any other event its duration."""
+    out = []
+    for e in events:
+        op = scopes.instructions.get(e.get("args", {}).get("hlo_op"))
+        t0, t1 = e["ts"], e["ts"] + e.get("dur", 0)
+        if op is None or op.opcode not in CONTROL_FLOW:
+            out.append(t1 - t0)
+            continue
+        within = scopes.reachable(e["args"]["hlo_op"])
+        inner = sorted((max(c["ts"], t0), min(c["ts"] + c.get("dur", 0), t1)) for c in events
+                       if c["ts"] < t1 and c["ts"] + c.get("dur", 0) > t0 and c is not e
+                       and (ci := scopes.instructions.get(c.get("args", {}).get("hlo_op")))
+                       and ci.computation in within)
+        covered, end = 0.0, t0
+        for a, b in inner:
+            covered += max(0.0, b - max(a, end))
+            end = max(end, b)
+        out.append(t1 - t0 - covered)
     return out
 
 
-def trace_breakdown(trace_dir: str, scopes: dict[str, str]) -> dict[str, float]:
-    """ms per scope over the perfetto trace's events that name an HLO instruction of `scopes`:
-    by their hlo_op argument (GPU kernels on the stream lines) where any event has one, else by
-    the event's name (one of the two only: the "XLA Ops" line repeats the kernels by name)."""
+def trace_breakdown(trace_dir: str, scopes: HloScopes, steps: int) -> dict:
+    """ms per step by scope over the newest trace under trace_dir (the trace viewer's
+    *.trace.json.gz): {"ms": {scope: ms}, "traced_ms": ms, "named_share", "attributed_share"}.
+
+    Counted, each by its self time: the events on a device's "Stream" lines (XLA:GPU kernels and
+    copies; not the derived lines, "XLA Ops" and such, which repeat them) and elsewhere those with
+    an hlo_op arg (XLA:CPU's thunks, on the host's threads); of this module where their
+    hlo_module arg names it. An event's instructions (HloScopes.event_instructions; for an event no
+    name matches, HloScopes.unmatched_around the nearest matched events on its line) give its
+    scope where they agree on one; else the named scope in its name arg (a GPU event's op_name,
+    cut at its first comma); else it is UNATTRIBUTED. named_share: the share of the traced time
+    in LIBRARY_SCOPES; attributed_share: in any scope (named, or the function that emitted the
+    op, or control flow)."""
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
     if not files:
-        return {"(no trace file)": 0.0}
+        return {"ms": {}, "traced_ms": 0.0, "named_share": 0.0, "attributed_share": 0.0, "note": "no trace file"}
     with gzip.open(files[-1]) as f:
-        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
-    by_arg = any(e.get("args", {}).get("hlo_op") in scopes for e in events)
+        trace = json.load(f).get("traceEvents", [])
+    lines = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "") for e in trace
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    devices = {e.get("pid") for e in trace if e.get("ph") == "M" and e.get("name") == "process_name"
+               and str(e.get("args", {}).get("name", "")).startswith("/device:")}
+    events = [e for e in trace if e.get("ph") == "X" and "ts" in e]
+    modules = {e.get("args", {}).get("hlo_module") for e in events}
+
+    def counted(e):  # a device's stream events; elsewhere (XLA:CPU's threads) those with an hlo_op
+        args = e.get("args", {})
+        if e.get("pid") in devices:
+            if not lines.get((e.get("pid"), e.get("tid")), "").startswith("Stream"):
+                return False
+        elif "hlo_op" not in args:
+            return False
+        return scopes.module not in modules or args.get("hlo_module") in (None, scopes.module)
+
+    events = sorted((e for e in events if counted(e)), key=lambda e: e["ts"])
+    found = [scopes.event_instructions(e.get("name", ""), e.get("args", {})) for e in events]
+    matched = set().union(*found)
+    by_line = defaultdict(list)
+    for i, e in enumerate(events):
+        by_line[(e.get("pid"), e.get("tid"))].append(i)
+    guessed = {}  # event -> unmatched_around its nearest matched neighbours (never itself a neighbour)
+    for line in by_line.values():
+        for k, i in enumerate(line):
+            if not found[i]:
+                before = next((next(iter(found[j])) for j in reversed(line[:k]) if len(found[j]) == 1), None)
+                after = next((next(iter(found[j])) for j in line[k + 1:] if len(found[j]) == 1), None)
+                guessed[i] = scopes.unmatched_around(before, after, matched)
     totals = defaultdict(float)
-    for e in events:
-        name = e.get("args", {}).get("hlo_op") if by_arg else e.get("name")
-        if name in scopes:
-            totals[scopes[name]] += e.get("dur", 0) / 1e3
-    if not totals:
-        keys = sorted({k for e in events for k in e.get("args", {})})
-        return {f"(no event named an HLO op; event arg keys: {keys[:12]})": 0.0}
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+    for i, (e, t) in enumerate(zip(events, _self_times(events, scopes))):
+        ins = found[i] or guessed.get(i, set())
+        candidates = {scopes.scope[n] for n in ins}
+        scope = candidates.pop() if len(candidates) == 1 else _named(e.get("args", {}).get("name"))
+        totals[scope or UNATTRIBUTED] += t / 1e3 / steps
+    traced = sum(totals.values())
+    share = lambda keep: sum(t for s, t in totals.items() if keep(s)) / traced if traced else 0.0  # noqa: E731
+    return {"ms": dict(sorted(totals.items(), key=lambda kv: -kv[1])), "traced_ms": traced,
+            "named_share": share(lambda s: s in LIBRARY_SCOPES), "attributed_share": share(lambda s: s != UNATTRIBUTED)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -289,10 +533,32 @@ def run_kind(config, kv, params, kind, specs, args, key):
             text = jit_forward.lower(params, hidden, cache, m, plan=p, config=config,
                                      kernels=VARIANTS[v][1]).compile().as_text()
             with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-                _, _, cache = step_time(steps[v], cache, 3)
-            row["profile_ms_per_step"] = {s: t / 3 for s, t in trace_breakdown(trace_dir, hlo_scopes(text)).items()}
+                _, _, cache = step_time(steps[v], cache, PROFILED_STEPS)
+            profile = trace_breakdown(trace_dir, HloScopes(text), PROFILED_STEPS)
+            row["profile_ms_per_step"] = profile.pop("ms")
+            row.update({f"profile_{k}": x for k, x in profile.items()})
     del cache
     return rows
+
+
+def print_profile(r) -> None:
+    """A row's --profile breakdown: the named scopes, then the functions outside them, then what
+    no instruction accounts for, then the coverage."""
+    ms = r.get("profile_ms_per_step")
+    if ms is None:
+        return
+    traced = r["profile_traced_ms"]
+    named = {s: t for s, t in ms.items() if s in LIBRARY_SCOPES}
+    other = {s: t for s, t in ms.items() if s not in LIBRARY_SCOPES and s != UNATTRIBUTED}
+    for title, part in (("", named), ("outside the named scopes:", other),
+                        ("", {UNATTRIBUTED: ms.get(UNATTRIBUTED, 0.0)})):
+        if title and part:
+            print(f"{'':<16}{title}")
+        for scope, t in part.items():
+            print(f"{'':<16}{scope:<40}{t:>10.3f} ms/step {100 * t / traced if traced else 0:>5.1f}%")
+    note = f" ({r['profile_note']})" if "profile_note" in r else ""
+    print(f"{'':<16}traced op time {traced:.3f} ms/step: {100 * r['profile_named_share']:.1f}% in named scopes, "
+          f"{100 * r['profile_attributed_share']:.1f}% attributed{note}")
 
 
 HEADER = (f"{'kv':<5}{'kind':<22}{'rows':>13} {'route':<7}{'variant':<9}{'ms':>10}{'min':>10}{'vs static':>10}"
@@ -311,8 +577,7 @@ def print_rows(rows):
         ratio = f"{r['ms'] / s:.3f}" if s else "-"
         err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
         print(head + f"{r['ms']:>10.3f}{r['min_ms']:>10.3f}{ratio:>10}{r['first_s']:>8.1f}{err:>10}")
-        for scope, t in r.get("profile_ms_per_step", {}).items():
-            print(f"{'':<16}{scope:<40}{t:>10.3f} ms/step")
+        print_profile(r)
     sys.stdout.flush()
 
 

@@ -1,0 +1,171 @@
+"""Warm-up before serving, at real dimensions: the wall time of `Engine.precompile` (every program
+a run under the engine's limits can need) into an empty persistent compilation cache (cold), then
+in a restarted process over that cache (restart: the programs loaded, not compiled).
+
+    python scripts/bench_warmup.py [--kv bf16|fp8] [--dispatch cond|static] [--max-num-seqs 4]
+        [--max-num-batched-tokens 256] [--max-model-len 4096] [--num-pages 512]
+        [--cache-dir DIR] [--out warmup.json]                  # GPU, deepseek_v32
+    python scripts/bench_warmup.py --smoke                     # CPU: tiny config, small limits
+
+Each phase is a fresh process (this script again, with an internal --phase flag): it builds
+Engine(config, num_layers=1, num_pages=..., max_num_seqs=..., max_num_batched_tokens=...,
+dispatch=...) and times engine.precompile(cache_dir=DIR, max_model_len=...). First, in this process
+(no device touched), count_programs per route for the same options: the program count before
+anything compiles. The defaults are small limits: the count grows fast with them (at these,
+dispatch="static" is ~1000 programs against cond's 25; at the engine's defaults, 105,972 and 590).
+
+Per phase: precompile_s (the precompile call), process_s (the whole process: imports, engine
+init, precompile), the PrecompileReport's program count, routes and method ("call" with
+compiled Mosaic GPU kernels, "aot" otherwise), each program's seconds (median, max), and the
+jax.monitoring events of the precompile call: persistent-cache hits and misses, and jax's
+backend-compile events (one per executable built: an XLA compile or a load from the persistent
+cache) and their seconds. A restart served by the cache has hits and no misses. Each phase's
+result is printed, and --out rewritten, as soon as it is measured (a run cut short keeps them).
+--cache-dir must be empty or absent (default: a temporary directory, removed at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from jax_sparse_mla import MLAConfig  # noqa: E402
+
+LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=4096, num_pages=512)
+SMOKE_LIMITS = dict(max_num_seqs=1, max_num_batched_tokens=32, max_model_len=32, num_pages=17)
+KV = {"bf16": "bfloat16", "fp8": "fp8"}
+HIT, MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
+COMPILE = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT: compile or load
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help=f"tiny config on CPU, limits {SMOKE_LIMITS}")
+    p.add_argument("--kv", choices=list(KV), default="bf16", help="latent cache format")
+    p.add_argument("--dispatch", choices=("cond", "static"), default="cond")
+    for name in LIMITS:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                       help=f"default {LIMITS[name]} ({SMOKE_LIMITS[name]} with --smoke)")
+    p.add_argument("--cache-dir", default=None, help="persistent compilation cache, empty or absent")
+    p.add_argument("--out", default=None, help="write the counts and each phase's result as JSON here")
+    p.add_argument("--phase", choices=("cold", "restart"), default=None, help=argparse.SUPPRESS)  # a child
+    a = p.parse_args(argv)
+    for name, default in (SMOKE_LIMITS if a.smoke else LIMITS).items():
+        if getattr(a, name) is None:
+            setattr(a, name, default)
+    return a
+
+
+def config_of(args) -> MLAConfig:
+    base = MLAConfig.tiny() if args.smoke else MLAConfig.deepseek_v32()
+    return dataclasses.replace(base, kv_cache_dtype=KV[args.kv])
+
+
+def phase(args) -> dict:
+    """One phase in this process: the engine, then its precompile, timed and its events counted."""
+    import jax
+
+    from jax_sparse_mla.serving import Engine
+
+    events, seconds = Counter(), defaultdict(float)
+    jax.monitoring.register_event_listener(lambda event, **kw: events.update([event]))
+
+    def duration(event, secs, **kw):
+        events[event] += 1
+        seconds[event] += secs
+    jax.monitoring.register_event_duration_secs_listener(duration)
+    t0 = time.perf_counter()
+    engine = Engine(config_of(args), num_layers=1, num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens, dispatch=args.dispatch)
+    jax.block_until_ready((engine.params, engine.caches, engine.pool))
+    t1 = time.perf_counter()
+    before, before_s = Counter(events), dict(seconds)  # the engine's own programs: outside the cache
+    report = engine.precompile(cache_dir=args.cache_dir, max_model_len=args.max_model_len, progress=not args.smoke)
+    t2 = time.perf_counter()
+    events.subtract(before)
+    return {"phase": args.phase, "precompile_s": t2 - t1, "engine_init_s": t1 - t0,
+            "num_programs": report.num_programs, "per_route": report.per_route, "method": report.method,
+            "program_s_median": statistics.median(report.seconds) if report.seconds else 0.0,
+            "program_s_max": max(report.seconds, default=0.0),
+            "cache_hits": events[HIT], "cache_misses": events[MISS], "executables": events[COMPILE],
+            "executables_s": seconds[COMPILE] - before_s.get(COMPILE, 0.0),
+            "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+
+
+def run_phase(args, name: str, cache_dir: str) -> dict:
+    """Runs a phase in a fresh process (its stderr, precompile's progress bar, passes through) ->
+    its result, with process_s; or {"error": ...}."""
+    argv = [os.path.abspath(__file__), "--phase", name, "--cache-dir", cache_dir, "--kv", args.kv,
+            "--dispatch", args.dispatch] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in LIMITS]
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, *argv, *(["--smoke"] if args.smoke else [])], stdout=subprocess.PIPE,
+                          text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        return {"error": f"exit status {proc.returncode}", "stdout": proc.stdout[-2000:]}
+    return {**json.loads(lines[-1][len("RESULT "):]), "process_s": time.perf_counter() - t0}
+
+
+def write(path: str | None, result: dict) -> None:
+    if path:
+        with open(path + ".tmp", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.phase:  # a child: one phase, its result on the last line
+        print("RESULT " + json.dumps(phase(args)), flush=True)
+        return 0
+    if args.cache_dir and os.path.isdir(args.cache_dir) and os.listdir(args.cache_dir):
+        sys.exit(f"--cache-dir {args.cache_dir} is not empty: the cold phase needs an empty persistent cache")
+    from jax_sparse_mla.precompile import count_programs
+    from jax_sparse_mla.serving.engine import EngineOptions
+
+    config, limits = config_of(args), {k: getattr(args, k) for k in LIMITS}
+    opts = EngineOptions(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                         dispatch=args.dispatch).plan_kwargs()
+    counts = count_programs(config, opts.pop("buckets"), **limits, **opts)
+    result = {"config": "tiny" if args.smoke else "deepseek_v32", "kv": args.kv, "dispatch": args.dispatch,
+              "limits": limits, "count_programs": counts, "date": time.strftime("%Y-%m-%d %H:%M"), "phases": {}}
+    print(f"{result['config']}, kv {args.kv}, dispatch {args.dispatch}, {limits}: count_programs {counts}", flush=True)
+    write(args.out, result)
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="bench_warmup_cache_")
+    try:
+        for name in ("cold", "restart"):
+            r = result["phases"][name] = run_phase(args, name, cache_dir)
+            write(args.out, result)
+            if "error" in r:
+                print(f"{name:<8} failed ({r['error']})", flush=True)
+                return 1
+            routes = ", ".join(f"{k} {v}" for k, v in r["per_route"].items())
+            print(f"{name:<8} {r['num_programs']} programs ({routes}, {r['method']}) in {r['precompile_s']:.1f} s "
+                  f"(per program median {r['program_s_median']:.2f} s, max {r['program_s_max']:.2f}; process "
+                  f"{r['process_s']:.1f} s, engine init {r['engine_init_s']:.1f} s); persistent cache: "
+                  f"{r['cache_hits']} hits, {r['cache_misses']} misses; executables built {r['executables']} "
+                  f"({r['executables_s']:.1f} s compiling or loading); {r['device']}", flush=True)
+        cold, restart = result["phases"]["cold"], result["phases"]["restart"]
+        print(f"restart / cold: {restart['precompile_s'] / cold['precompile_s']:.3f} (precompile), "
+              f"{restart['process_s'] / cold['process_s']:.3f} (process)", flush=True)
+    finally:
+        if args.cache_dir is None:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

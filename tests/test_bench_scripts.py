@@ -1,0 +1,182 @@
+"""The benchmark scripts on the CPU (their --smoke runs; nothing here checks a timing): the layer
+bench's --profile attribution (a real CPU trace; XLA:GPU trace events, with and without command
+buffers, over a small compiled module) and the warm-up bench's cold and restarted phases."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "scripts"
+
+
+def _run(script: str, *args: str, cwd: pathlib.Path) -> str:
+    """Runs scripts/<script> with args in a fresh process of this checkout -> its stdout."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(SCRIPTS / script), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def bench_layer():
+    spec = importlib.util.spec_from_file_location("bench_layer", SCRIPTS / "bench_layer.py")
+    module = sys.modules["bench_layer"] = importlib.util.module_from_spec(spec)  # (its dataclass looks itself up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_layer_profile_attributes_a_cond_step_to_its_scopes(tmp_path):
+    """--profile on the CPU: nearly all of the traced op time maps to an instruction and most of
+    it to the named scopes, in the static program and in the cond one (whose work runs inside
+    the conditional's branches: spread over the scopes, dense_mha among them), and the table
+    prints each variant's scopes and coverage."""
+    out = _run("bench_layer.py", "--smoke", "--kv", "bf16", "--kinds", "mixed_12_4x40", "--variants", "static,cond",
+               "--profile", str(tmp_path / "profile"), "--out", str(tmp_path / "rows.json"), cwd=tmp_path)
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "rows.json").read_text())["rows"]}
+    assert set(rows) == {"static", "cond"}
+    for r in rows.values():
+        ms, traced = r["profile_ms_per_step"], r["profile_traced_ms"]
+        assert traced > 0 and sum(ms.values()) == pytest.approx(traced)
+        assert r["profile_attributed_share"] > 0.95 and r["profile_named_share"] > 0.7, r
+        assert max(ms.values()) < 0.8 * traced, ms  # not all in one scope
+        assert {"projections", "cache_write", "indexer_logits", "dense_mha", "o_proj"} <= {s for s, t in ms.items() if t > 0}
+    assert out.count("traced op time") == 2 and out.count("% in named scopes") == 2
+    assert out.count("(unattributed)") == 2 and out.count("dense_mha") >= 2
+
+
+# A compiled module as XLA prints it: a cuBLAS GEMM, a scatter, a conditional whose branches run a
+# fusion, a Mosaic GPU and a Triton kernel (branch 0) or an unannotated copy and a Triton kernel
+# (branch 1), then an op outside the named scopes (_nonfinite_rows, by its stack frame) and o_proj.
+_HLO = """HloModule jit_forward, is_scheduled=true
+
+FileNames
+1 "/src/jax_sparse_mla/model.py"
+
+FunctionNames
+1 "forward"
+2 "_nonfinite_rows"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=1 end_line=1 column=1 end_column=2}
+2 {file_name_id=1 function_name_id=2 line=2 end_line=2 column=1 end_column=2}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=0}
+2 {file_location_id=2 parent_frame_id=2}
+
+%fused_neg (p.0: f32[4]) -> f32[4] {
+  %p.0 = f32[4]{0} parameter(0)
+  ROOT %neg.0 = f32[4]{0} negate(%p.0), metadata={op_name="jit(forward)/projections/neg"}
+}
+
+%branch_0 (arg.0: (f32[4])) -> (f32[4]) {
+  %arg.0 = (f32[4]{0}) parameter(0)
+  %gte.0 = f32[4]{0} get-tuple-element(%arg.0), index=0
+  %loop_neg_fusion.2 = f32[4]{0} fusion(%gte.0), kind=kLoop, calls=%fused_neg, metadata={op_name="jit(forward)/cond/branch_0_fun/sparse_attention/neg"}
+  %mpmd_map.1 = f32[4]{0} custom-call(%loop_neg_fusion.2), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(forward)/cond/branch_0_fun/sparse_attention/entry/mpmd_map"}
+  %pallas_call.5 = f32[4]{0} custom-call(%mpmd_map.1), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(forward)/cond/branch_0_fun/indexer_topk/topk_select/pallas_call"}
+  ROOT %tuple.0 = (f32[4]{0}) tuple(%pallas_call.5)
+}
+
+%branch_1 (arg.1: (f32[4])) -> (f32[4]) {
+  %arg.1 = (f32[4]{0}) parameter(0)
+  %gte.1 = f32[4]{0} get-tuple-element(%arg.1), index=0
+  %copy.3 = f32[4]{0} copy(%gte.1)
+  %pallas_call.2 = f32[4]{0} custom-call(%copy.3), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(forward)/cond/branch_1_fun/dense_mha/flash/pallas_call"}
+  ROOT %tuple.1 = (f32[4]{0}) tuple(%pallas_call.2)
+}
+
+ENTRY %main.9 (x.1: f32[4], flag.1: s32[]) -> f32[4] {
+  %x.1 = f32[4]{0} parameter(0)
+  %flag.1 = s32[] parameter(1)
+  %loop_neg_fusion = f32[4]{0} fusion(%x.1), kind=kLoop, calls=%fused_neg, metadata={op_name="jit(forward)/projections/neg"}
+  %custom-call.1 = (f32[4]{0}, s8[16]{0}) custom-call(%loop_neg_fusion), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(forward)/projections/dot_general"}
+  %gte.2 = f32[4]{0} get-tuple-element(%custom-call.1), index=0
+  %input_scatter_fusion = f32[4]{0} fusion(%gte.2), kind=kLoop, calls=%fused_neg, metadata={op_name="jit(forward)/cache_write/scatter"}
+  %tuple.2 = (f32[4]{0}) tuple(%input_scatter_fusion)
+  %cond.1 = (f32[4]{0}) conditional(%flag.1, %tuple.2, %tuple.2), branch_computations={%branch_0, %branch_1}, metadata={op_name="jit(forward)/cond" stack_frame_id=1}
+  %gte.3 = f32[4]{0} get-tuple-element(%cond.1), index=0
+  %loop_select_fusion = f32[4]{0} fusion(%gte.3), kind=kLoop, calls=%fused_neg, metadata={op_name="jit(forward)/select_n" stack_frame_id=2}
+  %custom-call.2 = (f32[4]{0}, s8[16]{0}) custom-call(%loop_select_fusion), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(forward)/o_proj/dot_general"}
+  ROOT %gte.4 = f32[4]{0} get-tuple-element(%custom-call.2), index=0
+}
+"""
+
+# one step's kernels on the stream: (name, hlo_op or None, us); "command_buffer_1": XLA:GPU's
+# command buffers, which launch their kernels under the buffer's name
+_PLAIN = [("loop_neg_fusion", "loop_neg_fusion", 2), ("nvjet_sm90_tss_64x8_TNN", "custom-call.1", 10),
+          ("input_scatter_fusion", "input_scatter_fusion", 1), ("MemcpyD2H", "cond.1", 0.5),
+          ("MemcpyD2D", "copy.3", 1), ("flash", "pallas_call.2", 20), ("loop_select_fusion", "loop_select_fusion", 1),
+          ("nvjet_sm90_tss_128x64_TNT", "custom-call.2", 5), ("Memset", None, 0.5)]
+_COMMAND_BUFFER = [("loop_neg_fusion", 2), ("nvjet_sm90_tss_64x8_TNN", 10), ("input_scatter_fusion", 1),
+                   ("set_case_condition", 0.5), ("loop_neg_fusion_2", 3), ("entry_mosaic_gpu_kernel", 30),
+                   ("topk_select__2", 4), ("loop_select_fusion", 1), ("nvjet_sm90_tss_128x64_TNT", 5)]
+
+
+def _gpu_trace(directory: pathlib.Path, kernels, steps: int = 3) -> None:
+    """A trace viewer file as jax.profiler.trace writes it on a GPU: the kernels of `steps` steps
+    on the device's stream line, each also on the derived "XLA Ops" line, and a host event."""
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 1, "tid": 14, "name": "thread_name", "args": {"name": "Stream #14(Compute)"}},
+            {"ph": "M", "pid": 1, "tid": 2, "name": "thread_name", "args": {"name": "XLA Ops"}},
+            {"ph": "M", "pid": 701, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 701, "tid": 1, "name": "thread_name", "args": {"name": "python3"}}]
+    events, ts = [{"ph": "X", "pid": 701, "tid": 1, "ts": 0, "dur": 500, "name": "PjitFunction(forward)"}], 0.0
+    for _ in range(steps):
+        for name, op, dur in kernels:
+            args = {"hlo_module": "jit_forward", "correlation_id": "1"} | ({"hlo_op": op} if op else {})
+            events.append({"ph": "X", "pid": 1, "tid": 14, "ts": ts, "dur": dur, "name": name, "args": args})
+            events.append({"ph": "X", "pid": 1, "tid": 2, "ts": ts, "dur": dur, "name": op or name, "args": args})
+            ts += dur + 1
+    directory.mkdir(parents=True)
+    with gzip.open(directory / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+
+
+def test_layer_profile_matches_gpu_kernels_to_instructions(bench_layer, tmp_path):
+    """XLA:GPU's events: by their hlo_op where it names the instruction (the conditional's
+    predicate copy is control flow; an unannotated copy takes its user's scope), by the kernel's
+    name under a command buffer (fusions; Mosaic GPU and Triton kernels by their custom call's
+    op_name), and a cuBLAS kernel there by the unmatched instruction scheduled between its
+    neighbours; the "XLA Ops" line is not counted twice."""
+    scopes = bench_layer.HloScopes(_HLO)
+    assert scopes.scope["copy.3"] == "dense_mha" and scopes.scope["cond.1"] == "(control flow)"
+    assert scopes.scope["loop_select_fusion"] == "_nonfinite_rows" and scopes.scope["mpmd_map.1"] == "sparse_attention"
+    _gpu_trace(tmp_path / "plain", _PLAIN)
+    plain = bench_layer.trace_breakdown(str(tmp_path / "plain"), scopes, steps=3)
+    assert plain["ms"] == pytest.approx({"projections": 0.012, "cache_write": 0.001, "(control flow)": 0.0005,
+                                         "dense_mha": 0.021, "_nonfinite_rows": 0.001, "o_proj": 0.005,
+                                         "(unattributed)": 0.0005})
+    assert plain["traced_ms"] == pytest.approx(0.041) and plain["named_share"] == pytest.approx(39 / 41)
+    assert plain["attributed_share"] == pytest.approx(40.5 / 41)
+    _gpu_trace(tmp_path / "command_buffer", [(name, "command_buffer_1", us) for name, us in _COMMAND_BUFFER])
+    buffered = bench_layer.trace_breakdown(str(tmp_path / "command_buffer"), scopes, steps=3)
+    assert buffered["ms"] == pytest.approx({"projections": 0.012, "cache_write": 0.001, "(control flow)": 0.0005,
+                                            "sparse_attention": 0.033, "indexer_topk": 0.004, "_nonfinite_rows": 0.001,
+                                            "o_proj": 0.005})
+    assert buffered["attributed_share"] == 1.0
+
+
+def test_warmup_bench_restart_loads_every_program_from_the_persistent_cache(tmp_path):
+    """--smoke: the counts come before any compile and match what each phase's precompile
+    compiled; the cold process misses the empty persistent cache for every program, the restarted
+    one loads them all from it (hits, no miss); the JSON holds both phases."""
+    out = _run("bench_warmup.py", "--smoke", "--out", str(tmp_path / "warmup.json"), cwd=tmp_path)
+    result = json.loads((tmp_path / "warmup.json").read_text())
+    counts, cold, restart = result["count_programs"], result["phases"]["cold"], result["phases"]["restart"]
+    routes = {k: v for k, v in counts.items() if k != "total"}
+    assert counts["total"] == cold["num_programs"] == restart["num_programs"] > 0
+    assert cold["per_route"] == restart["per_route"] == routes
+    assert cold["cache_hits"] == 0 and cold["cache_misses"] >= cold["num_programs"]
+    assert restart["cache_misses"] == 0 and restart["cache_hits"] >= restart["num_programs"], restart
+    assert out.index("count_programs") < out.index("cold") < out.index("restart ") < out.index("restart / cold")
