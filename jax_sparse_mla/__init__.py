@@ -1,7 +1,7 @@
 """DeepSeek-V3.2 sparse MLA attention (DSA) for JAX.
 
-Functional core: MLAConfig, init_params / params_from_hf, init_cache, plan_batch (plan_arrays: from
-host arrays), forward.
+Functional core: MLAConfig, init_params / params_from_hf, init_cache (sized by page_bytes /
+num_pages_for_budget), plan_batch (plan_arrays: from host arrays), forward.
 Flax NNX wrapper: SparseMLA. Oracle: jax_sparse_mla.reference.
 Meshes (heads over "tensor", sequences over "data"): jax_sparse_mla.sharding; a program per
 device (data-parallel attention, each device its own plan and cache): jax_sparse_mla.data_parallel.
@@ -15,7 +15,8 @@ import importlib
 # public name -> the submodule defining it, imported on first use (PEP 562), so that importing
 # one submodule (e.g. jax_sparse_mla.plan on a host that only plans) loads only what it needs
 _EXPORTS = {
-    "PagedCache": "cache", "init_cache": "cache", "read_indexer_keys": "cache", "read_latent": "cache",
+    "PagedCache": "cache", "init_cache": "cache", "num_pages_for_budget": "cache", "page_bytes": "cache",
+    "read_indexer_keys": "cache", "read_latent": "cache",
     "load_layer_from_safetensors": "checkpoint", "restore_checkpoint": "checkpoint", "save_checkpoint": "checkpoint",
     "MLAConfig": "config", "RopeScaling": "config",
     "forward": "model", "jit_forward": "model",
@@ -45,6 +46,7 @@ __all__ = [
     "BatchMeta", "BatchPlan", "BucketPolicy", "MLAConfig", "PagedCache", "Request", "RopeScaling",
     "SparseMLA", "count_programs", "enumerate_plans", "forward", "init_cache", "init_params", "init_sharded_cache",
     "jit_forward", "jit_sharded_forward",
-    "load_layer_from_safetensors", "make_mesh", "params_from_hf", "plan_arrays", "plan_batch", "plan_data_parallel",
+    "load_layer_from_safetensors", "make_mesh", "num_pages_for_budget", "page_bytes", "params_from_hf", "plan_arrays",
+    "plan_batch", "plan_data_parallel",
     "read_indexer_keys", "read_latent", "restore_checkpoint", "save_checkpoint", "shard_params", "sharded_forward",
 ]

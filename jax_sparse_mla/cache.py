@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from . import ops
 from .config import FP8_TILE, MLAConfig, check_config_type
 from .kernels import dequantize_index_keys, dequantize_latent, gather_paged_rows
-from .validate import as_int, as_page_ids, check_type
+from .plan import max_slot_pages
+from .validate import as_int, as_page_ids, as_real, check_type
 
 
 @jax.tree_util.register_dataclass
@@ -65,6 +66,35 @@ def init_cache(config: MLAConfig, num_pages: int) -> PagedCache:
         index_k=jnp.zeros(shape + (config.index_head_dim,), _storage_dtype(config.indexer_dtype)),
         index_k_scale=jnp.zeros(shape, jnp.float32) if fp8_idx else None,
     )
+
+
+def page_bytes(config: MLAConfig) -> int:
+    """Bytes of one page of one layer's cache: every array init_cache makes (latent, its fp8
+    scales, k_pe, the indexer keys and their fp8 scales) for page_size tokens. Measured on
+    init_cache's abstract output, so it follows the layout; what a user multiplies by num_pages
+    and the layer count to size the caches (num_pages_for_budget). ValueError naming `config`
+    unless it is an MLAConfig."""
+    check_config_type(config)
+    one_page = jax.eval_shape(lambda: init_cache(config, 1))
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(one_page))
+
+
+def num_pages_for_budget(config: MLAConfig, budget_bytes: int | float, num_layers: int = 1) -> int:
+    """num_pages for init_cache such that `num_layers` layers' caches (one per layer, each of
+    num_pages pages) fit in `budget_bytes`: floor(budget_bytes / (num_layers * page_bytes(config))),
+    at most plan.max_slot_pages(config) (slot numbers are int32). The budget is the bytes the caches
+    may occupy: summed over the devices a sharded cache spreads its pages over; activations,
+    weights and XLA's scratch are the caller's to leave room for. ValueError naming the argument:
+    budget_bytes not a positive finite number, num_layers not an integer >= 1, or a budget below
+    one page of each layer."""
+    budget = as_real(budget_bytes, "budget_bytes", finite=True, positive=True)
+    layers = as_int(num_layers, "num_layers", 1)
+    per_layer = page_bytes(config)
+    if budget < per_layer * layers:
+        raise ValueError(f"budget_bytes = {budget_bytes} is below one page: a page of each of the {layers} layer(s) "
+                         f"takes {per_layer * layers} bytes ({per_layer} a layer, page_size = {config.page_size} "
+                         f"tokens, kv_cache_dtype = {config.kv_cache_dtype!r})")
+    return min(int(budget // (per_layer * layers)), max_slot_pages(config))
 
 
 def check_cache(cache: PagedCache, config: MLAConfig) -> None:

@@ -7,10 +7,14 @@ directly. It is frozen and hashable: it is passed to jitted functions as a stati
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import pathlib
 from typing import Any, Mapping
 
 import jax.numpy as jnp
+import numpy as np
 
 from .validate import as_int, as_real, check_type
 
@@ -18,6 +22,10 @@ ACTIVATION_DTYPES = ("bfloat16", "float32")
 KV_CACHE_DTYPES = ("bfloat16", "float32", "fp8")
 INDEXER_DTYPES = ("fp8", "bfloat16", "float32")
 FP8_TILE = 128  # values per fp32 scale in the fp8 latent cache (FlashMLA's layout)
+# config.json's model_type of the models whose attention this layer is (a model_type is checked when present)
+DSA_MODEL_TYPES = ("deepseek_v32",)
+# the lightning indexer's dimensions: what a DeepSeek-V3.2 (DSA) config.json has and a DeepSeek-V3 one lacks
+INDEXER_KEYS = ("index_n_heads", "index_head_dim", "index_topk")
 
 
 # rope types of config.json's rope_scaling / rope_parameters: "yarn" is supported, "default" means none.
@@ -102,6 +110,52 @@ _FLOAT_FIELDS = ("rope_theta", "rms_norm_eps")
 _CHOICE_FIELDS = {"dtype": ACTIVATION_DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "indexer_dtype": INDEXER_DTYPES}
 
 
+def _dtype_name(value, what: str, choices: tuple[str, ...]) -> str:
+    """value as its name in `choices`: one of the names itself, or a numpy / jax dtype or scalar
+    type naming one (jnp.bfloat16, np.float32, jnp.dtype("bfloat16"); float8_e4m3fn is "fp8"),
+    so that configs made either way are equal (and hash alike, as a static argument must).
+    ValueError naming `what` otherwise."""
+    if isinstance(value, str) and value in choices:
+        return value
+    name = None
+    if isinstance(value, (str, np.dtype, type)):
+        try:
+            dtype = jnp.dtype(value)
+        except (TypeError, ValueError):
+            pass
+        else:
+            name = "fp8" if dtype == jnp.float8_e4m3fn else dtype.name
+    if name not in choices:
+        raise ValueError(f"{what} must be one of {choices} (or that numpy / jnp dtype), got {value!r}")
+    return name
+
+
+def _read_hf_config(hf) -> tuple[Mapping[str, Any], str]:
+    """from_hf_config's argument -> (the config dict, a prefix naming its file for error
+    messages: "" for a dict). ValueError (FileNotFoundError for a missing file) saying which
+    forms are accepted."""
+    forms = "a dict (a parsed config.json) or the path of a config.json (str or os.PathLike)"
+    if isinstance(hf, Mapping):
+        return hf, ""
+    if isinstance(hf, str) and hf.lstrip().startswith("{"):
+        raise ValueError(f"a Hugging Face config must be {forms}, got a string of JSON text: pass json.loads(text)")
+    if not isinstance(hf, (str, os.PathLike)):
+        raise ValueError(f"a Hugging Face config must be {forms}, got {type(hf).__name__}")
+    path = pathlib.Path(hf)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory: pass the path of its config.json (or read it with "
+                         "jax_sparse_mla.checkpoint.load_hf_config(directory))")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (a Hugging Face config must be {forms})")
+    try:
+        d = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(d).__name__}")
+    return d, f"{path}: "
+
+
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:
     """Dimensions and dtypes of one sparse-MLA attention layer.
@@ -115,6 +169,8 @@ class MLAConfig:
     page_size: tokens per page of both paged caches.
     max_position_embeddings: the longest sequence (context + new tokens) a request may have;
       plan_batch refuses longer ones.
+    The three dtype fields also take the numpy / jnp dtype of a name (jnp.bfloat16, np.float32;
+    jnp.float8_e4m3fn for "fp8") and hold the name.
     """
 
     hidden_size: int = 7168
@@ -152,8 +208,7 @@ class MLAConfig:
         for f in _FLOAT_FIELDS:
             put(f, lambda v, name: as_real(v, name, finite=True, positive=True))
         for f, choices in _CHOICE_FIELDS.items():
-            v = getattr(self, f)
-            need(isinstance(v, str) and v in choices, f"{f} must be one of {choices}, got {v!r}")
+            put(f, lambda v, name: _dtype_name(v, name, choices))
         need(self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling),
              "rope_scaling must be a RopeScaling or None (use MLAConfig.from_hf_config for a dict), "
              f"got {type(self.rope_scaling).__name__}")
@@ -169,19 +224,61 @@ class MLAConfig:
 
     # ---- constructors -------------------------------------------------------------------
     @classmethod
-    def from_hf_config(cls, hf: Mapping[str, Any], **overrides) -> MLAConfig:
-        """Reads a Hugging Face config.json dict; unknown keys are ignored.
+    def from_hf_config(cls, hf: Mapping[str, Any] | str | os.PathLike, **overrides) -> MLAConfig:
+        """The config of a DeepSeek-V3.2 checkpoint's config.json: `hf` is the parsed dict or the
+        path of the file (str or os.PathLike); keys this layer does not use are ignored, and
+        `overrides` (MLAConfig fields) replace what the file says.
 
+        Only DeepSeek-V3.2 sparse attention (DSA) is read: a config without the indexer's
+        dimensions (INDEXER_KEYS: a DeepSeek-V3 config) or with a model_type other than
+        DSA_MODEL_TYPES is refused, since filling in V3.2's indexer would make a layer the
+        checkpoint has no weights for.
+        dtype: `torch_dtype` (transformers 5: `dtype`) sets MLAConfig.dtype, the parameters' and
+        activations' dtype; one it does not support (float16) is refused unless `dtype=` is
+        overridden.
         Rope: `rope_scaling` (+ top-level `rope_theta`), or transformers 5's `rope_parameters`
         (`rope_theta`, `rope_type` and the YaRN fields in one dict; rope_type "default", or none,
         means no scaling). Both may be given if they agree; without either, MLAConfig's defaults
         apply.
-        Raises ValueError naming the field that is wrongly typed, out of range or unsupported.
+        Raises ValueError naming the field that is missing, wrongly typed, out of range or
+        unsupported (prefixed with the file's path when given one); FileNotFoundError for a path
+        that is not a file.
         """
-        if not isinstance(hf, Mapping):
-            raise ValueError(f"a Hugging Face config must be a JSON object, got {type(hf).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)} - {"rope_scaling", "rope_theta"}
+        hf, where = _read_hf_config(hf)
+        try:
+            return cls._from_hf_dict(hf, overrides)
+        except ValueError as e:
+            if not where:
+                raise
+            raise ValueError(f"{where}{e}") from None
+
+    @classmethod
+    def _from_hf_dict(cls, hf: Mapping[str, Any], overrides: Mapping[str, Any]) -> MLAConfig:
+        """from_hf_config on the parsed dict (its checks, in the order its docstring lists them)."""
+        model_type = hf.get("model_type")
+        if model_type is not None and model_type not in DSA_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not DeepSeek-V3.2 sparse attention: expected "
+                             f"{' or '.join(map(repr, DSA_MODEL_TYPES))}")
+        missing = [k for k in INDEXER_KEYS if k not in hf]
+        if missing:
+            raise ValueError(f"not a DeepSeek-V3.2 sparse attention (DSA) config: it has no {', '.join(missing)} "
+                             "(the lightning indexer's dimensions; a DeepSeek-V3 config has none). Build an MLAConfig "
+                             "directly to give another model an indexer")
+        names = {f.name for f in dataclasses.fields(cls)} - {"rope_scaling", "rope_theta", "dtype"}
         kw = {k: hf[k] for k in names if k in hf}
+        given = {} if "dtype" in overrides else {k: hf[k] for k in ("torch_dtype", "dtype") if hf.get(k) is not None}
+        dtypes = {}  # spelling -> MLAConfig.dtype
+        for key in given:
+            try:
+                dtypes[key] = _dtype_name(given[key], key, ACTIVATION_DTYPES)
+            except ValueError:
+                raise ValueError(f"{key}={given[key]!r} is not supported: the layer's parameters and activations "
+                                 f"(MLAConfig.dtype) are one of {ACTIVATION_DTYPES}; pass dtype=... to choose "
+                                 "one") from None
+        if len(set(dtypes.values())) > 1:
+            raise ValueError(f"torch_dtype={given['torch_dtype']!r} and dtype={given['dtype']!r} disagree")
+        if dtypes:
+            kw["dtype"] = next(iter(dtypes.values()))
         theta = {}  # spelling -> value
         scaling = {}
         if "rope_theta" in hf:

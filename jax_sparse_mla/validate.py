@@ -18,10 +18,24 @@ def is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
+def array_scalar_hint(value) -> str:
+    """The fix for a 0-d integer array where an integer is expected (jnp.int32(0) is a jax.Array,
+    np.array(3) a numpy array, and is_int refuses both: sizes and ids are host values):
+    "; convert it with int(...)" ("...; it is traced: call this on the host, outside jit" for a
+    tracer), else "". Appended to the type messages of integer arguments."""
+    dtype = array_dtype(value)
+    if dtype is None or dtype.kind not in "iu" or getattr(value, "shape", None) != ():
+        return ""
+    if isinstance(value, jax.core.Tracer):
+        return "; it is traced: call this on the host, outside jit"
+    return "; convert it with int(...)"
+
+
 def as_int(value, what: str, minimum: int) -> int:
-    """value (a Python or numpy integer, not bool, in [minimum, 2**31)) as an int; ValueError naming `what`."""
+    """value (a Python or numpy integer, not bool, in [minimum, 2**31)) as an int; ValueError naming `what`
+    (with array_scalar_hint's hint for a 0-d array)."""
     if not is_int(value):
-        raise ValueError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
+        raise ValueError(f"{what} must be an integer, got {value!r} ({type(value).__name__}){array_scalar_hint(value)}")
     if not minimum <= value <= INT32_MAX:
         raise ValueError(range_message(what, minimum, value))
     return int(value)
@@ -86,23 +100,30 @@ def as_page_ids(table, what: str) -> np.ndarray:
             raise ValueError(f"{what}[{k}] = {table[k]} is outside int32")
         return table.astype(np.int64)
     if isinstance(table, (str, bytes)) or not isinstance(table, collections.abc.Sequence):
+        hint = "; convert it with np.asarray(...)" if isinstance(table, jax.Array) else ""
         raise ValueError(f"{what} must be a list, tuple or 1-D numpy integer array of page ids (on the host), "
-                         f"got {type(table).__name__}")
+                         f"got {type(table).__name__}{hint}")
     values = table if isinstance(table, list) else list(table)
     if not all(type(v) is int for v in values):  # (fast path: plain ints)
         for k, v in enumerate(values):
             if not is_int(v):
-                raise ValueError(f"{what}[{k}] must be an integer page id, got {v!r} ({type(v).__name__})")
+                raise ValueError(f"{what}[{k}] must be an integer page id, got {v!r} ({type(v).__name__})"
+                                 f"{array_scalar_hint(v)}")
         values = [int(v) for v in values]
     try:
         return np.array(values, np.int64)
     except OverflowError:  # an entry past int64
         k = next(k for k, v in enumerate(values) if not -INT32_MAX - 1 <= v <= INT32_MAX)
         raise ValueError(f"{what}[{k}] = {values[k]} is outside int32") from None
+
+
 def check_not_deleted(arrays: Mapping[str, Any]) -> None:
     """ValueError naming the first of `arrays` ({its name in the message: value}) that is a deleted
-    jax.Array (donated to an earlier call, or .delete()d); other values (numpy arrays, abstract
-    values, tracers) pass."""
+    jax.Array (donated to an earlier call, or .delete()d), and the fix: a step donates its input
+    cache, so the next call takes the cache that step returned. Other values (numpy arrays,
+    abstract values, tracers) pass."""
     for what, value in arrays.items():
         if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer) and value.is_deleted():
-            raise ValueError(f"{what} has been deleted (donated to an earlier call, or .delete()d)")
+            raise ValueError(f"{what} has been deleted: donated to an earlier call, or .delete()d. jit_forward, "
+                             "jit_sharded_forward and data_parallel_step donate their input cache: pass the cache "
+                             "that call returned (out, cache = jit_forward(..., cache, ...)), not its input")

@@ -372,7 +372,13 @@ def test_sharded_forward_refuses_a_plan_made_for_another_config():
      r"request 0: block_table must be 1-D, got a numpy array of shape \(1, 1\)"),
     (Request(0, 3, np.zeros(1, np.float32)),
      "request 0: block_table must hold integer page ids, got a numpy array of dtype float32"),
-    (Request(0, 3, jnp.zeros(1, jnp.int32)), "request 0: block_table must be a list, tuple .*on the host"),
+    (Request(0, 3, jnp.zeros(1, jnp.int32)),
+     r"request 0: block_table must be a list, tuple .*on the host\), got ArrayImpl; convert it with np.asarray\(\.\.\.\)"),
+    # jax / numpy 0-d arrays are not integers: the message says how to convert them
+    (Request(0, 3, [jnp.int32(1)]), r"request 0: block_table\[0\] must be an integer page id, got .*; convert it with int"),
+    (Request(jnp.int32(0), 3, [0]),
+     r"request 0: context_len must be an integer, got Array\(0, dtype=int32\) \(ArrayImpl\); convert it with int\(\.\.\.\)"),
+    (Request(0, np.array(3), [0]), r"request 0: query_len must be an integer, got array\(3\) .*; convert it with int"),
     (Request(0, 3, [[0]]), r"request 0: block_table\[0\] must be an integer page id, got \[0\]"),
     (Request(0.5, 3, [0]), "request 0: context_len must be an integer, got 0.5"),
     (Request(0, 3.0, [0]), "request 0: query_len must be an integer, got 3.0"),
@@ -389,6 +395,30 @@ def test_plan_refuses_ids_and_lengths_that_are_not_int32_integers(request_, mess
         plan_batch(TINY, [Request(0, 2, [9]), request_][1:])  # request 0
     with pytest.raises(ValueError, match=message.replace("request 0", "request 1")):
         plan_batch(TINY, [Request(0, 2, [9]), request_])
+
+
+def test_traced_lengths_are_refused_with_the_fix():
+    """plan_batch runs on the host: a traced length gets a message saying so, not int()'s."""
+    with pytest.raises(ValueError, match="request 0: query_len must be an integer, .*it is traced: call this on the "
+                                         "host, outside jit"):
+        jax.jit(lambda n: plan_batch(TINY, [Request(0, n, [0])]))(3)
+
+
+def test_a_donated_cache_is_refused_with_the_fix():
+    """jit_forward donates its input cache: a second call with it names the cache to pass instead
+    (forward's check; jit_forward's own dispatch raises jax's error before any Python runs)."""
+    from jax_sparse_mla import forward, init_params, jit_forward
+
+    params = init_params(TINY, jax.random.key(0))
+    plan, meta = plan_batch(TINY, [Request(0, 5, [0, 1])], num_pages=8)
+    hidden = jnp.ones((plan.num_tokens, TINY.hidden_size))
+    cache = init_cache(TINY, 8)
+    _, new_cache = jit_forward(params, hidden, cache, meta, plan=plan, config=TINY)
+    assert cache.latent.is_deleted()
+    with pytest.raises(ValueError, match=r"cache.latent has been deleted: donated to an earlier call, .* pass the "
+                                         r"cache that call returned \(out, cache = jit_forward"):
+        forward(params, hidden, cache, meta, plan=plan, config=TINY)
+    forward(params, hidden, new_cache, meta, plan=plan, config=TINY)  # the returned one
 
 
 def test_max_position_embeddings_bounds_a_request():

@@ -1,6 +1,7 @@
 """MLAConfig validation and HF loading, params_from_hf (fp8 blocks included)."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,13 @@ from jax_sparse_mla.params import dequantize_fp8_weight, param_shapes
 from tests.support import quantize_fp8_blocks
 
 TINY = MLAConfig.tiny()
+# what a DeepSeek-V3.2 config.json has beside the fields a test is about
+DSA = {"model_type": "deepseek_v32", "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
+
+
+def _from_hf(hf, **overrides):
+    """MLAConfig.from_hf_config of a DSA config with hf's keys."""
+    return MLAConfig.from_hf_config({**DSA, **hf}, **overrides)
 
 
 def test_deepseek_v32_dimensions_and_scale():
@@ -51,7 +59,7 @@ def test_invalid_configs_raise(overrides, message):
 
 def test_unsupported_rope_scaling_raises():
     with pytest.raises(ValueError, match="rope_scaling type 'linear'"):
-        MLAConfig.from_hf_config({"rope_scaling": {"type": "linear", "factor": 2}})
+        _from_hf({"rope_scaling": {"type": "linear", "factor": 2}})
 
 
 def test_params_from_hf_round_trip_with_prefix_and_fp8_blocks():
@@ -195,7 +203,7 @@ def test_every_config_field_is_type_checked():
     c = dataclasses.replace(TINY, rope_theta=10000)
     assert type(c.rope_theta) is float and c == dataclasses.replace(TINY, rope_theta=10000.0)
     for field in ("dtype", "kv_cache_dtype", "indexer_dtype"):
-        for bad in (None, 1, jnp.float32, ["float32"]):
+        for bad in (None, 1, float, jnp.int8, np.dtype(np.float16), "float16", ["float32"]):
             with pytest.raises(ValueError, match=f"{field} must be one of"):
                 dataclasses.replace(TINY, **{field: bad})
     with pytest.raises(ValueError, match="rope_scaling must be a RopeScaling"):
@@ -213,7 +221,7 @@ def test_every_config_field_is_type_checked():
 ])
 def test_from_hf_config_refuses_wrongly_typed_fields(field, value, message):
     with pytest.raises(ValueError, match=message):
-        MLAConfig.from_hf_config({field: value})
+        _from_hf({field: value})
 
 
 YARN = {"factor": 8, "original_max_position_embeddings": 2048, "beta_fast": 16, "beta_slow": 2, "mscale": 0.75,
@@ -221,21 +229,21 @@ YARN = {"factor": 8, "original_max_position_embeddings": 2048, "beta_fast": 16, 
 
 
 def test_from_hf_config_reads_rope_parameters():
-    c = MLAConfig.from_hf_config({"rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, **YARN}})
+    c = _from_hf({"rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, **YARN}})
     assert c.rope_theta == 50000.0 and c.rope_scaling == RopeScaling(**YARN)
     assert c.rope_scaling.factor == 8.0 and c.rope_scaling.original_max_position_embeddings == 2048
     # the old spelling gives the same config; both may be given when they agree
     old = {"rope_theta": 50000, "rope_scaling": {"type": "yarn", **YARN}}
-    assert MLAConfig.from_hf_config(old) == c
-    assert MLAConfig.from_hf_config({**old, "rope_parameters": {"rope_type": "yarn", "rope_theta": 5e4, **YARN}}) == c
+    assert _from_hf(old) == c
+    assert _from_hf({**old, "rope_parameters": {"rope_type": "yarn", "rope_theta": 5e4, **YARN}}) == c
     # "default" (or no rope_type) means no scaling
-    c = MLAConfig.from_hf_config({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    c = _from_hf({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
     assert c.rope_theta == 1e6 and c.rope_scaling is None
-    assert MLAConfig.from_hf_config({"rope_parameters": {"rope_theta": 1e6}}).rope_scaling is None
-    assert MLAConfig.from_hf_config({"rope_scaling": None}).rope_scaling is None
+    assert _from_hf({"rope_parameters": {"rope_theta": 1e6}}).rope_scaling is None
+    assert _from_hf({"rope_scaling": None}).rope_scaling is None
     # harmless HF extras are ignored
     extras = {"rope_type": "yarn", **YARN, "truncate": True, "attention_factor": None, "low_freq_factor": 1}
-    assert MLAConfig.from_hf_config({"rope_scaling": extras}).rope_scaling == RopeScaling(**YARN)
+    assert _from_hf({"rope_scaling": extras}).rope_scaling == RopeScaling(**YARN)
 
 
 @pytest.mark.parametrize("hf,message", [
@@ -256,7 +264,7 @@ def test_from_hf_config_reads_rope_parameters():
 ])
 def test_from_hf_config_refuses_bad_or_conflicting_rope(hf, message):
     with pytest.raises(ValueError, match=message):
-        MLAConfig.from_hf_config(hf)
+        _from_hf(hf)
 
 
 @pytest.mark.parametrize("key,value,message", [
@@ -276,7 +284,7 @@ def test_rope_scaling_fields_are_type_checked(key, value, message):
     with pytest.raises(ValueError, match=f"invalid rope_scaling: {message}"):
         RopeScaling.from_hf({"type": "yarn", **YARN, key: value})
     with pytest.raises(ValueError, match=f"invalid rope_parameters: {message}"):
-        MLAConfig.from_hf_config({"rope_parameters": {"rope_type": "yarn", **YARN, key: value}})
+        _from_hf({"rope_parameters": {"rope_type": "yarn", **YARN, key: value}})
     with pytest.raises(ValueError, match=message):
         RopeScaling(**{**YARN, key: value})
 
@@ -297,6 +305,107 @@ def test_rope_scaling_refuses_mscale_other_than_mscale_all_dim():
     with pytest.raises(ValueError, match=r"mscale=0.707 != mscale_all_dim=1.0 is not supported"):
         RopeScaling(factor=40.0, mscale=0.707, mscale_all_dim=1.0)
     with pytest.raises(ValueError, match=r"invalid rope_parameters: mscale=0.5 != mscale_all_dim=0.75 is not supported"):
-        MLAConfig.from_hf_config({"rope_parameters": {"rope_type": "yarn", **YARN, "mscale": 0.5}})
+        _from_hf({"rope_parameters": {"rope_type": "yarn", **YARN, "mscale": 0.5}})
     with pytest.raises(ValueError, match=r"invalid rope_scaling: mscale=1.0 != mscale_all_dim=0.0"):
-        MLAConfig.from_hf_config({"rope_scaling": {"type": "yarn", **YARN, "mscale": 1, "mscale_all_dim": 0}})
+        _from_hf({"rope_scaling": {"type": "yarn", **YARN, "mscale": 1, "mscale_all_dim": 0}})
+
+
+# ---- what from_hf_config refuses or reads beside the dimensions ------------------------------------
+
+V3_ATTENTION = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128, "q_lora_rank": 1536,
+                "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+
+
+def test_from_hf_config_refuses_configs_without_sparse_attention():
+    """A DeepSeek-V3 config has MLA but no indexer: filling in V3.2's indexer defaults would make
+    a layer its checkpoint has no weights for."""
+    no_indexer = {k: v for k, v in V3_ATTENTION.items() if k != "model_type"}
+    with pytest.raises(ValueError, match=r"not a DeepSeek-V3.2 sparse attention \(DSA\) config: it has no "
+                                         r"index_n_heads, index_head_dim, index_topk \(the lightning indexer"):
+        MLAConfig.from_hf_config(no_indexer)
+    with pytest.raises(ValueError, match="it has no index_topk "):
+        MLAConfig.from_hf_config({**no_indexer, "index_n_heads": 64, "index_head_dim": 128})
+    with pytest.raises(ValueError, match="model_type 'deepseek_v3' is not DeepSeek-V3.2 sparse attention: "
+                                         "expected 'deepseek_v32'"):
+        MLAConfig.from_hf_config({**V3_ATTENTION, **{k: v for k, v in DSA.items() if k != "model_type"}})
+    with pytest.raises(ValueError, match="model_type 'deepseek_v3' is not"):  # checked first
+        MLAConfig.from_hf_config(V3_ATTENTION)
+    dsa = {k: v for k, v in DSA.items() if k != "model_type"}
+    assert MLAConfig.from_hf_config(dsa) == MLAConfig.deepseek_v32()  # no model_type: the keys decide
+
+
+@pytest.mark.parametrize("hf,overrides,dtype", [
+    ({"torch_dtype": "float32"}, {}, "float32"),
+    ({"torch_dtype": "bfloat16"}, {}, "bfloat16"),
+    ({"dtype": "float32"}, {}, "float32"),                                  # transformers 5's spelling
+    ({"torch_dtype": "float32", "dtype": "float32"}, {}, "float32"),
+    ({"torch_dtype": None}, {}, "bfloat16"),                                # MLAConfig's default
+    ({"torch_dtype": "float16"}, {"dtype": "float32"}, "float32"),          # an override wins
+    ({"torch_dtype": "float32"}, {"dtype": jnp.bfloat16}, "bfloat16"),
+])
+def test_from_hf_config_honours_torch_dtype(hf, overrides, dtype):
+    assert _from_hf(hf, **overrides).dtype == dtype
+
+
+@pytest.mark.parametrize("hf,message", [
+    ({"torch_dtype": "float16"}, r"torch_dtype='float16' is not supported: the layer's parameters and activations "
+                                 r"\(MLAConfig.dtype\) are one of \('bfloat16', 'float32'\); pass dtype=\.\.\. to choose"),
+    ({"dtype": "float8_e4m3fn"}, "dtype='float8_e4m3fn' is not supported"),
+    ({"torch_dtype": 16}, "torch_dtype=16 is not supported"),
+    ({"torch_dtype": "bfloat16", "dtype": "float32"}, "torch_dtype='bfloat16' and dtype='float32' disagree"),
+])
+def test_from_hf_config_refuses_an_unsupported_torch_dtype(hf, message):
+    with pytest.raises(ValueError, match=message):
+        _from_hf(hf)
+
+
+def test_from_hf_config_reads_a_path(tmp_path):
+    hf = {**DSA, "hidden_size": 1024, "torch_dtype": "float32"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    config = MLAConfig.from_hf_config(hf, page_size=16)
+    assert config.hidden_size == 1024 and config.dtype == "float32"
+    assert MLAConfig.from_hf_config(path, page_size=16) == MLAConfig.from_hf_config(str(path), page_size=16) == config
+    # errors name the file
+    path.write_text(json.dumps({**hf, "hidden_size": "1024"}))
+    with pytest.raises(ValueError, match=f"{path}: invalid MLAConfig: hidden_size must be an integer"):
+        MLAConfig.from_hf_config(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match=f"{path} is not valid JSON"):
+        MLAConfig.from_hf_config(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=f"{path} must hold a JSON object, got list"):
+        MLAConfig.from_hf_config(path)
+
+
+FORMS = r"must be a dict \(a parsed config.json\) or the path of a config.json \(str or os.PathLike\)"
+
+
+@pytest.mark.parametrize("make,error,message", [
+    (lambda d: json.dumps(DSA), ValueError, FORMS + ", got a string of JSON text: pass json.loads\\(text\\)"),
+    (lambda d: 7, ValueError, FORMS + ", got int"),
+    (lambda d: [DSA], ValueError, FORMS + ", got list"),
+    (lambda d: str(d), ValueError, "is a directory: pass the path of its config.json"),
+    (lambda d: d / "missing.json", FileNotFoundError, "missing.json: no such file \\(a Hugging Face config " + FORMS),
+])
+def test_from_hf_config_refuses_other_forms_with_a_hint(tmp_path, make, error, message):
+    with pytest.raises(error, match=message):
+        MLAConfig.from_hf_config(make(tmp_path))
+
+
+def test_dtype_fields_take_numpy_and_jnp_dtypes():
+    """A dtype object gives the config its name: equal (and hashing alike) to the string's."""
+    for dtype in (jnp.bfloat16, jnp.dtype("bfloat16"), "bfloat16"):
+        c = MLAConfig.tiny(dtype=dtype)
+        assert c.dtype == "bfloat16" and c == MLAConfig.tiny(dtype="bfloat16") and hash(c) == hash(
+            MLAConfig.tiny(dtype="bfloat16"))
+    assert MLAConfig.tiny(dtype=np.float32).dtype == "float32"
+    assert MLAConfig.tiny(kv_cache_dtype=jnp.float8_e4m3fn).kv_cache_dtype == "fp8"
+    assert MLAConfig.tiny(kv_cache_dtype=np.dtype("float32")).kv_cache_dtype == "float32"
+    assert MLAConfig.tiny(indexer_dtype=jnp.float8_e4m3fn).indexer_dtype == "fp8"
+    assert MLAConfig.tiny(indexer_dtype=jnp.bfloat16).indexer_dtype == "bfloat16"
+    with pytest.raises(ValueError, match=r"dtype must be one of \('bfloat16', 'float32'\) \(or that numpy / jnp "
+                                         r"dtype\), got <class '.*float8_e4m3fn'>"):
+        MLAConfig.tiny(dtype=jnp.float8_e4m3fn)  # fp8 is a storage format, not an activation dtype
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of .*got <class 'numpy.float16'>"):
+        MLAConfig.tiny(kv_cache_dtype=np.float16)
