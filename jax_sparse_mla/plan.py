@@ -352,9 +352,9 @@ class BatchPlan:
 
     @property
     def program(self) -> str:
-        """The program's name in benches and reports: "masked" for a dense program whose MHA call
-        restricts rows to their top-k positions (`masked` "some" or "all"), else `route`."""
-        return "masked" if self.masked != "none" else self.route
+        """The program's name in benches and reports: "masked" for a static dense program whose
+        MHA call restricts rows to their top-k positions (`masked` "some" or "all"), else `route`."""
+        return "masked" if self.masked != "none" and self.use_dense_mha else self.route
 
 
 @jax.tree_util.register_dataclass

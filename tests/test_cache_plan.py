@@ -178,7 +178,10 @@ def test_cond_dispatch_plan_depends_on_buckets_only():
     assert (a.num_sparse_tokens, a.num_dense_keys) == (16, 64) and a.key_sizes == (16, 32, 64)
     assert a.attend_sizes == a.score_sizes == (16,) and b.attend_sizes == (16, 32) and a.masked == "some"
     np.testing.assert_array_equal(meta_a.branches, [0, 1, 0])  # 5 dense keys: the 16-key call
-    np.testing.assert_array_equal(meta_b.branches, [2, 0, 2])  # k + 1 rows attend sparsely
+    np.testing.assert_array_equal(meta_b.branches, [2, 6, 0])  # k + 1 rows scored, then masked over 32 keys
+    _, meta_c = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], dispatch="cond", prefill_route="sparse",
+                           buckets=BucketPolicy(min_pages_per_seq=8))
+    np.testing.assert_array_equal(meta_c.branches, [2, 0, 2])  # or scored, then attending sparsely
     s, meta_s = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], dispatch="cond", force_sparse=True,
                            buckets=BucketPolicy(min_pages_per_seq=8))
     assert (s.num_dense_keys, s.key_sizes, s.masked) == (0, (), "none") and meta_s.dense_key_slots.shape == (0,)
