@@ -33,9 +33,10 @@ a long sparse prefill; "sparse" those without masked rows, as before.
 AOT compile. `jax.jit(forward).lower(ShapeDtypeStructs).compile()` on the same `jit_forward`
 fills jax's compilation cache: a later call with those shapes runs no backend compile (checked
 with jax.monitoring's backend-compile event in the tests). It still traces and lowers once on its
-first call and then adds a dispatch entry (`jit_forward._cache_size()` grows), which the Engine's
-StepRecord.new_programs counts; `method="call"` instead runs each program once on zero-filled
-inputs (allocates a cache of num_pages pages), which leaves nothing for the first real call to do.
+first call and then adds a dispatch entry (`jit_forward._cache_size()` grows; the Engine's
+StepRecord.new_programs counts those of its own step program); `method="call"` instead runs each
+program once on zero-filled inputs (allocates a cache of num_pages pages), which leaves nothing
+for the first real call to do.
 That lowering again is why AOT needs kernels that lower reproducibly
 (`kernels.Implementations.lowers_reproducibly`): compiled Mosaic GPU kernels do not (jax 0.11
 names each kernel module by a process-wide counter that reaches the cache key), so the call's
@@ -43,6 +44,8 @@ program would be a new one and compile again. `method="auto"` (the default) is "
 and "aot" otherwise; "aot" with them is refused. A persistent cache written by "call" serves a
 restarted process that runs the same precompile before any other Mosaic GPU lowering: its
 kernels are then lowered in the same order and get the same names (tests/test_precompile.py).
+A caller with its own program over the plans (the serving Engine's one program for all its
+layers) passes `call` and `lower`, and precompile runs or lowers that instead of jit_forward.
 """
 
 from __future__ import annotations
@@ -333,8 +336,11 @@ def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num
                kernels: str = "auto", skip_indexer: bool = True, force_sparse: bool = False,
                prefill_route: str = "auto", params=None, hidden_dtype=None, method: str = "auto", cache_dir: str | None = None,
                min_compile_time_s: float = 0.0, min_entry_size_bytes: int = 0, plans: Sequence[BatchPlan] | None = None,
-               call: Callable[[BatchPlan], object] | None = None, progress: bool = True) -> PrecompileReport:
-    """Compiles jit_forward for every plan of enumerate_plans (or `plans`) ahead of time.
+               call: Callable[[BatchPlan], object] | None = None,
+               lower: Callable[[BatchPlan], jax.stages.Lowered] | None = None,
+               progress: bool = True) -> PrecompileReport:
+    """Compiles jit_forward (or the caller's program: `call`, `lower`) for every plan of
+    enumerate_plans (or `plans`) ahead of time.
 
     params: a param dict (arrays or ShapeDtypeStructs) whose shapes and dtypes the serving loop
       passes (default: init_params's). hidden_dtype: the dtype of hidden (default config's, as the
@@ -344,7 +350,9 @@ def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num
       on zero-filled inputs: also fills jit's dispatch cache; allocates params and a cache of
       num_pages pages, or runs call(plan) instead when given, e.g. the Engine's layer stack on its
       own caches) or "auto" ("aot" where the kernels lower reproducibly, else "call"); the report
-      says which ran.
+      says which ran. lower: for "aot", lower(plan) returns the jax.stages.Lowered to compile
+      instead of jit_forward's (e.g. the Engine's one program over all its layers); give `call`
+      beside it for the "call" method.
     cache_dir: also write jax's persistent compilation cache there (enable_persistent_cache, with
       min_compile_time_s / min_entry_size_bytes), so another process loads instead of compiling.
     """
@@ -369,10 +377,11 @@ def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num
         enable_persistent_cache(cache_dir, min_compile_time_s=min_compile_time_s,
                                 min_entry_size_bytes=min_entry_size_bytes)
     hidden_dtype = config.jnp_dtype if hidden_dtype is None else jnp.dtype(hidden_dtype)
-    if params is None:
-        params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
-    abstract_params = _abstract(params)
-    abstract_cache = jax.eval_shape(lambda: init_cache(config, num_pages))
+    if (lower if method == "aot" else call) is None:  # jit_forward's arguments
+        if params is None:
+            params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+        abstract_params = _abstract(params)
+        abstract_cache = jax.eval_shape(lambda: init_cache(config, num_pages))
     if method == "call" and call is None:
         zeros = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), t)  # noqa: E731
         params_zero, cache = zeros(abstract_params), zeros(abstract_cache)
@@ -380,9 +389,10 @@ def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num
     t_all = time.perf_counter()
     for plan in tqdm(plans, desc="precompile", unit="program", disable=not progress):
         t0 = time.perf_counter()
-        shapes = BatchMeta.shapes(plan)
-        if method == "aot":
-            meta = BatchMeta(**{k: jax.ShapeDtypeStruct(s, jnp.int32) for k, s in shapes.items()})
+        if method == "aot" and lower is not None:
+            lower(plan).compile()
+        elif method == "aot":
+            meta = BatchMeta(**{k: jax.ShapeDtypeStruct(s, jnp.int32) for k, s in BatchMeta.shapes(plan).items()})
             x = jax.ShapeDtypeStruct((plan.num_tokens, config.hidden_size), hidden_dtype)
             jit_forward.lower(abstract_params, x, abstract_cache, meta, plan=plan, config=config,
                               kernels=kernels).compile()

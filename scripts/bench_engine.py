@@ -5,7 +5,7 @@ while the device runs step N, so host time under the device's is hidden.
 
     python scripts/bench_engine.py [--seqs 256] [--context 4096] [--decodes 32] [--layers 4]
                                    [--dispatch static] [--out engine.json]    # GPU, deepseek_v32
-    python scripts/bench_engine.py --smoke    # CPU: tiny config, 8 sequences
+    python scripts/bench_engine.py --smoke [--decodes 64]    # CPU: tiny config, 8 x 40 tokens, 2 layers
 
 Prints one line for the decode steps (every sequence decoding) and one for the prefill steps:
 medians of host_s, plan_s, device_s and duration_s, and host / duration. The run is warmed up
@@ -31,16 +31,20 @@ from jax_sparse_mla.serving import Engine, RequestSpec  # noqa: E402
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="tiny config on CPU, 8 sequences of 40 tokens")
-    p.add_argument("--seqs", type=int, default=256)
-    p.add_argument("--context", type=int, default=4096, help="prompt tokens of each sequence")
-    p.add_argument("--decodes", type=int, default=32, help="decode steps after the prefills")
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny config on CPU; defaults 8 sequences of 40 tokens, 4 decode steps, 2 layers")
+    p.add_argument("--seqs", type=int, default=None, help="sequences (default 256)")
+    p.add_argument("--context", type=int, default=None, help="prompt tokens of each sequence (default 4096)")
+    p.add_argument("--decodes", type=int, default=None, help="decode steps after the prefills (default 32)")
+    p.add_argument("--layers", type=int, default=None, help="default 4")
     p.add_argument("--dispatch", default="static", choices=("static", "cond"))
     p.add_argument("--out", default=None, help="write the step records and the medians as JSON here")
     a = p.parse_args(argv)
-    if a.smoke:
-        a.seqs, a.context, a.decodes, a.layers = 8, 40, 4, 2
+    defaults = dict(seqs=8, context=40, decodes=4, layers=2) if a.smoke else dict(seqs=256, context=4096, decodes=32,
+                                                                                 layers=4)
+    for name, value in defaults.items():  # a size given on the command line wins
+        if getattr(a, name) is None:
+            setattr(a, name, value)
     config = MLAConfig.tiny() if a.smoke else MLAConfig.deepseek_v32()
     pages = a.seqs * -(-(a.context + a.decodes) // config.page_size)
     engine = Engine(config, num_layers=a.layers, num_pages=pages, dispatch=a.dispatch,

@@ -107,38 +107,42 @@ def test_count_programs_per_route():
 
 
 def test_after_precompile_a_serving_run_compiles_nothing(tmp_path):
+    """Engine.precompile(method="aot") lowers and compiles the engine's step program for every
+    enumerated plan (one backend compile each, written to the persistent cache): the plans of a
+    run are among them and the run compiles nothing."""
     from jax_sparse_mla.serving import Engine, Workload
 
-    compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **kw: compiles.append(kw.get("fun_name"))
-        if event == COMPILE_EVENT and "forward" in str(kw.get("fun_name")) else None)
     # one sequence a step: 9 programs instead of LIMITS' 41 (an XLA compile on a CPU costs ~3 s),
     # masked and unmasked steps in the run; two-sequence batches: the Engine.precompile test below
     # and the serving tests
     limits = dict(LIMITS, max_num_seqs=1)
+    engine = Engine(TINY, num_layers=1, num_pages=limits["num_pages"], max_num_seqs=limits["max_num_seqs"],
+                    max_num_batched_tokens=limits["max_num_batched_tokens"], kernels="xla")
+    jax.block_until_ready((engine.params, engine.caches, engine.pool))
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(kw.get("fun_name")) if event == COMPILE_EVENT else None)
     saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
              jax.config.jax_persistent_cache_min_entry_size_bytes)
     try:
         # kernels "xla": what is checked is that every plan's program is built ahead of the run, whatever
         # its kernels (the interpreted Pallas ones would only make the CPU suite slower; the "call"
         # warm-up below runs them)
-        report = precompile(TINY, BucketPolicy(), **limits, kernels="xla", cache_dir=str(tmp_path / "jax_cache"),
-                            progress=False)
+        report = engine.precompile(method="aot", max_model_len=limits["max_model_len"],
+                                   cache_dir=str(tmp_path / "jax_cache"), progress=False)
     finally:  # the persistent cache is process-wide: point it back for the rest of the session
         enable_persistent_cache(saved[0], min_compile_time_s=saved[1], min_entry_size_bytes=saved[2])
-    assert report.num_programs == sum(report.per_route.values()) == len(report.plans)
-    assert len(compiles) == report.num_programs  # one backend compile per plan
+    assert report.method == "aot" and report.num_programs == sum(report.per_route.values()) == len(report.plans)
+    assert report.plans == tuple(enumerate_plans(TINY, BucketPolicy(), **limits))
+    assert len(compiles) == report.num_programs and all("layer_stack" in f for f in compiles), compiles
     assert any(os.scandir(tmp_path / "jax_cache"))  # the persistent cache got entries
-    engine = Engine(TINY, num_layers=1, num_pages=limits["num_pages"], max_num_seqs=limits["max_num_seqs"],
-                    max_num_batched_tokens=limits["max_num_batched_tokens"], kernels="xla")
     before = len(compiles)
     result = engine.run(Workload(num_requests=5, input_len=14, output_len=6, input_range_ratio=0.9,
                                  output_range_ratio=0.5, seed=3), progress=False)
     assert len(result.steps) > 5
     assert {s.plan for s in result.steps} <= set(report.plans)
     assert {s.plan.masked for s in result.steps} >= {"none", "all"}  # masked MHA steps among them
-    assert len(compiles) == before, compiles[before:]  # no backend compile of forward during the run
+    assert len(compiles) == before, compiles[before:]  # no backend compile during the run
 
 
 @pytest.mark.parametrize("kernels", ["xla", "pallas"])
@@ -271,7 +275,7 @@ def test_precompile_with_mosaic_kernels_serves_a_restarted_process_from_the_pers
 
 def test_engine_precompile_call_leaves_nothing_to_compile():
     """Engine.precompile(method="call"): a run then compiles nothing at all (no backend compile of
-    any function, and no new jit_forward dispatch entry: every StepRecord.new_programs is 0)."""
+    any function, and no new dispatch entry of the engine's step: every StepRecord.new_programs is 0)."""
     from jax_sparse_mla.serving import Engine, Workload
 
     engine = Engine(TINY, num_layers=2, num_pages=LIMITS["num_pages"], max_num_seqs=LIMITS["max_num_seqs"],

@@ -7,9 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from jax_sparse_mla import BucketPolicy, MLAConfig, Request, jit_forward
+from jax_sparse_mla import BucketPolicy, MLAConfig, Request
 from jax_sparse_mla.serving import (Engine, PageAllocator, PoolTooSmallError, RequestSpec, Workload,
                                     reference_outputs)
+from jax_sparse_mla.serving.engine import jit_layer_stack
 
 TINY = MLAConfig.tiny()  # index_topk 16, page 4: prefills longer than 16 tokens are sparse
 
@@ -155,13 +156,13 @@ def test_no_compilation_after_warmup_over_1000_random_steps():
                     buckets=POLICY, seed=7)
     compiled = engine.compile_batches(compositions())
     assert compiled <= 24, compiled  # the grid is small (fewer when an earlier test compiled some)
-    programs = jit_forward._cache_size()
+    programs = jit_layer_stack._cache_size()
     # saturated (a queue always waiting) and light, bursty load (Poisson arrivals: often 1-2 running)
     busy = engine.run(Workload(400, concurrency=SEQS + 2, seed=11, **RANDOM), max_steps=500, progress=False)
     light = engine.run(Workload(400, request_rate=150.0, seed=12, **RANDOM), max_steps=500, progress=False)
     steps = busy.steps + light.steps
     assert len(steps) == 1000
-    assert jit_forward._cache_size() == programs
+    assert jit_layer_stack._cache_size() == programs
     assert sum(s.new_programs for s in steps) == 0
     plans = {s.plan for s in steps}
     assert {p.route for p in plans} == {"dense", "sparse"} and len(plans) >= 6, plans
@@ -170,8 +171,8 @@ def test_no_compilation_after_warmup_over_1000_random_steps():
 
 @pytest.mark.parametrize("block,dtype", [("attention", "float32"), ("decoder", "bfloat16")])
 def test_after_warmup_a_serving_run_compiles_nothing(block, dtype):
-    """Engine.warmup covers every program a step runs (the row gather of its token ids, the
-    layers, the residual adds; the decoder block's norms and MoE): a run of mixed prefill /
+    """Engine.warmup covers every program a step runs (its one program over the row gather, the
+    layers, the residual adds and the decoder block's norms and MoE): a run of mixed prefill /
     decode steps after it compiles nothing, outputs collected included."""
     import jax
 
@@ -463,12 +464,14 @@ def test_engine_and_block_params_of_other_types_are_refused_by_name():
 
 
 def test_decoder_block_precompile_covers_the_moe_programs():
-    from jax_sparse_mla.serving import block
+    """The decoder block's norms and MoE run inside the step's one program: Engine.precompile
+    compiles them with it, and a run after it compiles nothing."""
+    from tests.support import compiled_functions
 
     engine = Engine(TINY, block="decoder", num_layers=1, num_pages=16, max_num_batched_tokens=8, max_num_seqs=2,
                     buckets=BucketPolicy(min_tokens=8, min_seqs=2, min_pages_per_seq=4, min_dense_keys=32))
     engine.precompile(method="call", max_model_len=16, progress=False)
-    ffn, attn_in = block.ffn_residual._cache_size(), block.attn_input._cache_size()
-    result = engine.run(Workload(6, input_len=6, output_len=3, seed=1), progress=False)
+    with compiled_functions() as compiled:
+        result = engine.run(Workload(6, input_len=6, output_len=3, seed=1), progress=False)
     assert all(r.finished for r in result.requests) and sum(s.new_programs for s in result.steps) == 0
-    assert (block.ffn_residual._cache_size(), block.attn_input._cache_size()) == (ffn, attn_in)
+    assert compiled == [], compiled

@@ -9,10 +9,12 @@ Pieces (each usable alone; modules workload, engine, metrics, block):
   `Engine`      N layers (random weights, one PagedCache each) served step by step: vLLM's
                 scheduling policy (running decodes first, then prefill chunks under a per-step
                 token budget `max_num_batched_tokens`, at most `max_num_seqs` running), one
-                `plan_batch` per step shared by every layer, hidden flowing layer to layer as
+                plan per step shared by every layer, hidden flowing layer to layer as
                 x = x + attn(x) (block="attention"), or through decoder blocks
                 x = x + attn(RMSNorm(x)); x = x + moe(RMSNorm(x)) with a DeepSeek-V3.2 MoE FFN
-                stand-in (block="decoder", `block.MoEConfig`).
+                stand-in (block="decoder", `block.MoEConfig`); a step is one dispatch of one
+                program over every layer (`engine.jit_layer_stack`), its input and metadata one
+                packed int32 transfer (`engine.pack_step`).
   `ServeResult` per-request metrics (TTFT, TPOT), per-step records, and a summary.
 
 Time. The loop keeps a clock that starts at 0 and advances by each step's measured wall time

@@ -5,6 +5,7 @@ of one request served alone (`reference_outputs`). See the package docstring for
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import deque
 from typing import Callable, Iterable, Mapping, Sequence
@@ -17,9 +18,10 @@ from tqdm.auto import tqdm
 from ..cache import init_cache
 from ..config import MLAConfig, check_config_type
 from ..kernels import check_kernels
-from ..model import jit_forward
+from ..model import forward
 from ..params import check_finite, check_params, init_params
-from ..plan import DISPATCH_MODES, BatchMeta, BucketPolicy, Request, check_slot_range, plan_arrays, plan_batch
+from ..plan import (DISPATCH_MODES, BatchMeta, BatchPlan, BucketPolicy, Request, check_arrays, check_batch,
+                    check_slot_range, plan_host)
 from ..policy import check_prefill_route
 from ..validate import as_bool, as_int, is_int
 from . import block as _block
@@ -69,8 +71,8 @@ class EngineOptions:
 
     max_num_batched_tokens: token budget of one step (decode tokens + prefill chunk tokens).
     max_num_seqs: most requests running (holding pages and being scheduled) at once.
-    skip_indexer, force_sparse, buckets, dispatch, prefill_route: passed to plan_batch; kernels:
-    to jit_forward.
+    skip_indexer, force_sparse, buckets, dispatch, prefill_route: the planning options (plan_batch's);
+    kernels: the layers' (model.forward's).
     """
 
     max_num_batched_tokens: int = 8192
@@ -115,17 +117,17 @@ class _InFlight:
     """A step dispatched to the device and not yet waited for (Engine.run): what recording it needs."""
 
     work: list
-    plan: object
-    meta: BatchMeta
+    plan: BatchPlan
+    meta: BatchMeta  # host (numpy) metadata
     x: jax.Array | None  # the last layer's output (None in a dry run)
     emitters: list[RequestMetrics]  # requests that output a token in this step
     num_decodes: int
     prefill_tokens: int
     new_programs: int
     begin_s: float  # the run's clock: scheduling began
-    planned_s: float  # planned (plan_batch returned)
-    dispatch_s: float  # the first layer's dispatch began
-    dispatched_s: float  # the last layer's dispatch returned
+    planned_s: float  # planned (plan_host returned)
+    dispatch_s: float  # the step's dispatch (packing its input, the call of jit_layer_stack) began
+    dispatched_s: float  # the step's dispatch returned
 
 
 @dataclasses.dataclass
@@ -145,10 +147,99 @@ class _Running:
         return self.computed < self.spec.input_len
 
 
-@jax.jit
-def _gather_rows(pool, rows):
-    """pool [P + 1, hidden] (last row zeros), rows [T] int32 -> [T, hidden]."""
-    return pool[rows]
+# ---- the step's program: every layer in one dispatch ------------------------------------------
+
+def _layout(plan: BatchPlan) -> list[tuple[str, tuple[int, ...] | None]]:
+    """(name, shape) of every BatchMeta field in field order; shape None for a field the plan has
+    none of (not in BatchMeta.shapes(plan): e.g. a static plan's branches)."""
+    shapes = BatchMeta.shapes(plan)
+    return [(f.name, shapes.get(f.name)) for f in dataclasses.fields(BatchMeta)]
+
+
+def packed_size(plan: BatchPlan) -> int:
+    """The length of pack_step's buffer for `plan`: num_tokens row ids plus every meta field's size."""
+    return plan.num_tokens + sum(math.prod(shape) for _, shape in _layout(plan) if shape is not None)
+
+
+def pack_step(plan: BatchPlan, meta: BatchMeta, rows: np.ndarray) -> np.ndarray:
+    """A step's host inputs as one int32 buffer [packed_size(plan)], so that they reach the device
+    in one transfer: rows (the pool row of each of the plan.num_tokens hidden rows, int32 [T]),
+    then every field of `meta` that is not None, in BatchMeta's field order, each flattened.
+    meta: host (numpy) metadata of the plan (plan_host); each field must be int32 of the shape
+    BatchMeta.shapes(plan) gives it, and None exactly where that has no entry for it. ValueError
+    naming the argument or field otherwise. unpack_step inverts it."""
+    rows = np.asarray(rows)
+    if rows.shape != (plan.num_tokens,) or rows.dtype != np.int32:
+        raise ValueError(f"rows must be int32 [plan.num_tokens] = [{plan.num_tokens}], got {rows.dtype} {rows.shape}")
+    parts = [rows]
+    for name, shape in _layout(plan):
+        value = getattr(meta, name)
+        if shape is None or value is None:
+            if (shape is None) != (value is None):
+                raise ValueError(f"meta.{name} is {'set' if shape is None else 'None'}, but BatchMeta.shapes(plan) "
+                                 f"{'has no' if shape is None else 'has an'} entry for it (was meta planned for "
+                                 "this plan?)")
+            continue
+        value = np.asarray(value)
+        if value.shape != shape or value.dtype != np.int32:
+            raise ValueError(f"meta.{name} is {value.dtype} {value.shape}, expected int32 {shape} for this plan")
+        parts.append(value.ravel())
+    return np.concatenate(parts)
+
+
+def unpack_step(packed, plan: BatchPlan) -> tuple[jax.Array, BatchMeta]:
+    """pack_step's buffer [packed_size(plan)] int32 (a device array under jit, or numpy) -> (rows
+    [plan.num_tokens], meta: a BatchMeta whose fields are views of it with the shapes of
+    BatchMeta.shapes(plan), None where the plan has none). Static offsets: slices and reshapes,
+    no gather."""
+    if packed.shape != (packed_size(plan),):
+        raise ValueError(f"packed has shape {packed.shape}, expected [packed_size(plan)] = [{packed_size(plan)}]")
+    offset = plan.num_tokens
+    fields = {}
+    for name, shape in _layout(plan):
+        if shape is None:
+            fields[name] = None
+            continue
+        size = math.prod(shape)
+        fields[name] = packed[offset:offset + size].reshape(shape)
+        offset += size
+    return packed[:plan.num_tokens], BatchMeta(**fields)
+
+
+def layer_stack(pool, packed, params, block_params, caches, *, plan: BatchPlan, config: MLAConfig, kernels: str,
+                moe: MoEConfig | None):
+    """One engine step through every layer (the Engine's program: jit_layer_stack).
+
+    pool: [P + 1, hidden_size] config dtype, the token hidden states (last row zeros: padding);
+    packed: int32 [packed_size(plan)], pack_step's buffer of the step's pool row ids and its
+    BatchMeta; params: list of N layer param dicts; caches: list of N PagedCaches (donated under
+    jit); block_params: None for attention layers, x = x + forward(x), or a list of N decoder
+    block param dicts (serving.block), x = x + forward(attn_input(x)); x = ffn_residual(x) with
+    `moe`. plan, config, kernels, moe: static. Each layer is model.forward on the step's plan and
+    metadata. Returns (x [plan.num_tokens, hidden_size] config dtype after the last layer, the N
+    updated caches)."""
+    if (block_params is None) != (moe is None):
+        raise ValueError("block_params and moe go together: both for decoder blocks, neither for attention layers")
+    rows, meta = unpack_step(packed, plan)
+    x = pool[rows]
+    new_caches = []
+    for layer, (p, cache) in enumerate(zip(params, caches, strict=True)):
+        if block_params is None:
+            out, cache = forward(p, x, cache, meta, plan=plan, config=config, kernels=kernels)
+            x = x + out
+        else:
+            bp = block_params[layer]
+            out, cache = forward(p, _block.attn_input(bp, x, config=config), cache, meta, plan=plan, config=config,
+                                 kernels=kernels)
+            x = _block.ffn_residual(bp, x + out, config=config, moe=moe)
+        new_caches.append(cache)
+    return x, new_caches
+
+
+# Command buffers off, as model.jit_forward compiles each layer (the cond program's lax.cond is
+# slow inside them: docs/design/dispatch.md).
+jit_layer_stack = jax.jit(layer_stack, static_argnames=("plan", "config", "kernels", "moe"),
+                          donate_argnames=("caches",), compiler_options={"xla_gpu_enable_command_buffer": ""})
 
 
 class Engine:
@@ -222,56 +313,65 @@ class Engine:
         return np.asarray(self.pool[self.token_rows(spec)].astype(jnp.float32))
 
     # ---- one step -------------------------------------------------------------------------
-    def _step_input(self, num_tokens: int, rows: np.ndarray | Sequence[int] = ()) -> jax.Array:
-        """A step's x [num_tokens, hidden]: the pool rows `rows` (host ints), then zero rows (padding).
-        The row ids go to _gather_rows as a host numpy array (a transfer, no program of its own:
-        jnp.asarray would compile one per shape), so every step compiles only what warm-up ran."""
-        ids = np.full(num_tokens, self.pool_size, np.int32)
-        ids[:len(rows)] = rows
-        return _gather_rows(self.pool, ids)
+    def _plan(self, check: Callable, opts: EngineOptions, *batch) -> tuple[BatchPlan, BatchMeta]:
+        """A batch's plan and host (numpy) metadata under opts: check(config, *batch, num_pages=...,
+        **options) is plan.check_batch (batch: the Requests) or plan.check_arrays (batch:
+        context_lens, query_lens, block_tables), every check plan_batch / plan_arrays make, then
+        plan.plan_host. The metadata stays on the host: _forward packs it into the step's one
+        transfer."""
+        kw = opts.plan_kwargs()
+        checked, num_pages = check(self.config, *batch, num_pages=self.num_pages, **kw)
+        return plan_host(self.config, checked, num_pages=num_pages, **kw)
 
-    def _forward(self, plan, meta, x, kernels: str):
-        """x [plan.num_tokens, hidden] through every layer (residual) -> x, caches updated."""
-        for layer, params in enumerate(self.params):
-            if self.block == "decoder":
-                bp = self.block_params[layer]
-                out, self.caches[layer] = jit_forward(params, _block.attn_input(bp, x, config=self.config),
-                                                      self.caches[layer], meta, plan=plan, config=self.config,
-                                                      kernels=kernels)
-                x = _block.ffn_residual(bp, x + out, config=self.config, moe=self.moe)
-                continue
-            out, self.caches[layer] = jit_forward(params, x, self.caches[layer], meta, plan=plan,
-                                                  config=self.config, kernels=kernels)
-            x = x + out
+    def _step_call(self, plan: BatchPlan, meta: BatchMeta, rows: np.ndarray | Sequence[int], kernels: str
+                   ) -> tuple[tuple, dict]:
+        """The (args, kwargs) of jit_layer_stack for one step: this engine's pool, params and
+        caches; the step's input packed (pack_step) from `meta` (host, of `plan`) and the pool rows
+        `rows` (host ints, at most plan.num_tokens) followed by padding rows (the pool's zero row)."""
+        ids = np.full(plan.num_tokens, self.pool_size, np.int32)
+        ids[:len(rows)] = rows
+        return ((self.pool, pack_step(plan, meta, ids), self.params, self.block_params, self.caches),
+                dict(plan=plan, config=self.config, kernels=kernels, moe=self.moe))
+
+    def _forward(self, plan: BatchPlan, meta: BatchMeta, rows: np.ndarray | Sequence[int], kernels: str) -> jax.Array:
+        """One step through every layer: a single dispatch of jit_layer_stack (_step_call's
+        arguments: one transfer of the packed input), the caches donated and replaced. Returns x
+        [plan.num_tokens, hidden_size] config dtype after the last layer."""
+        args, kwargs = self._step_call(plan, meta, rows, kernels)
+        x, self.caches = jit_layer_stack(*args, **kwargs)
         return x
 
+    def _run_padding(self, plan: BatchPlan, kernels: str) -> None:
+        """Runs plan's step once on padding only (BatchMeta.empty: writes no cache slot), which
+        compiles its program, and waits for it."""
+        self._forward(plan, BatchMeta.empty(plan), (), kernels).block_until_ready()
+
     def compile_batches(self, batches: Iterable[Sequence[Request]], **overrides) -> int:
-        """Compiles the program of each batch's plan (once per distinct plan, with the step's
-        gather and residual adds) by running it through the layers on zero hidden states. Writes
-        junk into the cache slots named by the batches' block tables: harmless, a request writes
-        every slot before reading it. Returns the number of executables jit_forward compiled."""
+        """Compiles the step program (jit_layer_stack: the row gather, every layer, the residual
+        adds) of each batch's plan, once per distinct plan, by running it on padding only (writes
+        no cache slot). Returns the number of executables jit_layer_stack compiled."""
         opts = self.options.with_overrides(overrides)
-        before, seen = jit_forward._cache_size(), set()
+        before, seen = jit_layer_stack._cache_size(), set()
         for requests in batches:
-            plan, meta = plan_batch(self.config, list(requests), num_pages=self.num_pages, **opts.plan_kwargs())
-            if plan in seen:
-                continue
-            seen.add(plan)
-            self._forward(plan, meta, self._step_input(plan.num_tokens), opts.kernels).block_until_ready()
-        return jit_forward._cache_size() - before
+            plan, _ = self._plan(check_batch, opts, list(requests))
+            if plan not in seen:
+                seen.add(plan)
+                self._run_padding(plan, opts.kernels)
+        return jit_layer_stack._cache_size() - before
 
     def precompile(self, *, method: str = "auto", cache_dir: str | None = None, max_model_len: int | None = None,
                    progress: bool = True, **overrides):
-        """Compiles every program a run under these options can need, whatever the workload: the
-        plans of jax_sparse_mla.precompile.enumerate_plans for this engine's num_pages,
-        max_num_seqs, max_num_batched_tokens and max_model_len (default: the config's
-        max_position_embeddings), plus the step's row gather per num_tokens bucket. method "aot":
-        ahead-of-time compile of jit_forward (the first call of a plan still traces it and adds a
-        dispatch entry, which StepRecord.new_programs counts); "call": each plan run once through
-        the layers on padding-only metadata (writes no cache slot), after which a run compiles
-        nothing at all; "auto": "aot" where the kernels lower reproducibly, else "call" (compiled
-        Mosaic GPU kernels: precompile's docstring says why). cache_dir: jax's persistent
-        compilation cache. Returns the PrecompileReport (its method says which ran)."""
+        """Compiles every step program a run under these options can need, whatever the workload:
+        jit_layer_stack for the plans of jax_sparse_mla.precompile.enumerate_plans for this
+        engine's num_pages, max_num_seqs, max_num_batched_tokens and max_model_len (default: the
+        config's max_position_embeddings). method "aot": each plan's step lowered (on this
+        engine's pool, params and caches) and compiled ahead of time (the first call of a plan
+        still traces it and adds a dispatch entry, which StepRecord.new_programs counts, but
+        compiles nothing); "call": each plan's step run once on padding-only metadata (writes no
+        cache slot), after which a run compiles nothing and adds no entry; "auto": "aot" where
+        the kernels lower reproducibly, else "call" (compiled Mosaic GPU kernels: precompile's
+        docstring says why). cache_dir: jax's persistent compilation cache. Returns the
+        PrecompileReport (its method says which ran)."""
         from ..precompile import enumerate_plans, precompile
 
         opts = self.options.with_overrides(overrides)
@@ -280,36 +380,29 @@ class Engine:
                                 max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens,
                                 max_model_len=max_model_len, **kw)
 
-        def call(plan):
-            meta = jax.device_put(BatchMeta.empty(plan))
-            self._forward(plan, meta, self._step_input(plan.num_tokens), opts.kernels).block_until_ready()
+        def lower(plan):
+            args, kwargs = self._step_call(plan, BatchMeta.empty(plan), (), opts.kernels)
+            return jit_layer_stack.lower(*args, **kwargs)
 
-        report = precompile(self.config, opts.buckets, num_pages=self.num_pages, max_num_seqs=opts.max_num_seqs,
-                            max_num_batched_tokens=opts.max_num_batched_tokens, kernels=opts.kernels,
-                            params=self.params[0], method=method, cache_dir=cache_dir, plans=plans,
-                            call=call, progress=progress)
-        for n in sorted({p.num_tokens for p in plans}):
-            x = self._step_input(n)
-            if self.block == "decoder":  # the block's norm and MoE programs, one per num_tokens
-                attn_in = _block.attn_input(self.block_params[0], x, config=self.config)
-                x = _block.ffn_residual(self.block_params[0], x + attn_in, config=self.config, moe=self.moe)
-            x.block_until_ready()
-        return report
+        return precompile(self.config, opts.buckets, num_pages=self.num_pages, max_num_seqs=opts.max_num_seqs,
+                          max_num_batched_tokens=opts.max_num_batched_tokens, kernels=opts.kernels, method=method,
+                          cache_dir=cache_dir, plans=plans, call=lambda plan: self._run_padding(plan, opts.kernels),
+                          lower=lower, progress=progress)
 
     def forward_batch(self, requests: Sequence[Request], **overrides):
         """One batch through the layer stack outside the scheduler (benchmarks: time it, repeat it;
         a repeat rewrites the same slots with the same values). Token hidden states are pool rows
         picked by position. Returns (x [plan.num_tokens, hidden] after the last layer, plan)."""
         opts = self.options.with_overrides(overrides)
-        plan, meta = plan_batch(self.config, list(requests), num_pages=self.num_pages, **opts.plan_kwargs())
+        plan, meta = self._plan(check_batch, opts, list(requests))
         rows = np.arange(sum(r.query_len for r in requests)) % self.pool_size
-        return self._forward(plan, meta, self._step_input(plan.num_tokens, rows), opts.kernels), plan
+        return self._forward(plan, meta, rows, opts.kernels), plan
 
     def warmup(self, workload: Workload | Sequence[RequestSpec], **overrides) -> int:
         """Compiles every program a run of this workload will need: a dry run of the scheduler
         (no device work, zero step times) collects the batches, then compile_batches runs each
-        distinct plan's step (its row gather, layers and residual adds) once, so that the run
-        compiles nothing at all. Exact when arrivals do not depend on timing
+        distinct plan's step program (jit_layer_stack) once, so that the run compiles nothing at
+        all. Exact when arrivals do not depend on timing
         (request_rate=inf); otherwise best effort."""
         batches: list[list[Request]] = []
         self.run(workload, progress=False, _dry_run=batches, **overrides)
@@ -410,13 +503,12 @@ class Engine:
                                  max_num_seqs=opts.max_num_seqs, page_size=page, token_rows=self.token_rows)
                 if not work:
                     raise RuntimeError("scheduler made no progress (this is a bug)")
-                # the batch as arrays (plan_arrays: vectorised checks, no Request objects)
+                # the batch as arrays (plan_arrays's checks: vectorised, no Request objects)
                 tables = np.full((len(work), max(len(r.table) for r, _ in work)), -1, np.int32)
                 for i, (r, _) in enumerate(work):
                     tables[i, :len(r.table)] = r.table
-                plan, meta = plan_arrays(self.config, np.array([r.computed for r, _ in work]),
-                                         np.array([n for _, n in work]), tables, num_pages=self.num_pages,
-                                         **opts.plan_kwargs())
+                plan, meta = self._plan(check_arrays, opts, np.array([r.computed for r, _ in work]),
+                                        np.array([n for _, n in work]), tables)
                 planned = now()
                 rows = np.concatenate([r.token_rows[r.computed:r.computed + n] for r, n in work])
                 num_decodes = sum(1 for r, n in work if not r.prefilling)
@@ -435,9 +527,9 @@ class Engine:
                     _dry_run.append([Request(r.computed - n, n, r.pages) for r, n in work])
                     x, new_programs = None, 0
                 else:
-                    before = jit_forward._cache_size()
-                    x = self._forward(plan, meta, self._step_input(plan.num_tokens, rows), opts.kernels)
-                    new_programs = jit_forward._cache_size() - before
+                    before = jit_layer_stack._cache_size()
+                    x = self._forward(plan, meta, rows, opts.kernels)
+                    new_programs = jit_layer_stack._cache_size() - before
                 step = _InFlight(work, plan, meta, x, emitters, num_decodes, prefill_tokens, new_programs,
                                  begin_s=begin, planned_s=planned, dispatch_s=dispatch, dispatched_s=now())
                 if inflight is not None:

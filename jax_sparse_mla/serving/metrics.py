@@ -54,14 +54,15 @@ class StepRecord:
     Steps are pipelined (Engine.run): step N + 1 is scheduled, planned and dispatched while step N
     runs on the device. start_s / duration_s: on the run's clock, from the end of the previous step
     (or the arrival that ended an idle gap) to this step's output being ready; the steps tile the
-    run. forward_s: from the first layer's dispatch to ready. host_s: the host's time for this step
-    (scheduling, planning, dispatching every layer), mostly hidden behind the previous step;
+    run. forward_s: from the step's dispatch to ready. host_s: the host's time for this step
+    (scheduling, planning, the one dispatch of every layer), mostly hidden behind the previous step;
     plan_s: its scheduling and planning part. device_s: from when the device could start the step
     (its dispatch began and the previous step had ended) to ready, an estimate of its GPU time
     that is exact when the host keeps ahead of the device. route: plan.route
     ("dense" / "sparse" / "cond"); branch: the program that ran ("dense" / "sparse": for a cond
     plan, whether meta.branches ran its dense MHA call). num_tokens: real rows; padded_tokens: plan.num_tokens.
-    new_programs: executables jit_forward compiled during this step. plan: the step's BatchPlan.
+    new_programs: executables of the engine's step program (serving.engine.jit_layer_stack) added
+    during this step (0 after a warm-up that covered its plan). plan: the step's BatchPlan.
     """
 
     index: int
