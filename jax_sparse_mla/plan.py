@@ -92,17 +92,23 @@ class BucketPolicy:
         return max(minimum, 1 << int(max(n - 1, 0)).bit_length())
 
     @classmethod
-    def for_limits(cls, config: MLAConfig, *, max_num_seqs: int, max_model_len: int | None = None) -> BucketPolicy:
+    def for_limits(cls, config: MLAConfig, *, max_num_seqs: int, max_model_len: int | None = None,
+                   num_pages: int | None = None) -> BucketPolicy:
         """The policy of a serving engine: sequence count and block-table width fixed at its
         limits (every batch of at most max_num_seqs requests, each at most max_model_len tokens,
-        default the config's max_position_embeddings, gets num_seqs = max_num_seqs and
-        pages_per_seq = ceil(max_model_len / page_size)), so that only the row count is
-        bucketed. The kernels' work follows the real sequences and lengths, not these sizes
+        default the config's max_position_embeddings, on a cache of num_pages pages gets
+        num_seqs = min(max_num_seqs, num_pages) and pages_per_seq = min(ceil(max_model_len /
+        page_size), num_pages): a request holds at least one page and at most all of them), so
+        that only the row count is bucketed. The kernels' work follows the real sequences and lengths, not these sizes
         (fixing them cost 0-3% a layer step on an H100: docs/design/dispatch.md); a dispatch="cond"
         plan then compiles one program per row bucket."""
-        max_num_seqs = as_int(max_num_seqs, "max_num_seqs", 1)
+        seqs = as_int(max_num_seqs, "max_num_seqs", 1)
         length = config.max_position_embeddings if max_model_len is None else as_int(max_model_len, "max_model_len", 1)
-        return cls(min_seqs=max_num_seqs, min_pages_per_seq=-(-length // config.page_size))
+        pages = -(-length // config.page_size)
+        if num_pages is not None:
+            num_pages = as_int(num_pages, "num_pages", 1)
+            seqs, pages = min(seqs, num_pages), min(pages, num_pages)
+        return cls(min_seqs=seqs, min_pages_per_seq=pages)
 
 
 DISPATCH_MODES = ("static", "cond")

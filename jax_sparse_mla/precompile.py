@@ -30,6 +30,10 @@ prefill_route="masked" enumerates the plans with masked rows (BatchPlan.masked "
 >= 2 scored rows, > index_topk dense keys, a request longer than index_topk) and those without
 a long sparse prefill; "sparse" those without masked rows, as before.
 
+A dispatch="cond" plan's sizes are its shape buckets only (its stages' sizes are switched at run
+time, plan.row_ladder / key_ladder): one plan per feasible (num_tokens, num_seqs, pages_per_seq);
+under BucketPolicy.for_limits (the Engine's default) one per row bucket.
+
 AOT compile. `jax.jit(forward).lower(ShapeDtypeStructs).compile()` on the same `jit_forward`
 fills jax's compilation cache: a later call with those shapes runs no backend compile (checked
 with jax.monitoring's backend-compile event in the tests). It still traces and lowers once on its

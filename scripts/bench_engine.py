@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=None, help="prompt tokens of each sequence (default 4096)")
     p.add_argument("--decodes", type=int, default=None, help="decode steps after the prefills (default 32)")
     p.add_argument("--layers", type=int, default=None, help="default 4")
-    p.add_argument("--dispatch", default="static", choices=("static", "cond"))
+    p.add_argument("--dispatch", default="cond", choices=("static", "cond"), help="default: the engine's (cond)")
     p.add_argument("--out", default=None, help="write the step records and the medians as JSON here")
     a = p.parse_args(argv)
     defaults = dict(seqs=8, context=40, decodes=4, layers=2) if a.smoke else dict(seqs=256, context=4096, decodes=32,

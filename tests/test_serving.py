@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from jax_sparse_mla import BucketPolicy, MLAConfig, Request
+from jax_sparse_mla import BucketPolicy, MLAConfig, Request, plan_batch
 from jax_sparse_mla.serving import (Engine, PageAllocator, PoolTooSmallError, RequestSpec, Workload,
                                     reference_outputs)
 from jax_sparse_mla.serving.engine import jit_layer_stack
@@ -239,12 +239,34 @@ def test_duplicate_request_ids_are_refused_before_any_work():
         engine.run(5, progress=False)
 
 
-def test_requests_longer_than_max_position_embeddings_are_refused_before_any_work():
+def test_requests_longer_than_max_model_len_are_refused_before_any_work():
+    """max_model_len defaults to the config's max_position_embeddings; a smaller one (an engine
+    option, also per run) refuses longer requests, a larger one is refused itself."""
     config = TINY.__class__.tiny(max_position_embeddings=16)
     engine = Engine(config, num_layers=1, num_pages=16)
     with pytest.raises(ValueError, match="request 3: input_len \\+ output_len - 1 = 17 tokens exceeds "
-                                         "max_position_embeddings = 16"):
+                                         "max_model_len = 16"):
         engine.run([RequestSpec(0, 4, 2), RequestSpec(3, 14, 4)], progress=False)
+    with pytest.raises(ValueError, match="request 0: input_len \\+ output_len - 1 = 5 tokens exceeds max_model_len = 4"):
+        engine.run([RequestSpec(0, 4, 2)], progress=False, max_model_len=4)
+    with pytest.raises(ValueError, match="max_model_len = 17 exceeds the config's max_position_embeddings = 16"):
+        engine.run([RequestSpec(0, 4, 2)], progress=False, max_model_len=17)
+
+
+def test_engine_defaults_to_the_serving_program_at_its_limits():
+    """By default an engine plans dispatch="cond" with BucketPolicy.for_limits of its limits: the
+    sequence count and table width are fixed (the smaller of the limit and the cache's pages),
+    so batches of one row bucket share one plan, and a run compiles one program per bucket."""
+    engine = Engine(TINY, num_layers=1, num_pages=40, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+    assert (engine.options.dispatch, engine.options.buckets) == ("cond", None)
+    kw = engine.options.plan_kwargs(TINY, engine.num_pages)
+    assert kw["buckets"] == BucketPolicy.for_limits(TINY, max_num_seqs=4, max_model_len=64, num_pages=40)
+    assert (kw["buckets"].min_seqs, kw["buckets"].min_pages_per_seq) == (4, 16)  # 64 tokens / 4 a page
+    a = plan_batch(TINY, [Request(0, 3, [0])], num_pages=40, **kw)[0]
+    b = plan_batch(TINY, [Request(20, 1, list(range(1, 7))), Request(0, 9, [7, 8, 9])], num_pages=40, **kw)[0]
+    assert a == b and (a.route, a.num_seqs, a.pages_per_seq) == ("cond", 4, 16)
+    result = engine.run([RequestSpec(i, 10 + 7 * i, 3) for i in range(3)], progress=False)
+    assert sum(s.new_programs for s in result.steps) == len({s.plan for s in result.steps}) == 1  # all 16-row steps
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -71,17 +71,24 @@ class EngineOptions:
 
     max_num_batched_tokens: token budget of one step (decode tokens + prefill chunk tokens).
     max_num_seqs: most requests running (holding pages and being scheduled) at once.
-    skip_indexer, force_sparse, buckets, dispatch, prefill_route: the planning options (plan_batch's);
+    max_model_len: the longest request (prompt + output tokens) the engine serves; None: the
+      config's max_position_embeddings. A longer request is refused before the run starts.
+    skip_indexer, force_sparse, dispatch, prefill_route: the planning options (plan_batch's);
+      dispatch "cond" (the default) is the serving program: one program per row bucket.
+    buckets: the plans' BucketPolicy; None (the default): BucketPolicy.for_limits of this
+      engine's max_num_seqs, max_model_len and num_pages (sequence count and table width fixed
+      at the limits: with dispatch "cond", ~10 programs at DeepSeek-V3.2 serving limits).
     kernels: the layers' (model.forward's).
     """
 
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    max_model_len: int | None = None
     skip_indexer: bool = True
     force_sparse: bool = False
-    dispatch: str = "static"
+    dispatch: str = "cond"
     kernels: str = "auto"
-    buckets: BucketPolicy = BucketPolicy()
+    buckets: BucketPolicy | None = None
     prefill_route: str = "auto"
 
     def __post_init__(self):
@@ -90,13 +97,15 @@ class EngineOptions:
 
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             put(name, as_int(getattr(self, name), name, 1))
+        if self.max_model_len is not None:
+            put("max_model_len", as_int(self.max_model_len, "max_model_len", 1))
         for name in ("skip_indexer", "force_sparse"):
             put(name, as_bool(getattr(self, name), name))
         if not isinstance(self.dispatch, str) or self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {self.dispatch!r}")
         check_kernels(self.kernels)
-        if not isinstance(self.buckets, BucketPolicy):
-            raise ValueError(f"buckets must be a BucketPolicy, got {type(self.buckets).__name__}")
+        if self.buckets is not None and not isinstance(self.buckets, BucketPolicy):
+            raise ValueError(f"buckets must be a BucketPolicy or None, got {type(self.buckets).__name__}")
         check_prefill_route(self.prefill_route)
 
     def with_overrides(self, overrides: dict) -> EngineOptions:
@@ -107,8 +116,20 @@ class EngineOptions:
             raise ValueError(f"unknown engine option(s) {unknown}: EngineOptions has {names}")
         return dataclasses.replace(self, **overrides)
 
-    def plan_kwargs(self) -> dict:
-        return dict(skip_indexer=self.skip_indexer, force_sparse=self.force_sparse, buckets=self.buckets,
+    def model_len(self, config: MLAConfig) -> int:
+        """max_model_len, or the config's max_position_embeddings (ValueError if it exceeds them)."""
+        if self.max_model_len is None:
+            return config.max_position_embeddings
+        if self.max_model_len > config.max_position_embeddings:
+            raise ValueError(f"max_model_len = {self.max_model_len} exceeds the config's max_position_embeddings = "
+                             f"{config.max_position_embeddings}")
+        return self.max_model_len
+
+    def plan_kwargs(self, config: MLAConfig, num_pages: int) -> dict:
+        """plan_batch's options for an engine of this config and cache size (buckets resolved)."""
+        buckets = self.buckets or BucketPolicy.for_limits(config, max_num_seqs=self.max_num_seqs,
+                                                           max_model_len=self.model_len(config), num_pages=num_pages)
+        return dict(skip_indexer=self.skip_indexer, force_sparse=self.force_sparse, buckets=buckets,
                     dispatch=self.dispatch, prefill_route=self.prefill_route)
 
 
@@ -319,7 +340,7 @@ class Engine:
         context_lens, query_lens, block_tables), every check plan_batch / plan_arrays make, then
         plan.plan_host. The metadata stays on the host: _forward packs it into the step's one
         transfer."""
-        kw = opts.plan_kwargs()
+        kw = opts.plan_kwargs(self.config, self.num_pages)
         checked, num_pages = check(self.config, *batch, num_pages=self.num_pages, **kw)
         return plan_host(self.config, checked, num_pages=num_pages, **kw)
 
@@ -359,12 +380,11 @@ class Engine:
                 self._run_padding(plan, opts.kernels)
         return jit_layer_stack._cache_size() - before
 
-    def precompile(self, *, method: str = "auto", cache_dir: str | None = None, max_model_len: int | None = None,
-                   progress: bool = True, **overrides):
+    def precompile(self, *, method: str = "auto", cache_dir: str | None = None, progress: bool = True, **overrides):
         """Compiles every step program a run under these options can need, whatever the workload:
         jit_layer_stack for the plans of jax_sparse_mla.precompile.enumerate_plans for this
-        engine's num_pages, max_num_seqs, max_num_batched_tokens and max_model_len (default: the
-        config's max_position_embeddings). method "aot": each plan's step lowered (on this
+        engine's num_pages and its options' max_num_seqs, max_num_batched_tokens and max_model_len
+        (overrides: EngineOptions fields, as for run). method "aot": each plan's step lowered (on this
         engine's pool, params and caches) and compiled ahead of time (the first call of a plan
         still traces it and adds a dispatch entry, which StepRecord.new_programs counts, but
         compiles nothing); "call": each plan's step run once on padding-only metadata (writes no
@@ -375,16 +395,17 @@ class Engine:
         from ..precompile import enumerate_plans, precompile
 
         opts = self.options.with_overrides(overrides)
-        kw = opts.plan_kwargs()
-        plans = enumerate_plans(self.config, kw.pop("buckets"), num_pages=self.num_pages,
-                                max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens,
-                                max_model_len=max_model_len, **kw)
+        kw = opts.plan_kwargs(self.config, self.num_pages)
+        buckets = kw.pop("buckets")
+        plans = enumerate_plans(self.config, buckets, num_pages=self.num_pages, max_num_seqs=opts.max_num_seqs,
+                                max_num_batched_tokens=opts.max_num_batched_tokens,
+                                max_model_len=opts.model_len(self.config), **kw)
 
         def lower(plan):
             args, kwargs = self._step_call(plan, BatchMeta.empty(plan), (), opts.kernels)
             return jit_layer_stack.lower(*args, **kwargs)
 
-        return precompile(self.config, opts.buckets, num_pages=self.num_pages, max_num_seqs=opts.max_num_seqs,
+        return precompile(self.config, buckets, num_pages=self.num_pages, max_num_seqs=opts.max_num_seqs,
                           max_num_batched_tokens=opts.max_num_batched_tokens, kernels=opts.kernels, method=method,
                           cache_dir=cache_dir, plans=plans, call=lambda plan: self._run_padding(plan, opts.kernels),
                           lower=lower, progress=progress)
@@ -426,10 +447,11 @@ class Engine:
         concurrency = workload.concurrency if isinstance(workload, Workload) else None
         specs = specs_of(workload)
         page = self.config.page_size
+        max_len = opts.model_len(self.config)
         for s in specs:  # fail before any work
-            if s.cache_len > self.config.max_position_embeddings:
+            if s.cache_len > max_len:
                 raise ValueError(f"request {s.id}: input_len + output_len - 1 = {s.cache_len} tokens exceeds "
-                                 f"max_position_embeddings = {self.config.max_position_embeddings}")
+                                 f"max_model_len = {max_len}")
             if -(-s.cache_len // page) > self.num_pages:
                 raise PoolTooSmallError(f"request {s.id} ({s.input_len} in + {s.output_len} out) needs "
                                         f"{-(-s.cache_len // page)} pages of {page} tokens, the cache has "
