@@ -98,8 +98,8 @@ class BucketPolicy:
         limits (every batch of at most max_num_seqs requests, each at most max_model_len tokens,
         default the config's max_position_embeddings, on a cache of num_pages pages gets
         num_seqs = min(max_num_seqs, num_pages) and pages_per_seq = min(ceil(max_model_len /
-        page_size), num_pages): a request holds at least one page and at most all of them), so
-        that only the row count is bucketed. The kernels' work follows the real sequences and lengths, not these sizes
+        page_size), num_pages), each rounded up to a power of two: a request holds at least one
+        page and at most all of them), so that only the row count is bucketed. The kernels' work follows the real sequences and lengths, not these sizes
         (fixing them cost 0-3% a layer step on an H100: docs/design/dispatch.md); a dispatch="cond"
         plan then compiles one program per row bucket."""
         seqs = as_int(max_num_seqs, "max_num_seqs", 1)
@@ -108,7 +108,7 @@ class BucketPolicy:
         if num_pages is not None:
             num_pages = as_int(num_pages, "num_pages", 1)
             seqs, pages = min(seqs, num_pages), min(pages, num_pages)
-        return cls(min_seqs=seqs, min_pages_per_seq=pages)
+        return cls(min_seqs=cls.round_up(seqs, 1), min_pages_per_seq=cls.round_up(pages, 1))
 
 
 DISPATCH_MODES = ("static", "cond")

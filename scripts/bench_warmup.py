@@ -2,17 +2,18 @@
 a run under the engine's limits can need) into an empty persistent compilation cache (cold), then
 in a restarted process over that cache (restart: the programs loaded, not compiled).
 
-    python scripts/bench_warmup.py [--kv bf16|fp8] [--dispatch cond|static] [--max-num-seqs 4]
-        [--max-num-batched-tokens 256] [--max-model-len 4096] [--num-pages 512]
+    python scripts/bench_warmup.py [--kv bf16|fp8] [--dispatch cond|static] [--max-num-seqs 256]
+        [--max-num-batched-tokens 8192] [--max-model-len 131072] [--num-pages 65536]
         [--cache-dir DIR] [--out warmup.json]                  # GPU, deepseek_v32
     python scripts/bench_warmup.py --smoke                     # CPU: tiny config, small limits
 
 Each phase is a fresh process (this script again, with an internal --phase flag): it builds
 Engine(config, num_layers=1, num_pages=..., max_num_seqs=..., max_num_batched_tokens=...,
-dispatch=...) and times engine.precompile(cache_dir=DIR, max_model_len=...). First, in this process
-(no device touched), count_programs per route for the same options: the program count before
-anything compiles. The defaults are small limits: the count grows fast with them (at these,
-dispatch="static" is ~1000 programs against cond's 25; at the engine's defaults, 105,972 and 590).
+max_model_len=..., dispatch=...) and times engine.precompile(cache_dir=DIR). First, in this
+process (no device touched), count_programs per route for the same options: the program count
+before anything compiles. The defaults are a DeepSeek-V3.2 serving engine's limits (65536 pages,
+256 sequences, 8192 tokens a step, 131072-token requests) and the engine's default program set
+(dispatch cond under BucketPolicy.for_limits: 10 programs; static there would be 105,972).
 
 Per phase: precompile_s (the precompile call), process_s (the whole process: imports, engine
 init, precompile), the PrecompileReport's program count, routes and method ("call" with
@@ -42,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from jax_sparse_mla import MLAConfig  # noqa: E402
 
-LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=4096, num_pages=512)
+LIMITS = dict(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=131072, num_pages=65536)
 SMOKE_LIMITS = dict(max_num_seqs=1, max_num_batched_tokens=32, max_model_len=32, num_pages=17)
 KV = {"bf16": "bfloat16", "fp8": "fp8"}
 HIT, MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
@@ -87,11 +88,12 @@ def phase(args) -> dict:
     jax.monitoring.register_event_duration_secs_listener(duration)
     t0 = time.perf_counter()
     engine = Engine(config_of(args), num_layers=1, num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens, dispatch=args.dispatch)
+                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                    dispatch=args.dispatch)
     jax.block_until_ready((engine.params, engine.caches, engine.pool))
     t1 = time.perf_counter()
     before, before_s = Counter(events), dict(seconds)  # the engine's own programs: outside the cache
-    report = engine.precompile(cache_dir=args.cache_dir, max_model_len=args.max_model_len, progress=not args.smoke)
+    report = engine.precompile(cache_dir=args.cache_dir, progress=not args.smoke)
     t2 = time.perf_counter()
     events.subtract(before)
     return {"phase": args.phase, "precompile_s": t2 - t1, "engine_init_s": t1 - t0,
@@ -136,7 +138,7 @@ def main(argv=None) -> int:
 
     config, limits = config_of(args), {k: getattr(args, k) for k in LIMITS}
     opts = EngineOptions(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         dispatch=args.dispatch).plan_kwargs()
+                         max_model_len=args.max_model_len, dispatch=args.dispatch).plan_kwargs(config, args.num_pages)
     counts = count_programs(config, opts.pop("buckets"), **limits, **opts)
     result = {"config": "tiny" if args.smoke else "deepseek_v32", "kv": args.kv, "dispatch": args.dispatch,
               "limits": limits, "count_programs": counts, "date": time.strftime("%Y-%m-%d %H:%M"), "phases": {}}

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jax_sparse_mla import MLAConfig, Request, jit_forward, plan_batch
+from jax_sparse_mla import BucketPolicy, MLAConfig, Request, jit_forward, plan_batch
 from jax_sparse_mla.plan import BatchMeta, check_batch, plan_host
 from jax_sparse_mla.serving import Engine, EngineOptions, block
 from jax_sparse_mla.serving.engine import jit_layer_stack, pack_step, packed_size, unpack_step
@@ -33,7 +33,7 @@ def per_layer(engine, requests, **options):
     """The batch through engine's layers one model.jit_forward call each (the engine's caches
     updated), on the rows forward_batch feeds: -> (x [plan.num_tokens, hidden], plan)."""
     opts = engine.options.with_overrides(options)
-    plan, meta = plan_batch(engine.config, requests, num_pages=engine.num_pages, **opts.plan_kwargs())
+    plan, meta = plan_batch(engine.config, requests, num_pages=engine.num_pages, **opts.plan_kwargs(engine.config, engine.num_pages))
     ids = np.full(plan.num_tokens, engine.pool_size, np.int32)
     n = sum(r.query_len for r in requests)
     ids[:n] = np.arange(n) % engine.pool_size
@@ -78,8 +78,8 @@ def test_one_dispatch_step_equals_the_per_layer_path(block_kind, dispatch):
 
 
 def host_plan(config, requests, **options):
-    """plan_batch's plan with its metadata left on the host (numpy)."""
-    kw = EngineOptions().with_overrides(options).plan_kwargs()
+    """plan_batch's plan with its metadata left on the host (numpy); dispatch static unless given."""
+    kw = EngineOptions(dispatch="static", buckets=BucketPolicy()).with_overrides(options).plan_kwargs(config, None)
     batch, num_pages = check_batch(config, requests, num_pages=None, **kw)
     return plan_host(config, batch, num_pages=num_pages, **kw)
 
@@ -142,8 +142,8 @@ def test_one_executable_per_plan_and_nothing_else_compiles():
     engine = Engine(config, num_layers=3, num_pages=48)
     layers_before = jit_forward._cache_size()
     batches = [PREFILLS, MIXED, PREFILLS[:1], [Request(3, 1, [40])], MIXED]
-    plans = [plan_batch(config, b)[0] for b in batches]
-    assert len(set(plans)) == 4
+    plans = [plan_batch(config, b, num_pages=48, **engine.options.plan_kwargs(config, 48))[0] for b in batches]
+    assert len(set(plans)) == 3  # the engine's cond plans: one per row bucket (64, 32, 16)
     seen = set()
     for requests, plan in zip(batches, plans):
         before = jit_layer_stack._cache_size()

@@ -117,7 +117,8 @@ def test_after_precompile_a_serving_run_compiles_nothing(tmp_path):
     # and the serving tests
     limits = dict(LIMITS, max_num_seqs=1)
     engine = Engine(TINY, num_layers=1, num_pages=limits["num_pages"], max_num_seqs=limits["max_num_seqs"],
-                    max_num_batched_tokens=limits["max_num_batched_tokens"], kernels="xla")
+                    max_num_batched_tokens=limits["max_num_batched_tokens"], max_model_len=limits["max_model_len"],
+                    kernels="xla", dispatch="static")  # static: masked and unmasked programs
     jax.block_until_ready((engine.params, engine.caches, engine.pool))
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
@@ -128,12 +129,12 @@ def test_after_precompile_a_serving_run_compiles_nothing(tmp_path):
         # kernels "xla": what is checked is that every plan's program is built ahead of the run, whatever
         # its kernels (the interpreted Pallas ones would only make the CPU suite slower; the "call"
         # warm-up below runs them)
-        report = engine.precompile(method="aot", max_model_len=limits["max_model_len"],
-                                   cache_dir=str(tmp_path / "jax_cache"), progress=False)
+        report = engine.precompile(method="aot", cache_dir=str(tmp_path / "jax_cache"), progress=False)
     finally:  # the persistent cache is process-wide: point it back for the rest of the session
         enable_persistent_cache(saved[0], min_compile_time_s=saved[1], min_entry_size_bytes=saved[2])
     assert report.method == "aot" and report.num_programs == sum(report.per_route.values()) == len(report.plans)
-    assert report.plans == tuple(enumerate_plans(TINY, BucketPolicy(), **limits))
+    kw = engine.options.plan_kwargs(TINY, limits["num_pages"])
+    assert report.plans == tuple(enumerate_plans(TINY, kw.pop("buckets"), **limits, **kw))
     assert len(compiles) == report.num_programs and all("layer_stack" in f for f in compiles), compiles
     assert any(os.scandir(tmp_path / "jax_cache"))  # the persistent cache got entries
     before = len(compiles)
@@ -279,8 +280,8 @@ def test_engine_precompile_call_leaves_nothing_to_compile():
     from jax_sparse_mla.serving import Engine, Workload
 
     engine = Engine(TINY, num_layers=2, num_pages=LIMITS["num_pages"], max_num_seqs=LIMITS["max_num_seqs"],
-                    max_num_batched_tokens=LIMITS["max_num_batched_tokens"], dispatch="cond")
-    report = engine.precompile(method="call", max_model_len=LIMITS["max_model_len"], progress=False)
+                    max_num_batched_tokens=LIMITS["max_num_batched_tokens"], max_model_len=LIMITS["max_model_len"])
+    report = engine.precompile(method="call", progress=False)
     assert report.per_route == {"cond": report.num_programs} and report.method == "call"
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
@@ -329,7 +330,7 @@ def test_serving_program_set_is_one_plan_per_row_bucket(options):
     buckets = BucketPolicy.for_limits(TINY, max_num_seqs=5, max_model_len=64, num_pages=64)
     plans = enumerate_plans(TINY, buckets, dispatch="cond", **limits, **options)
     assert [p.num_tokens for p in plans] == [16, 32, 64]
-    assert {(p.num_seqs, p.pages_per_seq) for p in plans} == {(5, 16)}
+    assert {(p.num_seqs, p.pages_per_seq) for p in plans} == {(8, 16)}  # (powers of two)
     assert count_programs(TINY, buckets, dispatch="cond", **limits, **options) == {"total": 3, "cond": 3}
     rng = np.random.default_rng(1)
     hit = set()

@@ -125,8 +125,9 @@ class EngineOptions:
                              f"{config.max_position_embeddings}")
         return self.max_model_len
 
-    def plan_kwargs(self, config: MLAConfig, num_pages: int) -> dict:
-        """plan_batch's options for an engine of this config and cache size (buckets resolved)."""
+    def plan_kwargs(self, config: MLAConfig, num_pages: int | None) -> dict:
+        """plan_batch's options for an engine of this config and cache size (buckets resolved;
+        num_pages None: tables as wide as max_model_len)."""
         buckets = self.buckets or BucketPolicy.for_limits(config, max_num_seqs=self.max_num_seqs,
                                                            max_model_len=self.model_len(config), num_pages=num_pages)
         return dict(skip_indexer=self.skip_indexer, force_sparse=self.force_sparse, buckets=buckets,
