@@ -142,7 +142,7 @@ def test_one_executable_per_plan_and_nothing_else_compiles():
     engine = Engine(config, num_layers=3, num_pages=48)
     layers_before = jit_forward._cache_size()
     batches = [PREFILLS, MIXED, PREFILLS[:1], [Request(3, 1, [40])], MIXED]
-    plans = [plan_batch(config, b)[0] for b in batches]
+    plans = [plan_batch(config, b, num_pages=engine.num_pages)[0] for b in batches]
     assert len(set(plans)) == 4
     seen = set()
     for requests, plan in zip(batches, plans):
