@@ -39,11 +39,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from safetensors import safe_open
-from tqdm.auto import tqdm
 
 from .cache import PagedCache, check_cache, init_cache
-from .config import MLAConfig, RopeScaling, check_config_type
+from .config import MLAConfig, RopeScaling, check_config_type, read_hf_config
 from .params import FP8_WEIGHT_BLOCK, check_params, hf_tensor_to_param, param_shapes, params_from_hf
+from .progress import progress_bar
 from .validate import check_not_deleted, is_int
 
 FORMAT = "jax_sparse_mla.checkpoint/1"
@@ -414,15 +414,15 @@ def _hf_config(directory: pathlib.Path, config_overrides: Mapping[str, Any]
                ) -> tuple[MLAConfig, int | None, pathlib.Path]:
     """(config, number of attention layers (MTP included) or None, the config.json path).
 
-    ValueError naming config.json and the field for a damaged or wrongly typed config.
+    The file is read as MLAConfig.from_hf_config(path) reads it (config.read_hf_config), then
+    the loaders' fields beside the layer's are checked. ValueError naming config.json and the
+    field for a damaged or wrongly typed config.
     """
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} is missing")
     _confined(directory, "config.json", "the checkpoint")
-    hf = _read_json(config_file)
-    if not isinstance(hf, dict):
-        raise ValueError(f"{config_file} must hold a JSON object, got {type(hf).__name__}")
+    hf, where = read_hf_config(config_file)
     try:
         num_layers = _optional_int(hf, "num_hidden_layers", None)
         if num_layers is not None:
@@ -436,13 +436,15 @@ def _hf_config(directory: pathlib.Path, config_overrides: Mapping[str, Any]
             raise ValueError(f"fp8 weight_block_size {block!r} is not supported (only [128, 128])")
         config = MLAConfig.from_hf_config(hf, **config_overrides)
     except ValueError as e:
-        raise ValueError(f"{config_file}: {e}") from None
+        raise ValueError(f"{where}{e}") from None
     return config, num_layers, config_file
 
 
 def load_hf_config(path, **config_overrides) -> MLAConfig:
     """The MLAConfig of a Hugging Face DeepSeek-V3.2 checkpoint directory's config.json (with
-    config_overrides applied, as the loaders take them): e.g. to build shardings before loading."""
+    config_overrides applied, as the loaders take them): e.g. to build shardings before loading.
+    MLAConfig.from_hf_config(path / "config.json") gives the same config; this also checks the
+    fields the loaders read (num_hidden_layers, num_nextn_predict_layers, the fp8 weight block)."""
     return _hf_config(pathlib.Path(path), config_overrides)[0]
 
 
@@ -554,7 +556,7 @@ def _place(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
 
 
 def load_model_from_safetensors(path, *, layers: Sequence[int] | None = None, shardings=None,
-                                progress: bool = True, **config_overrides
+                                progress: bool | None = None, **config_overrides
                                 ) -> tuple[MLAConfig, list[dict[str, jax.Array]]]:
     """(config, [params of each attention layer]) of a Hugging Face DeepSeek-V3.2 checkpoint.
 
@@ -566,7 +568,7 @@ def load_model_from_safetensors(path, *, layers: Sequence[int] | None = None, sh
       mapping param name -> Sharding (e.g. sharding.param_shardings(mesh, config)), a sequence with
       one of those per loaded layer, or a callable taking the config and returning any of those
       (e.g. `functools.partial(param_shardings, mesh)`; see also load_hf_config).
-    progress: a tqdm bar over the tensors.
+    progress: a tqdm bar over the tensors (None: only when stderr is a terminal).
     config_overrides: as load_layer_from_safetensors's.
     Lazy: every tensor's shape and dtype (from the shard headers) is checked for every layer
     first; then the tensors are read one at a time, dequantised on the host (fp8 with their
@@ -615,8 +617,8 @@ def load_model_from_safetensors(path, *, layers: Sequence[int] | None = None, sh
         files = {name: _ShardFile(_confined(directory, name, source), stack) for name in needed}
         for _, prefix, wanted in plans:  # every layer's shapes and dtypes before any data is read
             _check_layer_tensors(files, _by_file(weight_map, wanted), wanted, prefix)
-        bar = stack.enter_context(tqdm(total=len(plans) * len(shapes), desc="loading attention layers",
-                                       unit="tensor", leave=False, disable=not progress))
+        bar = stack.enter_context(progress_bar(total=len(plans) * len(shapes), progress=progress,
+                                               desc="loading attention layers", unit="tensor", leave=False))
         for (layer_idx, prefix, wanted), target in zip(plans, targets):
             bar.set_postfix_str(f"layer {layer_idx}")
             params = {}

@@ -130,10 +130,12 @@ def _dtype_name(value, what: str, choices: tuple[str, ...]) -> str:
     return name
 
 
-def _read_hf_config(hf) -> tuple[Mapping[str, Any], str]:
+def read_hf_config(hf) -> tuple[Mapping[str, Any], str]:
     """from_hf_config's argument -> (the config dict, a prefix naming its file for error
     messages: "" for a dict). ValueError (FileNotFoundError for a missing file) saying which
-    forms are accepted."""
+    forms are accepted. The one reader of a config.json (from_hf_config and the checkpoint
+    loaders): the bytes are decoded as JSON specifies (UTF-8, a byte-order mark allowed), not
+    in the locale's encoding."""
     forms = "a dict (a parsed config.json) or the path of a config.json (str or os.PathLike)"
     if isinstance(hf, Mapping):
         return hf, ""
@@ -148,8 +150,8 @@ def _read_hf_config(hf) -> tuple[Mapping[str, Any], str]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (a Hugging Face config must be {forms})")
     try:
-        d = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        d = json.loads(path.read_bytes())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(d, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(d).__name__}")
@@ -244,7 +246,7 @@ class MLAConfig:
         unsupported (prefixed with the file's path when given one); FileNotFoundError for a path
         that is not a file.
         """
-        hf, where = _read_hf_config(hf)
+        hf, where = read_hf_config(hf)
         try:
             return cls._from_hf_dict(hf, overrides)
         except ValueError as e:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 
 import jax
-from tqdm.auto import tqdm
 
 from .config import MLAConfig
 from .model import jit_forward
+from .progress import progress_bar
 from .synthetic import Harness
 
 
@@ -59,7 +59,7 @@ def run_demo(config_name: str | None, kernels: str, *, force: bool = False) -> i
           f"{'ms':>9} {'max rel err':>12}")
     programs_before = jit_forward._cache_size()
     worst = 0.0
-    bar = tqdm(steps, desc="demo", unit="step", leave=False)
+    bar = progress_bar(steps, progress=None, desc="demo", unit="step", leave=False)
     for description, seqs, work in bar:
         bar.set_postfix_str(description)
         for sid, length in seqs.items():
@@ -70,8 +70,8 @@ def run_demo(config_name: str | None, kernels: str, *, force: bool = False) -> i
         worst = max([worst, *errs.values()])
         err = f"{max(errs.values()):.2e}" if errs else "tied"
         scoring = f"{plan.num_scored_tokens} rows" if plan.has_indexer_scoring else "absent"
-        tqdm.write(f"{description:<32} {plan.route:<7} {scoring:<9} {sum(n for _, n in work):>7} "
-                   f"{plan.num_tokens:>7} {first_ms:>11.0f} {ms:>9.2f} {err:>12}")
+        bar.write(f"{description:<32} {plan.route:<7} {scoring:<9} {sum(n for _, n in work):>7} "
+                  f"{plan.num_tokens:>7} {first_ms:>11.0f} {ms:>9.2f} {err:>12}")
     bar.close()
     print(f"compiled programs: {jit_forward._cache_size() - programs_before} for {len(steps)} steps "
           "(one per distinct plan; buckets keep the set bounded)")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,8 @@ from pallas_kernels import sparse_mla as sparse_mla_lib
 from pallas_kernels import topk as topk_lib
 from pallas_kernels.device import on_hopper
 
-CHOICES = ("auto", "xla", "pallas")
+Kernels = Literal["auto", "xla", "pallas"]  # the `kernels` argument of forward, SparseMLA, ...
+CHOICES = get_args(Kernels)
 OPS = ("indexer_logits", "topk", "sparse_mla", "dense_mha")
 BACKENDS = ("xla", "triton", "mosaic")
 MOSAIC_INDEXER_DTYPES = ("fp8", "bfloat16")  # indexer dtypes the Mosaic indexer kernels take (q and keys alike)

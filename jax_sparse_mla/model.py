@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -154,8 +155,9 @@ def check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, config
     """forward's checks of its arguments' sizes against the plan, once check_arguments has passed,
     for callers that must check several layer steps before running any (data_parallel_step).
     ValueError naming the argument and the field or tensor: a plan for another config, tensor
-    axis size or cache size, hidden or meta of the wrong shape, and an array already deleted
-    (donated to an earlier call; concrete arguments only)."""
+    axis size or cache size, or planned without num_pages (its page ids unchecked), hidden or
+    meta of the wrong shape, and an array already deleted (donated to an earlier call; concrete
+    arguments only)."""
     if plan.tensor_parallel != tensor_parallel:
         raise ValueError(f"the plan was made for a tensor axis of size {plan.tensor_parallel}, this forward runs "
                          f"under one of size {tensor_parallel}: run it through sharding.sharded_forward on such a mesh")
@@ -163,7 +165,11 @@ def check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, config
     if len(hidden.shape) != 2 or hidden.shape != (plan.num_tokens, config.hidden_size):
         raise ValueError(f"hidden has shape {hidden.shape}, expected [plan.num_tokens, hidden_size] = "
                          f"{[plan.num_tokens, config.hidden_size]}")
-    if plan.num_pages is not None and plan.num_pages != cache.num_pages:
+    if plan.num_pages is None:
+        raise ValueError(f"plan.num_pages is None: plan the batch with num_pages=cache.num_pages ({cache.num_pages}): "
+                         "only then are its page ids checked against the cache (an id past it would read "
+                         "clamped slots and write nowhere)")
+    if plan.num_pages != cache.num_pages:
         raise ValueError(f"the plan was validated for {plan.num_pages} pages, the cache has {cache.num_pages}")
     for name, shape in BatchMeta.shapes(plan).items():
         got = getattr(meta, name)
@@ -411,14 +417,16 @@ def _cond_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out_sh
     return out_heads
 
 
-def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, plan: BatchPlan,
-            config: MLAConfig, kernels: str = "auto", tensor_axis: str | None = None):
+def forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib.PagedCache, meta: BatchMeta, *,
+            plan: BatchPlan, config: MLAConfig, kernels: kernel_ops.Kernels = "auto",
+            tensor_axis: str | None = None) -> tuple[jax.Array, cache_lib.PagedCache]:
     """One attention layer step over a planned batch.
 
     params: HF-named dict of arrays (see params.py); hidden: floating-point array
     [plan.num_tokens, hidden_size], rows in plan_batch's order, padding last; cache: PagedCache
-    (donate it under jit); meta: BatchMeta; plan: BatchPlan (both from plan_batch); config:
-    MLAConfig; kernels: one of kernels.CHOICES. Returns (out [num_tokens, hidden_size] in
+    (donate it under jit); meta: BatchMeta; plan: BatchPlan (both from plan_batch, given
+    num_pages=cache.num_pages); config: MLAConfig; kernels: one of kernels.CHOICES ("auto":
+    the Mosaic / Triton kernels on a GPU, XLA elsewhere). Returns (out [num_tokens, hidden_size] in
     config.dtype, new cache). Padding rows give 0; the rows of a request at and after one whose
     hidden row is not finite give NaN on every route. An argument of another type or shape raises
     ValueError naming it (check_arguments, then the plan's sizes).
@@ -473,5 +481,28 @@ def forward(params, hidden, cache: cache_lib.PagedCache, meta: BatchMeta, *, pla
 # XLA's command buffers (CUDA graphs) off: around the conditionals of a dispatch="cond" program they
 # cost 1.2-2.6x the static program's step on an H100, against 1.09-1.17x without them, and the
 # static programs run as fast without them (docs/design/dispatch.md).
-jit_forward = jax.jit(forward, static_argnames=("plan", "config", "kernels"), donate_argnames=("cache",),
-                      compiler_options={"xla_gpu_enable_command_buffer": ""})
+_jitted_forward = jax.jit(forward, static_argnames=("plan", "config", "kernels"), donate_argnames=("cache",),
+                          compiler_options={"xla_gpu_enable_command_buffer": ""})
+
+
+def jit_forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib.PagedCache, meta: BatchMeta,
+                *, plan: BatchPlan, config: MLAConfig, kernels: kernel_ops.Kernels = "auto"
+                ) -> tuple[jax.Array, cache_lib.PagedCache]:
+    """`forward` jitted, with plan, config and kernels static (one executable per distinct plan)
+    and the cache DONATED: the call deletes the input cache's arrays and writes the new cache in
+    their place (no copy of the layer's largest buffer), so always continue with the cache it
+    returns: `out, cache = jit_forward(params, hidden, cache, meta, plan=plan, config=config)`.
+
+    Arguments and result as forward's. A deleted input cache (passed again after an earlier
+    call donated it) raises ValueError naming the array and this fix (validate.check_not_deleted),
+    checked before the dispatch, which would raise jax's bare "Array has been deleted".
+    `jit_forward.lower(...)` (AOT lowering, as jax.jit's) and `jit_forward._cache_size()` (the
+    executables compiled so far) are the jitted function's.
+    """
+    if isinstance(cache, cache_lib.PagedCache):  # (another type: forward's check names it)
+        check_not_deleted({f"cache.{name}": a for name, a in cache.arrays().items()})
+    return _jitted_forward(params, hidden, cache, meta, plan=plan, config=config, kernels=kernels)
+
+
+jit_forward.lower = _jitted_forward.lower
+jit_forward._cache_size = _jitted_forward._cache_size

@@ -9,10 +9,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from .cache import PagedCache
 from .config import MLAConfig, check_config_type
-from .kernels import check_kernels
+from .kernels import Kernels, check_kernels
 from .model import forward
 from .params import cast_param, check_params, init_params, is_fp8, params_from_hf
+from .plan import BatchMeta, BatchPlan
 from .sharding import DATA, TENSOR, cache_specs, param_specs, shard_config, sharded_forward
 
 
@@ -82,7 +84,7 @@ class SparseMLA(nnx.Module):
     """
 
     def __init__(self, config: MLAConfig, *, rngs: nnx.Rngs | None = None, params: Mapping[str, Any] | None = None,
-                 kernels: str = "auto", param_dtype=None, dtype=None, tensor_axis: str = TENSOR,
+                 kernels: Kernels = "auto", param_dtype=None, dtype=None, tensor_axis: str = TENSOR,
                  data_axis: str = DATA, mesh: Mesh | None = None):
         check_config_type(config)
         check_kernels(kernels)
@@ -138,8 +140,12 @@ class SparseMLA(nnx.Module):
         """PartitionSpecs of a PagedCache for this layer: pages over data_axis (sharding.cache_specs)."""
         return cache_specs(self.config, data_axis=self.data_axis)
 
-    def __call__(self, hidden, cache, meta, plan):
-        """hidden: [plan.num_tokens, hidden_size] -> (out [plan.num_tokens, hidden_size], new cache)."""
+    def __call__(self, hidden: jax.Array, cache: PagedCache, meta: BatchMeta, plan: BatchPlan
+                 ) -> tuple[jax.Array, PagedCache]:
+        """model.forward with this layer's params, config and kernels: hidden [plan.num_tokens,
+        hidden_size] (rows in plan_batch's order, padding last) -> (out [plan.num_tokens,
+        hidden_size] in config.dtype, new cache). plan (static under jit) and meta from
+        plan_batch(..., num_pages=cache.num_pages); donate the cache under jit."""
         return forward(self.params(), hidden, cache, meta, plan=plan, config=self.config, kernels=self.kernels)
 
     def sharded(self, hidden, cache, meta, plan, *, mesh: Mesh):

@@ -38,7 +38,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Literal, Sequence, get_args
 
 import jax
 import numpy as np
@@ -111,7 +111,8 @@ class BucketPolicy:
         return cls(min_seqs=cls.round_up(seqs, 1), min_pages_per_seq=cls.round_up(pages, 1))
 
 
-DISPATCH_MODES = ("static", "cond")
+Dispatch = Literal["static", "cond"]  # the dispatch option (plan_batch, the engine, ...)
+DISPATCH_MODES = get_args(Dispatch)
 MASKED = ("none", "some", "all")  # BatchPlan.masked
 
 
@@ -240,7 +241,8 @@ class BatchPlan:
     skip_indexer: the dense program scores only meta.sparse_rows (False: every row, the
       baseline without the skip). Always True where it changes nothing (the sparse program).
     num_pages: the cache size the page ids were validated against (None: not validated);
-      forward refuses a cache of another size.
+      forward refuses a plan with None (an unchecked id past the cache would read clamped slots
+      and write nowhere) and a cache of another size.
     config: the fields of the MLAConfig it was planned for that it depends on (PlanConfig);
       forward refuses a config that differs in one (check_config). Keyword-only.
     num_upfront_rows, num_kernel_rows, num_upfront_pages: an fp8 latent cache's split of the
@@ -963,8 +965,8 @@ def _plan(config, batch, num_pages, force_sparse, skip_indexer, buckets, dispatc
 
 def plan_arrays(config: MLAConfig, context_lens, query_lens, block_tables, *, num_pages: int | None = None,
                 force_sparse: bool = False, skip_indexer: bool = True,
-                buckets: BucketPolicy = BucketPolicy(), dispatch: str = "static",
-                tensor_parallel: int = 1, prefill_route: str = "auto") -> tuple[BatchPlan, BatchMeta]:
+                buckets: BucketPolicy = BucketPolicy(), dispatch: Dispatch = "static",
+                tensor_parallel: int = 1, prefill_route: policy.PrefillRoute = "auto") -> tuple[BatchPlan, BatchMeta]:
     """plan_batch for a batch given as host arrays (an engine's own state, no Request objects):
     the same checks, the same plan and metadata, planned with numpy ops over the batch (no loop
     over its requests or pages).
@@ -983,8 +985,8 @@ def plan_arrays(config: MLAConfig, context_lens, query_lens, block_tables, *, nu
 
 def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int | None = None,
                force_sparse: bool = False, skip_indexer: bool = True,
-               buckets: BucketPolicy = BucketPolicy(), dispatch: str = "static",
-               tensor_parallel: int = 1, prefill_route: str = "auto") -> tuple[BatchPlan, BatchMeta]:
+               buckets: BucketPolicy = BucketPolicy(), dispatch: Dispatch = "static",
+               tensor_parallel: int = 1, prefill_route: policy.PrefillRoute = "auto") -> tuple[BatchPlan, BatchMeta]:
     """Validates a batch on the host and returns its static plan and traced metadata.
 
     requests: context_len, query_len and page ids are Python or numpy integers (not bool);
@@ -1001,7 +1003,8 @@ def plan_batch(config: MLAConfig, requests: Sequence[Request], *, num_pages: int
     skip_indexer: score only the rows that need top-k (False: every row, the baseline).
     num_pages: the cache's page count; page ids outside [0, num_pages) are rejected. Without
       it page ids are only checked to be >= 0 and to have int32 slot numbers (an id past the
-      cache would read clamped slots and write nowhere), so engines should pass it.
+      cache would read clamped slots and write nowhere): such a plan only plans (forward
+      refuses it), so pass num_pages=cache.num_pages for a batch that runs.
     dispatch: "static" (the exact program: sizes and route in the plan) or "cond" (the serving
       program: the plan's sizes depend on the shape buckets only, each stage's size is picked
       at run time by meta.branches; see the module docstring).

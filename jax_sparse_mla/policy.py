@@ -9,6 +9,8 @@ decide nothing.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import numpy as np
 
 # fp8 latent cache: dequantising the pages a group of rows reads once, upfront, into a bf16 copy
@@ -79,7 +81,8 @@ SPARSE_NS_PER_KEY = 5.2e-3
 ABSORB_NS_PER_ROW = 1.68
 MASKED_NS_PER_KEY = 1.34e-3
 UP_NS_PER_KEY = 1.34
-PREFILL_ROUTES = ("auto", "masked", "sparse")
+PrefillRoute = Literal["auto", "masked", "sparse"]  # the prefill_route option (plan_batch, the engine, ...)
+PREFILL_ROUTES = get_args(PrefillRoute)
 
 
 def check_prefill_route(value) -> None:

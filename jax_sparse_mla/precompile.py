@@ -69,7 +69,8 @@ from .cache import init_cache
 from .config import MLAConfig, check_config_type
 from .model import jit_forward
 from .params import init_params
-from .plan import MASKED, BatchMeta, BatchPlan, BucketPolicy, PlanConfig, check_options, key_ladder
+from .plan import MASKED, BatchMeta, BatchPlan, BucketPolicy, Dispatch, PlanConfig, check_options, key_ladder
+from .progress import progress_bar
 from .validate import as_int
 
 
@@ -101,8 +102,8 @@ def _cdiv(a: int, b: int) -> int:
 
 def enumerate_plans(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num_pages: int,
                     max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None,
-                    dispatch: str = "static", skip_indexer: bool = True, force_sparse: bool = False,
-                    tensor_parallel: int = 1, prefill_route: str = "auto") -> list[BatchPlan]:
+                    dispatch: Dispatch = "static", skip_indexer: bool = True, force_sparse: bool = False,
+                    tensor_parallel: int = 1, prefill_route: policy.PrefillRoute = "auto") -> list[BatchPlan]:
     """Every BatchPlan plan_batch(config, batch, num_pages=num_pages, buckets=buckets, dispatch=...,
     skip_indexer=..., force_sparse=..., tensor_parallel=..., prefill_route=...) can return for a batch of at most
     max_num_seqs requests, at most max_num_batched_tokens new tokens, each request at most
@@ -292,9 +293,18 @@ def _with_splits(base: BatchPlan, config: MLAConfig, bp: BucketPolicy, heads: in
     return out
 
 
-def count_programs(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), **limits) -> dict[str, int]:
-    """{"total": n, route: n per route} for enumerate_plans(config, buckets, **limits); compiles nothing."""
-    counts = collections.Counter(p.route for p in enumerate_plans(config, buckets, **limits))
+def count_programs(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num_pages: int,
+                   max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None,
+                   dispatch: Dispatch = "static", skip_indexer: bool = True, force_sparse: bool = False,
+                   tensor_parallel: int = 1, prefill_route: policy.PrefillRoute = "auto") -> dict[str, int]:
+    """{"total": n, route: n per route} of enumerate_plans with the same arguments (its docstring:
+    the limits and options); compiles nothing. The limits are required: without them the set of
+    plans is unbounded."""
+    plans = enumerate_plans(config, buckets, num_pages=num_pages, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                            dispatch=dispatch, skip_indexer=skip_indexer, force_sparse=force_sparse,
+                            tensor_parallel=tensor_parallel, prefill_route=prefill_route)
+    counts = collections.Counter(p.route for p in plans)
     return {"total": sum(counts.values()), **dict(sorted(counts.items()))}
 
 
@@ -336,13 +346,14 @@ def _abstract(tree):
 
 
 def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num_pages: int, max_num_seqs: int,
-               max_num_batched_tokens: int, max_model_len: int | None = None, dispatch: str = "static",
-               kernels: str = "auto", skip_indexer: bool = True, force_sparse: bool = False,
-               prefill_route: str = "auto", params=None, hidden_dtype=None, method: str = "auto", cache_dir: str | None = None,
+               max_num_batched_tokens: int, max_model_len: int | None = None, dispatch: Dispatch = "static",
+               kernels: kernel_ops.Kernels = "auto", skip_indexer: bool = True, force_sparse: bool = False,
+               prefill_route: policy.PrefillRoute = "auto", params=None, hidden_dtype=None, method: str = "auto",
+               cache_dir: str | None = None,
                min_compile_time_s: float = 0.0, min_entry_size_bytes: int = 0, plans: Sequence[BatchPlan] | None = None,
                call: Callable[[BatchPlan], object] | None = None,
                lower: Callable[[BatchPlan], jax.stages.Lowered] | None = None,
-               progress: bool = True) -> PrecompileReport:
+               progress: bool | None = None) -> PrecompileReport:
     """Compiles jit_forward (or the caller's program: `call`, `lower`) for every plan of
     enumerate_plans (or `plans`) ahead of time.
 
@@ -359,9 +370,8 @@ def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num
       beside it for the "call" method.
     cache_dir: also write jax's persistent compilation cache there (enable_persistent_cache, with
       min_compile_time_s / min_entry_size_bytes), so another process loads instead of compiling.
+    progress: a bar over the plans (None: only when stderr is a terminal, progress.show_progress).
     """
-    from tqdm.auto import tqdm
-
     check_config_type(config)
     if method not in ("auto", "aot", "call"):
         raise ValueError(f"method must be 'auto', 'aot' or 'call', got {method!r}")
@@ -391,7 +401,7 @@ def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num
         params_zero, cache = zeros(abstract_params), zeros(abstract_cache)
     seconds = []
     t_all = time.perf_counter()
-    for plan in tqdm(plans, desc="precompile", unit="program", disable=not progress):
+    for plan in progress_bar(plans, progress=progress, desc="precompile", unit="program"):
         t0 = time.perf_counter()
         if method == "aot" and lower is not None:
             lower(plan).compile()

@@ -136,7 +136,7 @@ def run_pair(engine: Engine, workload: Workload, args, label: str, level: int) -
             gc.collect()
             gc.disable()  # no collector pauses inside a timed run
             try:
-                result = engine.run(workload, skip_indexer=skip, progress=not args.no_progress,
+                result = engine.run(workload, skip_indexer=skip, progress=False if args.no_progress else None,
                                     desc=f"{label} {name}")
             finally:
                 gc.enable()

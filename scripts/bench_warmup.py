@@ -93,7 +93,7 @@ def phase(args) -> dict:
     jax.block_until_ready((engine.params, engine.caches, engine.pool))
     t1 = time.perf_counter()
     before, before_s = Counter(events), dict(seconds)  # the engine's own programs: outside the cache
-    report = engine.precompile(cache_dir=args.cache_dir, progress=not args.smoke)
+    report = engine.precompile(cache_dir=args.cache_dir, progress=False if args.smoke else None)
     t2 = time.perf_counter()
     events.subtract(before)
     return {"phase": args.phase, "precompile_s": t2 - t1, "engine_init_s": t1 - t0,

@@ -408,8 +408,9 @@ def test_traced_lengths_are_refused_with_the_fix():
 
 
 def test_a_donated_cache_is_refused_with_the_fix():
-    """jit_forward donates its input cache: a second call with it names the cache to pass instead
-    (forward's check; jit_forward's own dispatch raises jax's error before any Python runs)."""
+    """jit_forward donates its input cache: a second call with it, through jit_forward (its check
+    before the dispatch, which would raise jax's bare "Array has been deleted") or forward, names
+    the cache to pass instead."""
     from jax_sparse_mla import forward, init_params, jit_forward
 
     params = init_params(TINY, jax.random.key(0))
@@ -418,10 +419,12 @@ def test_a_donated_cache_is_refused_with_the_fix():
     cache = init_cache(TINY, 8)
     _, new_cache = jit_forward(params, hidden, cache, meta, plan=plan, config=TINY)
     assert cache.latent.is_deleted()
-    with pytest.raises(ValueError, match=r"cache.latent has been deleted: donated to an earlier call, .* pass the "
-                                         r"cache that call returned \(out, cache = jit_forward"):
-        forward(params, hidden, cache, meta, plan=plan, config=TINY)
-    forward(params, hidden, new_cache, meta, plan=plan, config=TINY)  # the returned one
+    for step in (jit_forward, forward):
+        with pytest.raises(ValueError, match=r"cache.latent has been deleted: donated to an earlier call, .* pass "
+                                             r"the cache that call returned \(out, cache = jit_forward"):
+            step(params, hidden, cache, meta, plan=plan, config=TINY)
+    _, newer = jit_forward(params, hidden, new_cache, meta, plan=plan, config=TINY)  # the returned one
+    assert new_cache.latent.is_deleted() and not newer.latent.is_deleted()
 
 
 def test_max_position_embeddings_bounds_a_request():

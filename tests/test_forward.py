@@ -235,7 +235,7 @@ def test_padding_rows_write_nowhere():
 
 def test_hidden_shape_and_cache_dtype_errors():
     h = Harness(TINY)
-    plan, meta = plan_batch(TINY, [Request(0, 3, [0])])
+    plan, meta = plan_batch(TINY, [Request(0, 3, [0])], num_pages=h.num_pages)
     x = jnp.ones((plan.num_tokens + 1, TINY.hidden_size))
     with pytest.raises(ValueError, match="hidden has shape"):
         forward(h.params, x, h.cache, meta, plan=plan, config=TINY)
@@ -246,10 +246,52 @@ def test_hidden_shape_and_cache_dtype_errors():
         forward(h.params, x[:-1], h.cache, meta, plan=plan, config=TINY, kernels="cuda")
 
 
+def test_a_plan_made_without_num_pages_is_refused():
+    """plan_batch / plan_arrays without num_pages check page ids only for >= 0 and int32 slots:
+    page 99 of a 64-page cache would read clamped slots and write nowhere, with a finite output.
+    forward (and jit_forward, at trace time) refuses such a plan, naming the fix."""
+    from jax_sparse_mla import plan_arrays
+
+    h = Harness(TINY)
+    x = jnp.ones((16, TINY.hidden_size))
+    message = r"plan.num_pages is None: plan the batch with num_pages=cache.num_pages \(64\): only then"
+    for plan, meta in [plan_batch(TINY, [Request(0, 10, [3, 7, 99])]), plan_arrays(TINY, [0], [10], [[3, 7, 99]])]:
+        assert plan.num_pages is None and plan.num_tokens == x.shape[0]
+        for step in (forward, jit_forward):
+            with pytest.raises(ValueError, match=message):
+                step(h.params, x, h.cache, meta, plan=plan, config=TINY)
+    assert not h.cache.latent.is_deleted()  # refused before anything ran
+    with pytest.raises(ValueError, match="request 0: page id 99 is outside"):
+        plan_batch(TINY, [Request(0, 10, [3, 7, 99])], num_pages=h.cache.num_pages)
+
+
+def test_public_signatures_say_the_modes_and_the_donation():
+    """forward, jit_forward, SparseMLA and the planners are annotated, their mode strings as
+    Literal types; help(jit_forward) says the cache is donated."""
+    import typing
+
+    from jax_sparse_mla import PagedCache, SparseMLA, plan_arrays
+    from jax_sparse_mla.plan import BatchMeta, BatchPlan
+
+    kernels, dispatch = typing.Literal["auto", "xla", "pallas"], typing.Literal["static", "cond"]
+    route = typing.Literal["auto", "masked", "sparse"]
+    for fn in (forward, jit_forward):
+        hints = typing.get_type_hints(fn)
+        assert hints["kernels"] == kernels and hints["cache"] is PagedCache and hints["plan"] is BatchPlan
+        assert hints["hidden"] is jax.Array and hints["return"] == tuple[jax.Array, PagedCache]
+    assert typing.get_type_hints(SparseMLA.__init__)["kernels"] == kernels
+    assert typing.get_type_hints(SparseMLA.__call__) == dict(hidden=jax.Array, cache=PagedCache, meta=BatchMeta,
+                                                            plan=BatchPlan, **{"return": tuple[jax.Array, PagedCache]})
+    for fn in (plan_batch, plan_arrays):
+        hints = typing.get_type_hints(fn)
+        assert hints["dispatch"] == dispatch and hints["prefill_route"] == route
+    assert "the cache DONATED" in jit_forward.__doc__ and "continue with the cache it" in jit_forward.__doc__
+
+
 def _step_arguments():
     """forward's arguments for a one-request batch of the tiny config: a dict to corrupt."""
     h = Harness(TINY)
-    plan, meta = plan_batch(TINY, [Request(0, 3, [0])])
+    plan, meta = plan_batch(TINY, [Request(0, 3, [0])], num_pages=h.num_pages)
     return dict(params=h.params, hidden=jnp.ones((plan.num_tokens, TINY.hidden_size)), cache=h.cache, meta=meta,
                 plan=plan, config=TINY, kernels="xla")
 

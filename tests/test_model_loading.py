@@ -2,22 +2,28 @@
 checkpoint, onto one device and onto meshes of virtual CPU devices, and orbax round trips of
 the whole layer stack."""
 
+import codecs
 import dataclasses
 import functools
 import json
+import math
+import pathlib
 import shutil
+import tracemalloc
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
+import jax_sparse_mla
 from jax_sparse_mla import MLAConfig, init_cache
 from jax_sparse_mla.checkpoint import (load_hf_config, load_layer_from_safetensors, load_model_from_safetensors,
                                        restore_model_checkpoint, save_checkpoint, save_model_checkpoint)
-from jax_sparse_mla.params import param_shapes
+from jax_sparse_mla.params import hf_tensor_to_param, param_shapes
 from jax_sparse_mla.serving import Engine
-from jax_sparse_mla.sharding import cache_shardings, make_mesh, param_shardings
+from jax_sparse_mla.sharding import cache_shardings, make_mesh, param_shardings, param_specs
 from tests.support import run_with_cpu_devices
 from tests.support.checkpoints import (HF_CONFIG, OVERRIDES, bits, shard_names,
                                        write_fake_checkpoint)
@@ -25,6 +31,7 @@ from tests.support.checkpoints import (HF_CONFIG, OVERRIDES, bits, shard_names,
 LAYERS = (0, 1, 2)  # num_hidden_layers=2, plus the MTP layer model.layers.2
 SHARDS = shard_names(3)
 CONFIG = MLAConfig.from_hf_config(HF_CONFIG, **OVERRIDES)
+README = pathlib.Path(jax_sparse_mla.__file__).absolute().parent.parent / "README.md"
 
 
 def write(directory, **kw):
@@ -46,6 +53,58 @@ def assert_same_arrays(got, want, what=""):
 
 # ---- loading every layer -------------------------------------------------------------------------
 
+def test_readme_loading_memory_is_the_configs():
+    """The README's memory of load_model_from_safetensors for DeepSeek-V3.2, from the config: the
+    device bytes of a layer (param_shapes in config.dtype; param_shardings splits the tensors
+    param_specs puts on the tensor axis), and the host's 13 bytes a value of the tensor being
+    read: the FP8 values (1) and what dequantising and casting allocate (12, measured here)."""
+    config = MLAConfig.deepseek_v32()
+    shapes, specs = param_shapes(config), param_specs(config)
+    values = {name: math.prod(shape) for name, shape in shapes.items()}
+    split = {name for name in shapes if "tensor" in tuple(specs[name])}
+    assert split == {"q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight"}
+    text = README.read_text()
+    assert f"o_proj ({round(100 * sum(values[n] for n in split) / sum(values.values()))}% of a layer's bytes)" in text
+    layers = 61 + 1  # num_hidden_layers + num_nextn_predict_layers: the MTP layer loads too
+    for label, tp in (("one device", 1), ("`param_shardings`, tensor axis of 8", 8)):
+        per_layer = sum(n // tp if name in split else n for name, n in values.items()) * config.jnp_dtype.itemsize
+        row = f"| {label} | {per_layer:,} | {layers * per_layer / 2 ** 30:.1f} GiB |"
+        assert row in text, row
+    largest = max(values, key=values.get)
+    assert largest == "o_proj.weight" and f"o_proj ({' x '.join(map(str, shapes[largest]))})" in text
+    assert f"{13 * values[largest] / 2 ** 30:.1f} GiB above the process" in text
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((1024, 1536)).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.random((8, 12)).astype(np.float32)
+    tracemalloc.start()
+    try:
+        hf_tensor_to_param("o_proj.weight", weight, scale, dataclasses.replace(CONFIG, dtype="bfloat16"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert 11 * weight.size < peak <= 12 * weight.size + 2 ** 16, peak / weight.size
+
+
+def test_config_json_is_read_as_from_hf_config_reads_it(tmp_path):
+    """One reader of config.json: the loaders' (load_hf_config) and MLAConfig.from_hf_config(path)
+    agree, on a file with a UTF-8 byte-order mark (as some editors save JSON) and on damaged files
+    (the same message)."""
+    path = tmp_path / "config.json"
+    path.write_bytes(codecs.BOM_UTF8 + json.dumps(HF_CONFIG).encode())
+    assert load_hf_config(tmp_path, **OVERRIDES) == MLAConfig.from_hf_config(path, **OVERRIDES) == CONFIG
+    wrong_field = json.dumps({**HF_CONFIG, "hidden_size": "x"}).encode()
+    not_dsa = json.dumps({k: v for k, v in HF_CONFIG.items() if k != "index_topk"}).encode()
+    for damaged in (b"{", b"[1]", codecs.BOM_UTF16_LE + b"{", b"\xff{}", wrong_field, not_dsa):
+        path.write_bytes(damaged)
+        messages = []
+        for read in (lambda: load_hf_config(tmp_path, **OVERRIDES),
+                     lambda: MLAConfig.from_hf_config(path, **OVERRIDES)):
+            with pytest.raises(ValueError) as e:
+                read()
+            messages.append(str(e.value))
+        assert messages[0] == messages[1] and messages[0].startswith(str(path)), (damaged, messages)
+
+
 def test_the_fake_checkpoint_has_deepseeks_layout(ckpt):
     path, _ = ckpt
     weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
@@ -61,7 +120,8 @@ def test_the_fake_checkpoint_has_deepseeks_layout(ckpt):
 def test_load_every_layer_equals_the_one_layer_loader(ckpt, dtype, capsys):
     path, expected = ckpt
     overrides = {**OVERRIDES, "dtype": dtype}
-    config, layers = load_model_from_safetensors(path, progress=dtype == "float32", **overrides)
+    progress = {"progress": True} if dtype == "float32" else {}  # by default none: stderr (captured) is no terminal
+    config, layers = load_model_from_safetensors(path, **progress, **overrides)
     assert config == load_hf_config(path, **overrides) == MLAConfig.from_hf_config(HF_CONFIG, **overrides)
     assert len(layers) == 3
     for i, params in enumerate(layers):
@@ -71,10 +131,12 @@ def test_load_every_layer_equals_the_one_layer_loader(ckpt, dtype, capsys):
             assert a.sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0])
             if dtype == "float32":
                 np.testing.assert_array_equal(np.asarray(a), expected[i][name], err_msg=f"{i} {name}")
-    if dtype == "float32":
-        err = capsys.readouterr().err  # tqdm: a bar over the 3 x 12 tensors, naming the layer
+    err = capsys.readouterr().err
+    if dtype == "float32":  # tqdm: a bar over the 3 x 12 tensors, naming the layer
         assert f"loading attention layers:   0%|          | 0/{3 * len(param_shapes(config))}" in err
         assert "layer 2]" in err
+    else:
+        assert "loading attention layers" not in err and "\r" not in err
     # a subset, in the order given; one sharding for every array
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     _, some = load_model_from_safetensors(path, layers=[2, 0], shardings=sharding, progress=False, **overrides)

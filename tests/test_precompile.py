@@ -291,6 +291,19 @@ def test_engine_precompile_call_leaves_nothing_to_compile():
     assert compiles == [] and all(s.new_programs == 0 for s in result.steps)
 
 
+def test_count_programs_signature_names_the_limits_it_needs():
+    """count_programs takes enumerate_plans's arguments by name (help() shows them), so a call
+    without the limits is a TypeError naming count_programs and the missing ones."""
+    import inspect
+
+    assert inspect.signature(count_programs).parameters == inspect.signature(enumerate_plans).parameters
+    with pytest.raises(TypeError, match=r"count_programs\(\) missing 3 required keyword-only arguments: "
+                                        r"'num_pages', 'max_num_seqs', and 'max_num_batched_tokens'"):
+        count_programs(TINY)
+    routes = [p.route for p in enumerate_plans(TINY, **LIMITS)]
+    assert count_programs(TINY, **LIMITS) == {"total": len(routes), **{r: routes.count(r) for r in set(routes)}}
+
+
 @pytest.mark.parametrize("options", [
     dict(tensor_parallel=3), dict(tensor_parallel=8), dict(tensor_parallel=0), dict(tensor_parallel=True),
     dict(tensor_parallel=2.0), dict(dispatch="dynamic"), dict(dispatch=None), dict(buckets=None),

@@ -18,7 +18,7 @@ TINY = MLAConfig.tiny()
 
 def compiled_hlo(plan, meta, config=TINY):
     params = init_params(config, jax.random.key(0))
-    cache = init_cache(config, 16)
+    cache = init_cache(config, plan.num_pages)
     x = jnp.ones((plan.num_tokens, config.hidden_size))
     return jit_forward.lower(params, x, cache, meta, plan=plan, config=config).compile().as_text()
 
@@ -36,7 +36,7 @@ def scoring_ops(hlo: str) -> dict[str, int]:
     ({"skip_indexer": False}, True),    # dense route, baseline that keeps scoring
 ])
 def test_scoring_exists_only_where_the_plan_says(options, scored):
-    plan, meta = plan_batch(TINY, [Request(0, 10, [0, 1, 2]), Request(0, 5, [3, 4])], **options)
+    plan, meta = plan_batch(TINY, [Request(0, 10, [0, 1, 2]), Request(0, 5, [3, 4])], num_pages=16, **options)
     assert plan.has_indexer_scoring == scored
     hlo = compiled_hlo(plan, meta)
     ops = scoring_ops(hlo)
@@ -60,7 +60,7 @@ def scope_ops(hlo: str, scope: str) -> int:
 def test_masked_program_scores_and_attends_in_the_dense_call(requests, route, masked):
     """A masked prefill's program holds scoring and the dense MHA call, and sparse attention only
     where a scored row attends sparsely (a decode beside it); the sparse route has no dense MHA."""
-    plan, meta = plan_batch(TINY, requests, prefill_route=route)
+    plan, meta = plan_batch(TINY, requests, num_pages=16, prefill_route=route)
     assert plan.masked == masked
     hlo = compiled_hlo(plan, meta)
     ops = scoring_ops(hlo)
@@ -70,7 +70,7 @@ def test_masked_program_scores_and_attends_in_the_dense_call(requests, route, ma
 
 
 def test_mixed_batch_scores_only_the_sparse_rows():
-    plan, meta = plan_batch(TINY, [Request(20, 1, list(range(6))), Request(0, 9, [6, 7, 8])])
+    plan, meta = plan_batch(TINY, [Request(20, 1, list(range(6))), Request(0, 9, [6, 7, 8])], num_pages=16)
     assert plan.use_dense_mha and plan.num_scored_tokens == plan.num_sparse_tokens == 1
     hlo = compiled_hlo(plan, meta)
     assert scoring_ops(hlo)["indexer_logits"] > 0
@@ -143,7 +143,7 @@ def test_bad_request_raises_and_leaves_the_cache_untouched():
 def test_nnx_module_under_jit_matches_functional_forward():
     layer = SparseMLA(TINY, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(layer)
-    plan, meta = plan_batch(TINY, [Request(0, 20, list(range(5)))])
+    plan, meta = plan_batch(TINY, [Request(0, 20, list(range(5)))], num_pages=8)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((plan.num_tokens, TINY.hidden_size)), jnp.float32)
 
     @jax.jit
@@ -162,8 +162,8 @@ def test_cond_program_holds_both_branches_and_is_shared_by_routes():
     reqs_dense = [Request(0, 10, [0, 1, 2]), Request(0, 12, [3, 4, 5])]
     reqs_sparse = [Request(0, 20, [0, 1, 2, 3, 4]), Request(20, 1, list(range(5, 11)))]
     policy = BucketPolicy(min_pages_per_seq=8)
-    plan_d, meta_d = plan_batch(TINY, reqs_dense, dispatch="cond", buckets=policy)
-    plan_s, meta_s = plan_batch(TINY, reqs_sparse, dispatch="cond", buckets=policy)
+    plan_d, meta_d = plan_batch(TINY, reqs_dense, num_pages=16, dispatch="cond", buckets=policy)
+    plan_s, meta_s = plan_batch(TINY, reqs_sparse, num_pages=16, dispatch="cond", buckets=policy)
     assert plan_d == plan_s and plan_d.route == "cond"
     keys = len(plan_d.key_sizes)
     assert meta_d.branches.tolist() == [0, 2, 0]  # 22 keys: the 32-key dense call

@@ -383,7 +383,8 @@ def test_run_arguments_are_checked():
     engine = Engine(TINY, num_layers=1, num_pages=8)
     for kwargs, message in [(dict(max_steps=-1), "max_steps \\(or None\\) must be >= 0, got -1"),
                             (dict(max_steps=1.5), "max_steps \\(or None\\) must be an integer, got 1.5"),
-                            (dict(progress="no"), "progress must be a bool, got 'no'"),
+                            (dict(progress="no"), r"progress must be True, False or None \(None: shown when "
+                                                  r"stderr is a terminal\), got 'no'"),
                             (dict(collect_outputs=None), "collect_outputs must be a bool, got None")]:
         with pytest.raises(ValueError, match=message):
             engine.run([RequestSpec(0, 3, 2)], **{"progress": False, **kwargs})

@@ -13,7 +13,6 @@ from typing import Callable, Iterable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from ..cache import init_cache
 from ..config import MLAConfig, check_config_type
@@ -23,6 +22,7 @@ from ..params import check_finite, check_params, init_params
 from ..plan import (DISPATCH_MODES, BatchMeta, BatchPlan, BucketPolicy, Request, check_arrays, check_batch,
                     check_slot_range, plan_host)
 from ..policy import check_prefill_route
+from ..progress import progress_bar, show_progress
 from ..validate import as_bool, as_int, is_int
 from . import block as _block
 from .block import BLOCKS, MoEConfig
@@ -381,7 +381,8 @@ class Engine:
                 self._run_padding(plan, opts.kernels)
         return jit_layer_stack._cache_size() - before
 
-    def precompile(self, *, method: str = "auto", cache_dir: str | None = None, progress: bool = True, **overrides):
+    def precompile(self, *, method: str = "auto", cache_dir: str | None = None, progress: bool | None = None,
+                   **overrides):
         """Compiles every step program a run under these options can need, whatever the workload:
         jit_layer_stack for the plans of jax_sparse_mla.precompile.enumerate_plans for this
         engine's num_pages and its options' max_num_seqs, max_num_batched_tokens and max_model_len
@@ -391,8 +392,9 @@ class Engine:
         compiles nothing); "call": each plan's step run once on padding-only metadata (writes no
         cache slot), after which a run compiles nothing and adds no entry; "auto": "aot" where
         the kernels lower reproducibly, else "call" (compiled Mosaic GPU kernels: precompile's
-        docstring says why). cache_dir: jax's persistent compilation cache. Returns the
-        PrecompileReport (its method says which ran)."""
+        docstring says why). cache_dir: jax's persistent compilation cache. progress: a bar over
+        the plans (None: only when stderr is a terminal). Returns the PrecompileReport (its
+        method says which ran)."""
         from ..precompile import enumerate_plans, precompile
 
         opts = self.options.with_overrides(overrides)
@@ -432,11 +434,12 @@ class Engine:
 
     # ---- the loop -------------------------------------------------------------------------
     def run(self, workload: Workload | Sequence[RequestSpec], *, max_steps: int | None = None,
-            progress: bool = True, collect_outputs: bool = False, desc: str = "serving",
+            progress: bool | None = None, collect_outputs: bool = False, desc: str = "serving",
             _dry_run: list | None = None, **overrides) -> ServeResult:
         """Serves a workload to completion (or max_steps) and returns its metrics.
 
         overrides: EngineOptions fields for this run (e.g. skip_indexer=False).
+        progress: a bar over the steps, titled desc (None: only when stderr is a terminal).
         collect_outputs: keep each request's last-layer x rows ([cache_len, hidden] float32 in
           token order; costs a device->host copy per step).
         Raises PoolTooSmallError when a request can never fit the cache.
@@ -444,7 +447,7 @@ class Engine:
         opts = self.options.with_overrides(overrides)
         if max_steps is not None:
             max_steps = as_int(max_steps, "max_steps (or None)", 0)
-        progress, collect_outputs = as_bool(progress, "progress"), as_bool(collect_outputs, "collect_outputs")
+        progress, collect_outputs = show_progress(progress), as_bool(collect_outputs, "collect_outputs")
         concurrency = workload.concurrency if isinstance(workload, Workload) else None
         specs = specs_of(workload)
         page = self.config.page_size
@@ -501,7 +504,7 @@ class Engine:
                 bar.set_postfix(done=sum(m.finished for m in metrics), running=len(running), refresh=False)
 
         inflight: _InFlight | None = None  # dispatched, not yet waited for
-        bar = tqdm(total=max_steps, desc=desc, unit="step", leave=False, disable=not progress or dry)
+        bar = progress_bar(total=max_steps, progress=progress and not dry, desc=desc, unit="step", leave=False)
         try:
             while pending or waiting or running:
                 if max_steps is not None and len(steps) + (inflight is not None) >= max_steps:

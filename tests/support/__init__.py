@@ -98,6 +98,7 @@ def scored_plan(config):
     cache of 8 pages."""
     from jax_sparse_mla import Request, plan_batch
 
-    plan, meta = plan_batch(config, [Request(0, 9, [0, 1, 2]), Request(12, 1, [3, 4, 5, 6])], force_sparse=True)
+    plan, meta = plan_batch(config, [Request(0, 9, [0, 1, 2]), Request(12, 1, [3, 4, 5, 6])], num_pages=8,
+                            force_sparse=True)
     assert plan.has_indexer_scoring
     return plan, meta
