@@ -4,7 +4,7 @@ time (StepRecord.device_s) and its duration. Steps are pipelined: the host plans
 while the device runs step N, so host time under the device's is hidden.
 
     python scripts/bench_engine.py [--seqs 256] [--context 4096] [--decodes 32] [--layers 4]
-                                   [--dispatch static] [--out engine.json]    # GPU, deepseek_v32
+                                   [--dispatch cond|static] [--max-model-len N] [--out engine.json]  # GPU
     python scripts/bench_engine.py --smoke [--decodes 64]    # CPU: tiny config, 8 x 40 tokens, 2 layers
 
 Prints one line for the decode steps (every sequence decoding) and one for the prefill steps:
@@ -38,6 +38,9 @@ def main(argv=None) -> int:
     p.add_argument("--decodes", type=int, default=None, help="decode steps after the prefills (default 32)")
     p.add_argument("--layers", type=int, default=None, help="default 4")
     p.add_argument("--dispatch", default="cond", choices=("static", "cond"), help="default: the engine's (cond)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the engine's max_model_len (default: the workload's, context + decodes + 1): under the "
+                        "default buckets it sets the block-table width every step transfers")
     p.add_argument("--out", default=None, help="write the step records and the medians as JSON here")
     a = p.parse_args(argv)
     defaults = dict(seqs=8, context=40, decodes=4, layers=2) if a.smoke else dict(seqs=256, context=4096, decodes=32,
@@ -48,7 +51,8 @@ def main(argv=None) -> int:
     config = MLAConfig.tiny() if a.smoke else MLAConfig.deepseek_v32()
     pages = a.seqs * -(-(a.context + a.decodes) // config.page_size)
     engine = Engine(config, num_layers=a.layers, num_pages=pages, dispatch=a.dispatch,
-                    max_num_seqs=a.seqs, max_num_batched_tokens=max(8192, a.seqs))
+                    max_num_seqs=a.seqs, max_num_batched_tokens=max(8192, a.seqs),
+                    max_model_len=a.max_model_len or a.context + a.decodes + 1)
     specs = [RequestSpec(i, a.context, a.decodes + 1) for i in range(a.seqs)]
     print(f"{jax.devices()[0].device_kind} ({jax.default_backend()}), {'tiny' if a.smoke else 'deepseek_v32'}, "
           f"{a.layers} layers, {a.seqs} x {a.context} tokens then {a.decodes} decode steps, dispatch {a.dispatch}, "

@@ -258,7 +258,7 @@ def layer_stack(pool, packed, params, block_params, caches, *, plan: BatchPlan, 
     return x, new_caches
 
 
-# Command buffers off, as model.jit_forward compiles each layer (the cond program's lax.cond is
+# Command buffers off, as model.jit_forward compiles each layer (the cond program's conditionals are
 # slow inside them: docs/design/dispatch.md).
 jit_layer_stack = jax.jit(layer_stack, static_argnames=("plan", "config", "kernels", "moe"),
                           donate_argnames=("caches",), compiler_options={"xla_gpu_enable_command_buffer": ""})
