@@ -38,8 +38,8 @@ Placement (`shard_params`, `cache_shardings`, `init_sharded_cache`):
     split over "data", replicated over "tensor".
   meta: each BatchMeta field is the concatenation of the shards' fields along its first axis
     (positions [dp * T], block_tables [dp * S, W], dense_key_start [dp * (S + 1)], ...; the
-    per-shard shapes are BatchMeta.shapes(plan)); a dispatch="cond" plan's branches (its stage
-    sizes: plan_batch's meta on a mesh with one data shard) are replicated.
+    per-shard shapes are BatchMeta.shapes(plan)), a dispatch="cond" plan's branches [dp * 3]
+    included: each data shard runs its own stage sizes.
 """
 
 from __future__ import annotations
@@ -163,22 +163,28 @@ def _merge_upfront_splits(plan: BatchPlan, plans: dict, sparse_rows: dict, bucke
 
 def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *, pages_per_shard: int,
                        force_sparse: bool = False, skip_indexer: bool = True,
-                       buckets: BucketPolicy = BucketPolicy(), tensor_parallel: int = 1) -> tuple[BatchPlan, BatchMeta]:
-    """One static plan for every data shard, and their metadata concatenated along axis 0.
+                       buckets: BucketPolicy = BucketPolicy(), tensor_parallel: int = 1,
+                       dispatch: str = "static", prefill_route: str | None = None) -> tuple[BatchPlan, BatchMeta]:
+    """One plan for every data shard, and their metadata concatenated along axis 0.
 
     shards[d]: data shard d's requests (may be empty), block tables in local page ids
-    [0, pages_per_shard). Sizes are padded to the largest shard's buckets. Route: the dense
-    program when any shard has a short prefill (every other row of every shard, decodes and
-    long prefills alike, attends sparsely in it); otherwise the all-sparse program. Long
-    prefills attend sparsely (prefill_route="sparse": one program for every shard has no
-    masked rows; per-device plans, jax_sparse_mla.data_parallel, route them as plan_batch does). An fp8
-    cache's prefill / decode split (BatchPlan.num_upfront_rows) applies to every shard as soon
-    as one shard's own plan splits.
+    [0, pages_per_shard). Sizes are padded to the largest shard's buckets.
+    dispatch "static": route the dense program when any shard has a short prefill (every other
+      row of every shard, decodes and long prefills alike, attends sparsely in it); otherwise the
+      all-sparse program. Long prefills attend sparsely (prefill_route must be "sparse" or None:
+      one program for every shard has no masked rows; per-device plans,
+      jax_sparse_mla.data_parallel, route them as plan_batch does). An fp8 cache's prefill /
+      decode split (BatchPlan.num_upfront_rows) applies to every shard as soon as one shard's
+      own plan splits.
+    dispatch "cond": every shard's plan_batch cond plan under the common buckets, which is one
+      plan (its sizes are the buckets'), each shard with its own stage sizes in its
+      meta.branches (prefill_route as plan_batch's, None: "auto"): the serving program on a
+      mesh with several data shards.
     tensor_parallel: the mesh's tensor-axis size (BatchPlan.tensor_parallel: the kernel choices
     are made for one shard's heads; sharded_forward refuses a plan made for another size).
-    Options as in plan_batch (dispatch is always "static" here). Raises ValueError naming the
-    shard for invalid requests. Each shard is planned once, on the host; the merged metadata
-    goes to the device once, at the end.
+    Other options as in plan_batch. Raises ValueError naming the shard for invalid requests.
+    Each shard is planned once, on the host; the merged metadata goes to the device once, at
+    the end.
     """
     if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence):
         raise ValueError(f"shards must be a sequence of request lists (one per data shard), "
@@ -188,6 +194,11 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
             raise ValueError(f"data shard {d}: expected a sequence of Requests, got {type(reqs).__name__}")
     if not is_int(pages_per_shard) or pages_per_shard < 1:
         raise ValueError(f"pages_per_shard must be a positive int, got {pages_per_shard!r}")
+    if dispatch == "static" and prefill_route not in (None, "sparse"):
+        raise ValueError(f'prefill_route must be "sparse" (or None) with dispatch="static": one static program for '
+                         f'every shard attends long prefills sparsely; got {prefill_route!r} (dispatch="cond" routes '
+                         "them per request)")
+    prefill_route = ("sparse" if dispatch == "static" else "auto") if prefill_route is None else prefill_route
     active = [d for d, reqs in enumerate(shards) if len(reqs)]
     if not active:
         raise ValueError("empty batch: plan_data_parallel needs at least one request in some shard")
@@ -196,7 +207,7 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
     for d in active:
         try:
             checked[d], num_pages = check_batch(config, shards[d], pages_per_shard, force_sparse, skip_indexer,
-                                                buckets, "static", tensor_parallel)
+                                                buckets, dispatch, tensor_parallel, prefill_route)
         except ValueError as e:
             raise ValueError(f"data shard {d}: {e}") from None
     force_sparse, skip_indexer = bool(force_sparse), bool(skip_indexer)
@@ -207,10 +218,13 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
         buckets, min_tokens=max(s[0] for s in sizes), min_seqs=max(s[1] for s in sizes),
         min_pages_per_seq=max(s[2] for s in sizes), min_dense_keys=max([buckets.min_dense_keys] + [s[3] for s in sizes]))
     plans = {d: plan_host(config, b, num_pages=num_pages, force_sparse=force_sparse, skip_indexer=skip_indexer,
-                          buckets=common, dispatch="static", tensor_parallel=int(tensor_parallel),
-                          prefill_route="sparse")
+                          buckets=common, dispatch=dispatch, tensor_parallel=int(tensor_parallel),
+                          prefill_route=prefill_route)
              for d, b in checked.items()}
     base = next(iter(plans.values()))[0]
+    if dispatch == "cond":  # one plan (the common buckets'), each shard's own stage sizes
+        assert all(p == base for p, _ in plans.values())
+        return base, _concatenate(base, plans, len(shards))
     dense = any(p.use_dense_mha for p, _ in plans.values())
     # Each shard's sparse rows: plan_batch's for dense-routed shards, every real row otherwise.
     rows = {d: (m.sparse_rows if p.use_dense_mha else np.flatnonzero(m.positions >= 0)) for d, (p, m) in plans.items()}
@@ -228,22 +242,27 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
     assert all(p.num_tokens == plan.num_tokens and p.pages_per_seq == plan.pages_per_seq
                for p, _ in plans.values())  # the common buckets make every size agree
     plan, plans = _merge_upfront_splits(plan, plans, rows, common)
-    metas = [plans[d][1] if d in plans else BatchMeta.empty(plan) for d in range(len(shards))]
+    return plan, _concatenate(plan, plans, len(shards))
+
+
+def _concatenate(plan: BatchPlan, plans: dict, num_shards: int) -> BatchMeta:
+    """The shards' host metadata of `plan` (plans: {shard: (plan, meta)}; an idle shard's is
+    BatchMeta.empty) concatenated along axis 0, on the device."""
+    metas = [plans[d][1] if d in plans else BatchMeta.empty(plan) for d in range(num_shards)]
     for m in metas:
         for name, shape in BatchMeta.shapes(plan).items():
             assert getattr(m, name).shape == shape, (name, getattr(m, name).shape, shape)
     merged = jax.tree.map(lambda *fields: np.concatenate(fields), *metas)
-    return plan, jax.tree.map(jnp.asarray, merged)
+    return jax.tree.map(jnp.asarray, merged)
 
 
 # ---- the sharded step ----------------------------------------------------------------------------
 
 def _meta_specs(meta: BatchMeta, data_axis: str) -> BatchMeta:
-    """A BatchMeta of PartitionSpecs for sharded_forward's shard_map: every per-row / per-sequence
-    field split over data_axis, a cond plan's branches replicated (every shard runs the stage
-    sizes they pick); None fields stay None."""
-    specs = jax.tree.map(lambda _: P(data_axis), meta)
-    return specs if meta.branches is None else dataclasses.replace(specs, branches=P())
+    """A BatchMeta of PartitionSpecs for sharded_forward's shard_map: every field split over
+    data_axis (a cond plan's branches too: each shard runs its own stage sizes); None fields
+    stay None."""
+    return jax.tree.map(lambda _: P(data_axis), meta)
 
 
 def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh: Mesh, plan: BatchPlan,
@@ -252,9 +271,8 @@ def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh:
 
     params: full HF-named dict (sharded as param_specs, or placed there by jit);
     hidden: [dp * plan.num_tokens, hidden_size]; cache: PagedCache of dp * pages_per_shard pages;
-    meta: from plan_data_parallel, or on a mesh with one data shard from plan_batch(...,
-    tensor_parallel=tp), dispatch="cond" included (the replicated meta.branches pick
-    the same stage sizes on every shard). Returns (out [dp * plan.num_tokens,
+    meta: from plan_data_parallel (dispatch "static" or "cond"), or on a mesh with one data
+    shard from plan_batch(..., tensor_parallel=tp). Returns (out [dp * plan.num_tokens,
     hidden_size], new cache).
     plan: planned with this (full) config, which is checked (BatchPlan.check_config), and for this
     mesh's tensor size (BatchPlan.tensor_parallel); each shard's forward gets this plan and its
@@ -276,9 +294,6 @@ def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh:
                          f"{[dp * plan.num_tokens, config.hidden_size]}")
     if cache.num_pages % dp:
         raise ValueError(f"the cache's {cache.num_pages} pages do not split over a data axis of size {dp}")
-    if plan.use_dense_mha is None and dp > 1:
-        raise ValueError(f'a dispatch="cond" plan (plan_batch\'s, one batch) runs on a mesh with one data shard; '
-                         f"this one has {dp}: plan the shards with plan_data_parallel (static plans)")
     if meta.positions.shape != (dp * plan.num_tokens,):
         raise ValueError(f"meta.positions has shape {meta.positions.shape}, expected {(dp * plan.num_tokens,)}: "
                          "make meta with plan_data_parallel for this mesh's data axis")

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from jax_sparse_mla import Request, plan_batch, policy
+from jax_sparse_mla import BatchMeta, BucketPolicy, Request, plan_batch, policy
 from jax_sparse_mla.sharding import param_specs, plan_data_parallel, shard_config
 from tests.support import run_with_cpu_devices
 from tests.support.sharding import PAGES, ROUTES, TINY, mesh_errors
@@ -19,17 +19,18 @@ from tests.support.sharding import PAGES, ROUTES, TINY, mesh_errors
 # rows over the tensor shards for every group it divides (INDEXER_SPLIT_MIN_ROWS 1; by default
 # the tiny batches are far below it: every shard scores every row). A mesh takes the first
 # data x tensor of 8 virtual devices; all run in one subprocess (the CPU suite's budget), with
-# dispatch="cond" plans on a (1, 2) and a (1, 4) mesh, the fp8 split last (UPFRONT_MIN_USES 1, so
+# dispatch="cond" plans on a (1, 2), a (2, 2) (plan_data_parallel's: each data shard its own stage
+# sizes) and a (1, 4) mesh, the fp8 split last (UPFRONT_MIN_USES 1, so
 # that the tiny config's long prefill splits).
 MESHES = [((1, 2), False), ((2, 1), False), ((2, 4), False), ((2, 2), True), ((1, 4), True)]
 TOL = 1e-4
 _MESH_RUN = f"""
 import json
 from jax_sparse_mla import policy
-from tests.support.sharding import cond_refusal_on_data_shards, mesh_errors
+from tests.support.sharding import mesh_errors
 results = mesh_errors({[m for m, split in MESHES if not split]!r})
 results["cond 1x2"] = mesh_errors([(1, 2)], dispatch="cond")["1x2"]
-results["cond 2x1 refusal"] = cond_refusal_on_data_shards()
+results["cond 2x2"] = mesh_errors([(2, 2)], dispatch="cond")["2x2"]
 policy.INDEXER_SPLIT_MIN_ROWS = 1
 results.update(mesh_errors({[m for m, split in MESHES if split]!r}))
 results["cond 1x4 split"] = mesh_errors([(1, 4)], dispatch="cond")["1x4"]
@@ -70,20 +71,15 @@ def test_fp8_split_mesh_matches_one_device(mesh_results):
     assert r["splits"][0] > 0  # step 1: the long prefill's rows over their own pages
 
 
-@pytest.mark.parametrize("name,split_rows", [("cond 1x2", False), ("cond 1x4 split", True)])
+@pytest.mark.parametrize("name,split_rows", [("cond 1x2", False), ("cond 2x2", False), ("cond 1x4 split", True)])
 def test_cond_plan_mesh_matches_one_device(mesh_results, name, split_rows):
-    """A plan_batch(..., dispatch="cond") plan through sharded_forward (its branches
-    replicated over the mesh): dense and sparse steps, each step as the one-device forward of the same
-    cond plan gives it; with the indexer's rows split over the tensor shards (all_gather inside
-    the branch) too."""
+    """A dispatch="cond" plan through sharded_forward (plan_batch's on one data shard,
+    plan_data_parallel's on two: one plan, each shard's own meta.branches): dense and sparse
+    steps, each shard's rows as the one-device forward of its own cond plan gives them; with the
+    indexer's rows split over the tensor shards (all_gather inside the branch) too."""
     r = mesh_results[name]
     assert r["routes"] == ROUTES and r["err"] < TOL, r
     assert (4 in r["indexer_shards"]) == split_rows, r["indexer_shards"]
-
-
-def test_cond_plan_on_a_mesh_with_data_shards_is_refused_up_front(mesh_results):
-    assert 'a dispatch="cond" plan' in mesh_results["cond 2x1 refusal"] and \
-        "plan_data_parallel" in mesh_results["cond 2x1 refusal"]
 
 
 def test_param_specs_split_heads():
@@ -126,6 +122,27 @@ def test_plan_data_parallel_common_plan_and_errors(monkeypatch):
         plan_data_parallel(TINY, [short, [Request(0, 3, [9])]], pages_per_shard=8)
     with pytest.raises(ValueError, match="at least one request"):
         plan_data_parallel(TINY, [[], []], pages_per_shard=8)
+
+
+def test_plan_data_parallel_cond_is_each_shards_own_cond_plan():
+    """dispatch="cond": the shards' plan_batch cond plans under the common buckets are one plan;
+    each shard keeps its own stage sizes (meta.branches [dp * 3]), its long prefill masked where
+    plan_batch would route it so; a static plan refuses prefill routes other than sparse."""
+    short = [Request(0, 5, [0, 1])]
+    long_ = [Request(0, 20, list(range(5)))]
+    decode = [Request(9, 1, [0, 1, 2])]
+    plan, meta = plan_data_parallel(TINY, [short, long_, decode, []], pages_per_shard=8, dispatch="cond")
+    common = BucketPolicy(min_tokens=32, min_seqs=4, min_pages_per_seq=8)  # the largest shard's buckets
+    for d, reqs in enumerate([short, long_, decode]):
+        own, own_meta = plan_batch(TINY, reqs, num_pages=8, buckets=common, dispatch="cond")
+        assert own == plan
+        for name in BatchMeta.shapes(plan):
+            n = getattr(own_meta, name).shape[0]
+            np.testing.assert_array_equal(np.asarray(getattr(meta, name))[d * n:(d + 1) * n], getattr(own_meta, name))
+    branches = np.asarray(meta.branches).reshape(4, 3)
+    assert branches[1, 1] > len(plan.key_sizes) and branches[2].tolist() == [1, 0, 1] and not branches[3].any()
+    with pytest.raises(ValueError, match='prefill_route must be "sparse" \\(or None\\) with dispatch="static"'):
+        plan_data_parallel(TINY, [short], pages_per_shard=8, prefill_route="masked")
 
 
 @pytest.mark.gpu

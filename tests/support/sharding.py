@@ -31,8 +31,8 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16", dispatch="static"):
     """For each (data, tensor) mesh: the largest relative error of any step's output rows and of the
     final caches against one-device forward runs of each shard's own batch, the step routes and
     the plans' fp8 splits (BatchPlan.num_upfront_rows). dispatch="cond" (meshes with one data
-    shard): the step is plan_batch's cond plan, and its route whether meta.branches runs the dense
-    call; the
+    shard): the step is plan_batch's cond plan (plan_data_parallel's with several data shards),
+    and its route whether some shard's meta.branches runs the dense call; the
     one-device runs use cond plans too."""
     config = dataclasses.replace(TINY, kv_cache_dtype=kv_cache_dtype)
     rng = np.random.default_rng(0)
@@ -63,10 +63,13 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16", dispatch="static"):
                     seqs[d][sid][1] += n
                 shards.append(reqs)
                 rows.append(np.concatenate(x) if x else np.zeros((0, config.hidden_size), np.float32))
-            if dispatch == "cond":
-                assert dp == 1, "cond plans come from plan_batch: one data shard"
+            if dispatch == "cond" and dp == 1:  # plan_batch's own plan
                 plan, meta = plan_batch(config, shards[0], num_pages=PAGES, dispatch="cond", tensor_parallel=tp)
                 routes.append("dense" if int(meta.branches[1]) else "sparse")
+            elif dispatch == "cond":  # each shard's stage sizes in its own meta.branches
+                plan, meta = plan_data_parallel(config, shards, pages_per_shard=PAGES, tensor_parallel=tp,
+                                                dispatch="cond")
+                routes.append("dense" if np.asarray(meta.branches).reshape(dp, 3)[:, 1].any() else "sparse")
             else:
                 plan, meta = plan_data_parallel(config, shards, pages_per_shard=PAGES, tensor_parallel=tp)
                 routes.append(plan.route)
@@ -105,19 +108,6 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16", dispatch="static"):
             "wq_b_rows": sorted(s.data.shape[0] for s in sharded_params["indexer.wq_b.weight"].addressable_shards),
             "indexer_shards": indexer_shards}
     return results
-
-
-def cond_refusal_on_data_shards():
-    """The ValueError sharded_forward raises for a dispatch="cond" plan on a (2, 1) mesh."""
-    mesh = make_mesh(2, 1)
-    plan, meta = plan_batch(TINY, [Request(0, 5, [0, 1])], num_pages=PAGES, dispatch="cond")
-    try:
-        jit_sharded_forward(shard_params(init_params(TINY, jax.random.key(0)), mesh, TINY),
-                            jnp.zeros((2 * plan.num_tokens, TINY.hidden_size)), init_sharded_cache(TINY, mesh, PAGES),
-                            meta, mesh=mesh, plan=plan, config=TINY)
-    except ValueError as e:
-        return str(e)
-    return None
 
 
 # Steps per device for data_parallel: each device's own requests, routes differing by device.
