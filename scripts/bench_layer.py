@@ -23,7 +23,8 @@ timed again.
 Columns: kv (latent cache format), kind (batch), rows (real rows / plan.num_tokens, the bucket),
 route (the static plan's: dense | masked | sparse; masked: its dense program has masked rows), variant, ms (median per step), min (fastest round),
 vs static (ms / the static variant's ms), first (s: the first call, compile included), rel_err (||out - out_static|| / ||out_static|| over
-the real rows, of the last call).
+the real rows, of the last call), vs xla (the same against the xla variant's output, when it ran:
+which of two variants that differ is off the reference).
 
 --profile DIR also writes a jax.profiler trace of 3 steps per (kind, kv, variant) under DIR and
 prints the variant's op time per step by the layer's named scopes (projections, cache_write,
@@ -512,7 +513,7 @@ def run_kind(config, kv, params, kind, specs, args, key):
         for v in (live if r % 2 == 0 else live[::-1]):
             t, outs[v], cache = step_time(steps[v], cache, reps[v])
             ms[v].append(t)
-    base = outs.get("static")
+    base, oracle = outs.get("static"), outs.get("xla")
     rows = []
     for v in args.variants:
         row = {"kv": kv, "kind": kind, "rows": n, "bucket": T, "route": route, "variant": v}
@@ -521,9 +522,10 @@ def run_kind(config, kv, params, kind, specs, args, key):
         else:
             row.update(ms=statistics.median(ms[v]), min_ms=min(ms[v]), reps=reps[v], rounds=len(ms[v]),
                        first_s=first[v])
-            if base is not None:
-                a, b = np.asarray(outs[v][:n], np.float32), np.asarray(base[:n], np.float32)
-                row["rel_err"] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+            for key, ref in (("rel_err", base), ("rel_err_xla", oracle)):
+                if ref is not None:
+                    a, b = np.asarray(outs[v][:n], np.float32), np.asarray(ref[:n], np.float32)
+                    row[key] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
         rows.append(row)
     if args.profile and live:
         for v in live:
@@ -562,7 +564,7 @@ def print_profile(r) -> None:
 
 
 HEADER = (f"{'kv':<5}{'kind':<22}{'rows':>13} {'route':<7}{'variant':<9}{'ms':>10}{'min':>10}{'vs static':>10}"
-          f"{'first':>8}{'rel_err':>10}")
+          f"{'first':>8}{'rel_err':>10}{'vs xla':>10}")
 
 
 def print_rows(rows):
@@ -575,8 +577,8 @@ def print_rows(rows):
             continue
         s = static.get((r["kv"], r["kind"]))
         ratio = f"{r['ms'] / s:.3f}" if s else "-"
-        err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
-        print(head + f"{r['ms']:>10.3f}{r['min_ms']:>10.3f}{ratio:>10}{r['first_s']:>8.1f}{err:>10}")
+        err, err_xla = (f"{r[key]:.1e}" if key in r else "-" for key in ("rel_err", "rel_err_xla"))
+        print(head + f"{r['ms']:>10.3f}{r['min_ms']:>10.3f}{ratio:>10}{r['first_s']:>8.1f}{err:>10}{err_xla:>10}")
         print_profile(r)
     sys.stdout.flush()
 
