@@ -12,8 +12,9 @@ __version__ = "0.2.0"  # the single source: pyproject.toml reads this literal (n
 
 import importlib
 
-# public name -> the submodule defining it, imported on first use (PEP 562), so that importing
-# one submodule (e.g. jax_sparse_mla.plan on a host that only plans) loads only what it needs
+# The public names (also __all__, below) -> the submodule defining each, imported on first use
+# (PEP 562), so that importing one submodule (e.g. jax_sparse_mla.plan on a host that only plans)
+# loads only what it needs.
 _EXPORTS = {
     "PagedCache": "cache", "init_cache": "cache", "num_pages_for_budget": "cache", "page_bytes": "cache",
     "read_indexer_keys": "cache", "read_latent": "cache",
@@ -42,11 +43,4 @@ def __dir__():
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-__all__ = [
-    "BatchMeta", "BatchPlan", "BucketPolicy", "MLAConfig", "PagedCache", "Request", "RopeScaling",
-    "SparseMLA", "count_programs", "enumerate_plans", "forward", "init_cache", "init_params", "init_sharded_cache",
-    "jit_forward", "jit_sharded_forward",
-    "load_layer_from_safetensors", "make_mesh", "num_pages_for_budget", "page_bytes", "params_from_hf", "plan_arrays",
-    "plan_batch", "plan_data_parallel",
-    "read_indexer_keys", "read_latent", "restore_checkpoint", "save_checkpoint", "shard_params", "sharded_forward",
-]
+__all__ = sorted(_EXPORTS)

@@ -3,34 +3,20 @@
 A batch is a list of `Request`s, each adding `query_len` new tokens after `context_len` cached
 ones. Rows of `hidden` are the new tokens, request after request in the given order, then padding.
 `plan_batch` takes the Requests; `plan_arrays` the same batch as host arrays (context_lens,
-query_lens, block_tables), what an engine keeps. Both check and plan it with numpy ops over the
-batch, on one path (plan_batch converts its Requests to the arrays first; docs/design/plan.md).
+query_lens, block_tables), what an engine keeps. Both check and plan it on one numpy path.
 
-Routing. A request is a *decode* when it adds one token to a non-empty context, otherwise a
-*prefill*. A prefill whose total length (context + new) is <= index_topk would have top-k select
-every causal position, so it runs as dense causal MHA: its rows are neither scored nor top-k'd
-(DeepSeek-V3.2 / vLLM's short-prefill skip). A longer prefill is scored and top-k'd, then
-attends either as *masked* MHA (dense causal attention over its sequence's keys, each row
-restricted to its top-k positions: DeepSeek-V3.2's prefill mode, the same result in the MHA
-form) or sparsely (absorbed attention over the gathered latent rows), whichever
-policy.prefill_route's cost model says is cheaper for its context and length (`prefill_route`
-forces one). Decodes attend sparsely. Each prefill is routed by its own lengths, and only the
-rows that need top-k (decodes, long prefills) are scored; vLLM and SGLang instead score every
-row as soon as one row needs it. A batch with no dense or masked prefill runs the all-sparse
-program. `skip_indexer=False` is the baseline that scores every row whatever the route. The
-indexer key cache is written for every row either way.
+Routes: a *decode* (one token after a non-empty context) attends sparsely; a prefill whose total
+length is <= index_topk runs as dense causal MHA and is neither scored nor top-k'd (the
+short-prefill skip); a longer prefill is scored and top-k'd, then attends as *masked* MHA or
+sparsely, whichever policy.prefill_route's cost model finds cheaper (`prefill_route` forces one).
+`skip_indexer=False` scores every row whatever its route. Dispatch: `dispatch="static"` gives one
+exact program per plan (the reference); `dispatch="cond"`, the serving program, keeps only the
+shape buckets static and picks each stage's size at run time from a ladder (BatchPlan.score_sizes,
+key_sizes, attend_sizes; meta.branches), so that a step pays for the rows it has.
 
-Dispatch. `dispatch="static"`: every size is the batch's own bucket and the route a static plan
-field: one executable per plan, chosen on the host (the exact program, the reference).
-`dispatch="cond"`: the serving program. Its static sizes are the shape buckets alone (rows,
-sequences, block-table width; BucketPolicy.for_limits fixes the last two at an engine's limits),
-and the work of each stage is picked at run time by lax.switch from a ladder of sizes
-(BatchPlan.score_sizes, key_sizes, attend_sizes; meta.branches holds the three picks): the scored
-rows, the dense / masked MHA call's keys (0: no dense call) and the sparsely attending rows, so
-that a step pays for the rows it has, not for its bucket. A cond plan routes requests as a static
-one does, except that dense and masked requests whose keys would pass its largest key size
-attend sparsely instead (the same result: top-k over at most index_topk keys selects them all,
-and masked MHA is sparse attention in another form).
+Why a plan: every choice a step needs (routes, sizes, kernel shapes) is made once, on the host,
+and `model.forward` only interprets it. Routing and planning: docs/design/plan.md; the programs
+and what choosing one costs: docs/design/dispatch.md.
 """
 
 from __future__ import annotations

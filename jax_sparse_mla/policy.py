@@ -73,7 +73,7 @@ def indexer_kernel(rows: int, seqs: int) -> str:
 #   masked: MASKED_NS_PER_KEY x sum over rows of (position + 1) (every causal key of a live tile
 #           is computed, 192 + 128 values each) + UP_NS_PER_KEY x (context + rows) (k_nope and v
 #           up-projected from the latent: 512 x 256 x 2 FLOPs a key).
-# Fitted on one H200 (2026-12-01, bf16, 128 heads; docs/benchmarks.md, "masked MHA: the third
+# Fitted on one H200 (2026-12-01, bf16, 128 heads; docs/benchmarks-archive.md, "masked MHA: the third
 # route"): each route's times of fresh prefills of 2K-16K tokens and of 4K chunks after 4K and 12K of context
 # lie within 5% of the fit from 4K up (9-12% at 2K). Fresh prefills route masked up to 15,340
 # tokens; a 4K chunk after up to ~5K of context.

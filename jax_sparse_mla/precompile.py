@@ -1,55 +1,23 @@
 """Bounded warm-up: every program a serving loop can need, enumerated and compiled ahead of time.
 
-A serving loop compiles one `jit_forward` executable per distinct BatchPlan, and at real
-dimensions one takes 6-15 s on an H200. Under a BucketPolicy and a loop's limits (max_num_seqs,
-max_num_batched_tokens, max_model_len, num_pages) the plans form a bounded set:
-`enumerate_plans` lists it, `count_programs` counts it per route (no compile), and `precompile`
-compiles each plan ahead of time.
+A serving loop compiles one `jit_forward` executable per distinct BatchPlan. Under a BucketPolicy
+and a loop's limits (max_num_seqs, max_num_batched_tokens, max_model_len, num_pages) the plans
+form a bounded set: `enumerate_plans` lists it (a superset of the plans plan_batch makes for
+batches within the limits, exactly that set for a bf16 cache at small limits; not covered:
+requests sharing prefix pages), `count_programs` counts it per route (no compile), and
+`precompile` compiles each plan ahead of time. A dispatch="cond" plan's sizes are its shape
+buckets only: under BucketPolicy.for_limits (the Engine's default) one plan per row bucket.
 
-The enumeration. A plan's sizes are the bucketed raw quantities of plan.py's `padded_sizes` and
-`plan_host` (BucketPolicy.round_up of: the batch's query rows -> num_tokens, its request count ->
-num_seqs, its longest request's pages -> pages_per_seq, the dense program's sparsely attending
-rows -> num_sparse_tokens (minimum 1), the dense requests' keys -> num_dense_keys, the fp8
-split's rows and pages). Each bucket value stands for the interval of raw values that round to
-it (`_interval`); a combination of buckets is kept when raw values in those intervals can hold
-together under the limits (necessary conditions, in enumerate_plans: requests <= rows <= the
-step budget; a request's rows <= its tokens <= max_model_len and <= its pages x page_size; a
-dense request has <= index_topk tokens and at least as many keys as rows; more sparsely attending
-rows than sparse requests needs a prefill longer than index_topk; pages within num_pages). So the
-set is a superset of the plans plan_batch makes for batches within the limits (any batch, not
-only the ones the Engine's scheduler makes), and for a bf16 cache at small limits it is exactly
-that set (tests/test_precompile.py plans every batch of <= 2 requests; at larger limits random
-batches are checked). Not covered: batches whose requests share prefix pages (pages are counted
-once per request: two requests reading one page could reach a plan past the num_pages bounds).
-With an fp8 latent cache the split sizes are enumerated with the policy.dequantize_route test
-plan_batch applies to the bucketed sizes, a looser superset (the unsplit plan is kept beside
-each split, even where every batch of those buckets splits). Masked MHA: with
-prefill_route="auto" any prefill longer than index_topk may attend masked or sparsely (the
-cost model's choice is not followed through the buckets: a superset of both routes' plans);
-prefill_route="masked" enumerates the plans with masked rows (BatchPlan.masked "all" or "some":
->= 2 scored rows, > index_topk dense keys, a request longer than index_topk) and those without
-a long sparse prefill; "sparse" those without masked rows, as before.
+`precompile(method=...)`: "aot" lowers and compiles each plan on ShapeDtypeStructs (jax's
+compilation cache is filled; the first call still traces and lowers), "call" runs each program
+once on zero-filled inputs (nothing left for the first real call), "auto" (the default) is
+"call" with compiled Mosaic GPU kernels, which do not lower reproducibly, and "aot" otherwise;
+"aot" with them is refused. A caller with its own program over the plans (the serving Engine's
+one program for all its layers) passes `call` and `lower`.
 
-A dispatch="cond" plan's sizes are its shape buckets only (its stages' sizes are switched at run
-time, plan.row_ladder / key_ladder): one plan per feasible (num_tokens, num_seqs, pages_per_seq);
-under BucketPolicy.for_limits (the Engine's default) one per row bucket.
-
-AOT compile. `jax.jit(forward).lower(ShapeDtypeStructs).compile()` on the same `jit_forward`
-fills jax's compilation cache: a later call with those shapes runs no backend compile (checked
-with jax.monitoring's backend-compile event in the tests). It still traces and lowers once on its
-first call and then adds a dispatch entry (`jit_forward._cache_size()` grows; the Engine's
-StepRecord.new_programs counts those of its own step program); `method="call"` instead runs each
-program once on zero-filled inputs (allocates a cache of num_pages pages), which leaves nothing
-for the first real call to do.
-That lowering again is why AOT needs kernels that lower reproducibly
-(`kernels.Implementations.lowers_reproducibly`): compiled Mosaic GPU kernels do not (jax 0.11
-names each kernel module by a process-wide counter that reaches the cache key), so the call's
-program would be a new one and compile again. `method="auto"` (the default) is "call" for them
-and "aot" otherwise; "aot" with them is refused. A persistent cache written by "call" serves a
-restarted process that runs the same precompile before any other Mosaic GPU lowering: its
-kernels are then lowered in the same order and get the same names (tests/test_precompile.py).
-A caller with its own program over the plans (the serving Engine's one program for all its
-layers) passes `call` and `lower`, and precompile runs or lowers that instead of jit_forward.
+Why: one program takes 6-15 s to compile at real dimensions on an H200, too long to meet in a
+serving step. How the enumeration bounds each size, and why AOT needs reproducible lowering:
+docs/design/dispatch.md ("Warm-up").
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from .model import indexer_keys, indexer_queries, mla_projections
 HI = jax.lax.Precision.HIGHEST
 # The oracle compiles one program per padded sequence length, each run a few times: XLA's GEMM
 # autotuning made a compile take 25-31 s at real dimensions on the H200, 2.4-3.4 s without it
-# (docs/benchmarks.md); the GEMM kernel chosen moves a float32 HIGHEST result by rounding only.
+# (docs/benchmarks-archive.md); the GEMM kernel chosen moves a float32 HIGHEST result by rounding only.
 _ORACLE_JIT = dict(static_argnames="config", compiler_options={"xla_gpu_autotune_level": 0})
 
 

@@ -3,43 +3,19 @@
 The mesh has (at least) two named axes, `"data"` (size dp) and `"tensor"` (size tp): those are the
 defaults of every function's `data_axis` / `tensor_axis` arguments, which take other names (a
 MaxText-style mesh's, say) and apply them to the mesh, the parameter and cache specs and the
-shard_map alike; "data" and "tensor" below stand for whatever names were given.
-`sharded_forward` wraps `model.forward` in `jax.shard_map`: every device runs the ordinary
-forward on its slice of heads and its own data shard's batch, with a per-shard config
-(`shard_config`: H / tp attention heads) and `tensor_axis="tensor"`, which makes forward sum
-o_proj's output over the tensor axis (its columns are split by head, so each device holds a
-partial sum).
+shard_map alike. `sharded_forward` wraps `model.forward` in `jax.shard_map`: every device runs the
+ordinary forward on its slice of heads (`shard_config`: H / tp attention heads; o_proj's partial
+sums are summed over the tensor axis) and on its own data shard's batch (`plan_data_parallel`: one
+plan for all shards, their metadata concatenated). Placement (`param_specs` / `shard_params`,
+`cache_shardings` / `init_sharded_cache`): q_b_proj, kv_b_proj and o_proj split by head over
+"tensor", every other parameter (the latent's projections, the whole indexer) replicated; one
+PagedCache of dp * P pages split along the page axis over "data" (shard d holds global pages
+[d * P, (d + 1) * P), its block tables local ids 0..P-1) and replicated over "tensor"; hidden and
+out [dp * T, hidden_size], rows [d * T, (d + 1) * T) data shard d's.
 
-Tensor parallelism (the heads, as in vLLM / SGLang's TP attention). Parameters (`param_specs`):
-  split by head over "tensor": q_b_proj rows, kv_b_proj rows, o_proj columns (all head-major, so
-    a contiguous block is a block of heads);
-  replicated: q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm (what produces the
-    latent and the shared rope key) and the whole indexer (wq_b, weights_proj, wk, k_norm: ~14M
-    parameters a layer at DeepSeek-V3.2's dimensions).
-Every device of a tensor group computes the same latent rows and indexer keys and writes them to
-its own copy of the caches: MLA's latent is shared by all heads, so nothing in the caches is
-per-head. With the indexer whole on every device, no [rows, keys] logits cross devices: a group
-of few rows (decodes) is scored and top-k'd by every device of the tensor group (the same slots
-everywhere, no communication), a large one is split by rows over the group and the slots
-[rows, topk] are all-gathered (RowGroup.indexer_shards, policy.indexer_shards). Either way each
-device's sparse attention reads the same slots as one device would.
-
-Data parallelism (the sequences). Each data shard serves its own batch with its own pages; one
-program serves all shards, so `plan_data_parallel` gives them a common static plan (common
-padded sizes; a common route, see there) and concatenates their metadata.
-
-Placement (`shard_params`, `cache_shardings`, `init_sharded_cache`):
-  params: as above, replicated over "data".
-  caches: one `PagedCache` of dp * pages_per_shard pages (both the latent cache and the indexer
-    key cache, and their scales), split along the page axis over "data": data shard d holds
-    global pages [d * P, (d + 1) * P), and its block tables use local page ids 0..P-1. Replicated
-    over "tensor" (tp identical copies: the usual memory cost of tensor-parallel MLA).
-  hidden and out: [dp * T, hidden_size], rows [d * T, (d + 1) * T) belong to data shard d;
-    split over "data", replicated over "tensor".
-  meta: each BatchMeta field is the concatenation of the shards' fields along its first axis
-    (positions [dp * T], block_tables [dp * S, W], dense_key_start [dp * (S + 1)], ...; the
-    per-shard shapes are BatchMeta.shapes(plan)), a dispatch="cond" plan's branches [dp * 3]
-    included: each data shard runs its own stage sizes.
+Why: tensor parallelism as vLLM / SGLang shard MLA attention, with no [rows, keys] logits crossing
+devices (the indexer is whole on every device). Placement in full, what was decided and why:
+docs/design/sharding.md.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@
   fusion (row_end + a compare on the previous output, 0.93 us at B=1 on the H200), which the
   copy's chain (an optimization_barrier, no kernel) does not pay, while the decode call itself
   runs no op outside its kernel (in a model: the kernel plus a ~0.13 us CUDA-graph gap).
-  `copy_fraction` stays beside it (docs/benchmarks.md's numbers before 2026-11-29 are that one).
+  `copy_fraction` stays beside it (docs/benchmarks-archive.md's numbers before 2026-11-29 are that one).
 * top-k (k=2048) of [rows, L] f32 logits: pallas_kernels.topk (sampled thresholds + band select;
   backends "triton" and "mosaic", the latter's write sweep and band select a Mosaic GPU kernel)
   vs lax.top_k on the same inputs, both timed on the device (`chain_ms`: 20 dependent calls in one

@@ -214,6 +214,24 @@ def test_cli_help_and_version_do_not_import_jax(args):
         assert "--force" in r.stdout and "deepseek_v32" in r.stdout
 
 
+def test_exports_are_one_list_imported_on_first_use():
+    """`__all__` is the lazy-import table's names: importing the package loads no submodule, and each
+    exported name is the object its submodule defines, loaded when first asked for."""
+    script = (
+        "import importlib, sys\n"
+        "import jax_sparse_mla as m\n"
+        "loaded = sorted(k for k in sys.modules if k.startswith('jax_sparse_mla.'))\n"
+        "assert not loaded, loaded\n"
+        "assert m.__all__ == sorted(set(m.__all__)) == sorted(m._EXPORTS), m.__all__\n"
+        "for name in m.__all__:\n"
+        "    assert getattr(m, name) is getattr(importlib.import_module(f'jax_sparse_mla.{m._EXPORTS[name]}'), name)\n"
+        "assert set(m.__all__) <= set(dir(m))\n"
+        "print(len(m.__all__))\n")
+    r = _run("-c", script, env={"JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert int(r.stdout.split()[-1]) == len(jax_sparse_mla.__all__)
+
+
 def test_demo_refuses_deepseek_v32_on_cpu_without_force():
     r = _run("-m", "jax_sparse_mla", "demo", "--config", "deepseek_v32", env={"JAX_PLATFORMS": "cpu"})
     assert r.returncode == 2, r.stdout + r.stderr

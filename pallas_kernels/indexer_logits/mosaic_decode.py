@@ -3,32 +3,16 @@
 Same contract as `reference.indexer_logits_reference`:
     logits[n, s] = sum_h weights[n, h] * relu(q[n, h] . k[s]) * k_scale[s]   for s < row_end[n]
 and -inf elsewhere, keys addressed by position s of the row's sequence through its block table.
+For 1-2 query rows a sequence: rows are grouped by sequence into tiles of block_rows (1, or 2 for
+MTP) rows, one CTA per (tile, chunk of 64-key blocks); a memory warpgroup holds the chunk's
+block-table slice in SMEM and streams the key blocks and their scales by TMA through a ring of
+SMEM slots, and two compute warpgroups take alternate slots. Nothing of size [rows, Hi, keys]
+exists outside registers.
 
-Decode has 1-2 query rows per sequence and up to 128K keys each: every key byte is read once and
-feeds only 2 * rows * Hi * D flops (~124 flop/byte at fp8, one row), so the kernel is a stream
-over the key cache and its speed is the bytes it keeps in flight. Layout of the work:
-  * rows are grouped by sequence into tiles of block_rows rows (1: every row its own tile, no
-    sort; 2 for MTP, whose rows then share one read of the keys); the key axis is cut into
-    64-key blocks (the cache's pages; other page sizes are mapped to 64-key pages first) and
-    into chunks of `chunk` blocks, one CTA per (tile, chunk), with `chunk` picked so the CTAs
-    fill whole waves of the GPU's SMs;
-  * a memory warpgroup holds the chunk's block-table slice in SMEM, so no page lookup waits on
-    GMEM. With one row per tile the kernel reads the row's sequence and end itself (no XLA op
-    runs before it) and loads, at once, the row's q, weights and the table slice of sequence
-    `tile` (rows in sequence order, one per sequence: the usual decode batch), reloading the
-    slice when the row's sequence is another; with two rows per tile (MTP) the wrapper's tile
-    schedule (XLA) gives the tile's metadata and gathers its sequence's table row. It then
-    streams key blocks [64, D] and their scales by TMA into a ring of `stages` SMEM slots of
-    `step_blocks` blocks each (96 KiB of keys in flight per SM; 64 KiB for a CTA of at most 8
-    steps), and writes -inf over the chunk's blocks at or past the tile's last valid key;
-  * two compute warpgroups take alternate slots: per block one wgmma [64 keys, D] x
-    [D, block_rows * Hi] (the tile's q side by side, SMEM), then per row ReLU, the
-    head-weighted sum as a row reduction of the WGMMA layout, key scales and the ragged mask;
-    64 logits per row and block go out by TMA from a double-buffered SMEM tile.
-Nothing of size [rows, Hi, keys] exists outside registers.
-
-Bandwidth-bound: batches of 32+ rows reach ~90% of a same-size copy; a single sequence is
-latency-bound at ~70%. Numbers and variants: docs/design/indexer.md.
+Why a kernel of its own: every key byte is read once for ~124 flop (fp8, one row), so the kernel
+is a stream over the key cache whose speed is the bytes it keeps in flight: batches of 32+ rows
+reach ~90% of a same-size copy, a single sequence ~70% (latency-bound). Layout and measured
+variants: docs/design/indexer.md.
 """
 
 from __future__ import annotations

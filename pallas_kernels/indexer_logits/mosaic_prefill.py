@@ -3,40 +3,18 @@
 Same contract as `reference.indexer_logits_reference`:
     logits[n, s] = sum_h weights[n, h] * relu(q[n, h] . k[s]) * k_scale[s]   for s < row_end[n]
 and -inf elsewhere, keys addressed by position s of the row's sequence through its block table.
+For batches of many rows a sequence (prefill); decode-shaped batches go to `mosaic_decode`.
 
-Layout of the work. Rows are grouped by sequence into tiles of block_rows rows (in the wrapper,
-XLA); the key axis is cut into blocks of 64 keys (the wgmma M) and, when there are few tiles
-(decode, short prefills), into `splits` chunks of blocks. A persistent grid of one CTA an SM
-(`PrefillTiling.programs`) takes the (tile, chunk) items round robin, heaviest tile first; a CTA
-holds two items' q, weights and metadata, so that the next item's load overlaps the current
-one's work, and its key ring runs on from item to item. One memory and two or four compute
-warpgroups:
-  * a memory warpgroup streams key blocks [64, D] (and their scales) straight from the paged
-    cache into a ring of SMEM slots by TMA (one page lookup per block: page_size % 64 == 0; other
-    page sizes are first gathered into contiguous keys by XLA), and writes -inf over the chunk's
-    blocks at or past the tile's last causal key;
-  * `compute_wgs` compute warpgroups (4 for fp8, 2 for bf16) split each key block's row groups
-    (2 rows at the real dims for fp8, 4 for bf16) among `PrefillTiling.owners` of them, one group
-    each at the defaults (8 rows: all four fp8 warpgroups on every block, each on its own 2
-    rows, its head weights held in registers for the whole item); with fewer row groups than
-    warpgroups (decode-like tiles) the others take the next blocks. Per group one wgmma
-    [64 keys, D] x [D, group * Hi] (keys as A, the rows' q side by side as a K-major B, both in
-    SMEM; accumulator rows are keys); per row, ReLU, the head-weighted sum as a row reduction of
-    the WGMMA layout (`row_logits`), key scales and the causal mask (only in blocks that reach
-    past a row's end, with fp8 keys) give 64 logits, stored from registers to GMEM (no SMEM
-    staging: 1.05-1.10x over a TMA store per row; with fp8 keys no warpgroup barriers around
-    the stores either: `_LEAN_EPILOGUE`).
-    While one warpgroup's wgmmas run the others run their epilogues (DeepGEMM's arrangement for
-    fp8; bf16's wgmmas take twice as long, and two warpgroups measured faster than four).
-The tile's q [block_rows, Hi, D] and weights stay in SMEM for the whole item; nothing of size
-[rows, Hi, keys] exists outside registers. Key blocks at or past the tile's largest row_end are
-skipped (a causal prefill does about half of the rectangle).
-The warpgroup skeleton (register split, the ring's load and compute loops, the -inf tail and the
-final drain) is `mosaic_common`'s, shared with the decode kernel (`mosaic_decode`), which differs
-in where page ids come from and in the work per ring slot.
+A persistent grid of one CTA an SM takes (row tile, key chunk) items, heaviest tile first; a
+memory warpgroup streams 64-key blocks from the paged cache into an SMEM ring by TMA (page_size %
+64 == 0; other page sizes are first gathered into contiguous keys by XLA), and `compute_wgs`
+compute warpgroups (4 for fp8, 2 for bf16) each run one wgmma [64 keys, D] x [D, group * Hi] per
+row group and block, then the ReLU, head-weighted sum, key scales and causal mask in registers,
+and store the logits from registers. The warpgroup skeleton is `mosaic_common`'s, shared with
+the decode kernel. Nothing of size [rows, Hi, keys] exists outside registers.
 
 Why Mosaic GPU: fp8 wgmma with warp-specialised TMA pipelining (~2.4x the Triton kernel at 8K
-prefill). Decode-shaped batches go to the decode kernel (docs/design/indexer.md).
+prefill). Layout, tilings and measurements: docs/design/indexer.md.
 """
 
 from __future__ import annotations

@@ -6,41 +6,20 @@ over the cache slots idx = slots[n, :] that are >= 0,
     out[n, h] = softmax(score) @ c[idx],   lse[n, h] = logsumexp(score)
 with out = 0, lse = +inf for rows with no valid slot. Caches: bf16, or FlashMLA's fp8 layout
 (e4m3 latent + one f32 scale per 128 values + bf16 k_pe, as three arrays; the cache writes
-power-of-two scales, ops.quantize_tiles, but any finite f32 scale dequantises as value * scale).
+power-of-two scales, jax_sparse_mla.ops.quantize_tiles, but any finite f32 scale dequantises as
+value * scale).
+P is rounded once to bf16 against the block's max; e4m3 x scale is rounded to bf16 (within 2^-8).
+An fp8 prefill normally takes the upfront bf16 route instead (jax_sparse_mla.policy.dequantize_route).
 
-One CTA = one query row x 64 heads x one split of the slot list; a ring of two [64, R + P] bf16
-stages beside q's [64, 576] tile fills the 227 KiB at DeepSeek's shapes. Three warpgroups:
-  * the producer gathers each block's 64 cache rows with per-thread 16-byte `cp.async` (TMA
-    cannot gather rows) into 64-byte-swizzled tiles, zero-filling -1 slots; eight consecutive
-    lanes take eight rows of one 16-byte unit (conflict-free shared stores; lanes along a row
-    issue slower, below). An fp8 latent is copied raw: each thread's e4m3 chunks go into the
-    stage bytes its own conversion then overwrites (e4m3 -> f16 exactly, x the scale in f32,
-    -> bf16, as FlashMLA does), the rows' f32 scales in one copy a lane for its warp's rows;
-    past the scales no thread reads another's copies, so a block needs no warpgroup barrier
-    until it is whole; 4 cp.async groups (then k_pe's), each converted as soon as it lands.
-    Slot ids come by TMA one block ahead. A block's landing barrier completes on its copies'
-    own completion (bf16: cp.async.mbarrier.arrive.noinc, so the producer issues the next block
-    without waiting; fp8: after each thread's conversion);
-  * warpgroup 0 (scorer) computes S = Q . K^T [64, 64] for the whole block (q read from shared
-    memory once a block), the online softmax, and hands P (bf16) and the rows' rescale factor
-    to warpgroup 1 through shared memory (mbarriers p_ready / p_free); it accumulates
-    out[:, :R/2] += P . V with P from registers;
-  * warpgroup 1 rescales its accumulator and adds out[:, R/2:] += P . V, P read by the wgmma
-    from shared memory. Each accumulator, 64 x R/2 f32, is what one warpgroup's registers hold.
-128 heads take two CTAs per row; heads run fastest, so a row's two CTAs share their gathers in L2.
-16 or 32 heads (a tensor shard) take one CTA whose 64-row tile holds only those heads' q rows and
-writes only their outputs (no padding copy; rows are independent in every product).
+One CTA = one query row x 64 heads x one split of the slot list: a producer warpgroup gathers the
+selected cache rows, a scorer and an accumulator warpgroup run the products and the softmax.
+Why Mosaic GPU: TMA cannot gather rows, so the gathers are per-thread `cp.async` behind
+warp-specialised wgmma, which the Triton backend does not pipeline. Layout, what bounds it and the
+measured variants: docs/design/sparse_mla.md.
 
-bf16: bound by the consumers, whose softmax runs between the scorer's matrix products (math alone
-runs at 0.8-0.9x the kernel's time, the gathers alone at 0.4-0.5x); fp8: by the producer's copies
-and conversion as much as by the math. fp8 prefill normally takes the upfront bf16 route
-(`api.dequantize_route`). P is rounded once to bf16 against the block's max;
-e4m3 x scale is rounded to bf16 (within 2^-8). Numbers, profile and variants:
-docs/design/sparse_mla.md.
-
-Tests: on a GPU, tests/test_sparse_mla.py (`gpu` marker) checks it against the
-reference; on CPU the kernel can only be lowered (inline PTX has no interpreter), which the
-CPU twin checks, and `api.sparse_mla` runs the Triton kernel.
+GPU only: inline PTX has no interpreter, so on CPU the kernel can only be lowered (its CPU twin in
+tests/test_sparse_mla.py checks that) and `api.sparse_mla` runs the Triton kernel; on a GPU the
+`gpu`-marked tests check it against the reference.
 """
 
 

@@ -8,22 +8,13 @@ past k / cap dropped (bit-identical to the Triton sweep's); cnt[n, 0] = (definit
 done). Then, when the band holds the rest of the answer (the select kernel's band path), the warp
 appends the band's selected keys and the -1 padding itself and sets done = 1: the select kernel
 (still launched, for the other rows) skips the row. The same index sets as the select kernel's
-band path; the band's keys may come in another order.
+band path; the band's keys may come in another order. Needs L % 4 == 0 and cap % 4 == 0 (16-byte
+row starts); `triton.topk_stages` takes this kernel only then.
 
-Why a second kernel: the Triton sweep is bound by its block scans' shared-memory traffic (L1/TEX
-71-75% busy, 66-78 instructions a key, docs/design/topk.md). Here a warp owns a row and keeps
-everything in registers: each iteration a lane loads _LOADS float4s (the warp's loads coalesced,
-512 bytes each), ranks its keys within each float4, and the warp turns the float4s' counts into
-offsets with shuffle scans of byte-packed counters (four 32-bit words carry the definite and band
-counts of the 8 float4s); predicated scalar stores write the selected entries, checked against k
-and cap only in an iteration whose counts reach them. The next iteration's loads are issued
-before this one's keys are ranked (a warp a row leaves ~8 warps an SM at 1024 rows: too few to
-hide the loads otherwise). The band select (`_select_band`) is a radix select in a 1 KiB
-histogram of the warp's own in shared memory. Inline PTX and MLIR (`plgpu.inline_mgpu`): GPU
-only, no interpreter. Measured variants: docs/design/topk.md.
-
-Needs L % 4 == 0 and cap % 4 == 0 (16-byte row starts); `triton.topk_stages` takes this kernel
-only then.
+Why a second kernel: the Triton sweep is bound by its block scans' shared-memory traffic; here a
+warp owns a row and ranks and compacts its keys in registers (shuffle scans, ballots). Inline PTX
+and MLIR (`plgpu.inline_mgpu`): GPU only, no interpreter. Design and measured variants:
+docs/design/topk.md.
 """
 
 from __future__ import annotations
