@@ -362,6 +362,22 @@ def _dense_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out_s
     return out_heads
 
 
+def _pad_rows(arrays, num_rows: int):
+    """Each array (or a tuple of them) [n, ...] zero-padded to [num_rows, ...]."""
+    if isinstance(arrays, tuple):
+        return tuple(_pad_rows(a, num_rows) for a in arrays)
+    return jnp.pad(arrays, [(0, num_rows - arrays.shape[0])] + [(0, 0)] * (arrays.ndim - 1))
+
+
+def _over_rows(fn, plan: BatchPlan, meta: BatchMeta):
+    """fn(n): a matmul stage over the first n rows, padded to num_tokens. A cond plan runs it at
+    the size meta.branches[3] picks from plan.row_sizes (its real rows, rounded up to a 1/16 of
+    the bucket: padding rows cost those matmuls full FLOPs); a static plan over every row."""
+    if len(plan.row_sizes) > 1:
+        return jax.lax.switch(meta.branches[3], [functools.partial(fn, n) for n in plan.row_sizes])
+    return fn(plan.num_tokens)
+
+
 def _cond_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out_shape, topk: int):
     """The serving program (dispatch="cond"): three stages, each run at the size meta.branches
     picks from the plan's ladders (pick 0: the stage does not run) -> out_shape [T, H, v] f32.
@@ -444,9 +460,12 @@ def forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib
     x = hidden.astype(c_.jnp_dtype)
     positions = jnp.maximum(meta.positions, 0)
 
+    def project(n):  # the first n rows' projections, zero past them
+        return _pad_rows((*mla_projections(params, x[:n], positions[:n], c_),
+                          indexer_keys(params, x[:n], positions[:n], c_)), T)
+
     with jax.named_scope("projections"):
-        qr, q_nope, q_pe, c, k_pe = mla_projections(params, x, positions, c_)
-        k_index = indexer_keys(params, x, positions, c_)
+        qr, q_nope, q_pe, c, k_pe, k_index = _over_rows(project, plan, meta)
     # Both caches are written first: the dense program still fills the indexer key cache,
     # or later decode steps would score against stale keys.
     with jax.named_scope("cache_write"):
@@ -471,8 +490,11 @@ def forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib
 
     # a request's own non-finite input shows in its rows on every route (see _nonfinite_rows)
     out_heads = jnp.where(_nonfinite_rows(x, meta, plan.num_seqs)[:, None, None], jnp.nan, out_heads)
+    def o_proj(n):  # the first n rows' output, zero past them
+        return _pad_rows(linear(out_heads[:n].reshape(n, H * c_.v_head_dim), params["o_proj.weight"], c_), T)
+
     with jax.named_scope("o_proj"):
-        out = linear(out_heads.reshape(T, H * c_.v_head_dim), params["o_proj.weight"], c_)
+        out = _over_rows(o_proj, plan, meta)
         if tensor_axis is not None:  # o_proj's columns are split by head: partial sums
             out = jax.lax.psum(out, tensor_axis)
     return out.astype(c_.jnp_dtype), cache

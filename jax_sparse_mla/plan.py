@@ -152,6 +152,8 @@ class RowGroup:
 
 
 ROW_LADDER_STEPS = 5  # a cond plan's row sizes: num_tokens, / 2, ..., / 16
+PROJECTION_MIN_TOKENS = 512  # a cond plan of at least this many rows projects only about its real rows
+PROJECTION_STEPS = 8  # ... at one of the sizes num_tokens x (8 + j) / 16, j = 1 .. 8
 KEY_LADDER = (-3, 2)  # a cond plan's dense key sizes: num_tokens x 2**e for e in [-3, 2]
 MIN_LADDER_SIZE = 16
 
@@ -163,6 +165,18 @@ def row_ladder(num_tokens: int) -> tuple[int, ...]:
     in its dense matmuls (the indexer queries, q / o latent projections) to the real rows'."""
     low = min(num_tokens, MIN_LADDER_SIZE)
     return tuple(sorted({max(low, -(-num_tokens // 2 ** j)) for j in range(ROW_LADDER_STEPS)}))
+
+
+def projection_ladder(num_tokens: int) -> tuple[int, ...]:
+    """A cond plan's sizes for its dense matmuls over every row (the projections, o_proj;
+    ascending): num_tokens x (8 + j) / 16 for j = 1 .. PROJECTION_STEPS from
+    PROJECTION_MIN_TOKENS rows up, else (num_tokens,). A batch's rows are more than half its
+    bucket, so the padding those matmuls pay is at most 1/16 of the bucket (at 8K rows, 512
+    rows of ~0.37 GFLOP each), not up to half of it."""
+    if num_tokens < PROJECTION_MIN_TOKENS:
+        return (num_tokens,)
+    return tuple(sorted({-(-num_tokens * (PROJECTION_STEPS + j) // (2 * PROJECTION_STEPS))
+                         for j in range(1, PROJECTION_STEPS + 1)}))
 
 
 def key_ladder(num_tokens: int) -> tuple[int, ...]:
@@ -302,6 +316,12 @@ class BatchPlan:
         return self.attend_sizes if self.skip_indexer else (self.num_tokens,)
 
     @property
+    def row_sizes(self) -> tuple[int, ...]:
+        """A cond plan's sizes for the matmuls over every row (projections, o_proj):
+        projection_ladder(num_tokens). () for a static plan (they run over num_tokens rows)."""
+        return projection_ladder(self.num_tokens) if self.use_dense_mha is None else ()
+
+    @property
     def key_sizes(self) -> tuple[int, ...]:
         """A cond plan's sizes for the keys of its dense / masked MHA call: key_ladder(num_tokens),
         () when num_dense_keys is 0 (force_sparse: no dense call) and for a static plan."""
@@ -384,10 +404,11 @@ class BatchMeta:
     upfront_pages: jax.Array  # [num_upfront_pages]
     # [num_sparse_tokens]: 1 where that row of sparse_rows attends as masked MHA, else 0 [0]
     masked_flags: jax.Array
-    # [3]: a cond plan's run-time picks, 0 where the stage does not run: (scoring: i scores
+    # [4]: a cond plan's run-time picks, 0 where the stage does not run: (scoring: i scores
     # sparse_rows[:score_sizes[i - 1]]; the dense call: i <= len(key_sizes) runs it over
     # key_sizes[i - 1] keys, len(key_sizes) + i the same with masked rows; sparse attention: i
-    # attends sparse_rows[:attend_sizes[i - 1]]) [0]. None unless dispatch="cond".
+    # attends sparse_rows[:attend_sizes[i - 1]]; the row matmuls: i projects the first
+    # row_sizes[i] rows) [0]. None unless dispatch="cond".
     branches: jax.Array | None = None
 
     @staticmethod
@@ -400,7 +421,7 @@ class BatchMeta:
                   "upfront_rows": (plan.num_upfront_rows,), "kernel_rows": (plan.num_kernel_rows,),
                   "upfront_pages": (plan.num_upfront_pages,), "masked_flags": (plan.num_sparse_tokens,)}
         if plan.use_dense_mha is None:
-            shapes["branches"] = (3,)
+            shapes["branches"] = (4,)
         return shapes
 
     @staticmethod
@@ -923,7 +944,8 @@ def plan_host(config: MLAConfig, batch: Batch, *, num_pages: int | None, force_s
     if cond:
         branches = np.array([_pick_size(plan.score_sizes, len(scored) if plan.skip_indexer else num_tokens),
                              _pick_size(plan.key_sizes, len(dense_key_slots)),
-                             _pick_size(plan.attend_sizes, len(attending))], np.int32)
+                             _pick_size(plan.attend_sizes, len(attending)),
+                             _pick_size(plan.row_sizes, n) - 1], np.int32)
         if branches[1] and (codes == MASKED_ROUTE).any():
             branches[1] += len(plan.key_sizes)
     meta = BatchMeta(

@@ -177,11 +177,11 @@ def test_cond_dispatch_plan_depends_on_buckets_only():
     assert a.route == b.route == "cond" and a.num_scored_tokens is None and a.has_indexer_scoring
     assert (a.num_sparse_tokens, a.num_dense_keys) == (16, 64) and a.key_sizes == (16, 32, 64)
     assert a.attend_sizes == a.score_sizes == (16,) and b.attend_sizes == (16, 32) and a.masked == "some"
-    np.testing.assert_array_equal(meta_a.branches, [0, 1, 0])  # 5 dense keys: the 16-key call
-    np.testing.assert_array_equal(meta_b.branches, [2, 6, 0])  # k + 1 rows scored, then masked over 32 keys
+    np.testing.assert_array_equal(meta_a.branches, [0, 1, 0, 0])  # 5 dense keys: the 16-key call
+    np.testing.assert_array_equal(meta_b.branches, [2, 6, 0, 0])  # k + 1 rows scored, then masked over 32 keys
     _, meta_c = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], dispatch="cond", prefill_route="sparse",
                            buckets=BucketPolicy(min_pages_per_seq=8))
-    np.testing.assert_array_equal(meta_c.branches, [2, 0, 2])  # or scored, then attending sparsely
+    np.testing.assert_array_equal(meta_c.branches, [2, 0, 2, 0])  # or scored, then attending sparsely
     s, meta_s = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], dispatch="cond", force_sparse=True,
                            buckets=BucketPolicy(min_pages_per_seq=8))
     assert (s.num_dense_keys, s.key_sizes, s.masked) == (0, (), "none") and meta_s.dense_key_slots.shape == (0,)
@@ -228,7 +228,7 @@ def test_plan_meta_slots_positions_and_padding():
     assert all(a.dtype == jnp.int32 for a in jax.tree.leaves(meta))
     assert {name: getattr(meta, name).shape for name in BatchMeta.shapes(plan)} == BatchMeta.shapes(plan)
     cond, cond_meta = plan_batch(TINY, [Request(2, 3, [7, 2])], dispatch="cond")
-    assert BatchMeta.shapes(cond)["branches"] == (3,) and cond_meta.branches.shape == (3,)
+    assert BatchMeta.shapes(cond)["branches"] == (4,) and cond_meta.branches.shape == (4,)
     empty = BatchMeta.empty(plan)  # a batch of padding: what a data shard with no work gets
     assert np.all(empty.positions == -1) and np.all(empty.row_seq == 0) and np.all(empty.dense_key_start == 0)
     assert {f.name for f in dataclasses.fields(BatchMeta)} == set(BatchMeta.shapes(cond))

@@ -120,7 +120,7 @@ def test_pack_step_refuses_metadata_of_another_plan():
     cond, cond_meta = host_plan(TINY, PREFILLS, dispatch="cond")
     rows, T = np.zeros(plan.num_tokens, np.int32), plan.num_tokens
     for bad, message in [
-        (dataclasses.replace(meta, branches=np.zeros(3, np.int32)), "meta.branches is set, but BatchMeta.shapes"),
+        (dataclasses.replace(meta, branches=np.zeros(4, np.int32)), "meta.branches is set, but BatchMeta.shapes"),
         (dataclasses.replace(meta, positions=meta.positions.astype(np.int64)), rf"meta.positions is int64 \({T},\), "
                                                                                rf"expected int32 \({T},\)"),
         (dataclasses.replace(meta, block_tables=meta.block_tables[:, :1]), "meta.block_tables is int32"),

@@ -506,8 +506,42 @@ def test_cond_stages_follow_the_batch():
             outs.append(out)
         results[dispatch] = (outs, h.cache)
     # key sizes at 16 rows: 16, 32, 64; at 32: 16 .. 128 (4 sizes: masked picks add 4); at 64: 16 .. 256
-    assert seen == [(16, [0, 1, 0]), (16, [0, 2, 0]), (32, [2, 6, 0]), (16, [1, 1, 1]), (64, [0, 3, 0]),
-                    (16, [1, 3, 1])]
+    assert seen == [(16, [0, 1, 0, 0]), (16, [0, 2, 0, 0]), (32, [2, 6, 0, 0]), (16, [1, 1, 1, 0]),
+                    (64, [0, 3, 0, 0]), (16, [1, 3, 1, 0])]  # (rows < PROJECTION_MIN_TOKENS: one row size)
+    (s_outs, s_cache), (c_outs, c_cache) = results["static"], results["cond"]
+    for a, b in zip(s_outs, c_outs):
+        for sid in a:
+            assert rel_err(b[sid], a[sid]) < 1e-6, sid
+    for a, b in zip(jax.tree.leaves(s_cache), jax.tree.leaves(c_cache)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_cond_projects_about_its_real_rows(monkeypatch):
+    """A cond plan's matmuls over every row (projections, o_proj) run over its real rows rounded
+    up to a 1/16 of the bucket (plan.projection_ladder; from PROJECTION_MIN_TOKENS rows up,
+    lowered here to the tiny buckets): the pick is meta.branches[3], and every step gives the
+    static plan's outputs and cache (rows past the pick are padding: zero, written nowhere)."""
+    from jax_sparse_mla import plan as plan_lib
+
+    monkeypatch.setattr(plan_lib, "PROJECTION_MIN_TOKENS", 16)
+    assert plan_lib.projection_ladder(32) == (18, 20, 22, 24, 26, 28, 30, 32)
+    work = [[(0, 17), (1, 3)], [(0, 1), (1, 1), (2, 20)], [(0, 1), (1, 1), (2, 1), (3, 32)]]
+    seen, results = [], {}
+    for dispatch in ("static", "cond"):
+        h = Harness(TINY, seed=16)
+        for sid, n in [(0, 19), (1, 5), (2, 22), (3, 32)]:
+            h.add(sid, n)
+        outs = []
+        for w in work:
+            if dispatch == "cond":
+                reqs = [Request(h.done[sid], n, h.tables[sid]) for sid, n in w]
+                plan, meta = plan_batch(TINY, reqs, num_pages=h.num_pages, dispatch="cond")
+                seen.append((plan.num_tokens, plan.row_sizes[int(meta.branches[3])]))
+            out, _, _ = h.step(w, dispatch=dispatch)
+            h.check(out, TOL_F32)
+            outs.append(out)
+        results[dispatch] = (outs, h.cache)
+    assert seen == [(32, 20), (32, 22), (64, 36)]  # 20, 22 and 35 real rows
     (s_outs, s_cache), (c_outs, c_cache) = results["static"], results["cond"]
     for a, b in zip(s_outs, c_outs):
         for sid in a:

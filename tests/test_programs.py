@@ -166,7 +166,7 @@ def test_cond_program_holds_both_branches_and_is_shared_by_routes():
     plan_s, meta_s = plan_batch(TINY, reqs_sparse, num_pages=16, dispatch="cond", buckets=policy)
     assert plan_d == plan_s and plan_d.route == "cond"
     keys = len(plan_d.key_sizes)
-    assert meta_d.branches.tolist() == [0, 2, 0]  # 22 keys: the 32-key dense call
-    assert meta_s.branches.tolist() == [2, keys + 2, 1]  # 21 scored rows, the masked 32-key call, 1 attends
+    assert meta_d.branches.tolist() == [0, 2, 0, 0]  # 22 keys: the 32-key dense call
+    assert meta_s.branches.tolist() == [2, keys + 2, 1, 0]  # 21 scored rows, the masked 32-key call, 1 attends
     hlo = compiled_hlo(plan_d, meta_d)
     assert scoring_ops(hlo)["indexer_logits"] > 0 and re.search(r"\bconditional\(", hlo)

@@ -126,7 +126,7 @@ def test_plan_data_parallel_common_plan_and_errors(monkeypatch):
 
 def test_plan_data_parallel_cond_is_each_shards_own_cond_plan():
     """dispatch="cond": the shards' plan_batch cond plans under the common buckets are one plan;
-    each shard keeps its own stage sizes (meta.branches [dp * 3]), its long prefill masked where
+    each shard keeps its own stage sizes (meta.branches [dp * 4]), its long prefill masked where
     plan_batch would route it so; a static plan refuses prefill routes other than sparse."""
     short = [Request(0, 5, [0, 1])]
     long_ = [Request(0, 20, list(range(5)))]
@@ -139,8 +139,8 @@ def test_plan_data_parallel_cond_is_each_shards_own_cond_plan():
         for name in BatchMeta.shapes(plan):
             n = getattr(own_meta, name).shape[0]
             np.testing.assert_array_equal(np.asarray(getattr(meta, name))[d * n:(d + 1) * n], getattr(own_meta, name))
-    branches = np.asarray(meta.branches).reshape(4, 3)
-    assert branches[1, 1] > len(plan.key_sizes) and branches[2].tolist() == [1, 0, 1] and not branches[3].any()
+    branches = np.asarray(meta.branches).reshape(4, 4)
+    assert branches[1, 1] > len(plan.key_sizes) and branches[2].tolist() == [1, 0, 1, 0] and not branches[3].any()
     with pytest.raises(ValueError, match='prefill_route must be "sparse" \\(or None\\) with dispatch="static"'):
         plan_data_parallel(TINY, [short], pages_per_shard=8, prefill_route="masked")
 

@@ -219,11 +219,11 @@ def plan_reference(config, requests, *, num_pages=None, force_sparse=False, skip
         dense_key_start=starts(dk), upfront_rows=ids(upfront_rows, split[0]),
         kernel_rows=ids(kernel_rows, split[1]), upfront_pages=ids(upfront_pages, split[2]),
         masked_flags=ids(flags, num_sparse).clip(0),
-        branches=_branches(plan, sparse_rows, masked_flags, len(dense_key_slots), routes) if cond else None)
+        branches=_branches(plan, sparse_rows, masked_flags, len(dense_key_slots), routes, row) if cond else None)
     return plan, meta
 
 
-def _branches(plan, scored, masked_flags, num_keys, routes):
+def _branches(plan, scored, masked_flags, num_keys, routes, num_rows):
     """A cond plan's meta.branches, by scanning each ladder for the first size that holds the stage."""
     def pick(sizes, count):
         return 0 if count == 0 else next(i + 1 for i, size in enumerate(sizes) if size >= count)
@@ -231,4 +231,4 @@ def _branches(plan, scored, masked_flags, num_keys, routes):
     if dense and "masked" in routes:
         dense += len(plan.key_sizes)
     return np.array([pick(plan.score_sizes, len(scored) if plan.skip_indexer else plan.num_tokens), dense,
-                     pick(plan.attend_sizes, masked_flags.count(0))], np.int32)
+                     pick(plan.attend_sizes, masked_flags.count(0)), pick(plan.row_sizes, num_rows) - 1], np.int32)

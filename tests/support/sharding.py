@@ -69,7 +69,7 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16", dispatch="static"):
             elif dispatch == "cond":  # each shard's stage sizes in its own meta.branches
                 plan, meta = plan_data_parallel(config, shards, pages_per_shard=PAGES, tensor_parallel=tp,
                                                 dispatch="cond")
-                routes.append("dense" if np.asarray(meta.branches).reshape(dp, 3)[:, 1].any() else "sparse")
+                routes.append("dense" if np.asarray(meta.branches).reshape(dp, -1)[:, 1].any() else "sparse")
             else:
                 plan, meta = plan_data_parallel(config, shards, pages_per_shard=PAGES, tensor_parallel=tp)
                 routes.append(plan.route)
