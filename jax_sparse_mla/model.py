@@ -500,11 +500,22 @@ def forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib
     return out.astype(c_.jnp_dtype), cache
 
 
-# XLA's command buffers (CUDA graphs) off: around the conditionals of a dispatch="cond" program they
-# cost 1.2-2.6x the static program's step on an H100, against 1.09-1.17x without them, and the
-# static programs run as fast without them (docs/design/dispatch.md).
+# The compiler options of every jitted program that runs forward (jit_forward,
+# sharding.jit_sharded_forward, the serving engine's step): XLA's command buffers (CUDA graphs)
+# off. Around the conditionals of a dispatch="cond" program they cost 1.2-2.6x the static
+# program's step on an H100, against 1.09-1.17x without them, and the static programs run as fast
+# without them (docs/design/dispatch.md).
+COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 _jitted_forward = jax.jit(forward, static_argnames=("plan", "config", "kernels"), donate_argnames=("cache",),
-                          compiler_options={"xla_gpu_enable_command_buffer": ""})
+                          compiler_options=COMPILER_OPTIONS)
+
+
+def check_cache_not_donated(cache) -> None:
+    """ValueError naming the array and the fix when a PagedCache's arrays were donated to an
+    earlier jitted step (validate.check_not_deleted), before a dispatch would raise jax's bare
+    "Array has been deleted" (another type: forward's checks name it)."""
+    if isinstance(cache, cache_lib.PagedCache):
+        check_not_deleted({f"cache.{name}": a for name, a in cache.arrays().items()})
 
 
 def jit_forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib.PagedCache, meta: BatchMeta,
@@ -521,8 +532,7 @@ def jit_forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache
     `jit_forward.lower(...)` (AOT lowering, as jax.jit's) and `jit_forward._cache_size()` (the
     executables compiled so far) are the jitted function's.
     """
-    if isinstance(cache, cache_lib.PagedCache):  # (another type: forward's check names it)
-        check_not_deleted({f"cache.{name}": a for name, a in cache.arrays().items()})
+    check_cache_not_donated(cache)
     return _jitted_forward(params, hidden, cache, meta, plan=plan, config=config, kernels=kernels)
 
 

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from .cache import PagedCache, init_cache
 from .config import MLAConfig
-from .model import check_arguments, forward
+from .model import COMPILER_OPTIONS, check_arguments, check_cache_not_donated, forward
 from .params import param_shapes
 from .plan import (BatchMeta, BatchPlan, BucketPolicy, Request, check_batch, pad_ids, padded_sizes, plan_host,
                    route_codes)
@@ -287,6 +287,17 @@ def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh:
     return step(params, hidden, cache, meta)
 
 
-jit_sharded_forward = jax.jit(sharded_forward,
-                              static_argnames=("mesh", "plan", "config", "kernels", "data_axis", "tensor_axis"),
-                              donate_argnames=("cache",))
+_jitted_sharded_forward = jax.jit(sharded_forward,
+                                  static_argnames=("mesh", "plan", "config", "kernels", "data_axis", "tensor_axis"),
+                                  donate_argnames=("cache",), compiler_options=COMPILER_OPTIONS)
+
+
+def jit_sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh: Mesh, plan: BatchPlan,
+                        config: MLAConfig, kernels: str = "auto", data_axis: str = DATA, tensor_axis: str = TENSOR):
+    """`sharded_forward` jitted (mesh, plan, config, kernels and the axis names static) with the
+    cache DONATED: continue with the cache it returns. A cache an earlier call donated raises
+    ValueError naming the array and the fix (model.check_cache_not_donated), not jax's bare
+    "Array has been deleted"."""
+    check_cache_not_donated(cache)
+    return _jitted_sharded_forward(params, hidden, cache, meta, mesh=mesh, plan=plan, config=config, kernels=kernels,
+                                   data_axis=data_axis, tensor_axis=tensor_axis)

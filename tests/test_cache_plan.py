@@ -427,6 +427,19 @@ def test_a_donated_cache_is_refused_with_the_fix():
     assert new_cache.latent.is_deleted() and not newer.latent.is_deleted()
 
 
+def test_a_donated_cache_is_refused_by_the_sharded_step_too():
+    from jax_sparse_mla import init_params
+    from jax_sparse_mla.sharding import jit_sharded_forward, make_mesh, plan_data_parallel
+
+    mesh = make_mesh(1, 1)
+    plan, meta = plan_data_parallel(TINY, [[Request(0, 5, [0, 1])]], pages_per_shard=8)
+    params, x, cache = init_params(TINY, jax.random.key(0)), jnp.ones((plan.num_tokens, TINY.hidden_size)), init_cache(TINY, 8)
+    _, new_cache = jit_sharded_forward(params, x, cache, meta, mesh=mesh, plan=plan, config=TINY)
+    assert cache.latent.is_deleted() and not new_cache.latent.is_deleted()
+    with pytest.raises(ValueError, match=r"cache.latent has been deleted: donated to an earlier call"):
+        jit_sharded_forward(params, x, cache, meta, mesh=mesh, plan=plan, config=TINY)
+
+
 def test_max_position_embeddings_bounds_a_request():
     short = dataclasses.replace(TINY, max_position_embeddings=8)
     plan_batch(short, [Request(4, 4, [0, 1])])

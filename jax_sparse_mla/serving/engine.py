@@ -17,7 +17,7 @@ import numpy as np
 from ..cache import init_cache
 from ..config import MLAConfig, check_config_type
 from ..kernels import check_kernels
-from ..model import forward
+from ..model import COMPILER_OPTIONS, forward
 from ..params import check_finite, check_params, init_params
 from ..plan import (DISPATCH_MODES, BatchMeta, BatchPlan, BucketPolicy, Request, check_arrays, check_batch,
                     check_slot_range, plan_host)
@@ -258,10 +258,8 @@ def layer_stack(pool, packed, params, block_params, caches, *, plan: BatchPlan, 
     return x, new_caches
 
 
-# Command buffers off, as model.jit_forward compiles each layer (the cond program's conditionals are
-# slow inside them: docs/design/dispatch.md).
 jit_layer_stack = jax.jit(layer_stack, static_argnames=("plan", "config", "kernels", "moe"),
-                          donate_argnames=("caches",), compiler_options={"xla_gpu_enable_command_buffer": ""})
+                          donate_argnames=("caches",), compiler_options=COMPILER_OPTIONS)
 
 
 class Engine:
