@@ -450,6 +450,36 @@ def test_masked_short_and_sparse_rows_in_one_batch():
     h.check(out, TOL_F32)
 
 
+def _cond_against_static(config, seed, seqs, work, *, check_oracle=True, **options):
+    """Runs `work` (steps of [(seq_id, n_new)]) over the sequences `seqs` [(seq_id, length)]
+    through a static and a cond Harness with plan options `options`: every step passes the
+    oracle (check_oracle), the cond rows equal the static ones (rel_err < 1e-6) and the final
+    caches are equal. Returns (the static plans, [(cond plan, its host meta)] per step)."""
+    results, cond_steps = {}, []
+    for dispatch in ("static", "cond"):
+        h = Harness(config, seed=seed)
+        for sid, n in seqs:
+            h.add(sid, n)
+        outs, plans = [], []
+        for w in work:
+            if dispatch == "cond":
+                reqs = [Request(h.done[sid], n, h.tables[sid]) for sid, n in w]
+                cond_steps.append(plan_batch(config, reqs, num_pages=h.num_pages, dispatch="cond", **options))
+            out, plan, _ = h.step(w, dispatch=dispatch, **options)
+            if check_oracle:
+                h.check(out, TOL_F32)
+            outs.append(out)
+            plans.append(plan)
+        results[dispatch] = (outs, h.cache, plans)
+    (s_outs, s_cache, s_plans), (c_outs, c_cache, _) = results["static"], results["cond"]
+    for a, b in zip(s_outs, c_outs):
+        for sid in a:
+            assert rel_err(b[sid], a[sid]) < 1e-6, sid
+    for a, b in zip(jax.tree.leaves(s_cache), jax.tree.leaves(c_cache)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    return s_plans, cond_steps
+
+
 @pytest.mark.parametrize("config,options", [
     (TINY, {}), (TINY, {"skip_indexer": False}), (TINY, {"force_sparse": True}), (TINY, {"prefill_route": "masked"}),
     (dataclasses.replace(TINY, kv_cache_dtype="fp8"), {}),
@@ -458,28 +488,12 @@ def test_cond_dispatch_matches_static_dispatch(config, options):
     """dispatch="cond": one program per shape bucket; same outputs and caches as the static plans
     (the oracle checks the bf16-cache runs; an fp8 cache's static plan may split its rows)."""
     work = [[(0, 9), (1, 5)], [(0, 14), (1, 1)], [(0, 1), (2, 20)], [(1, 1), (0, 1)]]
-    results = {}
-    for dispatch in ("static", "cond"):
-        h = Harness(config, seed=14)
-        for sid, n in [(0, 30), (1, 7), (2, 20)]:
-            h.add(sid, n)
-        outs, plans = [], set()
-        for w in work:
-            out, plan, _ = h.step(w, dispatch=dispatch, **options)
-            if config.kv_cache_dtype != "fp8":
-                h.check(out, TOL_F32)
-            outs.append(out)
-            plans.add(plan)
-        results[dispatch] = (outs, h.cache, plans)
-    (s_outs, s_cache, s_plans), (c_outs, c_cache, c_plans) = results["static"], results["cond"]
+    s_plans, cond_steps = _cond_against_static(config, 14, [(0, 30), (1, 7), (2, 20)], work,
+                                               check_oracle=config.kv_cache_dtype != "fp8", **options)
+    c_plans = {plan for plan, _ in cond_steps}
     assert {p.route for p in c_plans} == {"cond"}
     assert {p.route for p in s_plans} == ({"sparse"} if options.get("force_sparse") else {"dense", "sparse"})
     assert len(c_plans) == len({(p.num_tokens, p.num_seqs, p.pages_per_seq) for p in s_plans})
-    for a, b in zip(s_outs, c_outs):
-        for sid in a:
-            assert rel_err(b[sid], a[sid]) < 1e-6
-    for a, b in zip(jax.tree.leaves(s_cache), jax.tree.leaves(c_cache)):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_cond_stages_follow_the_batch():
@@ -490,30 +504,12 @@ def test_cond_stages_follow_the_batch():
     gives the static plan's outputs and cache."""
     work = [[(0, 6), (1, 5)], [(0, 6), (1, 5)], [(2, 20)], [(2, 1), (3, 4)],
             [(s, 12) for s in range(4, 9)], [(s, 3) for s in range(4, 9)]]
-    seen, results = [], {}
-    for dispatch in ("static", "cond"):
-        h = Harness(TINY, seed=15)
-        for sid, n in [(0, 12), (1, 10), (2, 21), (3, 4)] + [(s, 15) for s in range(4, 9)]:
-            h.add(sid, n)
-        outs = []
-        for w in work:
-            if dispatch == "cond":
-                reqs = [Request(h.done[sid], n, h.tables[sid]) for sid, n in w]
-                plan, meta = plan_batch(TINY, reqs, num_pages=h.num_pages, dispatch="cond")
-                seen.append((plan.num_tokens, meta.branches.tolist()))
-            out, _, _ = h.step(w, dispatch=dispatch)
-            h.check(out, TOL_F32)
-            outs.append(out)
-        results[dispatch] = (outs, h.cache)
+    seqs = [(0, 12), (1, 10), (2, 21), (3, 4)] + [(s, 15) for s in range(4, 9)]
+    _, cond_steps = _cond_against_static(TINY, 15, seqs, work)
     # key sizes at 16 rows: 16, 32, 64; at 32: 16 .. 128 (4 sizes: masked picks add 4); at 64: 16 .. 256
-    assert seen == [(16, [0, 1, 0, 0]), (16, [0, 2, 0, 0]), (32, [2, 6, 0, 0]), (16, [1, 1, 1, 0]),
-                    (64, [0, 3, 0, 0]), (16, [1, 3, 1, 0])]  # (rows < PROJECTION_MIN_TOKENS: one row size)
-    (s_outs, s_cache), (c_outs, c_cache) = results["static"], results["cond"]
-    for a, b in zip(s_outs, c_outs):
-        for sid in a:
-            assert rel_err(b[sid], a[sid]) < 1e-6, sid
-    for a, b in zip(jax.tree.leaves(s_cache), jax.tree.leaves(c_cache)):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert [(plan.num_tokens, meta.branches.tolist()) for plan, meta in cond_steps] == [
+        (16, [0, 1, 0, 0]), (16, [0, 2, 0, 0]), (32, [2, 6, 0, 0]), (16, [1, 1, 1, 0]),
+        (64, [0, 3, 0, 0]), (16, [1, 3, 1, 0])]  # (rows < PROJECTION_MIN_TOKENS: one row size)
 
 
 def test_cond_projects_about_its_real_rows(monkeypatch):
@@ -526,25 +522,6 @@ def test_cond_projects_about_its_real_rows(monkeypatch):
     monkeypatch.setattr(plan_lib, "PROJECTION_MIN_TOKENS", 16)
     assert plan_lib.projection_ladder(32) == (18, 20, 22, 24, 26, 28, 30, 32)
     work = [[(0, 17), (1, 3)], [(0, 1), (1, 1), (2, 20)], [(0, 1), (1, 1), (2, 1), (3, 32)]]
-    seen, results = [], {}
-    for dispatch in ("static", "cond"):
-        h = Harness(TINY, seed=16)
-        for sid, n in [(0, 19), (1, 5), (2, 22), (3, 32)]:
-            h.add(sid, n)
-        outs = []
-        for w in work:
-            if dispatch == "cond":
-                reqs = [Request(h.done[sid], n, h.tables[sid]) for sid, n in w]
-                plan, meta = plan_batch(TINY, reqs, num_pages=h.num_pages, dispatch="cond")
-                seen.append((plan.num_tokens, plan.row_sizes[int(meta.branches[3])]))
-            out, _, _ = h.step(w, dispatch=dispatch)
-            h.check(out, TOL_F32)
-            outs.append(out)
-        results[dispatch] = (outs, h.cache)
-    assert seen == [(32, 20), (32, 22), (64, 36)]  # 20, 22 and 35 real rows
-    (s_outs, s_cache), (c_outs, c_cache) = results["static"], results["cond"]
-    for a, b in zip(s_outs, c_outs):
-        for sid in a:
-            assert rel_err(b[sid], a[sid]) < 1e-6, sid
-    for a, b in zip(jax.tree.leaves(s_cache), jax.tree.leaves(c_cache)):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    _, cond_steps = _cond_against_static(TINY, 16, [(0, 19), (1, 5), (2, 22), (3, 32)], work)
+    assert [(plan.num_tokens, plan.row_sizes[int(meta.branches[3])]) for plan, meta in cond_steps] == [
+        (32, 20), (32, 22), (64, 36)]  # 20, 22 and 35 real rows
