@@ -918,26 +918,24 @@ def plan_host(config: MLAConfig, batch: Batch, *, num_pages: int | None, force_s
         scored = (row_codes != DENSE).nonzero()[0]  # attends sparsely or as masked MHA
 
     branches = None
+    upfront_rows = kernel_rows = upfront_pages = []
     if cond:  # sizes from the buckets alone: one program per shape bucket
-        use_dense = None
-        num_sparse = num_tokens
-        num_dense_keys = 0 if force_sparse else keys[-1]
-        masked = "none" if force_sparse or prefill_route == "sparse" else "some"
+        plan = cond_plan(config, num_tokens, num_seqs, width, num_pages=num_pages, skip_indexer=skip_indexer,
+                         force_sparse=force_sparse, prefill_route=prefill_route, tensor_parallel=tensor_parallel)
     else:
         use_dense = bool(dense.any())
-        num_sparse = buckets.round_up(len(scored), 1) if use_dense and len(scored) else 0
-        num_dense_keys = static_dense_keys
         has_masked = bool((codes == MASKED_ROUTE).any())
-        masked = "none" if not has_masked else "all" if dense.all() else "some"
-    split = None if cond else _upfront_split(config, batch, block_tables, ~dense, row_seq, buckets, tensor_parallel)
-    upfront_rows, kernel_rows, upfront_pages, (num_upfront_rows, num_kernel_rows, num_upfront_pages) = (
-        split or ([], [], [], (0, 0, 0)))
-    plan = BatchPlan(num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=width, use_dense_mha=use_dense,
-                     num_sparse_tokens=num_sparse, num_dense_keys=num_dense_keys,
-                     skip_indexer=skip_indexer or use_dense is False, num_pages=num_pages,
-                     num_upfront_rows=num_upfront_rows, num_kernel_rows=num_kernel_rows,
-                     num_upfront_pages=num_upfront_pages, config=PlanConfig.of(config), masked=masked,
-                     tensor_parallel=tensor_parallel)
+        split = _upfront_split(config, batch, block_tables, ~dense, row_seq, buckets, tensor_parallel)
+        upfront_rows, kernel_rows, upfront_pages, (num_upfront_rows, num_kernel_rows, num_upfront_pages) = (
+            split or ([], [], [], (0, 0, 0)))
+        plan = BatchPlan(num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=width, use_dense_mha=use_dense,
+                         num_sparse_tokens=buckets.round_up(len(scored), 1) if use_dense and len(scored) else 0,
+                         num_dense_keys=static_dense_keys, skip_indexer=skip_indexer or not use_dense,
+                         num_pages=num_pages, num_upfront_rows=num_upfront_rows, num_kernel_rows=num_kernel_rows,
+                         num_upfront_pages=num_upfront_pages, config=PlanConfig.of(config),
+                         masked="none" if not has_masked else "all" if dense.all() else "some",
+                         tensor_parallel=tensor_parallel)
+    num_sparse = plan.num_sparse_tokens
     masked_flags = np.zeros(num_sparse, np.int32)
     if num_sparse:
         masked_flags[:len(scored)] = row_codes[scored] == MASKED_ROUTE
@@ -952,10 +950,23 @@ def plan_host(config: MLAConfig, batch: Batch, *, num_pages: int | None, force_s
         positions=positions, slot_mapping=slot_mapping, row_seq=row_seq_out, block_tables=block_tables,
         sparse_rows=pad_ids(scored if num_sparse else [], num_sparse),  # unused by the sparse program
         dense_rows=pad_ids(dense_rows, num_tokens), dense_query_start=dense_query_start,
-        dense_key_slots=pad_ids(dense_key_slots, num_dense_keys), dense_key_start=dense_key_start,
-        upfront_rows=pad_ids(upfront_rows, num_upfront_rows), kernel_rows=pad_ids(kernel_rows, num_kernel_rows),
-        upfront_pages=pad_ids(upfront_pages, num_upfront_pages), masked_flags=masked_flags, branches=branches)
+        dense_key_slots=pad_ids(dense_key_slots, plan.num_dense_keys), dense_key_start=dense_key_start,
+        upfront_rows=pad_ids(upfront_rows, plan.num_upfront_rows), kernel_rows=pad_ids(kernel_rows, plan.num_kernel_rows),
+        upfront_pages=pad_ids(upfront_pages, plan.num_upfront_pages), masked_flags=masked_flags, branches=branches)
     return plan, meta
+
+
+def cond_plan(config: MLAConfig, num_tokens: int, num_seqs: int, pages_per_seq: int, *, num_pages: int | None,
+              skip_indexer: bool, force_sparse: bool, prefill_route: str, tensor_parallel: int = 1) -> BatchPlan:
+    """The dispatch="cond" plan of a shape bucket (the one statement of it: plan_host and
+    precompile.enumerate_plans build cond plans here): sizes from the bucket alone, the stages'
+    ladders from num_tokens (BatchPlan.score_sizes, key_sizes, attend_sizes, row_sizes), no
+    dense call under force_sparse, masked calls unless long prefills attend sparsely."""
+    return BatchPlan(num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=pages_per_seq, use_dense_mha=None,
+                     num_sparse_tokens=num_tokens, num_dense_keys=0 if force_sparse else key_ladder(num_tokens)[-1],
+                     skip_indexer=skip_indexer, num_pages=num_pages, config=PlanConfig.of(config),
+                     masked="none" if force_sparse or prefill_route == "sparse" else "some",
+                     tensor_parallel=tensor_parallel)
 
 
 def _pick_size(sizes: tuple[int, ...], count: int) -> int:

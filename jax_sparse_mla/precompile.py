@@ -37,7 +37,7 @@ from .cache import init_cache
 from .config import MLAConfig, check_config_type
 from .model import jit_forward
 from .params import init_params
-from .plan import MASKED, BatchMeta, BatchPlan, BucketPolicy, Dispatch, PlanConfig, check_options, key_ladder
+from .plan import MASKED, BatchMeta, BatchPlan, BucketPolicy, Dispatch, PlanConfig, check_options, cond_plan
 from .progress import progress_bar
 from .validate import as_int
 
@@ -117,11 +117,8 @@ def enumerate_plans(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *
                 wlo, whi = clip(W, bp.min_pages_per_seq, m_max)
                 if wlo > whi or nlo - 1 + wlo > P or qlo > nhi * min(L, whi * ps):
                     continue
-                plans.add(BatchPlan(num_tokens=T, num_seqs=S, pages_per_seq=W, use_dense_mha=None,
-                                    num_sparse_tokens=T, num_dense_keys=0 if force_sparse else key_ladder(T)[-1],
-                                    skip_indexer=skip_indexer,
-                                    masked="none" if force_sparse or prefill_route == "sparse" else "some",
-                                    **common))
+                plans.add(cond_plan(config, T, S, W, num_pages=P, skip_indexer=skip_indexer,
+                                    force_sparse=force_sparse, prefill_route=prefill_route, tensor_parallel=tp))
             continue
         # the sparse program: no dense request (decodes; prefills longer than index_topk, or any with force_sparse)
         # rows == requests: every request a decode (or, forced, a one-token first prefill)
