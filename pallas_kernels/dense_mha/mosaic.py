@@ -130,8 +130,9 @@ def dense_mha_mosaic(q, k, v, q_start_loc, k_start_loc, *, scale, selection=None
 
     Work items are (block of 128 packed q rows, 8-row aligned, holding queries of one sequence,
     head), from a table built here from the start locations (traced; sequence order, each
-    sequence's last block first), dealt head fastest when the sequences average at most 128
-    rows, else table row fastest (a head's blocks together, their keys reused from L2).
+    sequence's last block first), dealt head fastest when the real sequences average at most 128
+    rows, else table row fastest (a head's blocks together, their keys reused from L2): decided
+    at run time, as the padded sequence count of a caller's shape bucket says nothing of it.
     num_programs persistent blocks (default: one per SM) walk the items; each has two consumer
     warpgroups of 64 query rows and one producer warpgroup that streams block_kv-key tiles of K
     and V through num_stages shared-memory slots with TMA, continuously across items
@@ -192,6 +193,13 @@ def dense_mha_mosaic(q, k, v, q_start_loc, k_start_loc, *, scale, selection=None
     if num_programs is None:
         num_programs = num_sms()
     table, blocks_used = _block_table(q_start_loc, k_start_loc, num_rows, num_blocks)
+    # Head fastest in the item order when the real sequences average at most one block: nothing
+    # to reuse from L2 across a sequence's blocks then, and the concurrent items read (and write)
+    # neighbouring heads of the same rows. Else table row fastest, keeping a head's blocks
+    # together (their keys are reused from L2).
+    real_seqs = jnp.sum(jnp.diff(q_start_loc) > 0)
+    heads_per_group = jnp.where(q_start_loc[-1] <= real_seqs * _BLOCK_Q, heads, 1)
+    order = jnp.concatenate([blocks_used, heads_per_group[None].astype(jnp.int32)])  # [2] int32
     masks = ()
     if selection is not None:
         key_tiles = -(-(max_kv_len + _ALIGN - 1) // block_kv)
@@ -204,22 +212,17 @@ def dense_mha_mosaic(q, k, v, q_start_loc, k_start_loc, *, scale, selection=None
         q = pad_rows(q)
     if k.shape[0] % _ALIGN:
         k, v = pad_rows(k), pad_rows(v)
-    # Head fastest in the item order when sequences average at most one block: nothing to
-    # reuse from L2 across a sequence's blocks then, and the concurrent items read (and write)
-    # neighbouring heads of the same rows. Else table row fastest, keeping a head's blocks
-    # together (their keys are reused from L2).
-    heads_per_group = heads if num_rows <= num_seqs * _BLOCK_Q else 1
     call = functools.partial(_attention_call, num_programs=min(num_programs, num_blocks * heads),
-                             heads_per_group=heads_per_group, selective=selection is not None,
+                             selective=selection is not None,
                              scale=float(scale), block_kv=block_kv, num_stages=num_stages,
                              interpret=interpret)
     if interpret:
         with plgpu.force_gpu_interpret_mode():
-            return call(table, blocks_used, q, k, v, *masks)[:num_rows]
-    return call(table, blocks_used, q, k, v, *masks)[:num_rows]
+            return call(table, order, q, k, v, *masks)[:num_rows]
+    return call(table, order, q, k, v, *masks)[:num_rows]
 
 
-def _attention_call(table, blocks_used, q, k, v, *masks, num_programs, heads_per_group, selective,
+def _attention_call(table, order, q, k, v, *masks, num_programs, selective,
                     scale, block_kv, num_stages, interpret):
     num_rows, heads, d_qk = q.shape
     d_v = v.shape[2]
@@ -233,10 +236,10 @@ def _attention_call(table, blocks_used, q, k, v, *masks, num_programs, heads_per
 
     def kernel(*refs):
         if selective:
-            (table_ref, used_ref, q_ref, k_ref, v_ref, bits_ref, tiles_ref, out_ref, q_smem, o_smems,
+            (table_ref, order_ref, q_ref, k_ref, v_ref, bits_ref, tiles_ref, out_ref, q_smem, o_smems,
              k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, turn, *p_smem) = refs
         else:
-            (table_ref, used_ref, q_ref, k_ref, v_ref, out_ref, q_smem, o_smems, k_smem, v_smem,
+            (table_ref, order_ref, q_ref, k_ref, v_ref, out_ref, q_smem, o_smems, k_smem, v_smem,
              q_ready, k_ready, v_ready, k_free, v_free, turn, *p_smem) = refs
         p_smem = p_smem[0] if p_smem else None
         wg = lax.axis_index("wg")
@@ -244,12 +247,14 @@ def _attention_call(table, blocks_used, q, k, v, *masks, num_programs, heads_per
         def schedule():
             """(this program's item count, item_info). Each warpgroup calls it after its register
             reallocation: ptxas spills values live across setmaxnreg to local memory.
-            Items (head, table row), in groups of heads_per_group heads, table row fastest across
+            Items (head, table row), in groups of heads_per_group heads (order_ref: [table rows
+            in use, heads_per_group]), table row fastest across
             a group and head fastest within it, are dealt out in rounds of num_programs, in snake
             order (odd rounds right to left): with plain round robin a program whose position
             recurs in the table (num_programs a multiple of the rows per head) met the same
             block length every round."""
-            num_used = used_ref[0]
+            num_used = order_ref[0]
+            heads_per_group = order_ref[1]
             program = lax.axis_index("program")
             num_total = num_used * heads
             last_round = num_total // num_programs
@@ -673,4 +678,4 @@ def _attention_call(table, blocks_used, q, k, v, *masks, num_programs, heads_per
         # leave free).
         compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
                                              reduction_scratch_bytes=0),
-    )(table, blocks_used, q, k, v, *masks)
+    )(table, order, q, k, v, *masks)
