@@ -44,27 +44,49 @@ def per_head(spec: str, a, w, config: MLAConfig):
     return jnp.einsum(spec, a.astype(jnp.float32), w.astype(jnp.float32), precision=_precision(config))
 
 
+def projection_matmuls(params, x, config: MLAConfig):
+    """The projections' matmuls over rows, x [T, hidden] -> (qr [T, q_lora] (q_a_proj, normed),
+    q [T, H * qk_head_dim] (q_b_proj), kv [T, R + rope] (kv_a_proj_with_mqa), k [T, D]
+    (indexer.wk)), float32: the part of the projections whose cost follows the rows (a cond plan
+    runs it over about its real rows); `projections` finishes them row by row."""
+    c_ = config
+    qr = ops.rms_norm(linear(x, params["q_a_proj.weight"], c_), params["q_a_layernorm.weight"], c_.rms_norm_eps)
+    return (qr, linear(qr, params["q_b_proj.weight"], c_), linear(x, params["kv_a_proj_with_mqa.weight"], c_),
+            linear(x, params["indexer.wk.weight"], c_))
+
+
+def projections(params, matmuls, positions, config: MLAConfig):
+    """Queries, latent and indexer key of each row from projection_matmuls' output and positions
+    [T] -> (qr, q_nope [T, H, nope], q_pe [T, H, rope] (rope applied), c [T, R], k_pe [T, rope]
+    (rope applied), k_index [T, D]), float32."""
+    c_ = config
+    qr, q, kv, k = matmuls
+    q = q.reshape(q.shape[0], c_.num_attention_heads, c_.qk_head_dim)
+    q_nope, q_pe = q[..., : c_.qk_nope_head_dim], q[..., c_.qk_nope_head_dim:]
+    c = ops.rms_norm(kv[:, : c_.kv_lora_rank], params["kv_a_layernorm.weight"], c_.rms_norm_eps)
+    k_pe = ops.rope_interleaved(kv[:, c_.kv_lora_rank:], positions, c_)
+    return (qr, q_nope, ops.rope_interleaved(q_pe, positions, c_), c, k_pe,
+            _indexer_key(params, k, positions, c_))
+
+
 def mla_projections(params, x, positions, config: MLAConfig):
     """Queries and the latent of each row.
 
     x: [T, hidden], positions: [T] -> qr [T, q_lora], q_nope [T, H, nope], q_pe [T, H, rope]
     (rope applied), c [T, R], k_pe [T, rope] (rope applied); all float32.
     """
-    c_ = config
-    qr = ops.rms_norm(linear(x, params["q_a_proj.weight"], c_), params["q_a_layernorm.weight"], c_.rms_norm_eps)
-    q = linear(qr, params["q_b_proj.weight"], c_).reshape(x.shape[0], c_.num_attention_heads, c_.qk_head_dim)
-    q_nope, q_pe = q[..., : c_.qk_nope_head_dim], q[..., c_.qk_nope_head_dim:]
-    kv = linear(x, params["kv_a_proj_with_mqa.weight"], c_)
-    c = ops.rms_norm(kv[:, : c_.kv_lora_rank], params["kv_a_layernorm.weight"], c_.rms_norm_eps)
-    k_pe = ops.rope_interleaved(kv[:, c_.kv_lora_rank:], positions, c_)
-    return qr, q_nope, ops.rope_interleaved(q_pe, positions, c_), c, k_pe
+    return projections(params, projection_matmuls(params, x, config), positions, config)[:5]
+
+
+def _indexer_key(params, k, positions, config: MLAConfig):
+    """LayerNorm, NeoX rope on the first rope dims, Hadamard of wk x (k [T, D] f32) -> [T, D] f32."""
+    k = ops.layer_norm(k, params["indexer.k_norm.weight"], params["indexer.k_norm.bias"], 1e-6)
+    return ops.hadamard(ops.rope_neox_prefix(k, positions, config))
 
 
 def indexer_keys(params, x, positions, config: MLAConfig):
     """Indexer key of each row: LayerNorm(wk x), NeoX rope on the first rope dims, Hadamard. [T, D] f32."""
-    k = ops.layer_norm(linear(x, params["indexer.wk.weight"], config), params["indexer.k_norm.weight"],
-                       params["indexer.k_norm.bias"], 1e-6)
-    return ops.hadamard(ops.rope_neox_prefix(k, positions, config))
+    return _indexer_key(params, linear(x, params["indexer.wk.weight"], config), positions, config)
 
 
 def indexer_queries(params, x, qr, positions, config: MLAConfig):
@@ -183,7 +205,11 @@ def check_inputs(params, hidden, cache, meta: BatchMeta, plan: BatchPlan, config
 
 
 def _pick(a, rows):
-    return a if rows is None else take_rows(a, rows)
+    """a's rows of a stage: rows None (every row), an int n (the first n: a slice, no gather) or
+    [N] row ids (-1 padded: take_rows)."""
+    if rows is None:
+        return a
+    return a[:rows] if isinstance(rows, int) else take_rows(a, rows)
 
 
 def _dense_prefill(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: BatchMeta, config: MLAConfig,
@@ -194,7 +220,8 @@ def _dense_prefill(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: 
     keys from the cache slots meta.dense_key_slots (their first num_keys only, when given: the
     caller knows the real keys fit). selection: None, or [T, K] key positions per row of
     meta.dense_rows (masked MHA: `_dense_selection`), with max_kv_len a bound on a sequence's keys.
-    Returns (rows [T] = meta.dense_rows, out [T, H, v] f32 of those rows; padding rows 0).
+    Returns (rows [T] = meta.dense_rows, out [T, H, v] in config.dtype of those rows; padding
+    rows 0).
     """
     c_ = config
     with jax.named_scope("dense_kv_up"):
@@ -213,7 +240,7 @@ def _dense_prefill(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: 
         out = kernel_ops.dense_mha(q.astype(dt), k.astype(dt), v.astype(dt), meta.dense_query_start,
                                    meta.dense_key_start, scale=c_.softmax_scale, selection=selection,
                                    max_kv_len=max_kv_len, impl=impl)
-    return rows, out.astype(jnp.float32)
+    return rows, out.astype(dt)
 
 
 def _dense_selection(meta: BatchMeta, top_positions, scored_index, topk: int):
@@ -232,8 +259,8 @@ def _dense_selection(meta: BatchMeta, top_positions, scored_index, topk: int):
 
 def _topk_positions(params, x, qr, positions, cache: cache_lib.PagedCache, meta: BatchMeta, rows, group: RowGroup,
                     *, config: MLAConfig, impl: kernel_ops.Implementations, tensor_axis: str | None):
-    """Indexer scoring and top-k of `rows` ([N] row ids, -1 padded; None: every row) -> key
-    positions [N, topk] in each row's sequence (-1 padded).
+    """Indexer scoring and top-k of `rows` ([N] row ids, -1 padded; None: every row; an int N:
+    the first N) -> key positions [N, topk] in each row's sequence (-1 padded).
 
     x [T, hidden], qr [T, q_lora], positions [T]: every row's input, q latent and position (the
     indexer's queries are projected here, for the scored rows only); group: the plan's RowGroup of
@@ -246,7 +273,8 @@ def _topk_positions(params, x, qr, positions, cache: cache_lib.PagedCache, meta:
     """
     tp = group.indexer_shards
     if tp > 1:
-        ids = jnp.arange(meta.positions.shape[0], dtype=jnp.int32) if rows is None else rows
+        ids = jnp.arange(meta.positions.shape[0], dtype=jnp.int32)[:rows] if rows is None or isinstance(rows, int) \
+            else rows
         mine = ids.reshape(-1, tp)[:, jax.lax.axis_index(tensor_axis)]  # [N / tp]
         top = _score_rows(params, x, qr, positions, cache, meta, mine, group, config=config, impl=impl)
         gathered = jax.lax.all_gather(top, tensor_axis)  # [tp, N / tp, topk]: shard s holds rows s::tp
@@ -256,11 +284,11 @@ def _topk_positions(params, x, qr, positions, cache: cache_lib.PagedCache, meta:
 
 def _score_rows(params, x, qr, positions, cache: cache_lib.PagedCache, meta: BatchMeta, rows, group: RowGroup, *,
                 config: MLAConfig, impl: kernel_ops.Implementations):
-    """_topk_positions on one device: indexer queries, logits and top-k of `rows` (None: every row)."""
+    """_topk_positions on one device: indexer queries, logits and top-k of `rows` (as _pick's)."""
     c_ = config
     row_pos = _pick(meta.positions, rows)
     row_end = jnp.where(row_pos >= 0, row_pos + 1, 0)
-    if rows is not None:
+    if rows is not None and not isinstance(rows, int):
         row_end = jnp.where(rows >= 0, row_end, 0)
     with jax.named_scope("indexer_queries"):
         q_i, w_i = indexer_queries(params, _pick(x, rows), _pick(qr, rows), _pick(positions, rows), c_)
@@ -275,10 +303,10 @@ def _score_rows(params, x, qr, positions, cache: cache_lib.PagedCache, meta: Bat
 
 def _sparse_attention(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: BatchMeta, rows, top_positions,
                       pages, group: RowGroup, *, config: MLAConfig, impl: kernel_ops.OpImpl):
-    """Absorbed sparse attention of `rows` (None: every row) over their top-k key positions [N,
-    topk] (-1 padded), on `pages` (page ids, -1 ignored) -> [N, H, v] f32. q_nope, q_pe, w_uk,
-    w_uv as in _dense_prefill; group: the plan's RowGroup of these rows (its fp8 dequantisation
-    route)."""
+    """Absorbed sparse attention of `rows` (as _pick's) over their top-k key positions [N, topk]
+    (-1 padded), on `pages` (page ids, -1 ignored) -> [N, H, v] in config.dtype. q_nope, q_pe,
+    w_uk, w_uv as in _dense_prefill; group: the plan's RowGroup of these rows (its fp8
+    dequantisation route)."""
     c_ = config
     slots = positions_to_slots(top_positions, meta.block_tables, _pick(meta.row_seq, rows), c_.page_size)
     with jax.named_scope("sparse_attention"):
@@ -287,7 +315,7 @@ def _sparse_attention(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, met
         out_lat, _ = kernel_ops.sparse_mla(q_abs, cache.flat("latent"), cache.flat("latent_scale"),
                                            cache.flat("k_pe"), slots, pages, scale=c_.softmax_scale,
                                            page_size=c_.page_size, impl=impl, dequantize=group.dequantize)
-        return per_head("thr,hvr->thv", out_lat, w_uv, c_)
+        return per_head("thr,hvr->thv", out_lat, w_uv, c_).astype(c_.jnp_dtype)
 
 
 def _sparse_groups(plan: BatchPlan, meta: BatchMeta, rows):
@@ -321,15 +349,15 @@ def _attend_sparsely(score, attend, plan: BatchPlan, meta: BatchMeta, out_heads,
     return out_heads
 
 
-def _sparse_program(score, attend, plan: BatchPlan, meta: BatchMeta, out_shape):
-    """Every row scored, top-k'd and attended sparsely -> out_shape [T, H, v] f32."""
-    return _attend_sparsely(score, attend, plan, meta, jnp.zeros(out_shape, jnp.float32), rows=None)
+def _sparse_program(score, attend, plan: BatchPlan, meta: BatchMeta, out: jax.ShapeDtypeStruct):
+    """Every row scored, top-k'd and attended sparsely -> out ([T, H, v] in config.dtype)."""
+    return _attend_sparsely(score, attend, plan, meta, jnp.zeros(out.shape, out.dtype), rows=None)
 
 
-def _dense_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out_shape, topk: int):
+def _dense_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out: jax.ShapeDtypeStruct, topk: int):
     """Short prefills as dense MHA (dense(...) -> (rows, out): _dense_prefill), meta.sparse_rows
     scored, those of them meta.masked_flags marks as masked MHA in the same dense call (a plan
-    with `masked`) and the others sparsely -> out_shape [T, H, v] f32.
+    with `masked`) and the others sparsely -> out ([T, H, v] in config.dtype).
 
     Scores only meta.sparse_rows, or every row when plan.skip_indexer is False (the baseline).
     """
@@ -353,7 +381,7 @@ def _dense_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out_s
         attending = jnp.where(meta.masked_flags > 0, -1, meta.sparse_rows)
     else:
         rows, dense_out = dense()
-    out_heads = _put_rows(jnp.zeros(out_shape, jnp.float32), rows, dense_out)
+    out_heads = _put_rows(jnp.zeros(out.shape, out.dtype), rows, dense_out)
     if plan.num_sparse_tokens and plan.masked != "all":
         out_heads = _attend_sparsely(score, attend, plan, meta, out_heads, rows=attending,
                                      all_positions=all_positions)
@@ -369,65 +397,96 @@ def _pad_rows(arrays, num_rows: int):
     return jnp.pad(arrays, [(0, num_rows - arrays.shape[0])] + [(0, 0)] * (arrays.ndim - 1))
 
 
+def _switch(index, branches, *operands):
+    """jax.lax.switch, or the one branch called directly: XLA's GPU conditional copies its index
+    to the host and waits for it (the GPU idles until the host launches the branch), so a stage
+    of one size has none."""
+    if len(branches) == 1:
+        return branches[0](*operands)
+    return jax.lax.switch(index, branches, *operands)
+
+
 def _over_rows(fn, plan: BatchPlan, meta: BatchMeta):
     """fn(n): a matmul stage over the first n rows, padded to num_tokens. A cond plan runs it at
     the size meta.branches[3] picks from plan.row_sizes (its real rows, rounded up to a 1/16 of
     the bucket: padding rows cost those matmuls full FLOPs); a static plan over every row."""
-    if len(plan.row_sizes) > 1:
-        return jax.lax.switch(meta.branches[3], [functools.partial(fn, n) for n in plan.row_sizes])
-    return fn(plan.num_tokens)
+    return _switch(meta.branches[3] if plan.row_sizes else None,
+                   [functools.partial(fn, n) for n in plan.row_sizes or (plan.num_tokens,)])
 
 
-def _cond_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out_shape, topk: int):
-    """The serving program (dispatch="cond"): three stages, each run at the size meta.branches
-    picks from the plan's ladders (pick 0: the stage does not run) -> out_shape [T, H, v] f32.
+def _cond_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out: jax.ShapeDtypeStruct, topk: int):
+    """The serving program (dispatch="cond") -> out ([T, H, v] in config.dtype). Its stages
+    are those the plan holds (a dense call where num_dense_keys, scoring and sparse attention
+    where num_sparse_tokens), each run at the size meta.branches picks from the plan's sizes
+    (0: the stage does not run this step; one size: no conditional):
 
     1. scoring of meta.sparse_rows[:n] (n from plan.score_sizes; every row, the baseline, without
        skip_indexer): top-k positions [T, topk] aligned with meta.sparse_rows, -1 past n;
-    2. the dense MHA call (`dense`: _dense_prefill) over the first k of meta.dense_key_slots (k
-       from plan.key_sizes), with the rows meta.masked_flags marks restricted to their top-k
-       positions in the masked picks;
+    2. the dense MHA call (`dense`: _dense_prefill) over the first k of meta.dense_key_slots
+       (plan.dense_calls: k, and whether the rows meta.masked_flags marks are restricted to their
+       top-k positions);
     3. sparse attention of meta.sparse_rows[:n] (n from plan.attend_sizes; the plan puts the
        sparsely attending rows first, the masked ones are skipped).
-    Each stage's every size is compiled into the program (lax.switch), so the program is one per
-    shape bucket and a step pays for its real rows and keys, up to the ladders' steps.
+    Without a dense call every scored row attends sparsely: 1 and 3 are one stage (one
+    conditional). Each stage's every size is compiled into the program, so the program is one
+    per shape bucket and stage set, and a step pays for its real rows and keys, up to the
+    ladders' steps.
     """
     T = plan.num_tokens
+    zeros = jnp.zeros(out.shape, out.dtype)
+    if not plan.key_sizes and plan.skip_indexer:  # every row attends sparsely: sparse_rows is 0, 1, ...
+        def scored_and_attended(n):
+            def run():
+                if n == 0:
+                    return zeros
+                group = plan.group("sparse", n)
+                return _pad_rows(attend(n, score(n, group), meta.block_tables, group), T)
+            return run
+        return _switch(meta.branches[2], [scored_and_attended(n) for n in plan.attend_sizes])
+
     none = jnp.full((T, topk), -1, jnp.int32)
     all_positions = None
-    if plan.skip_indexer:
-        def scoring(n):
-            return lambda: jnp.concatenate([score(meta.sparse_rows[:n], plan.group("sparse", n)), none[n:]])
-        top = jax.lax.switch(meta.branches[0], [lambda: none] + [scoring(n) for n in plan.score_sizes])
-    else:  # baseline: every row scored
+    if not plan.skip_indexer:  # baseline: every row scored
         all_positions = score(None, plan.group("all"))
         top = jnp.where(meta.sparse_rows[:, None] >= 0, _pick(all_positions, meta.sparse_rows), -1)
+    elif plan.score_sizes:
+        def scoring(n):
+            if n == 0:
+                return lambda: none
+            return lambda: jnp.concatenate([score(meta.sparse_rows[:n], plan.group("sparse", n)), none[n:]])
+        top = _switch(meta.branches[0], [scoring(n) for n in plan.score_sizes])
 
-    scored_index = _put_rows(jnp.full((T,), -1, jnp.int32), meta.sparse_rows, jnp.arange(T, dtype=jnp.int32))
-    longest = plan.pages_per_seq * plan.config.page_size  # a sequence's keys fit its block table
+    out_heads = zeros
+    if plan.key_sizes:
+        scored_index = _put_rows(jnp.full((T,), -1, jnp.int32), meta.sparse_rows,
+                                 jnp.arange(plan.num_sparse_tokens, dtype=jnp.int32))
+        longest = plan.pages_per_seq * plan.config.page_size  # a sequence's keys fit its block table
 
-    def dense_call(num_keys, masked):
-        def run():
-            if masked:
-                rows, out = dense(num_keys=num_keys, selection=_dense_selection(meta, top, scored_index, topk),
-                                  max_kv_len=min(num_keys, longest))
-            else:
-                rows, out = dense(num_keys=num_keys)
-            return _put_rows(jnp.zeros(out_shape, jnp.float32), rows, out)
-        return run
-
-    calls = [(k, False) for k in plan.key_sizes] + [(k, True) for k in plan.key_sizes if plan.masked != "none"]
-    out_heads = jax.lax.switch(meta.branches[1], [lambda: jnp.zeros(out_shape, jnp.float32)]
-                               + [dense_call(*call) for call in calls])
+        def dense_call(num_keys, masked):
+            def run():
+                if num_keys == 0:
+                    return zeros
+                if masked:
+                    rows, dense_out = dense(num_keys=num_keys, max_kv_len=min(num_keys, longest),
+                                            selection=_dense_selection(meta, top, scored_index, topk))
+                else:
+                    rows, dense_out = dense(num_keys=num_keys)
+                return _put_rows(zeros, rows, dense_out)
+            return run
+        out_heads = _switch(meta.branches[1], [dense_call(*call) for call in plan.dense_calls])
 
     def attending(n):
         def run(out_heads):
+            if n == 0:
+                return out_heads
             rows = jnp.where(meta.masked_flags[:n] > 0, -1, meta.sparse_rows[:n])
-            out = attend(rows, jnp.where(rows[:, None] >= 0, top[:n], -1), meta.block_tables, plan.group("sparse", n))
-            return _put_rows(out_heads, rows, out)
+            attended = attend(rows, jnp.where(rows[:, None] >= 0, top[:n], -1), meta.block_tables,
+                              plan.group("sparse", n))
+            return _put_rows(out_heads, rows, attended)
         return run
 
-    out_heads = jax.lax.switch(meta.branches[2], [lambda o: o] + [attending(n) for n in plan.attend_sizes], out_heads)
+    if plan.attend_sizes:
+        out_heads = _switch(meta.branches[2], [attending(n) for n in plan.attend_sizes], out_heads)
     if all_positions is not None:  # baseline: keep scoring that (mostly) no row reads
         out_heads = _depend_on(out_heads, all_positions)
     return out_heads
@@ -460,12 +519,11 @@ def forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib
     x = hidden.astype(c_.jnp_dtype)
     positions = jnp.maximum(meta.positions, 0)
 
-    def project(n):  # the first n rows' projections, zero past them
-        return _pad_rows((*mla_projections(params, x[:n], positions[:n], c_),
-                          indexer_keys(params, x[:n], positions[:n], c_)), T)
+    def project(n):  # the first n rows' matmuls, zero past them
+        return _pad_rows(projection_matmuls(params, x[:n], c_), T)
 
-    with jax.named_scope("projections"):
-        qr, q_nope, q_pe, c, k_pe, k_index = _over_rows(project, plan, meta)
+    with jax.named_scope("projections"):  # row-wise work outside the conditional, fused into its readers
+        qr, q_nope, q_pe, c, k_pe, k_index = projections(params, _over_rows(project, plan, meta), positions, c_)
     # Both caches are written first: the dense program still fills the indexer key cache,
     # or later decode steps would score against stale keys.
     with jax.named_scope("cache_write"):
@@ -480,13 +538,13 @@ def forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib
     attend = functools.partial(_sparse_attention, q_nope, q_pe, w_uk, w_uv, cache, meta, config=c_,
                                impl=impl.sparse_mla)
     dense = functools.partial(_dense_prefill, q_nope, q_pe, w_uk, w_uv, cache, meta, c_, impl.dense_mha)
-    out_shape = (T, H, c_.v_head_dim)
+    heads = jax.ShapeDtypeStruct((T, H, c_.v_head_dim), c_.jnp_dtype)  # (o_proj reads it in config.dtype)
     if plan.use_dense_mha is None:  # dispatch="cond": the serving program
-        out_heads = _cond_program(score, attend, dense, plan, meta, out_shape, c_.index_topk)
+        out_heads = _cond_program(score, attend, dense, plan, meta, heads, c_.index_topk)
     elif plan.use_dense_mha:
-        out_heads = _dense_program(score, attend, dense, plan, meta, out_shape, c_.index_topk)
+        out_heads = _dense_program(score, attend, dense, plan, meta, heads, c_.index_topk)
     else:
-        out_heads = _sparse_program(score, attend, plan, meta, out_shape)
+        out_heads = _sparse_program(score, attend, plan, meta, heads)
 
     # a request's own non-finite input shows in its rows on every route (see _nonfinite_rows)
     out_heads = jnp.where(_nonfinite_rows(x, meta, plan.num_seqs)[:, None, None], jnp.nan, out_heads)

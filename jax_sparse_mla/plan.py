@@ -152,28 +152,31 @@ class RowGroup:
 
 
 ROW_LADDER_STEPS = 5  # a cond plan's row sizes: num_tokens, / 2, ..., / 16
-PROJECTION_MIN_TOKENS = 512  # a cond plan of at least this many rows projects only about its real rows
-PROJECTION_STEPS = 8  # ... at one of the sizes num_tokens x (8 + j) / 16, j = 1 .. 8
+LADDER_MIN_TOKENS = 512  # below this many rows a cond plan runs its row stages at num_tokens
+PROJECTION_STEPS = 8  # a cond plan's projection sizes: num_tokens x (8 + j) / 16, j = 1 .. 8
 KEY_LADDER = (-3, 2)  # a cond plan's dense key sizes: num_tokens x 2**e for e in [-3, 2]
 MIN_LADDER_SIZE = 16
 
 
 def row_ladder(num_tokens: int) -> tuple[int, ...]:
     """A cond plan's sizes for its scored and its sparsely attending rows (ascending): num_tokens
-    halved ROW_LADDER_STEPS - 1 times, none below MIN_LADDER_SIZE (or num_tokens if smaller).
-    Rows past a stage's real ones cost little in its kernels; the halving bounds what they cost
-    in its dense matmuls (the indexer queries, q / o latent projections) to the real rows'."""
-    low = min(num_tokens, MIN_LADDER_SIZE)
-    return tuple(sorted({max(low, -(-num_tokens // 2 ** j)) for j in range(ROW_LADDER_STEPS)}))
+    halved ROW_LADDER_STEPS - 1 times, none below MIN_LADDER_SIZE, from LADDER_MIN_TOKENS rows
+    up; else (num_tokens,). Rows past a stage's real ones cost little in its kernels; the halving
+    bounds what they cost in its dense matmuls (the indexer queries, q / o latent projections) to
+    the real rows'. Below LADDER_MIN_TOKENS those matmuls cost less than the conditional that
+    would pick a size (XLA's GPU conditional waits for the host to read its index)."""
+    if num_tokens < LADDER_MIN_TOKENS:
+        return (num_tokens,)
+    return tuple(sorted({max(MIN_LADDER_SIZE, -(-num_tokens // 2 ** j)) for j in range(ROW_LADDER_STEPS)}))
 
 
 def projection_ladder(num_tokens: int) -> tuple[int, ...]:
     """A cond plan's sizes for its dense matmuls over every row (the projections, o_proj;
     ascending): num_tokens x (8 + j) / 16 for j = 1 .. PROJECTION_STEPS from
-    PROJECTION_MIN_TOKENS rows up, else (num_tokens,). A batch's rows are more than half its
+    LADDER_MIN_TOKENS rows up, else (num_tokens,). A batch's rows are more than half its
     bucket, so the padding those matmuls pay is at most 1/16 of the bucket (at 8K rows, 512
     rows of ~0.37 GFLOP each), not up to half of it."""
-    if num_tokens < PROJECTION_MIN_TOKENS:
+    if num_tokens < LADDER_MIN_TOKENS:
         return (num_tokens,)
     return tuple(sorted({-(-num_tokens * (PROJECTION_STEPS + j) // (2 * PROJECTION_STEPS))
                          for j in range(1, PROJECTION_STEPS + 1)}))
@@ -186,6 +189,13 @@ def key_ladder(num_tokens: int) -> tuple[int, ...]:
     lo, hi = KEY_LADDER
     return tuple(sorted({max(MIN_LADDER_SIZE, num_tokens << e if e >= 0 else -(-num_tokens >> -e))
                          for e in range(lo, hi + 1)}))
+
+
+def stage_sizes(ladder: tuple[int, ...]) -> tuple[int, ...]:
+    """A cond plan's run-time sizes for a stage that a step may leave out: 0 (the stage does not
+    run) and the ladder, where a conditional picks among several sizes anyway; a ladder of one
+    size runs every step (its rows past the real ones select nothing)."""
+    return ladder if len(ladder) == 1 else (0, *ladder)
 
 
 def _row_groups(plan: BatchPlan) -> tuple[RowGroup, ...]:
@@ -204,7 +214,7 @@ def _row_groups(plan: BatchPlan) -> tuple[RowGroup, ...]:
         return RowGroup(name, num_rows, shards, policy.indexer_kernel(num_rows // shards, plan.num_seqs), route)
 
     if plan.use_dense_mha is None:  # the cond program: each size of its row ladder
-        calls = ([] if plan.skip_indexer else [("all", plan.num_tokens)]) + [("sparse", n) for n in plan.attend_sizes]
+        calls = ([] if plan.skip_indexer else [("all", plan.num_tokens)]) + [("sparse", n) for n in plan.attend_sizes if n]
         return tuple(group(name, n) for name, n in calls)
     split = [("upfront", plan.num_upfront_rows)] + ([("kernel", plan.num_kernel_rows)] if plan.num_kernel_rows else [])
     calls = []
@@ -264,8 +274,11 @@ class BatchPlan:
     groups: every RowGroup the program calls the indexer or sparse attention on, with the
       kernel shape and fp8 route decided for it (computed from the other fields: not an
       argument, and recomputed by dataclasses.replace).
-    In a cond plan, num_sparse_tokens is num_tokens and num_dense_keys key_sizes[-1] (0 with
-    force_sparse): the sizes of meta's arrays, which fit any batch of the bucket.
+    A cond plan's num_sparse_tokens (num_tokens, or 0) and num_dense_keys (key_ladder's
+    largest, or 0) are the sizes of meta's arrays, which fit any batch of the bucket, and say
+    which stages its program holds: a batch whose every row attends sparsely (decodes, say)
+    runs a program with no dense call, one with no scored row a program with no scoring or
+    sparse attention (the dense-vs-sparse decision is the plan's: up to three programs a bucket).
     """
 
     num_tokens: int
@@ -302,10 +315,10 @@ class BatchPlan:
 
     @property
     def attend_sizes(self) -> tuple[int, ...]:
-        """A cond plan's sizes for its sparsely attending rows, and for its scored rows where it
-        scores only those (skip_indexer): row_ladder(num_tokens) (ascending; a batch with none
-        takes neither stage). () for a static plan."""
-        return row_ladder(self.num_tokens) if self.use_dense_mha is None else ()
+        """A cond plan's sizes for its sparsely attending rows (ascending; 0: none attend):
+        stage_sizes(row_ladder(num_tokens)); () without the stage (num_sparse_tokens 0) and for
+        a static plan."""
+        return stage_sizes(row_ladder(self.num_tokens)) if self.use_dense_mha is None and self.num_sparse_tokens else ()
 
     @property
     def score_sizes(self) -> tuple[int, ...]:
@@ -323,9 +336,17 @@ class BatchPlan:
 
     @property
     def key_sizes(self) -> tuple[int, ...]:
-        """A cond plan's sizes for the keys of its dense / masked MHA call: key_ladder(num_tokens),
-        () when num_dense_keys is 0 (force_sparse: no dense call) and for a static plan."""
-        return key_ladder(self.num_tokens) if self.use_dense_mha is None and self.num_dense_keys else ()
+        """A cond plan's sizes for the keys of its dense / masked MHA call (0: no call):
+        stage_sizes(key_ladder(num_tokens)); () without the call (num_dense_keys 0) and for a
+        static plan."""
+        return stage_sizes(key_ladder(self.num_tokens)) if self.use_dense_mha is None and self.num_dense_keys else ()
+
+    @property
+    def dense_calls(self) -> tuple[tuple[int, bool], ...]:
+        """A cond plan's dense MHA calls, (keys, with masked rows), meta.branches[1] picks one:
+        each of key_sizes without masked rows, then (masked != "none") each nonzero one with."""
+        masked = () if self.masked == "none" else tuple((k, True) for k in self.key_sizes if k)
+        return tuple((k, False) for k in self.key_sizes) + masked
 
     def check_config(self, config: MLAConfig, shards: int = 1) -> None:
         """Raises ValueError naming each field in which `config` differs from the one planned for.
@@ -349,15 +370,15 @@ class BatchPlan:
     @property
     def num_scored_tokens(self) -> int | None:
         """Rows the indexer scores (0: no scoring and no top-k in the program; None: decided at run time)."""
-        if self.use_dense_mha is None:
-            return None
+        if self.use_dense_mha is None:  # a cond plan scores at run time where it holds the sparse stages
+            return self.num_tokens if not self.skip_indexer else None if self.num_sparse_tokens else 0
         if self.use_dense_mha and self.skip_indexer:
             return self.num_sparse_tokens
         return self.num_tokens
 
     @property
     def has_indexer_scoring(self) -> bool:
-        """Whether the program contains indexer scoring (a cond program always holds it)."""
+        """Whether the program contains indexer scoring."""
         return self.num_scored_tokens != 0
 
     @property
@@ -404,11 +425,10 @@ class BatchMeta:
     upfront_pages: jax.Array  # [num_upfront_pages]
     # [num_sparse_tokens]: 1 where that row of sparse_rows attends as masked MHA, else 0 [0]
     masked_flags: jax.Array
-    # [4]: a cond plan's run-time picks, 0 where the stage does not run: (scoring: i scores
-    # sparse_rows[:score_sizes[i - 1]]; the dense call: i <= len(key_sizes) runs it over
-    # key_sizes[i - 1] keys, len(key_sizes) + i the same with masked rows; sparse attention: i
-    # attends sparse_rows[:attend_sizes[i - 1]]; the row matmuls: i projects the first
-    # row_sizes[i] rows) [0]. None unless dispatch="cond".
+    # [4]: a cond plan's run-time picks (cond_branches), each an index into a size tuple whose
+    # size 0 means the stage does not run: (scoring: i scores sparse_rows[:score_sizes[i]]; the
+    # dense call: dense_calls[i]; sparse attention: i attends sparse_rows[:attend_sizes[i]]; the
+    # row matmuls: i projects the first row_sizes[i] rows) [0]. None unless dispatch="cond".
     branches: jax.Array | None = None
 
     @staticmethod
@@ -865,9 +885,12 @@ def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
 
 def plan_host(config: MLAConfig, batch: Batch, *, num_pages: int | None, force_sparse: bool,
               skip_indexer: bool, buckets: BucketPolicy, dispatch: str,
-              tensor_parallel: int = 1, prefill_route: str = "auto") -> tuple[BatchPlan, BatchMeta]:
+              tensor_parallel: int = 1, prefill_route: str = "auto",
+              stages: tuple[bool, bool] | None = None) -> tuple[BatchPlan, BatchMeta]:
     """plan_batch for a batch and options that passed `check_batch` / `check_arrays`; the
-    metadata is numpy, on the host. Numpy over the batch's arrays: no loop over its requests."""
+    metadata is numpy, on the host. Numpy over the batch's arrays: no loop over its requests.
+    stages: a cond plan's (dense call, sparse stages) when a data-parallel step's shards share
+    one program (each the union of theirs; None: the batch's own)."""
     page = config.page_size
     cond = dispatch == "cond"
     ctx, q = batch.context_lens, batch.query_lens
@@ -919,9 +942,11 @@ def plan_host(config: MLAConfig, batch: Batch, *, num_pages: int | None, force_s
 
     branches = None
     upfront_rows = kernel_rows = upfront_pages = []
-    if cond:  # sizes from the buckets alone: one program per shape bucket
+    if cond:  # sizes from the buckets alone, the stages the batch needs (or a data-parallel step's)
+        needs_dense, needs_sparse = stages or (bool(dense.any()), len(scored) > 0)
         plan = cond_plan(config, num_tokens, num_seqs, width, num_pages=num_pages, skip_indexer=skip_indexer,
-                         force_sparse=force_sparse, prefill_route=prefill_route, tensor_parallel=tensor_parallel)
+                         dense=needs_dense, sparse=needs_sparse, prefill_route=prefill_route,
+                         tensor_parallel=tensor_parallel)
     else:
         use_dense = bool(dense.any())
         has_masked = bool((codes == MASKED_ROUTE).any())
@@ -940,12 +965,8 @@ def plan_host(config: MLAConfig, batch: Batch, *, num_pages: int | None, force_s
     if num_sparse:
         masked_flags[:len(scored)] = row_codes[scored] == MASKED_ROUTE
     if cond:
-        branches = np.array([_pick_size(plan.score_sizes, len(scored) if plan.skip_indexer else num_tokens),
-                             _pick_size(plan.key_sizes, len(dense_key_slots)),
-                             _pick_size(plan.attend_sizes, len(attending)),
-                             _pick_size(plan.row_sizes, n) - 1], np.int32)
-        if branches[1] and (codes == MASKED_ROUTE).any():
-            branches[1] += len(plan.key_sizes)
+        branches = cond_branches(plan, len(scored), len(dense_key_slots), bool((codes == MASKED_ROUTE).any()),
+                                 len(attending), n)
     meta = BatchMeta(
         positions=positions, slot_mapping=slot_mapping, row_seq=row_seq_out, block_tables=block_tables,
         sparse_rows=pad_ids(scored if num_sparse else [], num_sparse),  # unused by the sparse program
@@ -957,22 +978,38 @@ def plan_host(config: MLAConfig, batch: Batch, *, num_pages: int | None, force_s
 
 
 def cond_plan(config: MLAConfig, num_tokens: int, num_seqs: int, pages_per_seq: int, *, num_pages: int | None,
-              skip_indexer: bool, force_sparse: bool, prefill_route: str, tensor_parallel: int = 1) -> BatchPlan:
-    """The dispatch="cond" plan of a shape bucket (the one statement of it: plan_host and
-    precompile.enumerate_plans build cond plans here): sizes from the bucket alone, the stages'
-    ladders from num_tokens (BatchPlan.score_sizes, key_sizes, attend_sizes, row_sizes), no
-    dense call under force_sparse, masked calls unless long prefills attend sparsely."""
+              skip_indexer: bool, dense: bool, sparse: bool, prefill_route: str, tensor_parallel: int = 1) -> BatchPlan:
+    """The dispatch="cond" plan of a shape bucket and the stages a batch needs (the one statement
+    of it: plan_host and precompile.enumerate_plans build cond plans here): dense, a dense / masked
+    MHA call; sparse, scoring and sparse attention (at least one). Sizes from the bucket alone,
+    the stages' ladders from num_tokens (BatchPlan.score_sizes, key_sizes, attend_sizes,
+    row_sizes); masked calls where both stages are there, unless long prefills attend sparsely."""
+    if not (dense or sparse):
+        raise ValueError("a cond plan holds the dense call, the sparse stages or both")
     return BatchPlan(num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=pages_per_seq, use_dense_mha=None,
-                     num_sparse_tokens=num_tokens, num_dense_keys=0 if force_sparse else key_ladder(num_tokens)[-1],
+                     num_sparse_tokens=num_tokens if sparse else 0,
+                     num_dense_keys=key_ladder(num_tokens)[-1] if dense else 0,
                      skip_indexer=skip_indexer, num_pages=num_pages, config=PlanConfig.of(config),
-                     masked="none" if force_sparse or prefill_route == "sparse" else "some",
+                     masked="some" if dense and sparse and prefill_route != "sparse" else "none",
                      tensor_parallel=tensor_parallel)
 
 
 def _pick_size(sizes: tuple[int, ...], count: int) -> int:
-    """A cond plan's branch for a stage of `count` items: 0 for none, else 1 + the index of the
-    smallest of `sizes` (ascending) that holds them."""
-    return 0 if count == 0 else 1 + int(np.searchsorted(sizes, count))
+    """A cond plan's branch for a stage of `count` items: the index of the smallest of `sizes`
+    (ascending; stage_sizes) that holds them; 0 where the stage is not in the program."""
+    return int(np.searchsorted(sizes, count)) if sizes else 0
+
+
+def cond_branches(plan: BatchPlan, num_scored: int, num_keys: int, masked: bool, num_attending: int,
+                  num_rows: int) -> np.ndarray:
+    """A cond plan's meta.branches [4] int32 for a step of num_scored scored rows (ignored
+    without skip_indexer: every row), num_keys dense keys (with masked rows or not),
+    num_attending sparsely attending rows and num_rows real rows."""
+    dense = _pick_size(plan.key_sizes, num_keys)
+    if masked:
+        dense = plan.dense_calls.index((plan.key_sizes[dense], True))
+    return np.array([_pick_size(plan.score_sizes, num_scored if plan.skip_indexer else plan.num_tokens), dense,
+                     _pick_size(plan.attend_sizes, num_attending), _pick_size(plan.row_sizes, num_rows)], np.int32)
 
 
 def _plan(config, batch, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel, prefill_route):

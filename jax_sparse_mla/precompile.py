@@ -6,7 +6,8 @@ form a bounded set: `enumerate_plans` lists it (a superset of the plans plan_bat
 batches within the limits, exactly that set for a bf16 cache at small limits; not covered:
 requests sharing prefix pages), `count_programs` counts it per route (no compile), and
 `precompile` compiles each plan ahead of time. A dispatch="cond" plan's sizes are its shape
-buckets only: under BucketPolicy.for_limits (the Engine's default) one plan per row bucket.
+buckets only: under BucketPolicy.for_limits (the Engine's default) up to three plans per row
+bucket (its stage sets: the dense call, the sparse stages, both).
 
 `precompile(method=...)`: "aot" lowers and compiles each plan on ShapeDtypeStructs (jax's
 compilation cache is filled; the first call still traces and lowers), "call" runs each program
@@ -37,7 +38,8 @@ from .cache import init_cache
 from .config import MLAConfig, check_config_type
 from .model import jit_forward
 from .params import init_params
-from .plan import MASKED, BatchMeta, BatchPlan, BucketPolicy, Dispatch, PlanConfig, check_options, cond_plan
+from .plan import (MASKED, BatchMeta, BatchPlan, BucketPolicy, Dispatch, PlanConfig, check_options, cond_plan,
+                   key_ladder)
 from .progress import progress_bar
 from .validate import as_int
 
@@ -113,12 +115,23 @@ def enumerate_plans(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *
         if nlo > qhi or nlo > nhi or qlo > qhi:
             continue
         if dispatch == "cond":
+            # the stage sets a batch of the bucket may need: (dense call, sparse stages)
+            decodes = max(nlo, qlo) <= min(nhi, qhi) and L >= 2
+            # a long prefill attending sparsely: forced, routed so, or past the largest dense key size
+            long_sparse = force_sparse or (long_ok and (prefill_route != "masked" or L > key_ladder(T)[-1]))
+            stage_sets = [(False, True)] if decodes or (long_sparse and qlo <= nhi * L) else []
+            if not force_sparse:
+                if qlo <= nhi * min(K, L):  # short prefills only
+                    stage_sets.append((True, False))
+                if qhi >= 2 and (nhi >= 2 or (long_ok and prefill_route != "sparse")):  # both, or a masked prefill
+                    stage_sets.append((True, True))
             for W in W_vals:
                 wlo, whi = clip(W, bp.min_pages_per_seq, m_max)
                 if wlo > whi or nlo - 1 + wlo > P or qlo > nhi * min(L, whi * ps):
                     continue
-                plans.add(cond_plan(config, T, S, W, num_pages=P, skip_indexer=skip_indexer,
-                                    force_sparse=force_sparse, prefill_route=prefill_route, tensor_parallel=tp))
+                for dense, sparse in stage_sets:
+                    plans.add(cond_plan(config, T, S, W, num_pages=P, skip_indexer=skip_indexer, dense=dense,
+                                        sparse=sparse, prefill_route=prefill_route, tensor_parallel=tp))
             continue
         # the sparse program: no dense request (decodes; prefills longer than index_topk, or any with force_sparse)
         # rows == requests: every request a decode (or, forced, a one-token first prefill)

@@ -152,8 +152,8 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
       jax_sparse_mla.data_parallel, route them as plan_batch does). An fp8 cache's prefill /
       decode split (BatchPlan.num_upfront_rows) applies to every shard as soon as one shard's
       own plan splits.
-    dispatch "cond": every shard's plan_batch cond plan under the common buckets, which is one
-      plan (its sizes are the buckets'), each shard with its own stage sizes in its
+    dispatch "cond": every shard's plan_batch cond plan under the common buckets and with the
+      stages of every shard's (the union), which is one plan, each shard with its own stage sizes in its
       meta.branches (prefill_route as plan_batch's, None: "auto"): the serving program on a
       mesh with several data shards.
     tensor_parallel: the mesh's tensor-axis size (BatchPlan.tensor_parallel: the kernel choices
@@ -193,12 +193,17 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
     common = dataclasses.replace(
         buckets, min_tokens=max(s[0] for s in sizes), min_seqs=max(s[1] for s in sizes),
         min_pages_per_seq=max(s[2] for s in sizes), min_dense_keys=max([buckets.min_dense_keys] + [s[3] for s in sizes]))
-    plans = {d: plan_host(config, b, num_pages=num_pages, force_sparse=force_sparse, skip_indexer=skip_indexer,
-                          buckets=common, dispatch=dispatch, tensor_parallel=int(tensor_parallel),
-                          prefill_route=prefill_route)
-             for d, b in checked.items()}
+    def plan_shards(stages=None):
+        return {d: plan_host(config, b, num_pages=num_pages, force_sparse=force_sparse, skip_indexer=skip_indexer,
+                             buckets=common, dispatch=dispatch, tensor_parallel=int(tensor_parallel),
+                             prefill_route=prefill_route, stages=stages)
+                for d, b in checked.items()}
+    plans = plan_shards()
     base = next(iter(plans.values()))[0]
-    if dispatch == "cond":  # one plan (the common buckets'), each shard's own stage sizes
+    if dispatch == "cond":  # one plan (the common buckets', every shard's stages), each shard's own stage sizes
+        stages = (any(p.num_dense_keys for p, _ in plans.values()), any(p.num_sparse_tokens for p, _ in plans.values()))
+        plans = plan_shards(stages)
+        base = next(iter(plans.values()))[0]
         assert all(p == base for p, _ in plans.values())
         return base, _concatenate(base, plans, len(shards))
     dense = any(p.use_dense_mha for p, _ in plans.values())

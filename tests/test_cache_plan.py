@@ -170,21 +170,27 @@ def test_auto_route_follows_the_cost_model(context_len, query_len):
     assert c["masked"] >= c["sparse"] and 8192 < cross < 65536
 
 
-def test_cond_dispatch_plan_depends_on_buckets_only():
+def test_cond_dispatch_plan_depends_on_buckets_and_stages_only():
+    """A cond plan's sizes are its bucket's; its stages are those the batch needs (a dense call,
+    scoring and sparse attention, both); below LADDER_MIN_TOKENS rows a row stage has one size."""
     k = TINY.index_topk
     a, meta_a = plan_batch(TINY, [Request(0, 5, [0, 1])], dispatch="cond")
-    b, meta_b = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], dispatch="cond", buckets=BucketPolicy(min_pages_per_seq=8))
-    assert a.route == b.route == "cond" and a.num_scored_tokens is None and a.has_indexer_scoring
-    assert (a.num_sparse_tokens, a.num_dense_keys) == (16, 64) and a.key_sizes == (16, 32, 64)
-    assert a.attend_sizes == a.score_sizes == (16,) and b.attend_sizes == (16, 32) and a.masked == "some"
+    assert a.route == "cond" and a.num_scored_tokens == 0 and not a.has_indexer_scoring  # dense only
+    assert (a.num_sparse_tokens, a.num_dense_keys, a.masked) == (0, 64, "none") and a.key_sizes == (0, 16, 32, 64)
+    assert a.attend_sizes == a.score_sizes == () and a.dense_calls == ((0, False), (16, False), (32, False), (64, False))
     np.testing.assert_array_equal(meta_a.branches, [0, 1, 0, 0])  # 5 dense keys: the 16-key call
-    np.testing.assert_array_equal(meta_b.branches, [2, 6, 0, 0])  # k + 1 rows scored, then masked over 32 keys
-    _, meta_c = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], dispatch="cond", prefill_route="sparse",
+    b, meta_b = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], dispatch="cond", buckets=BucketPolicy(min_pages_per_seq=8))
+    assert b.num_scored_tokens is None and b.has_indexer_scoring and b.masked == "some"
+    assert b.attend_sizes == b.score_sizes == (32,) and b.key_sizes == (0, 16, 32, 64, 128)
+    np.testing.assert_array_equal(meta_b.branches, [0, 6, 0, 0])  # k + 1 rows scored, then masked over 32 keys
+    assert b.dense_calls[6] == (32, True)
+    c, meta_c = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], dispatch="cond", prefill_route="sparse",
                            buckets=BucketPolicy(min_pages_per_seq=8))
-    np.testing.assert_array_equal(meta_c.branches, [2, 0, 2, 0])  # or scored, then attending sparsely
+    assert (c.num_dense_keys, c.key_sizes, c.masked, c.num_sparse_tokens) == (0, (), "none", 32)  # sparse only
+    np.testing.assert_array_equal(meta_c.branches, [0, 0, 0, 0])
     s, meta_s = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], dispatch="cond", force_sparse=True,
                            buckets=BucketPolicy(min_pages_per_seq=8))
-    assert (s.num_dense_keys, s.key_sizes, s.masked) == (0, (), "none") and meta_s.dense_key_slots.shape == (0,)
+    assert s == c and meta_s.dense_key_slots.shape == (0,)
     with pytest.raises(ValueError, match="dispatch must be one of"):
         plan_batch(TINY, [Request(0, 5, [0, 1])], dispatch="dynamic")
 

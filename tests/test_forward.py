@@ -493,33 +493,48 @@ def test_cond_dispatch_matches_static_dispatch(config, options):
     c_plans = {plan for plan, _ in cond_steps}
     assert {p.route for p in c_plans} == {"cond"}
     assert {p.route for p in s_plans} == ({"sparse"} if options.get("force_sparse") else {"dense", "sparse"})
-    assert len(c_plans) == len({(p.num_tokens, p.num_seqs, p.pages_per_seq) for p in s_plans})
+    # a cond plan holds the stages its batch needs: the dense call where the static plan has it,
+    # scoring and sparse attention where it scores rows
+    for s, (c, _) in zip(s_plans, cond_steps):
+        assert (bool(c.num_dense_keys), bool(c.num_sparse_tokens)) == (
+            bool(s.use_dense_mha), not s.use_dense_mha or s.num_sparse_tokens > 0)
+    assert len(c_plans) == len({(p.num_tokens, p.num_seqs, p.pages_per_seq, p.use_dense_mha, p.num_sparse_tokens > 0)
+                                for p in s_plans})
 
 
-def test_cond_stages_follow_the_batch():
+def test_cond_stages_follow_the_batch(monkeypatch):
     """dispatch="cond": each stage runs at the smallest size of its ladder that holds the batch
-    (meta.branches: scoring, the dense call's keys, sparse attention): short prefills (16 and 32
-    keys), a masked long prefill, a decode beside a short prefill, and short prefills with
+    (meta.branches: scoring, the dense call's keys, sparse attention; row ladders of several
+    sizes from LADDER_MIN_TOKENS rows, lowered here to the tiny buckets): short prefills (16 and
+    32 keys), a masked long prefill, a decode beside a short prefill, and short prefills with
     context whose keys pass the largest key size (the last one then attends sparsely); each step
     gives the static plan's outputs and cache."""
+    from jax_sparse_mla import plan as plan_lib
+
+    monkeypatch.setattr(plan_lib, "LADDER_MIN_TOKENS", 16)
     work = [[(0, 6), (1, 5)], [(0, 6), (1, 5)], [(2, 20)], [(2, 1), (3, 4)],
             [(s, 12) for s in range(4, 9)], [(s, 3) for s in range(4, 9)]]
     seqs = [(0, 12), (1, 10), (2, 21), (3, 4)] + [(s, 15) for s in range(4, 9)]
     _, cond_steps = _cond_against_static(TINY, 15, seqs, work)
-    # key sizes at 16 rows: 16, 32, 64; at 32: 16 .. 128 (4 sizes: masked picks add 4); at 64: 16 .. 256
-    assert [(plan.num_tokens, meta.branches.tolist()) for plan, meta in cond_steps] == [
-        (16, [0, 1, 0, 0]), (16, [0, 2, 0, 0]), (32, [2, 6, 0, 0]), (16, [1, 1, 1, 0]),
-        (64, [0, 3, 0, 0]), (16, [1, 3, 1, 0])]  # (rows < PROJECTION_MIN_TOKENS: one row size)
+    # (stages, the picks' sizes): scored rows, the dense call (keys, masked), attending rows, projected rows
+    assert [((bool(p.num_dense_keys), bool(p.num_sparse_tokens)), p.score_sizes[m.branches[0]] if p.score_sizes else None,
+             p.dense_calls[m.branches[1]], p.attend_sizes[m.branches[2]] if p.attend_sizes else None,
+             p.row_sizes[m.branches[3]]) for p, m in cond_steps] == [
+        ((True, False), None, (16, False), None, 11), ((True, False), None, (32, False), None, 11),
+        ((True, True), 32, (32, True), 0, 20),  # 20 rows scored, masked: none attends sparsely
+        ((True, True), 16, (16, False), 16, 9),  # a bucket of 16: one size for scoring and attending
+        ((True, False), None, (64, False), None, 60),
+        ((True, True), 16, (64, False), 16, 15)]  # 75 keys > 4 x 16: the last prefill attends sparsely
 
 
 def test_cond_projects_about_its_real_rows(monkeypatch):
     """A cond plan's matmuls over every row (projections, o_proj) run over its real rows rounded
-    up to a 1/16 of the bucket (plan.projection_ladder; from PROJECTION_MIN_TOKENS rows up,
+    up to a 1/16 of the bucket (plan.projection_ladder; from LADDER_MIN_TOKENS rows up,
     lowered here to the tiny buckets): the pick is meta.branches[3], and every step gives the
     static plan's outputs and cache (rows past the pick are padding: zero, written nowhere)."""
     from jax_sparse_mla import plan as plan_lib
 
-    monkeypatch.setattr(plan_lib, "PROJECTION_MIN_TOKENS", 16)
+    monkeypatch.setattr(plan_lib, "LADDER_MIN_TOKENS", 16)
     assert plan_lib.projection_ladder(32) == (18, 20, 22, 24, 26, 28, 30, 32)
     work = [[(0, 17), (1, 3)], [(0, 1), (1, 1), (2, 20)], [(0, 1), (1, 1), (2, 1), (3, 32)]]
     _, cond_steps = _cond_against_static(TINY, 16, [(0, 19), (1, 5), (2, 22), (3, 32)], work)

@@ -87,6 +87,8 @@ def test_plan_arrays_equals_plan_batch_and_the_reference_on_random_batches(seed,
     fp8 = dataclasses.replace(TINY, kv_cache_dtype="fp8")
     if seed % 2:  # make the fp8 split pay on small batches
         monkeypatch.setattr(policy, "UPFRONT_MIN_USES", 1)
+    if seed >= 2:  # cond plans' row stages with several sizes at the tiny buckets
+        monkeypatch.setattr(plan_lib, "LADDER_MIN_TOKENS", 16)
     for n in range(60):
         config = fp8 if n % 3 == 0 else TINY
         num_pages = int(rng.choice([64, 256]))

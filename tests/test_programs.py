@@ -10,6 +10,7 @@ from flax import nnx
 
 from jax_sparse_mla import (BucketPolicy, MLAConfig, Request, SparseMLA, init_cache, init_params, jit_forward,
                             plan_batch)
+from jax_sparse_mla import plan as plan_lib
 from jax_sparse_mla.model import forward
 from jax_sparse_mla.synthetic import rel_err
 
@@ -156,17 +157,32 @@ def test_nnx_module_under_jit_matches_functional_forward():
     assert set(layer.params()) == set(init_params(TINY, jax.random.key(0)))
 
 
-def test_cond_program_holds_both_branches_and_is_shared_by_routes():
-    """One cond executable serves a short-prefill batch (a dense call, nothing scored) and a batch of
-    a long prefill (masked) beside a decode (sparse attention) of the same buckets."""
-    reqs_dense = [Request(0, 10, [0, 1, 2]), Request(0, 12, [3, 4, 5])]
-    reqs_sparse = [Request(0, 20, [0, 1, 2, 3, 4]), Request(20, 1, list(range(5, 11)))]
+def test_cond_programs_hold_the_stages_their_batches_need(monkeypatch):
+    """A cond plan's program holds the stages of its batch: short prefills alone give a program
+    with no scoring (and no conditional where the row stages have one size), decodes alone one
+    with no dense call and no conditional, and one executable of both stages serves a short
+    prefill beside a decode as well as a long prefill (masked) beside one, picking the dense
+    call's keys, the scored and the attending rows at run time."""
     policy = BucketPolicy(min_pages_per_seq=8)
-    plan_d, meta_d = plan_batch(TINY, reqs_dense, num_pages=16, dispatch="cond", buckets=policy)
-    plan_s, meta_s = plan_batch(TINY, reqs_sparse, num_pages=16, dispatch="cond", buckets=policy)
-    assert plan_d == plan_s and plan_d.route == "cond"
-    keys = len(plan_d.key_sizes)
-    assert meta_d.branches.tolist() == [0, 2, 0, 0]  # 22 keys: the 32-key dense call
-    assert meta_s.branches.tolist() == [2, keys + 2, 1, 0]  # 21 scored rows, the masked 32-key call, 1 attends
+    plan_p, meta_p = plan_batch(TINY, [Request(0, 10, [0, 1, 2]), Request(0, 12, [3, 4, 5])], num_pages=16,
+                                dispatch="cond", buckets=policy)
+    hlo = compiled_hlo(plan_p, meta_p)
+    assert not plan_p.has_indexer_scoring and not any(scoring_ops(hlo).values())
+    assert len(re.findall(r"\bconditional\(", hlo)) == 1  # the dense call's key sizes
+    plan_d, meta_d = plan_batch(TINY, [Request(20, 1, list(range(6))), Request(9, 1, [6, 7, 8])], num_pages=16,
+                                dispatch="cond", buckets=policy)
     hlo = compiled_hlo(plan_d, meta_d)
-    assert scoring_ops(hlo)["indexer_logits"] > 0 and re.search(r"\bconditional\(", hlo)
+    assert plan_d.num_dense_keys == 0 and scoring_ops(hlo)["indexer_logits"] > 0
+    assert not re.search(r"\bconditional\(", hlo) and scope_ops(hlo, "dense_mha") == 0
+
+    monkeypatch.setattr(plan_lib, "LADDER_MIN_TOKENS", 16)  # row stages of several sizes
+    reqs_short = [Request(0, 10, [0, 1, 2]), Request(0, 10, [3, 4, 5]), Request(20, 1, list(range(6, 12)))]
+    reqs_long = [Request(0, 20, [0, 1, 2, 3, 4]), Request(20, 1, list(range(5, 11)))]
+    plan_a, meta_a = plan_batch(TINY, reqs_short, num_pages=16, dispatch="cond", buckets=policy)
+    plan_b, meta_b = plan_batch(TINY, reqs_long, num_pages=16, dispatch="cond", buckets=policy)
+    assert plan_a == plan_b and plan_a.route == "cond" and plan_a.attend_sizes == (0, 16, 32)
+    assert [plan_a.dense_calls[i] for i in (meta_a.branches[1], meta_b.branches[1])] == [(32, False), (32, True)]
+    assert meta_a.branches.tolist()[::2] == [1, 1]  # 1 scored row, 1 attending: the 16-row sizes
+    assert meta_b.branches.tolist()[::2] == [2, 1]  # 21 scored rows (32), 1 attending (16)
+    hlo = compiled_hlo(plan_a, meta_a)
+    assert scoring_ops(hlo)["indexer_logits"] > 0 and len(re.findall(r"\bconditional\(", hlo)) >= 3

@@ -181,8 +181,9 @@ def plan_reference(config, requests, *, num_pages=None, force_sparse=False, skip
     if cond:  # the rows attending sparsely first, then the masked ones
         order = [k for k, f in enumerate(masked_flags) if not f] + [k for k, f in enumerate(masked_flags) if f]
         sparse_rows, masked_flags = [sparse_rows[k] for k in order], [masked_flags[k] for k in order]
-        use_dense, num_sparse = None, num_tokens
-        num_dense_keys = 0 if force_sparse else max(4 * num_tokens, 16)
+        # the program's stages: a dense call for dense / masked requests, scoring for scored rows
+        use_dense, num_sparse = None, num_tokens if sparse_rows else 0
+        num_dense_keys = max(4 * num_tokens, 16) if any(dense) else 0
     else:
         use_dense = any(dense)
         num_sparse = buckets.round_up(len(sparse_rows), 1) if use_dense and sparse_rows else 0
@@ -201,7 +202,7 @@ def plan_reference(config, requests, *, num_pages=None, force_sparse=False, skip
                      skip_indexer=skip_indexer or use_dense is False, num_pages=num_pages,
                      num_upfront_rows=split[0], num_kernel_rows=split[1], num_upfront_pages=split[2],
                      config=PlanConfig.of(config),
-                     masked=("none" if force_sparse or prefill_route == "sparse" else "some") if cond else
+                     masked=("some" if num_sparse and num_dense_keys and prefill_route != "sparse" else "none") if cond else
                      "none" if "masked" not in routes else "all" if "sparse" not in routes else "some",
                      tensor_parallel=tensor_parallel)
 
@@ -224,11 +225,10 @@ def plan_reference(config, requests, *, num_pages=None, force_sparse=False, skip
 
 
 def _branches(plan, scored, masked_flags, num_keys, routes, num_rows):
-    """A cond plan's meta.branches, by scanning each ladder for the first size that holds the stage."""
+    """A cond plan's meta.branches, by scanning each stage's sizes for the first that holds it."""
     def pick(sizes, count):
-        return 0 if count == 0 else next(i + 1 for i, size in enumerate(sizes) if size >= count)
-    dense = pick(plan.key_sizes, num_keys)
-    if dense and "masked" in routes:
-        dense += len(plan.key_sizes)
+        return next((i for i, size in enumerate(sizes) if size >= count), 0)
+    keys = plan.key_sizes[pick(plan.key_sizes, num_keys)] if plan.key_sizes else 0
+    dense = plan.dense_calls.index((keys, "masked" in routes)) if plan.key_sizes else 0
     return np.array([pick(plan.score_sizes, len(scored) if plan.skip_indexer else plan.num_tokens), dense,
-                     pick(plan.attend_sizes, masked_flags.count(0)), pick(plan.row_sizes, num_rows) - 1], np.int32)
+                     pick(plan.attend_sizes, masked_flags.count(0)), pick(plan.row_sizes, num_rows)], np.int32)
