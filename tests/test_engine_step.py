@@ -143,7 +143,7 @@ def test_one_executable_per_plan_and_nothing_else_compiles():
     layers_before = jit_forward._cache_size()
     batches = [PREFILLS, MIXED, PREFILLS[:1], [Request(3, 1, [40])], MIXED]
     plans = [plan_batch(config, b, num_pages=48, **engine.options.plan_kwargs(config, 48))[0] for b in batches]
-    assert len(set(plans)) == 3  # the engine's cond plans: one per row bucket (64, 32, 16)
+    assert len(set(plans)) == 4  # the engine's cond plans: one per row bucket and stage set (64, 32, 16 twice)
     seen = set()
     for requests, plan in zip(batches, plans):
         before = jit_layer_stack._cache_size()

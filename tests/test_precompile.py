@@ -333,22 +333,26 @@ def test_enumeration_needs_num_pages_and_an_mla_config():
     assert count_programs(TINY, **LIMITS, tensor_parallel=2)["total"] > 0  # 2 divides 4 heads
 
 
-@pytest.mark.parametrize("options", [{}, {"prefill_route": "sparse"}, {"force_sparse": True}],
-                         ids=["auto", "sparse", "force_sparse"])
-def test_serving_program_set_is_one_plan_per_row_bucket(options):
+@pytest.mark.parametrize("options,stage_sets", [
+    ({}, [(False, True), (True, False), (True, True)]), ({"prefill_route": "sparse"}, [(False, True), (True, False), (True, True)]),
+    ({"force_sparse": True}, [(False, True)]),
+], ids=["auto", "sparse", "force_sparse"])
+def test_serving_program_set_is_the_stage_sets_of_each_row_bucket(options, stage_sets):
     """dispatch="cond" under BucketPolicy.for_limits: every batch within the limits plans one of
     the enumerated plans, which are one per row bucket (sequence count and table width fixed at
-    the limits), and every bucket is reached by some batch: the count is exact."""
+    the limits) and stage set a batch of it may need (the dense call, the sparse stages, both),
+    and every one is reached by some batch: the count is exact."""
     limits = dict(num_pages=64, max_num_seqs=5, max_num_batched_tokens=48, max_model_len=64)
     buckets = BucketPolicy.for_limits(TINY, max_num_seqs=5, max_model_len=64, num_pages=64)
     plans = enumerate_plans(TINY, buckets, dispatch="cond", **limits, **options)
-    assert [p.num_tokens for p in plans] == [16, 32, 64]
+    assert sorted((p.num_tokens, bool(p.num_dense_keys), bool(p.num_sparse_tokens)) for p in plans) == sorted(
+        (T, *stages) for T in (16, 32, 64) for stages in stage_sets)
     assert {(p.num_seqs, p.pages_per_seq) for p in plans} == {(8, 16)}  # (powers of two)
-    assert count_programs(TINY, buckets, dispatch="cond", **limits, **options) == {"total": 3, "cond": 3}
+    assert count_programs(TINY, buckets, dispatch="cond", **limits, **options) == {"total": len(plans), "cond": len(plans)}
     rng = np.random.default_rng(1)
+    short_prefills = [[Request(0, 16, [4 * i + j for j in range(4)]) for i in range(n)] for n in (2, 3)]
     hit = set()
-    for _ in range(300):
-        reqs = random_batch(rng, TINY, **limits)
+    for reqs in [random_batch(rng, TINY, **limits) for _ in range(300)] + short_prefills:
         plan, _ = plan_batch(TINY, reqs, num_pages=64, buckets=buckets, dispatch="cond", **options)
         assert plan in plans, (reqs, plan)
         hit.add(plan)
@@ -357,12 +361,13 @@ def test_serving_program_set_is_one_plan_per_row_bucket(options):
 
 def test_serving_program_set_at_deepseek_limits():
     """The set an engine serving DeepSeek-V3.2 compiles: 65536 pages, 256 sequences, 8192 tokens a
-    step, 131072-token requests: one cond program per row bucket (16 .. 8192), against 105,972
-    static plans under the default buckets."""
+    step, 131072-token requests: 30 cond programs, one per row bucket (16 .. 8192) and stage set,
+    against 105,972 static plans under the default buckets."""
     config = MLAConfig.deepseek_v32()
     limits = dict(num_pages=65536, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=131072)
     buckets = BucketPolicy.for_limits(config, max_num_seqs=256, max_model_len=131072, num_pages=65536)
     plans = enumerate_plans(config, buckets, dispatch="cond", **limits)
-    assert [p.num_tokens for p in plans] == [16 << i for i in range(10)]
+    assert sorted((p.num_tokens, bool(p.num_dense_keys), bool(p.num_sparse_tokens)) for p in plans) == sorted(
+        (16 << i, *stages) for i in range(10) for stages in [(False, True), (True, False), (True, True)])
     assert {(p.num_seqs, p.pages_per_seq) for p in plans} == {(256, 2048)}
-    assert all(p.key_sizes[-1] == p.num_dense_keys == 4 * p.num_tokens for p in plans)
+    assert all(p.key_sizes[-1] == p.num_dense_keys == 4 * p.num_tokens for p in plans if p.num_dense_keys)

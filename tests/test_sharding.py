@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jax_sparse_mla import BatchMeta, BucketPolicy, Request, plan_batch, policy
+from jax_sparse_mla import plan as plan_lib
 from jax_sparse_mla.sharding import param_specs, plan_data_parallel, shard_config
 from tests.support import run_with_cpu_devices
 from tests.support.sharding import PAGES, ROUTES, TINY, mesh_errors
@@ -125,22 +126,26 @@ def test_plan_data_parallel_common_plan_and_errors(monkeypatch):
 
 
 def test_plan_data_parallel_cond_is_each_shards_own_cond_plan():
-    """dispatch="cond": the shards' plan_batch cond plans under the common buckets are one plan;
-    each shard keeps its own stage sizes (meta.branches [dp * 4]), its long prefill masked where
-    plan_batch would route it so; a static plan refuses prefill routes other than sparse."""
+    """dispatch="cond": the shards' cond plans under the common buckets and with every shard's
+    stages (here a dense call and the sparse stages, though no one shard needs both) are one
+    plan; each shard keeps its own stage sizes (meta.branches [dp * 4]), its long prefill masked
+    where plan_batch would route it so; a static plan refuses prefill routes other than sparse."""
     short = [Request(0, 5, [0, 1])]
     long_ = [Request(0, 20, list(range(5)))]
     decode = [Request(9, 1, [0, 1, 2])]
     plan, meta = plan_data_parallel(TINY, [short, long_, decode, []], pages_per_shard=8, dispatch="cond")
     common = BucketPolicy(min_tokens=32, min_seqs=4, min_pages_per_seq=8)  # the largest shard's buckets
+    assert plan_batch(TINY, decode, num_pages=8, buckets=common, dispatch="cond")[0].num_dense_keys == 0
     for d, reqs in enumerate([short, long_, decode]):
-        own, own_meta = plan_batch(TINY, reqs, num_pages=8, buckets=common, dispatch="cond")
+        batch, num_pages = plan_lib.check_batch(TINY, reqs, 8, False, True, common, "cond", 1, "auto")
+        own, own_meta = plan_lib.plan_host(TINY, batch, num_pages=num_pages, force_sparse=False, skip_indexer=True,
+                                           buckets=common, dispatch="cond", stages=(True, True))
         assert own == plan
         for name in BatchMeta.shapes(plan):
             n = getattr(own_meta, name).shape[0]
             np.testing.assert_array_equal(np.asarray(getattr(meta, name))[d * n:(d + 1) * n], getattr(own_meta, name))
     branches = np.asarray(meta.branches).reshape(4, 4)
-    assert branches[1, 1] > len(plan.key_sizes) and branches[2].tolist() == [1, 0, 1, 0] and not branches[3].any()
+    assert [plan.dense_calls[i] for i in branches[:, 1]] == [(16, False), (32, True), (0, False), (0, False)]
     with pytest.raises(ValueError, match='prefill_route must be "sparse" \\(or None\\) with dispatch="static"'):
         plan_data_parallel(TINY, [short], pages_per_shard=8, prefill_route="masked")
 
