@@ -4,16 +4,18 @@ in a restarted process over that cache (restart: the programs loaded, not compil
 
     python scripts/bench_warmup.py [--kv bf16|fp8] [--dispatch cond|static] [--max-num-seqs 256]
         [--max-num-batched-tokens 8192] [--max-model-len 131072] [--num-pages 65536]
-        [--cache-dir DIR] [--out warmup.json]                  # GPU, deepseek_v32
+        [--programs START:STOP] [--cache-dir DIR] [--out warmup.json]   # GPU, deepseek_v32
     python scripts/bench_warmup.py --smoke                     # CPU: tiny config, small limits
 
 Each phase is a fresh process (this script again, with an internal --phase flag): it builds
 Engine(config, num_layers=1, num_pages=..., max_num_seqs=..., max_num_batched_tokens=...,
 max_model_len=..., dispatch=...) and times engine.precompile(cache_dir=DIR). First, in this
-process (no device touched), count_programs per route for the same options: the program count
-before anything compiles. The defaults are a DeepSeek-V3.2 serving engine's limits (65536 pages,
+process (no device touched), the program set per route for the same options (enumerate_plans,
+as count_programs counts it): the program count before anything compiles. The defaults are a DeepSeek-V3.2 serving engine's limits (65536 pages,
 256 sequences, 8192 tokens a step, 131072-token requests) and the engine's default program set
-(dispatch cond under BucketPolicy.for_limits: 10 programs; static there would be 105,972).
+(dispatch cond under BucketPolicy.for_limits: 30 programs; static there would be 105,972).
+--programs START:STOP: both phases warm up that slice of the set only (enumerate_plans' order):
+a cold warm-up longer than one run's time limit is measured in parts, whose seconds add up.
 
 Per phase: precompile_s (the precompile call), process_s (the whole process: imports, engine
 init, precompile), the PrecompileReport's program count, routes and method ("call" with
@@ -58,10 +60,15 @@ def parse_args(argv=None):
     for name in LIMITS:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                        help=f"default {LIMITS[name]} ({SMOKE_LIMITS[name]} with --smoke)")
+    p.add_argument("--programs", default=":", help="START:STOP, a slice of the program set (default: all)")
     p.add_argument("--cache-dir", default=None, help="persistent compilation cache, empty or absent")
     p.add_argument("--out", default=None, help="write the counts and each phase's result as JSON here")
     p.add_argument("--phase", choices=("cold", "restart"), default=None, help=argparse.SUPPRESS)  # a child
     a = p.parse_args(argv)
+    try:
+        a.slice = slice(*[int(v) if v else None for v in a.programs.split(":")])
+    except (TypeError, ValueError):
+        p.error(f"--programs must be START:STOP (integers, either may be empty), got {a.programs!r}")
     for name, default in (SMOKE_LIMITS if a.smoke else LIMITS).items():
         if getattr(a, name) is None:
             setattr(a, name, default)
@@ -71,6 +78,18 @@ def parse_args(argv=None):
 def config_of(args) -> MLAConfig:
     base = MLAConfig.tiny() if args.smoke else MLAConfig.deepseek_v32()
     return dataclasses.replace(base, kv_cache_dtype=KV[args.kv])
+
+
+def enumerate_set(args) -> list:
+    """The engine's program set for these options (enumerate_plans' order)."""
+    from jax_sparse_mla.precompile import enumerate_plans
+    from jax_sparse_mla.serving.engine import EngineOptions
+
+    config = config_of(args)
+    kw = EngineOptions(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=args.max_model_len, dispatch=args.dispatch).plan_kwargs(config, args.num_pages)
+    return enumerate_plans(config, kw.pop("buckets"), num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, **kw)
 
 
 def phase(args) -> dict:
@@ -93,7 +112,8 @@ def phase(args) -> dict:
     jax.block_until_ready((engine.params, engine.caches, engine.pool))
     t1 = time.perf_counter()
     before, before_s = Counter(events), dict(seconds)  # the engine's own programs: outside the cache
-    report = engine.precompile(cache_dir=args.cache_dir, progress=False if args.smoke else None)
+    report = engine.precompile(cache_dir=args.cache_dir, progress=False if args.smoke else None,
+                               plans=enumerate_set(args)[args.slice])
     t2 = time.perf_counter()
     events.subtract(before)
     return {"phase": args.phase, "precompile_s": t2 - t1, "engine_init_s": t1 - t0,
@@ -109,7 +129,8 @@ def run_phase(args, name: str, cache_dir: str) -> dict:
     """Runs a phase in a fresh process (its stderr, precompile's progress bar, passes through) ->
     its result, with process_s; or {"error": ...}."""
     argv = [os.path.abspath(__file__), "--phase", name, "--cache-dir", cache_dir, "--kv", args.kv,
-            "--dispatch", args.dispatch] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in LIMITS]
+            "--dispatch", args.dispatch, f"--programs={args.programs}"] + [
+        f"--{k.replace('_', '-')}={getattr(args, k)}" for k in LIMITS]
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, *argv, *(["--smoke"] if args.smoke else [])], stdout=subprocess.PIPE,
                           text=True)
@@ -133,16 +154,14 @@ def main(argv=None) -> int:
         return 0
     if args.cache_dir and os.path.isdir(args.cache_dir) and os.listdir(args.cache_dir):
         sys.exit(f"--cache-dir {args.cache_dir} is not empty: the cold phase needs an empty persistent cache")
-    from jax_sparse_mla.precompile import count_programs
-    from jax_sparse_mla.serving.engine import EngineOptions
-
-    config, limits = config_of(args), {k: getattr(args, k) for k in LIMITS}
-    opts = EngineOptions(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         max_model_len=args.max_model_len, dispatch=args.dispatch).plan_kwargs(config, args.num_pages)
-    counts = count_programs(config, opts.pop("buckets"), **limits, **opts)
+    plans = enumerate_set(args)
+    counts = dict(Counter(p.route for p in plans), total=len(plans))
+    chosen = len(plans[args.slice])
     result = {"config": "tiny" if args.smoke else "deepseek_v32", "kv": args.kv, "dispatch": args.dispatch,
-              "limits": limits, "count_programs": counts, "date": time.strftime("%Y-%m-%d %H:%M"), "phases": {}}
-    print(f"{result['config']}, kv {args.kv}, dispatch {args.dispatch}, {limits}: count_programs {counts}", flush=True)
+              "limits": {k: getattr(args, k) for k in LIMITS}, "count_programs": counts, "programs": args.programs,
+              "date": time.strftime("%Y-%m-%d %H:%M"), "phases": {}}
+    print(f"{result['config']}, kv {args.kv}, dispatch {args.dispatch}, {result['limits']}: count_programs {counts}; "
+          f"warming up {chosen} of them ({args.programs})", flush=True)
     write(args.out, result)
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="bench_warmup_cache_")
     try:

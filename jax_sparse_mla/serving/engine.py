@@ -380,7 +380,7 @@ class Engine:
         return jit_layer_stack._cache_size() - before
 
     def precompile(self, *, method: str = "auto", cache_dir: str | None = None, progress: bool | None = None,
-                   **overrides):
+                   plans: Sequence[BatchPlan] | None = None, **overrides):
         """Compiles every step program a run under these options can need, whatever the workload:
         jit_layer_stack for the plans of jax_sparse_mla.precompile.enumerate_plans for this
         engine's num_pages and its options' max_num_seqs, max_num_batched_tokens and max_model_len
@@ -391,16 +391,18 @@ class Engine:
         cache slot), after which a run compiles nothing and adds no entry; "auto": "aot" where
         the kernels lower reproducibly, else "call" (compiled Mosaic GPU kernels: precompile's
         docstring says why). cache_dir: jax's persistent compilation cache. progress: a bar over
-        the plans (None: only when stderr is a terminal). Returns the PrecompileReport (its
-        method says which ran)."""
+        the plans (None: only when stderr is a terminal). plans: these of the set only (default:
+        every one; a warm-up measured in parts, say). Returns the PrecompileReport (its method
+        says which ran)."""
         from ..precompile import enumerate_plans, precompile
 
         opts = self.options.with_overrides(overrides)
         kw = opts.plan_kwargs(self.config, self.num_pages)
         buckets = kw.pop("buckets")
-        plans = enumerate_plans(self.config, buckets, num_pages=self.num_pages, max_num_seqs=opts.max_num_seqs,
-                                max_num_batched_tokens=opts.max_num_batched_tokens,
-                                max_model_len=opts.model_len(self.config), **kw)
+        if plans is None:
+            plans = enumerate_plans(self.config, buckets, num_pages=self.num_pages, max_num_seqs=opts.max_num_seqs,
+                                    max_num_batched_tokens=opts.max_num_batched_tokens,
+                                    max_model_len=opts.model_len(self.config), **kw)
 
         def lower(plan):
             args, kwargs = self._step_call(plan, BatchMeta.empty(plan), (), opts.kernels)
