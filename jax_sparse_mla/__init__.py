@@ -5,7 +5,8 @@ num_pages_for_budget), plan_batch (plan_arrays: from host arrays), forward.
 Flax NNX wrapper: SparseMLA. Oracle: jax_sparse_mla.reference.
 Meshes (heads over "tensor", sequences over "data"): jax_sparse_mla.sharding; a program per
 device (data-parallel attention, each device its own plan and cache): jax_sparse_mla.data_parallel.
-Checkpoints (orbax; Hugging Face safetensors layers): jax_sparse_mla.checkpoint.
+Checkpoints: orbax save / restore, jax_sparse_mla.checkpoint; Hugging Face safetensors layers,
+jax_sparse_mla.hf_checkpoint.
 """
 
 __version__ = "0.2.0"  # the single source: pyproject.toml reads this literal (no import at build time)
@@ -18,8 +19,9 @@ import importlib
 _EXPORTS = {
     "PagedCache": "cache", "init_cache": "cache", "num_pages_for_budget": "cache", "page_bytes": "cache",
     "read_indexer_keys": "cache", "read_latent": "cache",
-    "load_layer_from_safetensors": "checkpoint", "restore_checkpoint": "checkpoint", "save_checkpoint": "checkpoint",
+    "restore_checkpoint": "checkpoint", "save_checkpoint": "checkpoint",
     "MLAConfig": "config", "RopeScaling": "config",
+    "load_layer_from_safetensors": "hf_checkpoint",
     "forward": "model", "jit_forward": "model",
     "SparseMLA": "nnx_layer",
     "init_params": "params", "params_from_hf": "params",

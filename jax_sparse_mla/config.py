@@ -146,7 +146,7 @@ def read_hf_config(hf) -> tuple[Mapping[str, Any], str]:
     path = pathlib.Path(hf)
     if path.is_dir():
         raise ValueError(f"{path} is a directory: pass the path of its config.json (or read it with "
-                         "jax_sparse_mla.checkpoint.load_hf_config(directory))")
+                         "jax_sparse_mla.hf_checkpoint.load_hf_config(directory))")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (a Hugging Face config must be {forms})")
     try:

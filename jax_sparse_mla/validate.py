@@ -1,11 +1,11 @@
 """Host-side argument checks shared by the package's entry points (the planner, the layer step,
-the caches, the serving loop): ValueError naming the argument."""
+the caches, the serving loop, the checkpoints): ValueError naming the argument."""
 
 from __future__ import annotations
 
 import collections.abc
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -127,3 +127,42 @@ def check_not_deleted(arrays: Mapping[str, Any]) -> None:
             raise ValueError(f"{what} has been deleted: donated to an earlier call, or .delete()d. jit_forward, "
                              "jit_sharded_forward and data_parallel_step donate their input cache: pass the cache "
                              "that call returned (out, cache = jit_forward(..., cache, ...)), not its input")
+
+
+def sharding_for(shardings, name: str, what: str):
+    """The Sharding for array `name` out of a shardings argument (`what` in messages): None (the
+    first device), one Sharding for every array, a mapping name -> Sharding, or an object with
+    one attribute per name (a PagedCache of Shardings). ValueError naming `what` and the array."""
+    if shardings is None:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if isinstance(shardings, jax.sharding.Sharding):
+        return shardings
+    if isinstance(shardings, Mapping):
+        if name not in shardings:
+            raise ValueError(f"{what} has no sharding for {name!r}")
+        got = shardings[name]
+    else:
+        got = getattr(shardings, name, None)
+    if not isinstance(got, jax.sharding.Sharding):
+        raise ValueError(f"{what} for {name!r} is {got!r}, not a jax.sharding.Sharding")
+    return got
+
+
+def per_layer(value, config, layers: list[int], what: str, is_one) -> list:
+    """value for each layer: `value(config)` first when it is a callable; then one value for every
+    layer (is_one(value)) or a sequence with one per layer."""
+    if callable(value) and not is_one(value):
+        value = value(config)
+    if value is None or is_one(value):
+        return [value] * len(layers)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"{what} must be a Sharding, a mapping name -> Sharding, one of those per layer, "
+                         f"or a callable taking the config; got {type(value).__name__}")
+    if len(value) != len(layers):
+        raise ValueError(f"{what} has {len(value)} entries, one per layer is {len(layers)}")
+    return list(value)
+
+
+def is_param_sharding(value) -> bool:
+    """One params-shardings value (a Sharding, or a mapping name -> Sharding), not one per layer."""
+    return isinstance(value, (jax.sharding.Sharding, Mapping))

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jax_sparse_mla import MLAConfig, Request, init_cache, init_params, plan_batch
-from jax_sparse_mla.checkpoint import load_layer_from_safetensors, restore_checkpoint, save_checkpoint
+from jax_sparse_mla.checkpoint import restore_checkpoint, save_checkpoint
+from jax_sparse_mla.hf_checkpoint import load_layer_from_safetensors
 from jax_sparse_mla.model import jit_forward
 from jax_sparse_mla.sharding import cache_shardings, make_mesh, param_shardings
 from jax_sparse_mla.synthetic import Harness

@@ -19,8 +19,8 @@ import pytest
 
 import jax_sparse_mla
 from jax_sparse_mla import MLAConfig, init_cache
-from jax_sparse_mla.checkpoint import (load_hf_config, load_layer_from_safetensors, load_model_from_safetensors,
-                                       restore_model_checkpoint, save_checkpoint, save_model_checkpoint)
+from jax_sparse_mla.checkpoint import restore_model_checkpoint, save_checkpoint, save_model_checkpoint
+from jax_sparse_mla.hf_checkpoint import load_hf_config, load_layer_from_safetensors, load_model_from_safetensors
 from jax_sparse_mla.params import hf_tensor_to_param, param_shapes
 from jax_sparse_mla.serving import Engine
 from jax_sparse_mla.sharding import cache_shardings, make_mesh, param_shardings, param_specs

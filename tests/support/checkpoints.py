@@ -115,7 +115,7 @@ def sharded_load_report(directory, meshes, dtype="float32") -> dict:
 
     import jax
 
-    from jax_sparse_mla.checkpoint import load_layer_from_safetensors, load_model_from_safetensors
+    from jax_sparse_mla.hf_checkpoint import load_layer_from_safetensors, load_model_from_safetensors
     from jax_sparse_mla.sharding import make_mesh, param_shardings
 
     overrides = {**OVERRIDES, "dtype": dtype}
