@@ -87,7 +87,7 @@ class BucketPolicy:
         page_size), num_pages), each rounded up to a power of two: a request holds at least one
         page and at most all of them), so that only the row count is bucketed. The kernels' work follows the real sequences and lengths, not these sizes
         (fixing them cost 0-3% a layer step on an H100: docs/design/dispatch.md); a dispatch="cond"
-        plan then compiles one program per row bucket."""
+        plan then compiles one program per row bucket and stage set (up to three)."""
         seqs = as_int(max_num_seqs, "max_num_seqs", 1)
         length = config.max_position_embeddings if max_model_len is None else as_int(max_model_len, "max_model_len", 1)
         pages = -(-length // config.page_size)

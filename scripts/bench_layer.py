@@ -8,7 +8,7 @@ latent cache format and variant, the variants interleaved in one run.
 
 Variants: static (plan_batch's default, kernels="auto": the exact program), cond (dispatch="cond",
 the serving program, with an engine's BucketPolicy.for_limits at 256 sequences of up to 128K
-tokens: one program per row bucket), no_skip
+tokens: one program per row bucket and stage set), no_skip
 (skip_indexer=False: every row scored), xla (static plan, kernels="xla"), masked and sparse
 (prefill_route forced: every prefill longer than index_topk as masked MHA, or sparse). Hidden states are
 random; every cache slot holds random values of the cache's dtypes (contents do not change the

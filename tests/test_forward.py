@@ -485,7 +485,7 @@ def _cond_against_static(config, seed, seqs, work, *, check_oracle=True, **optio
     (dataclasses.replace(TINY, kv_cache_dtype="fp8"), {}),
 ], ids=["skip", "no_skip", "force_sparse", "masked", "fp8"])
 def test_cond_dispatch_matches_static_dispatch(config, options):
-    """dispatch="cond": one program per shape bucket; same outputs and caches as the static plans
+    """dispatch="cond": one program per shape bucket and stage set; same outputs and caches as the static plans
     (the oracle checks the bf16-cache runs; an fp8 cache's static plan may split its rows)."""
     work = [[(0, 9), (1, 5)], [(0, 14), (1, 1)], [(0, 1), (2, 20)], [(1, 1), (0, 1)]]
     s_plans, cond_steps = _cond_against_static(config, 14, [(0, 30), (1, 7), (2, 20)], work,

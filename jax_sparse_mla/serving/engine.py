@@ -74,10 +74,11 @@ class EngineOptions:
     max_model_len: the longest request (prompt + output tokens) the engine serves; None: the
       config's max_position_embeddings. A longer request is refused before the run starts.
     skip_indexer, force_sparse, dispatch, prefill_route: the planning options (plan_batch's);
-      dispatch "cond" (the default) is the serving program: one program per row bucket.
+      dispatch "cond" (the default) is the serving program: one program per row bucket and
+      stage set.
     buckets: the plans' BucketPolicy; None (the default): BucketPolicy.for_limits of this
       engine's max_num_seqs, max_model_len and num_pages (sequence count and table width fixed
-      at the limits: with dispatch "cond", ~10 programs at DeepSeek-V3.2 serving limits).
+      at the limits: with dispatch "cond", 30 programs at DeepSeek-V3.2 serving limits).
     kernels: the layers' (model.forward's).
     """
 
