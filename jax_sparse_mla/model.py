@@ -6,8 +6,9 @@ causal MHA (k_nope and v up-projected from the latent cache) and scores the rows
 meta.sparse_rows (decodes, long prefills): those routed masked run in the same dense MHA call
 restricted to their top-k positions (masked MHA), the others attend sparsely; the sparse program
 scores every row with the lightning indexer, takes top-k and runs absorbed sparse attention over
-the selected latent rows. A cond plan's (the serving program, `_cond_program`) holds the same
-stages, each at a size lax.switch picks at run time.
+the selected latent rows. A cond plan's (the serving program, `_cond_program`) holds those of
+the stages its batch needs, each at a size lax.switch picks at run time (no conditional where a
+stage has one size).
 """
 
 from __future__ import annotations
@@ -46,17 +47,14 @@ def per_head(spec: str, a, w, config: MLAConfig):
 
 def projection_matmuls(params, x, config: MLAConfig):
     """The projections' matmuls over rows, x [T, hidden] -> (qr [T, q_lora] (q_a_proj, normed),
-    q_nope [T, H, nope] and q_pe [T, H, rope] (q_b_proj's two parts, rope not applied), kv
-    [T, R + rope] (kv_a_proj_with_mqa), k [T, D] (indexer.wk)), float32: the part of the
-    projections whose cost follows the rows (a cond plan runs it over about its real rows);
-    `projections` finishes them row by row. q_b_proj's parts are two matmuls, not slices of
-    one product: a slice that feeds a matmul is a copy (~0.2 ms at 4096 rows)."""
+    q [T, H * qk_head_dim] (q_b_proj), kv [T, R + rope] (kv_a_proj_with_mqa), k [T, D]
+    (indexer.wk)), float32: the part of the projections whose cost follows the rows (a cond plan
+    runs it over about its real rows); `projections` finishes them row by row. q_b_proj stays one
+    matmul: as two over slices of its weight, both dispatches' layer steps took 0.07-0.13 ms
+    longer on an H100 (the slices copied every step)."""
     c_ = config
     qr = ops.rms_norm(linear(x, params["q_a_proj.weight"], c_), params["q_a_layernorm.weight"], c_.rms_norm_eps)
-    w_q = params["q_b_proj.weight"].reshape(c_.num_attention_heads, c_.qk_head_dim, -1)  # [H, qk, q_lora]
-    q_nope, q_pe = (linear(qr, w_q[:, part].reshape(-1, w_q.shape[-1]), c_).reshape(x.shape[0], c_.num_attention_heads, -1)
-                    for part in (slice(None, c_.qk_nope_head_dim), slice(c_.qk_nope_head_dim, None)))
-    return (qr, q_nope, q_pe, linear(x, params["kv_a_proj_with_mqa.weight"], c_),
+    return (qr, linear(qr, params["q_b_proj.weight"], c_), linear(x, params["kv_a_proj_with_mqa.weight"], c_),
             linear(x, params["indexer.wk.weight"], c_))
 
 
@@ -65,7 +63,9 @@ def projections(params, matmuls, positions, config: MLAConfig):
     [T] -> (qr, q_nope [T, H, nope], q_pe [T, H, rope] (rope applied), c [T, R], k_pe [T, rope]
     (rope applied), k_index [T, D]), float32."""
     c_ = config
-    qr, q_nope, q_pe, kv, k = matmuls
+    qr, q, kv, k = matmuls
+    q = q.reshape(q.shape[0], c_.num_attention_heads, c_.qk_head_dim)
+    q_nope, q_pe = q[..., : c_.qk_nope_head_dim], q[..., c_.qk_nope_head_dim:]
     c = ops.rms_norm(kv[:, : c_.kv_lora_rank], params["kv_a_layernorm.weight"], c_.rms_norm_eps)
     k_pe = ops.rope_interleaved(kv[:, c_.kv_lora_rank:], positions, c_)
     return (qr, q_nope, ops.rope_interleaved(q_pe, positions, c_), c, k_pe,
@@ -423,41 +423,42 @@ def _cond_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out: j
     where num_sparse_tokens), each run at the size meta.branches picks from the plan's sizes
     (0: the stage does not run this step; one size: no conditional):
 
-    1. scoring of meta.sparse_rows[:n] (n from plan.score_sizes; every row, the baseline, without
-       skip_indexer): top-k positions [T, topk] aligned with meta.sparse_rows, -1 past n;
+    1. scoring of meta.sparse_rows[:n] (n and the indexer kernel's shape from plan.score_calls;
+       every row, the baseline, without skip_indexer): top-k positions [T, topk] aligned with
+       meta.sparse_rows, -1 past n;
     2. the dense MHA call (`dense`: _dense_prefill) over the first k of meta.dense_key_slots
        (plan.dense_calls: k, and whether the rows meta.masked_flags marks are restricted to their
        top-k positions);
     3. sparse attention of meta.sparse_rows[:n] (n from plan.attend_sizes; the plan puts the
        sparsely attending rows first, the masked ones are skipped).
-    Without a dense call every scored row attends sparsely: 1 and 3 are one stage (one
-    conditional). Each stage's every size is compiled into the program, so the program is one
+    Without a dense call (and with skip_indexer) every scored row attends sparsely: 1 and 3 are
+    one stage (one conditional). Each stage's every size is compiled into the program, so the program is one
     per shape bucket and stage set, and a step pays for its real rows and keys, up to the
     ladders' steps.
     """
     T = plan.num_tokens
     zeros = jnp.zeros(out.shape, out.dtype)
     if not plan.key_sizes and plan.skip_indexer:  # every row attends sparsely: sparse_rows is 0, 1, ...
-        def scored_and_attended(n):
+        def scored_and_attended(n, kernel):
             def run():
                 if n == 0:
                     return zeros
-                group = plan.group("sparse", n)
+                group = plan.group("sparse", n, kernel)
                 return _pad_rows(attend(n, score(n, group), meta.block_tables, group), T)
             return run
-        return _switch(meta.branches[2], [scored_and_attended(n) for n in plan.attend_sizes])
+        return _switch(meta.branches[0], [scored_and_attended(*call) for call in plan.score_calls])
 
     none = jnp.full((T, topk), -1, jnp.int32)
     all_positions = None
     if not plan.skip_indexer:  # baseline: every row scored
         all_positions = score(None, plan.group("all"))
         top = jnp.where(meta.sparse_rows[:, None] >= 0, _pick(all_positions, meta.sparse_rows), -1)
-    elif plan.score_sizes:
-        def scoring(n):
+    elif plan.score_calls:
+        def scoring(n, kernel):
             if n == 0:
                 return lambda: none
-            return lambda: jnp.concatenate([score(meta.sparse_rows[:n], plan.group("sparse", n)), none[n:]])
-        top = _switch(meta.branches[0], [scoring(n) for n in plan.score_sizes])
+            return lambda: jnp.concatenate([score(meta.sparse_rows[:n], plan.group("sparse", n, kernel)), none[n:]])
+        top = _switch(meta.branches[0], [scoring(*call) for call in plan.score_calls])
 
     out_heads = zeros
     if plan.key_sizes:

@@ -206,16 +206,19 @@ def _row_groups(plan: BatchPlan) -> tuple[RowGroup, ...]:
     heads = c.num_attention_heads // plan.tensor_parallel
     table_rows = plan.num_seqs * plan.pages_per_seq * c.page_size
 
-    def group(name: str, num_rows: int) -> RowGroup:
+    def group(name: str, num_rows: int, kernel: str | None = None) -> RowGroup:
         copy_rows = plan.num_upfront_pages * c.page_size if name == "upfront" else table_rows
         route = (policy.dequantize_route(num_rows, heads, c.index_topk, copy_rows) if c.kv_cache_dtype == "fp8"
                  else "kernel")
         shards = policy.indexer_shards(num_rows, plan.tensor_parallel)
-        return RowGroup(name, num_rows, shards, policy.indexer_kernel(num_rows // shards, plan.num_seqs), route)
+        kernel = kernel or policy.indexer_kernel(num_rows // shards, plan.num_seqs)
+        return RowGroup(name, num_rows, shards, kernel, route)
 
-    if plan.use_dense_mha is None:  # the cond program: each size of its row ladder
-        calls = ([] if plan.skip_indexer else [("all", plan.num_tokens)]) + [("sparse", n) for n in plan.attend_sizes if n]
-        return tuple(group(name, n) for name, n in calls)
+    if plan.use_dense_mha is None:  # the cond program: each scoring call and attending size of its ladders
+        calls = ([] if plan.skip_indexer else [("all", plan.num_tokens, None)])
+        calls += [("sparse", n, k) for n, k in plan.score_calls if n and plan.skip_indexer]
+        calls += [("sparse", n, None) for n in plan.attend_sizes if n and not plan.skip_indexer]
+        return tuple(group(*call) for call in calls)
     split = [("upfront", plan.num_upfront_rows)] + ([("kernel", plan.num_kernel_rows)] if plan.num_kernel_rows else [])
     calls = []
     if plan.use_dense_mha is False:  # the sparse program
@@ -304,14 +307,14 @@ class BatchPlan:
                              f"'some' with None), got {self.masked!r} with use_dense_mha={self.use_dense_mha!r}")
         object.__setattr__(self, "groups", _row_groups(self))
 
-    def group(self, name: str, num_rows: int | None = None) -> RowGroup:
-        """The RowGroup called `name` (of num_rows rows, where a cond plan has one per ladder
-        size); ValueError if the plan's program has no such call."""
+    def group(self, name: str, num_rows: int | None = None, kernel: str | None = None) -> RowGroup:
+        """The RowGroup called `name` (of num_rows rows and indexer kernel shape `kernel`, where a
+        cond plan has one per scoring call); ValueError if the plan's program has no such call."""
         for g in self.groups:
-            if g.name == name and num_rows in (None, g.num_rows):
+            if g.name == name and num_rows in (None, g.num_rows) and kernel in (None, g.indexer_kernel):
                 return g
-        raise ValueError(f"the plan has no {name!r} row group of {num_rows} rows "
-                         f"(it has {[(g.name, g.num_rows) for g in self.groups]})")
+        raise ValueError(f"the plan has no {name!r} row group of {num_rows} rows, kernel {kernel} "
+                         f"(it has {[(g.name, g.num_rows, g.indexer_kernel) for g in self.groups]})")
 
     @property
     def attend_sizes(self) -> tuple[int, ...]:
@@ -327,6 +330,22 @@ class BatchPlan:
         if self.use_dense_mha is not None:
             return ()
         return self.attend_sizes if self.skip_indexer else (self.num_tokens,)
+
+    @property
+    def score_calls(self) -> tuple[tuple[int, str], ...]:
+        """A cond plan's scoring calls, (rows, Mosaic indexer kernel shape), meta.branches[0]
+        picks one: each of score_sizes, a size of a ladder of several with both shapes where one
+        shard's rows can fill a prefill tile (whether a step's rows come one or many to a sequence
+        is the step's: the plan's num_seqs is the engine's limit, so the shape is picked at run
+        time, in the conditional that picks the size); a ladder of one size with the shape
+        policy.indexer_kernel gives for num_seqs (no conditional). () for a static plan."""
+        sizes = self.score_sizes
+        if len(sizes) == 1:
+            n = sizes[0]
+            return ((n, policy.indexer_kernel(n // policy.indexer_shards(n, self.tensor_parallel), self.num_seqs)),)
+        return tuple((n, k) for n in sizes for k in (
+            ("decode", "prefill") if n // policy.indexer_shards(n, self.tensor_parallel) >= policy.MGPU_MIN_ROWS_PER_SEQ
+            else ("decode",)))
 
     @property
     def row_sizes(self) -> tuple[int, ...]:
@@ -425,10 +444,11 @@ class BatchMeta:
     upfront_pages: jax.Array  # [num_upfront_pages]
     # [num_sparse_tokens]: 1 where that row of sparse_rows attends as masked MHA, else 0 [0]
     masked_flags: jax.Array
-    # [4]: a cond plan's run-time picks (cond_branches), each an index into a size tuple whose
-    # size 0 means the stage does not run: (scoring: i scores sparse_rows[:score_sizes[i]]; the
-    # dense call: dense_calls[i]; sparse attention: i attends sparse_rows[:attend_sizes[i]]; the
-    # row matmuls: i projects the first row_sizes[i] rows) [0]. None unless dispatch="cond".
+    # [4]: a cond plan's run-time picks (cond_branches), each an index into a tuple of sizes or
+    # calls whose size 0 means the stage does not run: (scoring: score_calls[i], its rows of
+    # sparse_rows; the dense call: dense_calls[i]; sparse attention: i attends
+    # sparse_rows[:attend_sizes[i]]; the row matmuls: i projects the first row_sizes[i] rows)
+    # [0]. None unless dispatch="cond".
     branches: jax.Array | None = None
 
     @staticmethod
@@ -447,7 +467,8 @@ class BatchMeta:
     @staticmethod
     def empty(plan: BatchPlan) -> BatchMeta:
         """Host (numpy) metadata of a batch with no work for `plan`: every row padding, every
-        sequence empty (the padding values above; a cond plan's branches 0: no stage runs)."""
+        sequence empty (the padding values above; a cond plan's branches 0: each stage at its
+        first size, 0 (not run) where a stage has several, else over padding rows only)."""
         zero = ("row_seq", "dense_query_start", "dense_key_start", "branches", "masked_flags")
         return BatchMeta(**{name: np.full(shape, 0 if name in zero else -1, np.int32)
                             for name, shape in BatchMeta.shapes(plan).items()})
@@ -965,8 +986,8 @@ def plan_host(config: MLAConfig, batch: Batch, *, num_pages: int | None, force_s
     if num_sparse:
         masked_flags[:len(scored)] = row_codes[scored] == MASKED_ROUTE
     if cond:
-        branches = cond_branches(plan, len(scored), len(dense_key_slots), bool((codes == MASKED_ROUTE).any()),
-                                 len(attending), n)
+        branches = cond_branches(plan, len(scored), np.count_nonzero(np.bincount(row_seq[scored], minlength=1)),
+                                 len(dense_key_slots), bool((codes == MASKED_ROUTE).any()), len(attending), n)
     meta = BatchMeta(
         positions=positions, slot_mapping=slot_mapping, row_seq=row_seq_out, block_tables=block_tables,
         sparse_rows=pad_ids(scored if num_sparse else [], num_sparse),  # unused by the sparse program
@@ -1000,16 +1021,24 @@ def _pick_size(sizes: tuple[int, ...], count: int) -> int:
     return int(np.searchsorted(sizes, count)) if sizes else 0
 
 
-def cond_branches(plan: BatchPlan, num_scored: int, num_keys: int, masked: bool, num_attending: int,
-                  num_rows: int) -> np.ndarray:
-    """A cond plan's meta.branches [4] int32 for a step of num_scored scored rows (ignored
-    without skip_indexer: every row), num_keys dense keys (with masked rows or not),
-    num_attending sparsely attending rows and num_rows real rows."""
+def cond_branches(plan: BatchPlan, num_scored: int, num_scored_seqs: int, num_keys: int, masked: bool,
+                  num_attending: int, num_rows: int) -> np.ndarray:
+    """A cond plan's meta.branches [4] int32 for a step of num_scored scored rows of
+    num_scored_seqs sequences (ignored without skip_indexer: every row), num_keys dense keys
+    (with masked rows or not), num_attending sparsely attending rows and num_rows real rows. The
+    scoring call: the size that holds the rows, with the kernel shape policy.indexer_kernel
+    gives for one shard's share of the real rows over those sequences."""
+    score = 0
+    if len(plan.score_calls) > 1:
+        n = plan.score_sizes[_pick_size(plan.score_sizes, num_scored)]
+        rows = -(-num_scored // policy.indexer_shards(n, plan.tensor_parallel))
+        shape = policy.indexer_kernel(rows, max(num_scored_seqs, 1)) if rows else "decode"
+        score = plan.score_calls.index((n, shape if (n, shape) in plan.score_calls else "decode"))
     dense = _pick_size(plan.key_sizes, num_keys)
     if masked:
         dense = plan.dense_calls.index((plan.key_sizes[dense], True))
-    return np.array([_pick_size(plan.score_sizes, num_scored if plan.skip_indexer else plan.num_tokens), dense,
-                     _pick_size(plan.attend_sizes, num_attending), _pick_size(plan.row_sizes, num_rows)], np.int32)
+    return np.array([score, dense, _pick_size(plan.attend_sizes, num_attending), _pick_size(plan.row_sizes, num_rows)],
+                    np.int32)
 
 
 def _plan(config, batch, num_pages, force_sparse, skip_indexer, buckets, dispatch, tensor_parallel, prefill_route):

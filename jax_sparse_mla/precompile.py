@@ -117,8 +117,8 @@ def enumerate_plans(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *
         if dispatch == "cond":
             # the stage sets a batch of the bucket may need: (dense call, sparse stages)
             decodes = max(nlo, qlo) <= min(nhi, qhi) and L >= 2
-            # a long prefill attending sparsely: forced, routed so, or past the largest dense key size
-            long_sparse = force_sparse or (long_ok and (prefill_route != "masked" or L > key_ladder(T)[-1]))
+            # a prefill attending sparsely: forced, a long one routed so, or any past the largest dense key size
+            long_sparse = force_sparse or (long_ok and prefill_route != "masked") or L > key_ladder(T)[-1]
             stage_sets = [(False, True)] if decodes or (long_sparse and qlo <= nhi * L) else []
             if not force_sparse:
                 if qlo <= nhi * min(K, L):  # short prefills only

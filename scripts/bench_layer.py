@@ -69,6 +69,7 @@ KINDS = {  # name -> [(context_len, query_len)] per request
     "prefill_8x256": [(0, 256)] * 8, "prefill_4x1024": [(0, 1024)] * 4,
     "prefill_4k": [(0, 4096)], "prefill_8k": [(0, 8192)], "prefill_16k": [(0, 16384)], "prefill_32k": [(0, 32768)],
     "chunk_4k_after_4k": [(4096, 4096)], "chunk_4k_after_28k": [(28672, 4096)],
+    "chunk_2k_after_6k": [(6144, 2048)],  # 2048 scored rows of one sequence (cond: 256 sequences)
     "decode_64x4k": [(4096, 1)] * 64, "decode_128x4k": [(4096, 1)] * 128,
     "decode_64x32k": [(32768, 1)] * 64, "decode_128x32k": [(32768, 1)] * 128,
     "mixed_2x1024_64x4k": [(0, 1024)] * 2 + [(4096, 1)] * 64,

@@ -539,3 +539,21 @@ def test_page_checks_agree_with_the_rule_on_random_batches():
         plan_batch(TINY, [Request(0, 3, [9]), Request(0, 3, [1.5])], num_pages=8)
     with pytest.raises(ValueError, match="request 1: page 0 is written"):
         plan_batch(TINY, [Request(0, 3, [0]), Request(0, 3, [0]), Request(0, 3, [1.5])], num_pages=8)
+
+
+def test_cond_scoring_kernel_shape_follows_the_steps_rows_per_sequence():
+    """A cond plan's sequence count is the engine's limit (256), so the Mosaic indexer kernel's
+    shape is picked at run time with the scoring size (plan.score_calls, meta.branches[0]) from
+    the step's real rows and sequences, as a static plan's is from its own: a 2048-row chunk of
+    one sequence is prefill-shaped, 64 decodes decode-shaped (host planning only)."""
+    config = MLAConfig.deepseek_v32()
+    buckets = BucketPolicy.for_limits(config, max_num_seqs=256, max_model_len=131072, num_pages=65536)
+    chunk = [Request(6144, 2048, list(range(128)))]
+    decodes = [Request(4096, 1, list(range(65 * i, 65 * (i + 1)))) for i in range(64)] + [
+        Request(0, 1024, list(range(4160, 4176))), Request(0, 1024, list(range(4176, 4192)))]
+    for requests, want in [(chunk, (2048, "prefill")), (decodes, (256, "decode"))]:
+        static, _ = plan_batch(config, requests, num_pages=65536)
+        cond, meta = plan_batch(config, requests, num_pages=65536, dispatch="cond", buckets=buckets)
+        assert cond.num_seqs == 256 and cond.score_calls[int(meta.branches[0])] == want
+        assert cond.group("sparse", *want).indexer_kernel == want[1]
+        assert {g.indexer_kernel for g in static.groups if g.name in ("all", "sparse")} == {want[1]}

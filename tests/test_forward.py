@@ -517,7 +517,7 @@ def test_cond_stages_follow_the_batch(monkeypatch):
     seqs = [(0, 12), (1, 10), (2, 21), (3, 4)] + [(s, 15) for s in range(4, 9)]
     _, cond_steps = _cond_against_static(TINY, 15, seqs, work)
     # (stages, the picks' sizes): scored rows, the dense call (keys, masked), attending rows, projected rows
-    assert [((bool(p.num_dense_keys), bool(p.num_sparse_tokens)), p.score_sizes[m.branches[0]] if p.score_sizes else None,
+    assert [((bool(p.num_dense_keys), bool(p.num_sparse_tokens)), p.score_calls[m.branches[0]][0] if p.score_calls else None,
              p.dense_calls[m.branches[1]], p.attend_sizes[m.branches[2]] if p.attend_sizes else None,
              p.row_sizes[m.branches[3]]) for p, m in cond_steps] == [
         ((True, False), None, (16, False), None, 11), ((True, False), None, (32, False), None, 11),

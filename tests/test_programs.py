@@ -182,7 +182,8 @@ def test_cond_programs_hold_the_stages_their_batches_need(monkeypatch):
     plan_b, meta_b = plan_batch(TINY, reqs_long, num_pages=16, dispatch="cond", buckets=policy)
     assert plan_a == plan_b and plan_a.route == "cond" and plan_a.attend_sizes == (0, 16, 32)
     assert [plan_a.dense_calls[i] for i in (meta_a.branches[1], meta_b.branches[1])] == [(32, False), (32, True)]
-    assert meta_a.branches.tolist()[::2] == [1, 1]  # 1 scored row, 1 attending: the 16-row sizes
-    assert meta_b.branches.tolist()[::2] == [2, 1]  # 21 scored rows (32), 1 attending (16)
+    # 1 scored row, 1 attending: the 16-row sizes; 21 scored rows of 2 sequences (32, decode-shaped), 1 attending
+    assert [plan_a.score_calls[m.branches[0]] for m in (meta_a, meta_b)] == [(16, "decode"), (32, "decode")]
+    assert [plan_a.attend_sizes[m.branches[2]] for m in (meta_a, meta_b)] == [16, 16]
     hlo = compiled_hlo(plan_a, meta_a)
     assert scoring_ops(hlo)["indexer_logits"] > 0 and len(re.findall(r"\bconditional\(", hlo)) >= 3

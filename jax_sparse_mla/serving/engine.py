@@ -494,7 +494,7 @@ class Engine:
                 index=len(steps), start_s=last_end, duration_s=end - last_end,
                 forward_s=end - step.dispatch_s, host_s=step.dispatched_s - step.begin_s,
                 plan_s=step.planned_s - step.begin_s, device_s=end - max(last_end, step.dispatch_s),
-                route=plan.route, branch=_branch(plan.route, step.meta.branches),
+                route=plan.route, branch=_branch(plan, step.meta.branches),
                 has_indexer_scoring=bool(plan.has_indexer_scoring), num_scored_tokens=plan.num_scored_tokens,
                 num_tokens=sum(n for _, n in work), padded_tokens=plan.num_tokens, num_decodes=step.num_decodes,
                 num_prefills=len(work) - step.num_decodes, prefill_tokens=step.prefill_tokens,
@@ -621,12 +621,12 @@ def _schedule(running: list[_Running], waiting: deque[tuple[RequestSpec, Request
     return work
 
 
-def _branch(route: str, branches) -> str:
+def _branch(plan: BatchPlan, branches) -> str:
     """The program a step ran: its plan's route, or for a cond plan "dense" when meta.branches
-    ran its dense MHA call, else "sparse"."""
-    if route != "cond":
-        return route
-    return "dense" if int(np.asarray(branches)[1]) else "sparse"
+    picked a dense MHA call over some keys, else "sparse"."""
+    if plan.route != "cond":
+        return plan.route
+    return "dense" if plan.dense_calls and plan.dense_calls[int(np.asarray(branches)[1])][0] else "sparse"
 
 
 def reference_outputs(engine: Engine, spec: RequestSpec, *, route_margin: float = 1e-5

@@ -220,15 +220,24 @@ def plan_reference(config, requests, *, num_pages=None, force_sparse=False, skip
         dense_key_start=starts(dk), upfront_rows=ids(upfront_rows, split[0]),
         kernel_rows=ids(kernel_rows, split[1]), upfront_pages=ids(upfront_pages, split[2]),
         masked_flags=ids(flags, num_sparse).clip(0),
-        branches=_branches(plan, sparse_rows, masked_flags, len(dense_key_slots), routes, row) if cond else None)
+        branches=_branches(plan, sparse_rows, row_seq, masked_flags, len(dense_key_slots), routes, row) if cond else None)
     return plan, meta
 
 
-def _branches(plan, scored, masked_flags, num_keys, routes, num_rows):
+def _branches(plan, scored, row_seq, masked_flags, num_keys, routes, num_rows):
     """A cond plan's meta.branches, by scanning each stage's sizes for the first that holds it."""
     def pick(sizes, count):
         return next((i for i, size in enumerate(sizes) if size >= count), 0)
     keys = plan.key_sizes[pick(plan.key_sizes, num_keys)] if plan.key_sizes else 0
     dense = plan.dense_calls.index((keys, "masked" in routes)) if plan.key_sizes else 0
-    return np.array([pick(plan.score_sizes, len(scored) if plan.skip_indexer else plan.num_tokens), dense,
-                     pick(plan.attend_sizes, masked_flags.count(0)), pick(plan.row_sizes, num_rows)], np.int32)
+    score = 0
+    if len(plan.score_calls) > 1:  # the size that holds the scored rows, prefill-shaped at >= 16 rows a sequence
+        n = plan.score_sizes[pick(plan.score_sizes, len(scored))]
+        shards = policy.indexer_shards(n, plan.tensor_parallel)
+        per_shard = (len(scored) + shards - 1) // shards  # a shard's share of the real rows
+        seqs = len(set(row_seq[r] for r in scored))
+        shape = ("prefill" if per_shard and per_shard >= policy.MGPU_MIN_ROWS_PER_SEQ * min(max(seqs, 1), per_shard)
+                 else "decode")
+        score = next(i for i, call in enumerate(plan.score_calls) if call == (n, shape))
+    return np.array([score, dense, pick(plan.attend_sizes, masked_flags.count(0)), pick(plan.row_sizes, num_rows)],
+                    np.int32)
