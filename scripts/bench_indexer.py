@@ -1,6 +1,7 @@
 """Benchmark the Pallas indexer kernels against the XLA path (jit of the jnp references).
 
     python scripts/bench_indexer.py --out results.json [--quick] [--sweep] [--only prefill] [--dtypes fp8]
+    python scripts/bench_indexer.py --only topk --topk-width 131072
 
 * prefill logits: one causal sequence, T = S rows/keys (1K..32K), Hi=64, D=128, page 64, fp8
   (+ k_scale) and bf16: the Mosaic GPU kernel (`mgpu`, what the layer runs for prefill on Hopper)
@@ -29,7 +30,12 @@
   jit; the host-timed call is recorded as `host_ms`); GB/s of each row's own keys read once,
   against the copy bandwidth of the same bytes (`copy_fraction`: the >= 50% target), and the
   three kernels' GPU times (`kernels_us`). The causal shape is a T = S = 8K prefill's rows with
-  lengths, as the layer calls it. `--only topk` runs just that (~1 minute).
+  lengths, as the layer calls it. `--only topk` runs just that (~1 minute). `--topk-width W`
+  instead times the causal 4K and 8K prefills and 128 rows of 8K keys each at their own width and
+  in [rows, W] logits (the serving program's fixed width: the same lengths, NaN past them; XLA
+  skipped there), to see whether the cost follows the rows' lengths or the width. At width W read
+  `kernels_us` and `host_ms`: the chain (`kernel_ms`) also copies the [rows, W] logits once (its
+  first one-element update is on the jit's argument).
 Every config is checked against the reference (on a sample of rows) before it is timed; a
 failing config is recorded with its error and the run goes on. The XLA reference is skipped
 where it would take too long or too much memory (said so in the table). --sweep adds a small
@@ -373,15 +379,21 @@ def bench_decode(quick, tiling=None, batches=None, contexts=None, dtypes=(FP8, j
                 record(**rec)
 
 
-def topk_inputs(rows, length, causal, seed):
-    """-> (x [rows, length] f32, lengths [rows] or None). causal: a prefill's rows, row r of one
-    causal sequence seeing its first (r + 1) * length // rows keys, passed as lengths (as the
-    layer does), the columns past them NaN (the kernel must not read them)."""
-    x = jax.random.normal(jax.random.key(seed), (rows, length), jnp.float32)
-    if not causal:
+def topk_inputs(rows, length, causal, seed, width=None):
+    """-> (x [rows, width] f32, lengths [rows] or None); width: the logits' columns (default
+    length). causal: a prefill's rows, row r of one causal sequence seeing its first
+    (r + 1) * length // rows keys; else, in a wider array, each row's first `length` columns.
+    The lengths are passed (as the layer does), the columns past them NaN (the kernel must not
+    read them)."""
+    width = width or length
+    x = jax.random.normal(jax.random.key(seed), (rows, width), jnp.float32)
+    if causal:
+        ends = ((jnp.arange(rows) + 1) * length // rows).astype(jnp.int32)
+    elif width > length:
+        ends = jnp.full((rows,), length, jnp.int32)
+    else:
         return x, None
-    ends = ((jnp.arange(rows) + 1) * length // rows).astype(jnp.int32)
-    return jnp.where(jnp.arange(length)[None, :] < ends[:, None], x, jnp.nan), ends
+    return jnp.where(jnp.arange(width)[None, :] < ends[:, None], x, jnp.nan), ends
 
 
 TOPK_KERNELS = ("topk_thresholds", "topk_write", "topk_select")
@@ -389,40 +401,46 @@ TOPK_BACKENDS = ("triton", "mosaic")  # "mosaic": the Mosaic GPU write sweep and
 
 
 def bench_topk(quick, tiling=None, shapes=None, tag=""):
-    """The top-k kernel vs lax.top_k on the same inputs, per shape: device-timed chains, the
-    logits' bytes (each row's own keys) against the copy bandwidth of the same bytes, and each
-    of the three kernels' GPU time from a profiler trace (`kernels_us`). The kernel is checked
-    on a sample of rows before it is timed."""
+    """The top-k kernel vs lax.top_k on the same inputs, per shape (rows, length, causal[, width]:
+    `topk_inputs`): device-timed chains, the logits' bytes (each row's own keys) against the copy
+    bandwidth of the same bytes, and each of the three kernels' GPU time from a profiler trace
+    (`kernels_us`). The kernel is checked on a sample of rows before it is timed; lax.top_k is
+    skipped where the width exceeds the length (it would sort the padding)."""
     del quick
     shapes = shapes or ([(128, 32768, False), (512, 32768, False), (1024, 32768, False),
                          (4096, 32768, False), (8192, 8192, True), (128, 131072, False)])
     xla = jax.jit(lambda x: jax.lax.top_k(x, TOPK)[1])
     copies = {}
-    for rows, length, causal in shapes:
-        params = dict(rows=rows, L=length, k=TOPK, causal=causal)
+    for rows, length, causal, *wide in shapes:
+        width = wide[0] if wide else length
+        params = dict(rows=rows, L=length, k=TOPK, causal=causal, **(dict(width=width) if wide else {}))
         if time.time() > DEADLINE[0]:
             record(kind="topk" + tag, **params, unit="GBps", error="skipped: run time budget spent")
             continue
         try:
-            x, lengths = topk_inputs(rows, length, causal, rows + length)
+            x, lengths = topk_inputs(rows, length, causal, rows + length, width)
             nbytes = 4.0 * (rows * length if lengths is None else int(jnp.sum(lengths)))
             clean = jnp.where(jnp.isnan(x), -jnp.inf, x)  # lax.top_k's input: it ranks NaN highest
-            xla_ms = chain_ms(xla, clean)
+            xla_ms = chain_ms(xla, clean) if width == length else None
         except Exception as e:  # noqa: BLE001
             record(kind="topk" + tag, **params, unit="GBps", error=f"inputs/xla: {type(e).__name__}: {e}"[:300])
             continue
         for backend in TOPK_BACKENDS:  # the two on the same inputs, one after the other
             kern = functools.partial(topk, k=TOPK, lengths=lengths, backend=backend, **(tiling or {}))
             jitted = jax.jit(kern)
-            rec = dict(kind="topk" + tag, **params, backend=backend, tiling=tiling or "default", unit="GBps",
-                       xla_ms=xla_ms, xla_GBps=nbytes / (xla_ms * 1e-3) / 1e9)
+            rec = dict(kind="topk" + tag, **params, backend=backend, tiling=tiling or "default", unit="GBps")
+            if xla_ms is None:
+                rec["xla"] = "skipped: width > length"
+            else:
+                rec.update(xla_ms=xla_ms, xla_GBps=nbytes / (xla_ms * 1e-3) / 1e9)
             try:
                 out = jax.block_until_ready(jitted(x))
                 rec["check_err"] = check_topk_sample(out, clean, TOPK)
                 del out
                 rec["kernel_ms"] = chain_ms(kern, x)
                 rec["kernel_GBps"] = nbytes / (rec["kernel_ms"] * 1e-3) / 1e9
-                rec["speedup"] = xla_ms / rec["kernel_ms"]
+                if xla_ms is not None:
+                    rec["speedup"] = xla_ms / rec["kernel_ms"]
                 rec["host_ms"] = median_ms(jitted, x)
                 if nbytes not in copies:
                     copies[nbytes] = copy_gbps(int(nbytes))
@@ -462,7 +480,7 @@ def print_table():
     print(f"{'kind':14} {'config':62} {'kernel':>18} {'XLA':>18} {'speedup':>8}  note")
     for r in RESULTS:
         unit = r["unit"]
-        cfg = {k: v for k, v in r.items() if k in ("dtype", "T", "B", "C", "rows", "L", "causal", "backend")}
+        cfg = {k: v for k, v in r.items() if k in ("dtype", "T", "B", "C", "rows", "L", "width", "causal", "backend")}
         if r.get("tiling") not in (None, "default"):
             cfg["tiling"] = r["tiling"]
         cfg = " ".join(f"{k}={v}" for k, v in cfg.items())
@@ -492,13 +510,20 @@ def main():
     ap.add_argument("--budget-s", type=float, default=270, help="skip configs starting later than this")
     ap.add_argument("--decode-rows", type=int, default=1, help="query rows per decode sequence (MTP: 2)")
     ap.add_argument("--dtypes", default="fp8,bf16", help="comma list of fp8,bf16 (prefill and decode)")
+    ap.add_argument("--topk-width", type=int, default=None,
+                    help="top-k: the causal 4K / 8K prefills and 128 rows of 8K keys at their own width and "
+                         "in logits of this many columns, instead of the default shapes")
     a = ap.parse_args()
     t0 = time.time()
     DEADLINE[0] = t0 + a.budget_s
     only = a.only.split(",")
     dtypes = tuple({"fp8": FP8, "bf16": jnp.bfloat16}[d] for d in a.dtypes.split(","))
     if "topk" in only:
-        bench_topk(a.quick)
+        shapes = None
+        if a.topk_width:
+            shapes = [(rows, length, causal, width) for rows, length, causal in
+                      ((4096, 4096, True), (8192, 8192, True), (128, 8192, False)) for width in (length, a.topk_width)]
+        bench_topk(a.quick, shapes=shapes)
     if "prefill" in only:
         bench_prefill(a.quick, dtypes=dtypes)
     if "decode" in only:

@@ -213,7 +213,7 @@ def test_lengths_ignore_the_columns_past_them(backend, num_keys, k, block, slice
 
 def test_lengths_keep_the_band_path():
     """Rows shorter than the logits (causal prefill rows) still find their answer on the band
-    path: the sample keeps the whole row's stride, so the thresholds' ranks stay right."""
+    path: the sample is strided over each row's own keys, with ranks for its own stride."""
     rng = np.random.default_rng(7)
     num_keys, k = 2048, 64
     lengths = np.array([2048, 1536, 1024, 700, 400], np.int32)
@@ -223,6 +223,78 @@ def test_lengths_keep_the_band_path():
     check_topk(st["out"], _masked(x, lengths), k)
     cnt = np.asarray(st["counts"])
     np.testing.assert_array_equal(cnt[:, :, 2].sum(1), lengths)  # valid keys counted: the rows' own only
+
+
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("slices", [1, 4, None])
+def test_lengths_much_shorter_than_the_width(backend, slices):
+    """Rows of 0..300 keys in logits 16 x as wide as the longest (the serving program's fixed
+    width): lengths 0, 1, k - 1, k, k + 1, around the sample (64 keys) and the block (64), ties
+    and -inf among a row's keys, garbage that would win past them (NaN, +inf, 1e30): each row's
+    top-k of its own keys. One slice a row, 4 (a row's slices then follow its own length), and
+    the default plan (slices of 4096 columns)."""
+    k, block, sample = 40, 64, 64
+    lengths = [0, 1, k - 1, k, k + 1, sample - 1, sample, sample + 1, 2 * block - 1, 2 * block + 1, 250, 300]
+    rng = np.random.default_rng(16)
+    x = rng.standard_normal((len(lengths), 16 * max(lengths))).astype(np.float32)
+    x[[3, 4, 9]] = np.round(x[[3, 4, 9]] * 2)  # ties at the k-th key
+    x[[7, 10], ::3] = -np.inf  # -inf among a row's own keys
+    garbage = _with_garbage_past(x, lengths, rng)
+    tuning = dict(block=block, sample=sample) | ({} if slices is None else dict(slices=slices))
+    got = ops.topk(backend, jnp.asarray(garbage), k, lengths=jnp.asarray(lengths, jnp.int32),
+                   **(tuning if backend != "reference" else {}))
+    check_topk(got, _masked(x, lengths), k)
+
+
+@pytest.mark.parametrize("length,k,tuning", [
+    (1500, 64, dict(block=256)),  # default sample: 1024 of the row's 1500 keys (not 1024 over the width)
+    (5000, 64, dict()),  # default plan: sample 1024 (the width's: 4096), 2 slices of 4096 (of 32)
+    (600, 64, dict(block=128)),  # the row is its own sample (exact thresholds) in a sampled width
+    (700, 40, dict(block=64, sample=64, slices=4)),  # 4 slices of the row's length, not one of the width's
+])
+def test_short_rows_band_as_in_their_own_width(length, k, tuning):
+    """Rows of `length` keys in logits 16 x wider get the plan of their own width: the same
+    thresholds, the same definite / band / valid counts slice by slice (the slices past the row
+    idle), the same band keys and the same output as the rows in an array of their own width.
+    So the band, which the select works through, is as narrow as there: the cost follows the
+    row's length, not the width. Rows: random, tied, sorted, a third -inf."""
+    rng = np.random.default_rng(length)
+    own = np.stack([rng.standard_normal(length), np.round(rng.standard_normal(length) * 2),
+                    np.sort(rng.standard_normal(length)),
+                    np.where(rng.random(length) < 0.3, -np.inf, rng.standard_normal(length))]).astype(np.float32)
+    lengths = np.full(len(own), length, np.int32)
+    wide = _with_garbage_past(np.pad(own, ((0, 0), (0, 15 * length))), lengths, rng)
+    want = stages(own, k, **tuning)
+    got = stages(wide, k, lengths=jnp.asarray(lengths), **tuning)
+    np.testing.assert_array_equal(np.asarray(got["thresholds"]), np.asarray(want["thresholds"]))
+    cnt, want_cnt = np.asarray(got["counts"]), np.asarray(want["counts"])
+    used = want_cnt.shape[1]
+    np.testing.assert_array_equal(cnt[:, :used], want_cnt)
+    np.testing.assert_array_equal(cnt[:, used:], 0)
+    assert band_path(want, k)[[0, 2, 3]].all(), band_path(want, k)
+    n_band = want_cnt[:, :, 1].sum(1)
+    for r in np.flatnonzero(band_path(want, k)):
+        np.testing.assert_array_equal(np.asarray(got["band_keys"])[r, :n_band[r]],
+                                      np.asarray(want["band_keys"])[r, :n_band[r]], err_msg=f"row {r}")
+    np.testing.assert_array_equal(np.asarray(got["out"]), np.asarray(want["out"]))
+    check_topk(got["out"], own, k)
+
+
+@pytest.mark.parametrize("num_keys,k,sample,plan", [
+    (4096, 2048, None, (1024, 639, 410, 5, 2048)),
+    (8192, 2048, None, (1024, 350, 187, 4, 4096)),
+    (32768, 2048, None, (1024, 119, 34, 2, 8192)),
+    (65536, 2048, None, (2048, 119, 34, 2, 8192)),
+    (131072, 2048, None, (4096, 119, 34, 2, 8192)),
+    (2048, 64, 256, (256, 40, 1, 0, 512)),
+])
+def test_full_rows_keep_the_static_plan(num_keys, k, sample, plan):
+    """A row that fills the width is sampled as before the plan followed each row's length:
+    (sample size, ranks of t_lo and t_hi in it, search tolerance, band capacity) as the static
+    plan of the width had them."""
+    from pallas_kernels.topk.triton import _capacity, _row_plan
+    bits, r_lo, r_hi, tol = (int(v) for v in _row_plan(np.int32(num_keys), k, sample, np))
+    assert (1 << bits, r_lo, r_hi, tol, _capacity(num_keys, k, sample)) == plan
 
 
 def test_lengths_are_checked():

@@ -18,27 +18,30 @@ def topk(logits, k: int, *, lengths=None, backend="triton", interpret=False, blo
     row, -1 padded. Same contract as `reference.topk_reference` (order within a row unspecified;
     among equal values at the threshold any choice is valid; NaN counts as invalid).
     lengths: [N] int (optional): row n's keys are its first lengths[n] columns, the rest ignored
-    whatever they hold (clipped to [0, L]). The kernels read only those columns (the sample's
-    loads past them are masked off): a causal prefill's rows cost their own keys, a padding row
-    (length 0) next to nothing.
+    whatever they hold (clipped to [0, L]). The kernels read only those columns, and each row's
+    sample and slices follow its length at run time, not L: a causal prefill's rows cost their
+    own keys in logits of any width, a padding row (length 0) next to nothing.
     Deterministic: the definite keys, then the band's selected keys, each in column order.
 
     Keys: float32 bits mapped to an int32 whose order is the float order. Exact whatever the
     data; Pallas kernels on the Triton backend (integer compares, block scans, per-lane scatter
     stores and a few atomics, no matrix work; backend "mosaic" replaces step 2 and the band
     path of step 3, below):
-      1. thresholds (one program per row): a sample of `sample` keys (default L/32 clamped to
-         [1024, 4096]; runs of 8 adjacent columns at a jittered stride); t_lo, with ~k + 5
-         sigma row keys expected >= it, and t_hi, with ~k - 5 sigma, found together: one pass
-         at 16 fixed float thresholds (the lowest counts the valid keys), then 16-way count
-         passes that stop once an interval holds ~sqrt(k / stride) / 4 sampled keys;
+      1. thresholds (one program per row): a sample of the row's own keys, `sample` of them
+         (default its length / 32, a power of two in [1024, 4096]; runs of 8 adjacent columns at
+         a jittered stride over the row; the whole row if no longer: exact thresholds), the
+         ranks below from the row's stride at run time; t_lo, with ~k + 5 sigma row keys
+         expected >= it, and t_hi, with ~k - 5 sigma, found together: one pass at 16 fixed
+         float thresholds (the lowest counts the valid keys), then 16-way count passes that
+         stop once an interval holds ~sqrt(k / stride) / 4 sampled keys;
       2. write: definite keys (>= t_hi) have their columns written straight to the output,
          band keys (in [t_lo, t_hi)) go (key, column) to a per-row band buffer of `capacity`
          entries, both in column order (one block cumsum of two packed 16-bit counters per
          chunk). With >= 1024 rows, one program per row counts as it writes (one read of the
          row); with fewer rows, `slices` programs per row (default ~4096 programs, slices >=
-         4096 keys): each counts its slice, publishes the counts (f32 atomics), waits for the
-         earlier slices' and writes at their offsets (the second read hits L2);
+         4096 keys; a row's slices cut from its own length, those past its end idle): each
+         counts its slice, publishes the counts (f32 atomics), waits for the earlier slices'
+         and writes at their offsets (the second read hits L2);
       3. select (one program per row): if the definite keys number <= min(k, valid) <=
          definite + band (and the band fits), the (min(k, valid) - definite)-th largest band
          key by 16-way count passes over the band only (~2.8K keys at L = 32K; ~3.5 passes: a

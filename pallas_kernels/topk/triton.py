@@ -3,14 +3,14 @@
 Three Pallas kernels (Triton backend): thresholds from a sample of each row, a write sweep over
 the row (one program per row, or per row slice when rows are few: each slice publishes its
 counts and takes its output offsets from the earlier slices'), then an exact select within the
-narrow band of keys between the two thresholds. See `api.topk` for the scheme; measurements:
-docs/design/topk.md.
+narrow band of keys between the two thresholds. Each row's sample plan and slices follow its own
+length at run time, not the logits' width, so a short row in a wide array costs what it does in
+an array of its own width. See `api.topk` for the scheme; measurements: docs/design/topk.md.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,7 @@ from .mosaic import topk_write
 _WAYS = 16  # thresholds per counting pass (4 bits of key range per pass)
 _Z = 5.0  # safety margin of the sampled thresholds, in standard deviations
 _RUN = 8  # sampled keys are runs of 8 adjacent columns: one 32-byte sector each
+_SAMPLE_MIN, _SAMPLE_MAX = 1024, 4096  # default sample: a row's length / 32, within these
 _MIN_SLICE = 4096  # default: no row slice shorter than this
 
 
@@ -46,6 +47,23 @@ def _to_u(s):
 
 def _from_u(u):
     return jax.lax.bitcast_convert_type(u, jnp.int32) ^ _SIGN
+
+
+def _next_pow2_i32(v):
+    """The least power of two >= v for int32 v in [1, 2^30] (0 for v = 0), at run time."""
+    v = v - 1
+    for shift in (1, 2, 4, 8, 16):
+        v = v | (v >> shift)
+    return v + 1
+
+
+def _mod_u16(h, d, inv_d):
+    """h mod d for int32 h in [0, 2^16) and a run-time d >= 1, inv_d = 1 / d in f32: the float
+    quotient is off by at most one (h * inv_d errs by < 2^16 * 2^-22), then corrected. An integer
+    division by a run-time divisor would cost ~20 instructions a key."""
+    r = h - jnp.floor(h.astype(jnp.float32) * inv_d).astype(jnp.int32) * d
+    r = jnp.where(r < 0, r + d, r)
+    return jnp.where(r >= d, r - d, r)
 
 
 def _count_search(count_ge, kk, lo, w, c_lo, c_hi, tol):
@@ -161,13 +179,16 @@ _COARSE_KEYS = (_KEY_LOW,) + tuple(_float_key(v) for v in (
     4.0, 16.0, 256.0))
 
 
-def _threshold_kernel(x_ref, len_ref, thr_ref, *pub_refs, num_keys, sample, chunk, group, r_lo, r_hi,
-                      tol):
-    """thr[n] = (t_lo, t_hi): ~r_lo * stride row keys are >= t_lo and ~r_hi * stride >= t_hi.
-    The sample is reloaded chunk by chunk each pass (L1/L2 hits): holding it in registers
-    (8192 keys) was slower. Sampled positions at or past the row's length read as invalid
-    (masked loads): the sample keeps the whole row's stride, so the ranks stay right for a
-    shorter row (it just has fewer valid samples).
+def _threshold_kernel(x_ref, len_ref, thr_ref, *pub_refs, k, sample, chunk, group, searches):
+    """thr[n] = (t_lo, t_hi) of row n from a sample of its own len[n] keys (`_row_plan`): ~r_lo *
+    stride row keys are >= t_lo and ~r_hi * stride >= t_hi, stride = len[n] / sample size. The
+    sample is strided over the row's keys, not the logits' width: a short row in a wide array
+    gets the thresholds (and so the band) it gets in an array of its own width, and as few
+    passes' work. The sample is reloaded chunk by chunk (`chunk` keys) each pass (L1/L2 hits):
+    holding it in registers (8192 keys) was slower. Chunks go `group` at a time, the last ones
+    singly (a row's sample may hold fewer chunks than the width's).
+    searches: 1 where every row is its own sample (r_lo = r_hi = k), else 2 (t_lo and t_hi in the
+    same passes; a row sampled whole runs both at rank k).
     pub_refs: () or ([N, P] f32 published slice counts, set to -1 here for the "lookback"
     write)."""
     n = pl.program_id(0)
@@ -176,22 +197,35 @@ def _threshold_kernel(x_ref, len_ref, thr_ref, *pub_refs, num_keys, sample, chun
         pltriton.store(pub_ref.at[n, pl.ds(0, pub_ref.shape[1])],
                        jnp.full(pub_ref.shape[1:], -1.0, jnp.float32))
     lane = jnp.arange(chunk, dtype=jnp.int32)
+    bits, r_lo, r_hi, tol = _row_plan(row_len, k, sample)
+    size = jnp.int32(1) << bits
+    whole_row = size >= row_len  # the row is its own sample: exact thresholds
+    n_chunks = jnp.where(whole_row, pl.cdiv(row_len, chunk), size // chunk)
+    # R = 2^run_bits runs of _RUN columns, run r at a hashed offset in columns [floor(r L / R),
+    # +q) of the row (L = len[n], q = floor(L / R) >= _RUN): spread to the row's end, without an
+    # integer division by a run-time value (r * (L mod R) < R^2: samples up to 2^18 keys).
+    run_bits = bits - (_RUN.bit_length() - 1)
+    q = row_len >> run_bits
+    rem = row_len - (q << run_bits)
+    spread = jnp.maximum(q // _RUN, 1)  # a run's possible offsets
+    inv_spread = 1.0 / spread.astype(jnp.float32)
 
     def sample_keys(c):
         j = c * chunk + lane
-        if sample >= num_keys:  # the whole row: exact thresholds
-            return _row_keys(pltriton.load(x_ref.at[n, j], mask=j < row_len, other=-jnp.inf))
-        n_runs = sample // _RUN
-        q = num_keys // n_runs  # >= _RUN
-        run = j // _RUN
-        h = jax.lax.shift_right_logical(run * -1640531535, 16)  # hash of the run in [0, 65536)
-        pos = run * q + (h % (q // _RUN)) * _RUN + j % _RUN  # runs 8-aligned when q is
+        pos = j
+        if searches == 2:
+            run = j // _RUN
+            h = jax.lax.shift_right_logical(run * -1640531535, 16)  # hash of the run in [0, 65536)
+            start = run * q + ((run * rem) >> run_bits)  # runs 8-aligned when L is a multiple of 8 R
+            pos = jnp.where(whole_row, j, start + _mod_u16(h, spread, inv_spread) * _RUN + j % _RUN)
         return _row_keys(pltriton.load(x_ref.at[n, pos], mask=pos < row_len, other=-jnp.inf))
 
-    n_chunks = sample // chunk
-    count_ge = _count_ge_chunks(sample_keys, n_chunks, min(group, n_chunks))  # divides n_chunks
-    # Both ranks searched in the same passes (one search when the sample is the whole row).
-    ranks = jnp.where(jnp.arange(2 if r_hi != r_lo else 1) == 0, r_lo, r_hi)  # [R]
+    whole = n_chunks // group * group
+    count_ge = _count_ge_chunks(sample_keys, whole, group)
+    if group > 1:
+        in_groups, rest = count_ge, _count_ge_chunks(lambda c: sample_keys(whole + c), n_chunks - whole, 1)
+        count_ge = lambda th: in_groups(th) + rest(th)  # noqa: E731
+    ranks = jnp.where(jnp.arange(searches) == 0, r_lo, r_hi)  # [R]
     jj = jnp.arange(_WAYS, dtype=jnp.int32)[None, :]
     fixed = jnp.zeros((1, _WAYS), jnp.int32)
     for i, key in enumerate(_COARSE_KEYS):
@@ -208,10 +242,18 @@ def _threshold_kernel(x_ref, len_ref, thr_ref, *pub_refs, num_keys, sample, chun
     w = jnp.where((n_s >= ranks) & (ranks > 0), hi - lo, jnp.uint32(1))
     lo, w, _ = _count_search(count_ge, ranks, lo, w, c_lo, c_hi, tol)
     t_lo = jnp.where(n_s >= r_lo, _from_u(_pick(lo, 0)), _KEY_LOW)  # <= the r_lo-th sampled key
-    last = ranks.shape[0] - 1
+    last = searches - 1
     t_hi = _from_u(_pick(lo, last) + _pick(w, last))  # > the r_hi-th largest sampled key
     t_hi = jnp.where((r_hi > 0) & (n_s >= r_hi), t_hi, _KEY_ABOVE)
     pltriton.store(thr_ref.at[n, pl.ds(0, 2)], jnp.where(jnp.arange(2) == 0, t_lo, t_hi))
+
+
+def _row_slice_len(row_len, n_slices, min_slice):
+    """Columns of each slice of a row of row_len keys (run time): the row spread over the
+    n_slices programs of the row in power-of-two slices of >= min_slice columns, so a short row
+    in a wide array is sliced as in an array of its own width (those past its end idle). At
+    row_len = L this is `topk_stages`' static slice length."""
+    return jnp.maximum(min_slice, _next_pow2_i32(pl.cdiv(row_len, n_slices)))
 
 
 def _slice_chunks(s, row_len, slice_len, block):
@@ -252,13 +294,14 @@ def _store_counts(cnt_ref, n, s, n_def, n_band, n_valid):
     pltriton.store(cnt_ref.at[n, s, pl.ds(0, 4)], counts)
 
 
-def _offsets_after_lookback(pub_ref, n, s, n_def, n_band):
+def _offsets_after_lookback(pub_ref, n, s, n_def, n_band, wait):
     """Publish slice s's (definite, band) counts in pub[n, 2s:2s+2] (f32, set to -1 by the
     threshold kernel), wait until slices 0..s-1 of row n have published theirs, return their
     sums. pub rows hold >= one entry per thread (the atomics' results are read back, and a
     tensor smaller than the thread count has replicated lanes); f32 because Pallas lowers
     vector atomics of int32 as float ones; counts < 2^24 are exact. Slice s' < s of row n has a
-    lower block index (grid (N, S), x fastest), so it was dispatched first: the wait ends."""
+    lower block index (grid (N, S), x fastest), so it was dispatched first: the wait ends.
+    wait False (a slice past the row's end, which writes nothing): no wait, offsets 0."""
     width = pub_ref.shape[1]
     j = jnp.arange(2)
     pltriton.atomic_max(pub_ref, (n, pl.ds(2 * s, 2)),
@@ -273,22 +316,23 @@ def _offsets_after_lookback(pub_ref, n, s, n_def, n_band):
         return c, jnp.sum((before & (c < 0)).astype(jnp.int32))
 
     c, _ = jax.lax.while_loop(lambda state: state[1] > 0, poll,
-                              (jnp.zeros((width,), jnp.float32), jnp.int32(1)))
+                              (jnp.zeros((width,), jnp.float32), wait.astype(jnp.int32)))
     c = jnp.where(before, c, 0.0).astype(jnp.int32)
     return jnp.sum(jnp.where(j % 2 == 0, c, 0)), jnp.sum(jnp.where(j % 2 == 1, c, 0))
 
 
-def _write_kernel(x_ref, len_ref, thr_ref, *refs, k, cap, slice_len, block, group):
-    """Slice s of row n: columns of definite keys -> out[n, offset..], band keys and columns ->
-    band[n, offset..], in column order (offsets: the counts of slices 0..s-1; entries past k
-    or cap are dropped: the select kernel then finds the row off the band path); cnt[n, s] =
-    (definite, band, valid, 0) counts of the slice.
+def _write_kernel(x_ref, len_ref, thr_ref, *refs, k, cap, n_slices, min_slice, block, group):
+    """Slice s of row n (`_row_slice_len` columns): columns of definite keys -> out[n, offset..],
+    band keys and columns -> band[n, offset..], in column order (offsets: the counts of slices
+    0..s-1; entries past k or cap are dropped: the select kernel then finds the row off the band
+    path); cnt[n, s] = (definite, band, valid, 0) counts of the slice.
     One slice a row (grid (N, 1)): refs = (out, band keys, band columns, cnt); counts as it
     writes. Several (grid (N, S)): refs = (pub [N, P] f32 of -1, out, band keys, band columns,
     cnt, pub aliasing the input): counts its slice, publishes the counts, waits for the earlier
     slices' and writes (a second read of the slice, from L2). One kernel rather than a count
     kernel and a write kernel: one launch fewer (and, one slice a row, one read of it). Only the
-    row's first len[n] columns are read: slices past them do nothing but publish zeros."""
+    row's first len[n] columns are read: slices past them store zero counts and neither read nor
+    wait."""
     sliced = len(refs) == 6
     if sliced:
         _, out_ref, bkey_ref, bcol_ref, cnt_ref, pub_ref = refs
@@ -298,13 +342,14 @@ def _write_kernel(x_ref, len_ref, thr_ref, *refs, k, cap, slice_len, block, grou
     lane = jnp.arange(block, dtype=jnp.int32)
     t_lo, t_hi = _load_thresholds(thr_ref, n)
     row_len = len_ref[n]
+    slice_len = _row_slice_len(row_len, n_slices, min_slice)
     n_chunks = _slice_chunks(s, row_len, slice_len, block)
     def_off = band_off = jnp.int32(0)
     if sliced:
         counts = _slice_counts(x_ref, n, s, t_lo, t_hi, row_len=row_len, slice_len=slice_len,
                                block=block, group=group)
         _store_counts(cnt_ref, n, s, *counts)
-        def_off, band_off = _offsets_after_lookback(pub_ref, n, s, *counts[:2])
+        def_off, band_off = _offsets_after_lookback(pub_ref, n, s, *counts[:2], wait=s * slice_len < row_len)
 
     def step(loaded, carry):
         c_def, c_band, valid = carry
@@ -409,34 +454,64 @@ def _select_kernel(x_ref, len_ref, thr_ref, cnt_ref, bkey_ref, bcol_ref, out_in_
 # Static plan and entry point
 # ----------------------------------------------------------------------------------------------
 
-def _sample_plan(num_keys, k, sample, capacity):
-    """Static sample size, ranks of the two thresholds in it, search tolerance, band capacity."""
-    if sample is None:
-        sample = min(4096, max(1024, next_pow2(num_keys // 32)))
-    sample = max(_RUN, next_pow2(sample))
-    if sample >= num_keys:  # the sample is the whole row: t_lo = the k-th largest key exactly
-        sample = next_pow2(num_keys)
-        return sample, k, k, 0, capacity or next_pow2(min(num_keys, k))
-    # The r-th largest of `sample` keys spread over the row has ~ r * stride row keys above
-    # it, std ~ sqrt(r) * stride: r_lo - z sqrt(r_lo) = k / stride (>= k keys at z sigma) and
-    # r_hi + z sqrt(r_hi) = k / stride (<= k keys); the band holds ~(r_lo - r_hi) * stride.
-    stride = num_keys / sample
-    m = k / stride
-    root = math.sqrt(_Z * _Z + 4 * m)
-    r_lo = int(math.ceil(((_Z + root) / 2) ** 2))
-    r_hi = int(math.floor(((root - _Z) / 2) ** 2))
-    tol = int(math.sqrt(m) / 4)  # stop the sample's search at this many keys per interval
-    default_cap = next_pow2(int(1.5 * (r_lo - r_hi + 2 * tol) * stride))
-    return sample, r_lo, r_hi, tol, capacity or default_cap
+def _sample_bits(length, sample, xp=jnp):
+    """log2 of the keys sampled from a row of `length` keys (int32: a run-time scalar in the
+    kernel; xp = np for a host value): `sample` rounded up to a power of two (>= _RUN), or by
+    default length / 32 rounded up to a power of two and clamped to [_SAMPLE_MIN, _SAMPLE_MAX]."""
+    if sample is not None:
+        return xp.int32(max(_RUN, next_pow2(sample)).bit_length() - 1)
+    bits = xp.int32(_SAMPLE_MIN.bit_length() - 1)
+    for b in range(_SAMPLE_MIN.bit_length(), _SAMPLE_MAX.bit_length()):
+        bits = xp.where(length // 32 > 1 << (b - 1), xp.int32(b), bits)
+    return bits
+
+
+def _row_plan(length, k, sample, xp=jnp):
+    """Threshold plan of a row of `length` keys (as `_sample_bits`) -> (bits, r_lo, r_hi,
+    tol), int32: 2^bits keys sampled, the ranks of t_lo and t_hi in the sample and the sample
+    search's tolerance. Keyed on the row's own length, so that a row is sampled as densely
+    whatever the logits' width (a row filling the width: the plan that width always had). When
+    2^bits >= length the sample is the row itself: exact thresholds, r_lo = r_hi = k, tol 0.
+    The r-th largest of `size` keys spread over the row has ~ r * stride row keys above it
+    (stride = length / size), std ~ sqrt(r) * stride: r_lo - z sqrt(r_lo) = k / stride (>= k
+    keys at z sigma) and r_hi + z sqrt(r_hi) = k / stride (<= k keys); the band holds ~(r_lo -
+    r_hi) * stride. In f32 (in the kernel, at run time)."""
+    bits = _sample_bits(length, sample, xp)
+    size = xp.int32(1) << bits
+    m = k * size.astype(xp.float32) / xp.maximum(length, size).astype(xp.float32)  # k / stride
+    root = xp.sqrt(_Z * _Z + 4 * m)
+    r_lo = xp.ceil((_Z + root) * (_Z + root) / 4).astype(xp.int32)
+    r_hi = xp.floor((root - _Z) * (root - _Z) / 4).astype(xp.int32)
+    tol = xp.floor(xp.sqrt(m) / 4).astype(xp.int32)  # stop the sample's search at this many keys
+    whole_row = size >= length
+    return bits, xp.where(whole_row, k, r_lo), xp.where(whole_row, k, r_hi), xp.where(whole_row, 0, tol)
+
+
+def _capacity(num_keys, k, sample):
+    """Default band capacity for rows of <= num_keys keys: 1.5 x the band a row's plan expects
+    ((r_lo - r_hi + 2 tol) sampled keys, stride row keys each) rounded up to a power of two, at
+    the longest row of each sample size (the band grows with the stride), and >= min(L, k) for a
+    row that is its own sample (the band then holds <= k keys, but for ties at the k-th)."""
+    lengths, p = [num_keys], _SAMPLE_MIN
+    while sample is None and p < _SAMPLE_MAX:  # the longest rows of the default sizes below the width's
+        lengths += [32 * p + 31] if 32 * p + 31 < num_keys else []
+        p *= 2
+    cap = next_pow2(min(num_keys, k))
+    for length in lengths:
+        bits, r_lo, r_hi, tol = (int(v) for v in _row_plan(np.int32(length), k, sample, np))
+        size = 1 << bits
+        if size < length:
+            cap = max(cap, next_pow2(int(1.5 * (r_lo - r_hi + 2 * tol) * (length / size))))
+    return cap
 
 
 def _kernel_plan(n, sample):
     """Warps of each kernel and the select kernel's chunk for n rows and a threshold sample of
-    `sample` keys -> ({"thresholds", "write", "select": warps}, select chunk or None).
-    thresholds 16 for a sample of 4 chunks, 4 with thousands of rows, else 8; the write sweep 4;
-    select 8 below 1024 rows, 4 from there, 2 over 512-key chunks from 4096 rows (smaller
-    programs keep more rows in flight). Chosen by each kernel's GPU time on an H200
-    (docs/design/topk.md, "warps a kernel")."""
+    `sample` keys (a row filling the width's) -> ({"thresholds", "write", "select": warps},
+    select chunk or None). thresholds 16 for a sample of 4 chunks, 4 with thousands of rows,
+    else 8; the write sweep 4; select 8 below 1024 rows, 4 from there, 2 over 512-key chunks
+    from 4096 rows (smaller programs keep more rows in flight). Chosen by each kernel's GPU time
+    on an H200 (docs/design/topk.md, "warps a kernel")."""
     thresholds = 16 if sample >= 4096 else 4 if n >= 4096 else 8
     select = 8 if n < 1024 else 4 if n < 4096 else 2
     return dict(thresholds=thresholds, write=4, select=select), (512 if n >= 4096 else None)
@@ -458,17 +533,27 @@ def topk_stages(logits, k, *, lengths, interpret, block, num_warps, num_stages, 
     n, num_keys = logits.shape
     chosen_block = block is None
     block = max(16, min(next_pow2(block or 1024), next_pow2(num_keys)))
+    min_slice = block
     if slices is None:  # one slice (a single sweep) once rows alone fill the GPU
         slices = 1 if n >= 1024 else min(pl.cdiv(4096, n), pl.cdiv(num_keys, _MIN_SLICE))
+        min_slice = max(block, _MIN_SLICE)
+    # Slices of a row filling the width; each row's own: `_row_slice_len` (the same at L).
     slice_len = max(block, next_pow2(pl.cdiv(num_keys, max(1, slices))))
     n_slices = next_pow2(pl.cdiv(num_keys, slice_len))
     sliced = n_slices > 1
     group = group or (4 if sliced else 1)
-    sample, r_lo, r_hi, tol, cap = _sample_plan(num_keys, k, sample, capacity)
+    # The sample of a row filling the width (each row's own: `_row_plan`), its chunk and the
+    # band capacity for rows of any length <= L.
+    sample_at_width = 1 << int(_sample_bits(np.int32(num_keys), sample, np))
+    whole_rows = sample_at_width >= num_keys  # every row is its own sample
+    if whole_rows:
+        sample_at_width = next_pow2(num_keys)
+    chunk = min(sample_at_width, 1024)
+    cap = capacity or _capacity(num_keys, k, sample)
     # Interpret mode carries out a masked-out scatter lane as a write of the old value: give
     # those lanes `block` spare columns of their own. On the GPU masked lanes store nothing.
     spare = block if interpret else 0
-    warps, select_chunk = _kernel_plan(n, sample)
+    warps, select_chunk = _kernel_plan(n, sample_at_width)
     if num_warps is not None:  # an explicit count applies to all three kernels
         warps, select_chunk = dict.fromkeys(warps, num_warps), None
     select_block = min(block, select_chunk) if select_chunk and chosen_block else block
@@ -481,10 +566,10 @@ def topk_stages(logits, k, *, lengths, interpret, block, num_warps, num_stages, 
         params = pltriton.CompilerParams(num_warps=warps[name], num_stages=num_stages or 3)
         return pl.pallas_call(kernel, compiler_params=params, interpret=interpret, name=f"topk_{name}", **kw)
 
-    thr_kernel = functools.partial(_threshold_kernel, num_keys=num_keys, sample=sample,
-                                   chunk=min(sample, 1024), group=group, r_lo=r_lo, r_hi=r_hi,
-                                   tol=tol)
-    write = functools.partial(_write_kernel, k=k, cap=cap, slice_len=slice_len, block=block, group=group)
+    thr_kernel = functools.partial(_threshold_kernel, k=k, sample=sample, chunk=chunk,
+                                   group=min(group, sample_at_width // chunk), searches=1 if whole_rows else 2)
+    write = functools.partial(_write_kernel, k=k, cap=cap, n_slices=n_slices, min_slice=min_slice, block=block,
+                              group=group)
     written = (i32((n, k + spare)), i32((n, cap + spare)), i32((n, cap + spare)),
                i32((n, n_slices, 4)))
     if sliced:  # published slice counts: >= one f32 per thread of the write kernel
