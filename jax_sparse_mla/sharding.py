@@ -159,8 +159,8 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
     tensor_parallel: the mesh's tensor-axis size (BatchPlan.tensor_parallel: the kernel choices
     are made for one shard's heads; sharded_forward refuses a plan made for another size).
     Other options as in plan_batch. Raises ValueError naming the shard for invalid requests.
-    Each shard is planned once, on the host; the merged metadata goes to the device once, at
-    the end.
+    Each shard is planned on the host (a cond plan's shard twice when it lacks a stage another
+    shard needs); the merged metadata goes to the device once, at the end.
     """
     if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence):
         raise ValueError(f"shards must be a sequence of request lists (one per data shard), "
@@ -193,16 +193,17 @@ def plan_data_parallel(config: MLAConfig, shards: Sequence[Sequence[Request]], *
     common = dataclasses.replace(
         buckets, min_tokens=max(s[0] for s in sizes), min_seqs=max(s[1] for s in sizes),
         min_pages_per_seq=max(s[2] for s in sizes), min_dense_keys=max([buckets.min_dense_keys] + [s[3] for s in sizes]))
-    def plan_shards(stages=None):
-        return {d: plan_host(config, b, num_pages=num_pages, force_sparse=force_sparse, skip_indexer=skip_indexer,
-                             buckets=common, dispatch=dispatch, tensor_parallel=int(tensor_parallel),
-                             prefill_route=prefill_route, stages=stages)
-                for d, b in checked.items()}
+    def plan_shards(stages=None, which=checked):
+        return {d: plan_host(config, checked[d], num_pages=num_pages, force_sparse=force_sparse,
+                             skip_indexer=skip_indexer, buckets=common, dispatch=dispatch,
+                             tensor_parallel=int(tensor_parallel), prefill_route=prefill_route, stages=stages)
+                for d in which}
     plans = plan_shards()
     base = next(iter(plans.values()))[0]
     if dispatch == "cond":  # one plan (the common buckets', every shard's stages), each shard's own stage sizes
-        stages = (any(p.num_dense_keys for p, _ in plans.values()), any(p.num_sparse_tokens for p, _ in plans.values()))
-        plans = plan_shards(stages)
+        own = {d: (bool(p.num_dense_keys), bool(p.num_sparse_tokens)) for d, (p, _) in plans.items()}
+        stages = (any(s[0] for s in own.values()), any(s[1] for s in own.values()))
+        plans.update(plan_shards(stages, [d for d, s in own.items() if s != stages]))  # the others have them
         base = next(iter(plans.values()))[0]
         assert all(p == base for p, _ in plans.values())
         return base, _concatenate(base, plans, len(shards))

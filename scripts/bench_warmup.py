@@ -81,15 +81,12 @@ def config_of(args) -> MLAConfig:
 
 
 def enumerate_set(args) -> list:
-    """The engine's program set for these options (enumerate_plans' order)."""
-    from jax_sparse_mla.precompile import enumerate_plans
+    """The engine's program set for these options (EngineOptions.program_set; enumerate_plans' order)."""
     from jax_sparse_mla.serving.engine import EngineOptions
 
-    config = config_of(args)
-    kw = EngineOptions(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_model_len=args.max_model_len, dispatch=args.dispatch).plan_kwargs(config, args.num_pages)
-    return enumerate_plans(config, kw.pop("buckets"), num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
-                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, **kw)
+    return EngineOptions(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                         max_model_len=args.max_model_len, dispatch=args.dispatch).program_set(config_of(args),
+                                                                                               args.num_pages)
 
 
 def phase(args) -> dict:

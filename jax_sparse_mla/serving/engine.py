@@ -134,6 +134,16 @@ class EngineOptions:
         return dict(skip_indexer=self.skip_indexer, force_sparse=self.force_sparse, buckets=buckets,
                     dispatch=self.dispatch, prefill_route=self.prefill_route)
 
+    def program_set(self, config: MLAConfig, num_pages: int) -> list[BatchPlan]:
+        """Every plan a run under these options on a cache of num_pages pages can need
+        (precompile.enumerate_plans of plan_kwargs under the options' limits)."""
+        from ..precompile import enumerate_plans
+
+        kw = self.plan_kwargs(config, num_pages)
+        return enumerate_plans(config, kw.pop("buckets"), num_pages=num_pages, max_num_seqs=self.max_num_seqs,
+                               max_num_batched_tokens=self.max_num_batched_tokens,
+                               max_model_len=self.model_len(config), **kw)
+
 
 @dataclasses.dataclass
 class _InFlight:
@@ -383,8 +393,7 @@ class Engine:
     def precompile(self, *, method: str = "auto", cache_dir: str | None = None, progress: bool | None = None,
                    plans: Sequence[BatchPlan] | None = None, **overrides):
         """Compiles every step program a run under these options can need, whatever the workload:
-        jit_layer_stack for the plans of jax_sparse_mla.precompile.enumerate_plans for this
-        engine's num_pages and its options' max_num_seqs, max_num_batched_tokens and max_model_len
+        jit_layer_stack for the plans of EngineOptions.program_set for this engine's num_pages
         (overrides: EngineOptions fields, as for run). method "aot": each plan's step lowered (on this
         engine's pool, params and caches) and compiled ahead of time (the first call of a plan
         still traces it and adds a dispatch entry, which StepRecord.new_programs counts, but
@@ -395,15 +404,12 @@ class Engine:
         the plans (None: only when stderr is a terminal). plans: these of the set only (default:
         every one; a warm-up measured in parts, say). Returns the PrecompileReport (its method
         says which ran)."""
-        from ..precompile import enumerate_plans, precompile
+        from ..precompile import precompile
 
         opts = self.options.with_overrides(overrides)
-        kw = opts.plan_kwargs(self.config, self.num_pages)
-        buckets = kw.pop("buckets")
+        buckets = opts.plan_kwargs(self.config, self.num_pages)["buckets"]
         if plans is None:
-            plans = enumerate_plans(self.config, buckets, num_pages=self.num_pages, max_num_seqs=opts.max_num_seqs,
-                                    max_num_batched_tokens=opts.max_num_batched_tokens,
-                                    max_model_len=opts.model_len(self.config), **kw)
+            plans = opts.program_set(self.config, self.num_pages)
 
         def lower(plan):
             args, kwargs = self._step_call(plan, BatchMeta.empty(plan), (), opts.kernels)
