@@ -9,7 +9,8 @@ latent cache format and variant, the variants interleaved in one run.
 Variants: static (plan_batch's default, kernels="auto": the exact program), cond (dispatch="cond",
 the serving program, with an engine's BucketPolicy.for_limits at 256 sequences of up to 128K
 tokens: one program per row bucket and stage set), no_skip
-(skip_indexer=False: every row scored), xla (static plan, kernels="xla"), masked and sparse
+(skip_indexer=False: every row scored), cond_2x (cond with the row bucket doubled:
+the same rows in a bucket of 2N, what padding rows cost the serving program), xla (static plan, kernels="xla"), masked and sparse
 (prefill_route forced: every prefill longer than index_topk as masked MHA, or sparse). Hidden states are
 random; every cache slot holds random values of the cache's dtypes (contents do not change the
 work). Each call takes the cache the previous call returned (it is donated). A round times every
@@ -79,6 +80,7 @@ SMOKE_KINDS = {"decode_4x40": [(40, 1)] * 4, "mixed_12_4x40": [(0, 12)] + [(40, 
                "prefill_40": [(0, 40)]}  # masked
 VARIANTS = {  # name -> (plan_batch options, kernels)
     "static": ({}, "auto"), "cond": ({"dispatch": "cond"}, "auto"),
+    "cond_2x": ({"dispatch": "cond"}, "auto"),  # the same rows in a row bucket twice cond's
     "no_skip": ({"skip_indexer": False}, "auto"), "xla": ({}, "xla"),
     "masked": ({"prefill_route": "masked"}, "auto"), "sparse": ({"prefill_route": "sparse"}, "auto"),
 }
@@ -472,27 +474,32 @@ ENGINE_LIMITS = dict(max_num_seqs=256, max_model_len=131072)  # the cond variant
 SMOKE_LIMITS = dict(max_num_seqs=8, max_model_len=256)
 
 
-def variant_options(config, variant: str, smoke: bool) -> dict:
-    """plan_batch's options of a variant (cond: an engine's buckets at ENGINE_LIMITS)."""
+def variant_options(config, variant: str, smoke: bool, num_tokens: int) -> dict:
+    """plan_batch's options of a variant for a batch of num_tokens rows (cond: an engine's buckets
+    at ENGINE_LIMITS; cond_2x: those with min_tokens twice the batch's row bucket)."""
     options = dict(VARIANTS[variant][0])
     if options.get("dispatch") == "cond":
-        options["buckets"] = BucketPolicy.for_limits(config, **(SMOKE_LIMITS if smoke else ENGINE_LIMITS))
+        bp = BucketPolicy.for_limits(config, **(SMOKE_LIMITS if smoke else ENGINE_LIMITS))
+        if variant == "cond_2x":
+            bp = dataclasses.replace(bp, min_tokens=2 * BucketPolicy.round_up(num_tokens, bp.min_tokens))
+        options["buckets"] = bp
     return options
 
 
 def run_kind(config, kv, params, kind, specs, args, key):
     requests, num_pages = batch(config, specs)
-    plans = {v: plan_batch(config, requests, num_pages=num_pages, **variant_options(config, v, args.smoke))
-             for v in args.variants}
-    T = next(iter(plans.values()))[0].num_tokens
     n = sum(q for _, q in specs)
+    plans = {v: plan_batch(config, requests, num_pages=num_pages, **variant_options(config, v, args.smoke, n))
+             for v in args.variants}
     static_plan = plan_batch(config, requests, num_pages=num_pages)[0]
     route = static_plan.program
-    hidden = jax.random.normal(key, (T, config.hidden_size), jnp.float32).astype(config.jnp_dtype)
+    widest = max(p.num_tokens for p, _ in plans.values())
+    x = jax.random.normal(key, (widest, config.hidden_size), jnp.float32).astype(config.jnp_dtype)
+    hidden = {v: x[:p.num_tokens] for v, (p, _) in plans.items()}  # the same rows, each variant's bucket
     cache = random_cache(config, num_pages, jax.random.fold_in(key, 1))
-    steps = {v: functools.partial(lambda c, p, m, k: jit_forward(params, hidden, c, m, plan=p, config=config,
-                                                                  kernels=k), p=plans[v][0], m=plans[v][1],
-                                  k=VARIANTS[v][1]) for v in args.variants}
+    steps = {v: functools.partial(lambda c, h, p, m, k: jit_forward(params, h, c, m, plan=p, config=config,
+                                                                     kernels=k), h=hidden[v], p=plans[v][0],
+                                  m=plans[v][1], k=VARIANTS[v][1]) for v in args.variants}
     ms, outs, errors, reps, first = defaultdict(list), {}, {}, {}, {}
     same = {v for v in args.variants if v != "static" and "static" in plans and VARIANTS[v][1] == "auto"
             and plans[v][0] == plans["static"][0]}  # e.g. no_skip on the sparse route: the static program
@@ -517,7 +524,7 @@ def run_kind(config, kv, params, kind, specs, args, key):
     base, oracle = outs.get("static"), outs.get("xla")
     rows = []
     for v in args.variants:
-        row = {"kv": kv, "kind": kind, "rows": n, "bucket": T, "route": route, "variant": v}
+        row = {"kv": kv, "kind": kind, "rows": n, "bucket": plans[v][0].num_tokens, "route": route, "variant": v}
         if v in errors or v in same:
             row["error" if v in errors else "note"] = errors.get(v, "the static program (not timed again)")
         else:
@@ -533,7 +540,7 @@ def run_kind(config, kv, params, kind, specs, args, key):
             row = next(r for r in rows if r["variant"] == v)
             trace_dir = os.path.join(args.profile, f"{kind}-{kv}-{v}")
             p, m = plans[v]
-            text = jit_forward.lower(params, hidden, cache, m, plan=p, config=config,
+            text = jit_forward.lower(params, hidden[v], cache, m, plan=p, config=config,
                                      kernels=VARIANTS[v][1]).compile().as_text()
             with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
                 _, _, cache = step_time(steps[v], cache, PROFILED_STEPS)
