@@ -367,6 +367,11 @@ class BatchPlan:
         masked = () if self.masked == "none" else tuple((k, True) for k in self.key_sizes if k)
         return tuple((k, False) for k in self.key_sizes) + masked
 
+    def dense_keys_picked(self, branch) -> int:
+        """The keys of the dense MHA call that a cond plan's meta.branches[1] (`branch`) picks:
+        0 where the step runs none (the plan has no dense call, or its size-0 branch)."""
+        return self.dense_calls[int(branch)][0] if self.dense_calls else 0
+
     def check_config(self, config: MLAConfig, shards: int = 1) -> None:
         """Raises ValueError naming each field in which `config` differs from the one planned for.
         shards: config is one of this many tensor shards' (sharding.shard_config: its attention

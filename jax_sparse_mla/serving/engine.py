@@ -632,7 +632,7 @@ def _branch(plan: BatchPlan, branches) -> str:
     picked a dense MHA call over some keys, else "sparse"."""
     if plan.route != "cond":
         return plan.route
-    return "dense" if plan.dense_calls and plan.dense_calls[int(np.asarray(branches)[1])][0] else "sparse"
+    return "dense" if plan.dense_keys_picked(np.asarray(branches)[1]) else "sparse"
 
 
 def reference_outputs(engine: Engine, spec: RequestSpec, *, route_margin: float = 1e-5

@@ -65,12 +65,12 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16", dispatch="static"):
                 rows.append(np.concatenate(x) if x else np.zeros((0, config.hidden_size), np.float32))
             if dispatch == "cond" and dp == 1:  # plan_batch's own plan
                 plan, meta = plan_batch(config, shards[0], num_pages=PAGES, dispatch="cond", tensor_parallel=tp)
-                routes.append("dense" if plan.dense_calls and plan.dense_calls[int(meta.branches[1])][0] else "sparse")
+                routes.append("dense" if plan.dense_keys_picked(meta.branches[1]) else "sparse")
             elif dispatch == "cond":  # each shard's stage sizes in its own meta.branches
                 plan, meta = plan_data_parallel(config, shards, pages_per_shard=PAGES, tensor_parallel=tp,
                                                 dispatch="cond")
                 picks = np.asarray(meta.branches).reshape(dp, -1)[:, 1]
-                routes.append("dense" if plan.dense_calls and any(plan.dense_calls[i][0] for i in picks) else "sparse")
+                routes.append("dense" if any(plan.dense_keys_picked(i) for i in picks) else "sparse")
             else:
                 plan, meta = plan_data_parallel(config, shards, pages_per_shard=PAGES, tensor_parallel=tp)
                 routes.append(plan.route)
