@@ -61,18 +61,6 @@ class Implementations:
     sparse_mla: OpImpl
     dense_mha: OpImpl
 
-    @property
-    def lowers_reproducibly(self) -> bool:
-        """Whether lowering one program twice in a process gives the same module, which is what
-        lets a program compiled ahead of time (precompile's method "aot") be the one a later call
-        finds in jax's compilation caches. False with any compiled Mosaic GPU kernel: jax 0.11's
-        Mosaic GPU lowering names each kernel module `<kernel>_<n>` by a process-wide counter (the
-        module attribute `mosaic_gpu.dump_basename`), and the serialized kernel carries the name
-        into the program's cache key, so the n-th lowering of a kernel is a different program
-        from the first."""
-        ops = (getattr(self, f.name) for f in dataclasses.fields(self))
-        return not any(op.backend == "mosaic" and not op.interpret for op in ops)
-
 
 XLA = OpImpl("xla")
 

@@ -9,16 +9,15 @@ requests sharing prefix pages), `count_programs` counts it per route (no compile
 buckets only: under BucketPolicy.for_limits (the Engine's default) up to three plans per row
 bucket (its stage sets: the dense call, the sparse stages, both).
 
-`precompile(method=...)`: "aot" lowers and compiles each plan on ShapeDtypeStructs (jax's
-compilation cache is filled; the first call still traces and lowers), "call" runs each program
-once on zero-filled inputs (nothing left for the first real call), "auto" (the default) is
-"call" with compiled Mosaic GPU kernels, which do not lower reproducibly, and "aot" otherwise;
-"aot" with them is refused. A caller with its own program over the plans (the serving Engine's
-one program for all its layers) passes `call` and `lower`.
+`precompile(method=...)`: "call" (the default) runs each program once on zero-filled inputs
+(nothing left for the first real call), "aot" lowers and compiles each plan on
+ShapeDtypeStructs (jax's compilation caches are filled; the first call still traces and
+lowers). A caller with its own program over the plans (the serving Engine's one program for all
+its layers) passes `call` and `lower`.
 
 Why: one program takes 6-15 s to compile at real dimensions on an H200, too long to meet in a
-serving step. How the enumeration bounds each size, and why AOT needs reproducible lowering:
-docs/design/dispatch.md ("Warm-up").
+serving step. How the enumeration bounds each size, and what AOT relies on (every kernel lowers
+to the same module every time: pallas_kernels.compat): docs/design/dispatch.md ("Warm-up").
 """
 
 from __future__ import annotations
@@ -326,7 +325,7 @@ def _abstract(tree):
 def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num_pages: int, max_num_seqs: int,
                max_num_batched_tokens: int, max_model_len: int | None = None, dispatch: Dispatch = "static",
                kernels: kernel_ops.Kernels = "auto", skip_indexer: bool = True, force_sparse: bool = False,
-               prefill_route: policy.PrefillRoute = "auto", params=None, hidden_dtype=None, method: str = "auto",
+               prefill_route: policy.PrefillRoute = "auto", params=None, hidden_dtype=None, method: str = "call",
                cache_dir: str | None = None,
                min_compile_time_s: float = 0.0, min_entry_size_bytes: int = 0, plans: Sequence[BatchPlan] | None = None,
                call: Callable[[BatchPlan], object] | None = None,
@@ -337,13 +336,11 @@ def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num
 
     params: a param dict (arrays or ShapeDtypeStructs) whose shapes and dtypes the serving loop
       passes (default: init_params's). hidden_dtype: the dtype of hidden (default config's, as the
-      Engine feeds). method: "aot" (lower(...).compile() on ShapeDtypeStructs: fills the
-      compilation cache; the first call still traces and lowers; refused, with a ValueError, for
-      kernels that do not lower reproducibly: compiled Mosaic GPU kernels), "call" (runs each plan
-      on zero-filled inputs: also fills jit's dispatch cache; allocates params and a cache of
-      num_pages pages, or runs call(plan) instead when given, e.g. the Engine's layer stack on its
-      own caches) or "auto" ("aot" where the kernels lower reproducibly, else "call"); the report
-      says which ran. lower: for "aot", lower(plan) returns the jax.stages.Lowered to compile
+      Engine feeds). method: "call" (runs each plan on zero-filled inputs: also fills jit's
+      dispatch cache; allocates params and a cache of num_pages pages, or runs call(plan) instead
+      when given, e.g. the Engine's layer stack on its own caches) or "aot" (lower(...).compile()
+      on ShapeDtypeStructs: allocates nothing, fills the compilation caches; the first call still
+      traces and lowers). lower: for "aot", lower(plan) returns the jax.stages.Lowered to compile
       instead of jit_forward's (e.g. the Engine's one program over all its layers); give `call`
       beside it for the "call" method.
     cache_dir: also write jax's persistent compilation cache there (enable_persistent_cache, with
@@ -351,15 +348,8 @@ def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num
     progress: a bar over the plans (None: only when stderr is a terminal, progress.show_progress).
     """
     check_config_type(config)
-    if method not in ("auto", "aot", "call"):
-        raise ValueError(f"method must be 'auto', 'aot' or 'call', got {method!r}")
-    reproducible = kernel_ops.resolve(kernels, config).lowers_reproducibly
-    if method == "aot" and not reproducible:
-        raise ValueError(f"method='aot' cannot warm up kernels={kernels!r} here: compiled Mosaic GPU kernels "
-                         "lower to a differently named module each time, so a later call would compile its "
-                         "program again; use method='call' (or 'auto')")
-    if method == "auto":
-        method = "aot" if reproducible else "call"
+    if method not in ("aot", "call"):
+        raise ValueError(f"method must be 'call' or 'aot', got {method!r}")
     if plans is None:
         plans = enumerate_plans(config, buckets, num_pages=num_pages, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,

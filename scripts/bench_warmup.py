@@ -18,8 +18,8 @@ as count_programs counts it): the program count before anything compiles. The de
 a cold warm-up longer than one run's time limit is measured in parts, whose seconds add up.
 
 Per phase: precompile_s (the precompile call), process_s (the whole process: imports, engine
-init, precompile), the PrecompileReport's program count, routes and method ("call" with
-compiled Mosaic GPU kernels, "aot" otherwise), each program's seconds (median, max), and the
+init, precompile), the PrecompileReport's program count, routes and method (the default,
+"call"), each program's seconds (median, max), and the
 jax.monitoring events of the precompile call: persistent-cache hits and misses, and jax's
 backend-compile events (one per executable built: an XLA compile or a load from the persistent
 cache) and their seconds. A restart served by the cache has hits and no misses. Each phase's

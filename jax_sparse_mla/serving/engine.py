@@ -390,20 +390,17 @@ class Engine:
                 self._run_padding(plan, opts.kernels)
         return jit_layer_stack._cache_size() - before
 
-    def precompile(self, *, method: str = "auto", cache_dir: str | None = None, progress: bool | None = None,
+    def precompile(self, *, method: str = "call", cache_dir: str | None = None, progress: bool | None = None,
                    plans: Sequence[BatchPlan] | None = None, **overrides):
         """Compiles every step program a run under these options can need, whatever the workload:
         jit_layer_stack for the plans of EngineOptions.program_set for this engine's num_pages
-        (overrides: EngineOptions fields, as for run). method "aot": each plan's step lowered (on this
-        engine's pool, params and caches) and compiled ahead of time (the first call of a plan
-        still traces it and adds a dispatch entry, which StepRecord.new_programs counts, but
-        compiles nothing); "call": each plan's step run once on padding-only metadata (writes no
-        cache slot), after which a run compiles nothing and adds no entry; "auto": "aot" where
-        the kernels lower reproducibly, else "call" (compiled Mosaic GPU kernels: precompile's
-        docstring says why). cache_dir: jax's persistent compilation cache. progress: a bar over
+        (overrides: EngineOptions fields, as for run). method "call" (default): each plan's step
+        run once on padding-only metadata (writes no cache slot), after which a run compiles
+        nothing and adds no entry; "aot": each plan's step lowered (on this engine's pool, params
+        and caches) and compiled ahead of time (the first call of a plan still traces it and adds
+        a dispatch entry, which StepRecord.new_programs counts, but compiles nothing). cache_dir: jax's persistent compilation cache. progress: a bar over
         the plans (None: only when stderr is a terminal). plans: these of the set only (default:
-        every one; a warm-up measured in parts, say). Returns the PrecompileReport (its method
-        says which ran)."""
+        every one; a warm-up measured in parts, say). Returns the PrecompileReport."""
         from ..precompile import precompile
 
         opts = self.options.with_overrides(overrides)

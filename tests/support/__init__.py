@@ -102,3 +102,20 @@ def scored_plan(config):
                             force_sparse=True)
     assert plan.has_indexer_scoring
     return plan, meta
+
+
+def lower_mosaic_kernel() -> str:
+    """The Mosaic GPU indexer decode kernel (fp8, 2 rows, 1024 keys) lowered for the GPU on any
+    machine: the program's text."""
+    import functools
+
+    import jax.numpy as jnp
+
+    from .cases import FP8
+    from .ops import indexer_logits
+
+    sd = jax.ShapeDtypeStruct
+    args = (sd((2, 64, 128), FP8), sd((2, 64), jnp.float32), sd((1024, 128), FP8), sd((1024,), jnp.float32),
+            sd((2, 8), jnp.int32), sd((2,), jnp.int32), sd((2,), jnp.int32))
+    fn = jax.jit(functools.partial(indexer_logits, "mosaic_decode", page_size=64, interpret=False))
+    return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
