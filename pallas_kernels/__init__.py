@@ -2,10 +2,11 @@
 
 One folder per op, named as its dispatch key and its public function: `indexer_logits`, `topk`,
 `sparse_mla`, `dense_mha`; each holds `api` (the public function and its input checks),
-`reference` (the jnp oracle) and one module per backend (`triton`, `mosaic*`), and `device`
-holds the device facts they share. The kernels know nothing of layers: they take arrays and
-static sizes. The references are the XLA path (CPU, and the baseline on GPU) and the oracles
-the kernels are tested against.
+`reference` (the jnp oracle) and one module per backend (`triton`, `mosaic*`); `device`
+holds the device facts they share, `mosaic_inline` the helpers and address formulas of the
+Mosaic GPU kernels' hand-written MLIR and inline PTX. The kernels know nothing of layers: they
+take arrays and static sizes. The references are the XLA path (CPU, and the baseline on GPU) and
+the oracles the kernels are tested against.
 """
 
 from . import compat  # noqa: F401  (first: refuses a jax outside the tested range)

@@ -38,6 +38,8 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
 from ..device import HOPPER_SMS, LN2, LOG2E, MAX_SWIZZLE, SMEM_BYTES
+from ..mosaic_inline import (Int, c32, fp8_lane, fp8_row, fp8_scale_byte, fp8_scale_copy_bytes, fp8_scale_piece,
+                             fp8_scale_unit, gather_unit, gep, global_ptr, scalar, swizzled_offset, unit_stride, warp_sync)
 from .splits import auto_num_splits, combine_splits, live_blocks
 
 HEADS_PER_CTA = 64  # wgmma's M
@@ -46,7 +48,6 @@ _SWIZZLE = 64  # bytes: 32 bf16 columns per smem tile
 _COLS = _SWIZZLE // 2  # bf16 columns per swizzle tile
 _CHUNK = 8  # bf16 values per 16-byte cp.async
 _PRODUCER_THREADS = 128
-_LANE_ROWS = 8  # rows per 8 lanes of a producer warp (see _gather_block's units)
 _MAX_STAGES = 4
 # setmaxnreg budgets. The kernel launches 384 threads at 168 registers (65536 / 384, rounded down
 # to 8): the three must sum to 3 x 168 = 504, or an increase waits forever for registers.
@@ -55,11 +56,6 @@ _ACCUMULATOR_REGS = 216  # warpgroup 1: its accumulator
 _PRODUCER_REGS = 56
 _END = 15  # named barrier over the two consumer warpgroups (Mosaic itself uses 0 and 1 + warpgroup)
 _START = 14  # named barrier over the whole CTA, once: the landing barriers are initialised
-
-
-def _scalar(v):
-    """The ir.Value of a scalar inline_mgpu argument (a splat FragmentedArray or a value)."""
-    return v.registers.flat[0] if hasattr(v, "registers") else v
 
 
 def _swizzled(dtype, swizzle=None):
@@ -106,125 +102,103 @@ def _gather_block(ctx, kv_smem, latent, *rest, rank, rope, width, tile):
         k_pe, ids, stage = rest
     else:
         latent_scale, k_pe, ids, stage = rest
-    i32, i64, i8 = (ir.IntegerType.get_signless(b) for b in (32, 64, 8))
-    c32 = lambda v: arith.constant(i32, v)
-    stage = _scalar(stage)
-    tid = arith.remui(mgpu_utils.thread_idx(), c32(_PRODUCER_THREADS))
-    gep = lambda base, offset, ty: llvm.getelementptr(base.type, base, [offset], [mgpu_utils.DYNAMIC32], ty,
-                                                      llvm.GEPNoWrapFlags.none)
-    smem_base = gep(mgpu_utils.memref_ptr(kv_smem), arith.muli(stage, c32(BLOCK_K * width * 2)), i8)
-    gptr = lambda ref: llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref))
+    i64, i8 = (ir.IntegerType.get_signless(b) for b in (64, 8))
+    stage = Int(scalar(stage))
+    tid = Int(mgpu_utils.thread_idx()) % _PRODUCER_THREADS
+    smem_base = gep(mgpu_utils.memref_ptr(kv_smem), stage * (BLOCK_K * width * 2), i8)
 
     def slot_of(j):
-        """-> (valid i1, slot clamped to >= 0 as i64) of block row j."""
-        idx = memref.load(ids, [arith.index_cast(ir.IndexType.get(), j)])
+        """-> (valid i1, slot clamped to >= 0 as i64) of block row j (an Int)."""
+        idx = memref.load(ids, [arith.index_cast(ir.IndexType.get(), j.value)])
         valid = arith.cmpi(arith.CmpIPredicate.sge, idx, c32(0))
         return valid, arith.extui(i64, arith.select(valid, idx, c32(0)))
 
-    def dst(j, chunk):
-        """Shared address of block row j, bf16 columns [8 chunk, 8 chunk + 8): tile (j / 8, chunk / per),
-        row j % 8, 16-byte unit (chunk % per) XOR the row's swizzle bits (per = _SWIZZLE / 16 units
-        a tile row; the swizzle XORs address bits 4.. with the bits of the row offset above 7)."""
-        r8 = arith.remui(j, c32(8))
-        per = _SWIZZLE // 16
-        unit = arith.xori(arith.remui(chunk, c32(per)), arith.divui(r8, c32(128 // _SWIZZLE)))
-        tile_idx = arith.addi(arith.muli(arith.divui(j, c32(8)), c32(width // _COLS)), arith.divui(chunk, c32(per)))
-        offset = arith.addi(arith.addi(arith.muli(tile_idx, c32(8 * _SWIZZLE)), arith.muli(r8, c32(_SWIZZLE))),
-                            arith.muli(unit, c32(16)))
-        return gep(smem_base, offset, i8)
+    def dst(j, unit):
+        """Shared address of block row j, bf16 columns [8 unit, 8 unit + 8) (16-byte unit `unit`)."""
+        return gep(smem_base, swizzled_offset(j, unit, row_bytes=width * 2, swizzle=_SWIZZLE), i8)
 
     def units(per_row):
         """(row j, unit) of this thread over the block's rows, per_row units a row (BLOCK_K x per_row
-        is a multiple of the 128 threads at every supported shape). Consecutive lanes take
-        _LANE_ROWS consecutive rows, then the next unit: the swizzle then spreads a warp's 16-byte
-        shared accesses over all banks (lanes along one row would hit 2 of 8 bank groups)."""
+        is a multiple of the 128 threads at every supported shape), as `gather_unit` spreads them."""
         for g0 in range(0, BLOCK_K * per_row, _PRODUCER_THREADS):
-            g = arith.addi(tid, c32(g0))
-            rest = arith.divui(g, c32(_LANE_ROWS))
-            j = arith.addi(arith.muli(arith.divui(rest, c32(per_row)), c32(_LANE_ROWS)),
-                           arith.remui(g, c32(_LANE_ROWS)))
-            yield j, arith.remui(rest, c32(per_row))
+            yield gather_unit(tid + g0, per_row)
 
     def cp_async(j, chunk, src, row_elems, col, col_ok=None):
         """16 bytes of bf16 row slot(j) of src from column col -> dst(j, chunk); zeros if invalid."""
         valid, safe = slot_of(j)
         if col_ok is not None:
             valid = arith.andi(valid, col_ok)
-        elem = arith.addi(arith.muli(safe, arith.constant(i64, row_elems)),
-                          arith.extui(i64, arith.select(valid, col, c32(0))))
+        elem = Int(safe) * row_elems + arith.extui(i64, arith.select(valid, col.value, c32(0)))
         nvvm.cp_async_shared_global(dst(j, chunk), gep(src, elem, ir.BF16Type.get()), 16,
                                     nvvm.LoadCacheModifierKind.CG, cp_size=arith.select(valid, c32(16), c32(0)))
 
     def copy_rope():
         for j, chunk in units((width - rank) // _CHUNK):
-            col = arith.muli(chunk, c32(_CHUNK))
-            in_rope = arith.cmpi(arith.CmpIPredicate.ult, col, c32(rope))
-            cp_async(j, arith.addi(chunk, c32(rank // _CHUNK)), gptr(k_pe), rope, col, in_rope)
+            col = chunk * _CHUNK
+            in_rope = arith.cmpi(arith.CmpIPredicate.ult, col.value, c32(rope))
+            cp_async(j, chunk + rank // _CHUNK, global_ptr(k_pe), rope, col, in_rope)
         nvvm.cp_async_commit_group()
 
     if latent_scale is None:
         copy_rope()
         for j, chunk in units(rank // _CHUNK):
-            cp_async(j, chunk, gptr(latent), rank, arith.muli(chunk, c32(_CHUNK)))
+            cp_async(j, chunk, global_ptr(latent), rank, chunk * _CHUNK)
         nvvm.cp_async_commit_group()
     else:
-        _fp8_per_thread(gptr(latent), gptr(latent_scale), copy_rope, slot_of, dst, gep, tid, rank=rank, tile=tile)
+        _fp8_per_thread(global_ptr(latent), global_ptr(latent_scale), copy_rope, slot_of, dst, tid,
+                        rank=rank, tile=tile)
 
 
 _FP8_PARTS = 4  # cp.async groups a thread's fp8 copies go out in (each converted as soon as it lands)
 
 
-def _fp8_per_thread(latent_ptr, scale_ptr, copy_rope, slot_of, dst, gep, tid, *, rank, tile):
+def _fp8_per_thread(latent_ptr, scale_ptr, copy_rope, slot_of, dst, tid, *, rank, tile):
     """fp8 latent: each producer thread cp.asyncs raw e4m3 chunks into the stage bytes that its own
     conversion overwrites, then dequantises them there. A warp's rows' f32 scales come in one copy
     a lane; past that, no thread reads what another one copied, so a block needs no barrier until
     it is whole (each thread waits for its own cp.async groups and its warp's).
 
-    Thread t (lane r8 = t % 8, octet o = t / 8 % 4, warp w = t / 32) owns block rows 8 G + r8, G in
-    (w, w + 4), and of each the 16-value chunks c = 4 u + o (u < rank / 64). Chunk c becomes bf16
-    columns [16 c, 16 c + 16), 16-byte units 2 c and 2 c + 1 of `dst`: the raw chunk lands in unit
-    2 c + 1. Eight lanes take eight rows of one unit (conflict-free, as `units`); an octet's four
-    lanes of a row read 64 consecutive bytes of it. A row's scales (rank / tile f32; scale k at
-    bytes 4 (k % 4) of unit 8 (k / 4), octet 0's) are copied by the lanes of octets 2 G' and
-    2 G' + 1 of its row group G' (half each), in the first group; each thread reads its rows' scales once that
-    group has landed and its warp has synced, and the warp syncs again before any unit is
-    overwritten. The copies go out in _FP8_PARTS groups (then k_pe's, copy_rope), each converted as
-    soon as it has landed.
+    Thread t (lane r8 = t % 8, octet o = t / 8 % 4, warp w = t / 32: `fp8_lane`) owns block rows
+    8 G + r8, G in (w, w + 4) (`fp8_row`), and of each the 16-value chunks c = 4 u + o
+    (u < rank / 64). Chunk c becomes bf16 columns [16 c, 16 c + 16), 16-byte units 2 c and 2 c + 1
+    of `dst`: the raw chunk lands in unit 2 c + 1. Eight lanes take eight rows of one unit
+    (conflict-free, as `units`); an octet's four lanes of a row read 64 consecutive bytes of it.
+    A row's scales (rank / tile f32; scale k at bytes 4 (k % 4) of unit 8 (k / 4), octet 0's:
+    `fp8_scale_unit`, `fp8_scale_byte`) are copied by the lanes of octets 2 G' and 2 G' + 1 of its
+    row group G' (half each, `fp8_scale_piece`), in the first group; each thread reads its rows'
+    scales once that group has landed and its warp has synced, and the warp syncs again before any
+    unit is overwritten. The copies go out in _FP8_PARTS groups (then k_pe's, copy_rope), each
+    converted as soon as it has landed.
     """
     i32, i64, i8 = (ir.IntegerType.get_signless(b) for b in (32, 64, 8))
     f32 = ir.F32Type.get()
-    c32 = lambda v: arith.constant(i32, v)
     vec4 = ir.VectorType.get((4,), i32)
     n_units, n_scales = rank // 64, rank // tile
     chunks_per_scale = tile // 16
-    piece = 16 if n_scales % 4 == 0 else 4  # bytes per scale copy
-    r8, octet, warp = (arith.remui(tid, c32(8)), arith.remui(arith.divui(tid, c32(8)), c32(4)),
-                       arith.divui(tid, c32(32)))
+    r8, octet, warp = fp8_lane(tid)
     n_groups = BLOCK_K // 32  # 8-row groups per warp
-    rows = [arith.addi(arith.muli(arith.addi(warp, c32(4 * g)), c32(8)), r8) for g in range(n_groups)]
+    rows = [fp8_row(warp, r8, g) for g in range(n_groups)]
     slots = [slot_of(j) for j in rows]
-    # Unit 8 u + 2 o + h of a row sits u * (8 / per) tiles after unit 2 o + h, at the same place in
-    # its tile (per = _SWIZZLE / 16 units a tile row): one address a row and h, constant offsets.
-    tile_step = (8 // (_SWIZZLE // 16)) * 8 * _SWIZZLE
-    bases = [[dst(j, arith.addi(arith.muli(octet, c32(2)), c32(h))) for h in range(2)] for j in rows]
-    unit_at = lambda g, u, h, extra=0: gep(bases[g][h], c32(u * tile_step + extra), i8)
+    # Unit 8 u + 2 o + h of a row sits `unit_stride(8 u)` bytes after unit 2 o + h: one address a
+    # row and h, constant offsets.
+    bases = [[dst(j, octet * 2 + h) for h in range(2)] for j in rows]
+    unit_at = lambda g, u, h: gep(bases[g][h], unit_stride(8 * u, swizzle=_SWIZZLE), i8)
     part_units = max(1, n_units * n_groups // _FP8_PARTS)  # a thread's units per cp.async group
     parts = [(g, range(u0, min(u0 + part_units, n_units))) for g in range(n_groups) for u0 in range(0, n_units, part_units)]
-    def scale_at(j, k):  # scale k (i32) of row j: bytes 4 (k % 4) of octet 0's unit 8 (k / 4)
-        return gep(dst(j, arith.muli(arith.divui(k, c32(4)), c32(8))), arith.muli(arith.remui(k, c32(4)), c32(4)), i8)
+    def scale_at(j, k):  # scale k (an Int or int) of row j
+        return gep(dst(j, fp8_scale_unit(k)), fp8_scale_byte(k), i8)
 
     # The scales of row group o / 2's row, pieces half, half + 2, ... (o = 2 G' + half): the same
     # bytes twice where a row has one piece.
-    half, group = arith.remui(octet, c32(2)), arith.divui(octet, c32(2))
-    is_second = arith.cmpi(arith.CmpIPredicate.eq, group, c32(1))
+    half, group = octet % 2, octet // 2
+    is_second = arith.cmpi(arith.CmpIPredicate.eq, group.value, c32(1))
     valid = arith.select(is_second, slots[1][0], slots[0][0])
-    row_scales = gep(scale_ptr, arith.muli(arith.select(is_second, slots[1][1], slots[0][1]),
-                                           arith.constant(i64, n_scales)), f32)
-    row = arith.select(is_second, rows[1], rows[0])
-    piece = 16 if n_scales % 4 == 0 else 4  # bytes
+    row_scales = gep(scale_ptr, Int(arith.select(is_second, slots[1][1], slots[0][1])) * n_scales, f32)
+    row = Int(arith.select(is_second, rows[1].value, rows[0].value))
+    piece = fp8_scale_copy_bytes(n_scales)
     n_pieces = n_scales * 4 // piece
     for i in range(-(-n_pieces // 2)):
-        k = arith.muli(arith.minui(arith.addi(half, c32(2 * i)), c32(n_pieces - 1)), c32(piece // 4))  # first scale
+        k = fp8_scale_piece(half, i, n_pieces=n_pieces, scales_per_piece=piece // 4)
         nvvm.cp_async_shared_global(scale_at(row, k), gep(row_scales, k, f32), piece,
                                     nvvm.LoadCacheModifierKind.CG if piece == 16 else nvvm.LoadCacheModifierKind.CA,
                                     cp_size=arith.select(valid, c32(piece), c32(0)))
@@ -232,10 +206,9 @@ def _fp8_per_thread(latent_ptr, scale_ptr, copy_rope, slot_of, dst, gep, tid, *,
     for g, us in parts:
         valid, safe = slots[g]
         size = lambda n: arith.select(valid, c32(n), c32(0))
-        row_src = gep(latent_ptr, arith.addi(arith.muli(safe, arith.constant(i64, rank)),
-                                             arith.extui(i64, arith.muli(octet, c32(16)))), i8)
+        row_src = gep(latent_ptr, Int(safe) * rank + arith.extui(i64, (octet * 16).value), i8)
         for u in us:  # chunk 4 u + o: 64 u bytes after chunk o
-            nvvm.cp_async_shared_global(unit_at(g, u, 1), gep(row_src, c32(64 * u), i8), 16,
+            nvvm.cp_async_shared_global(unit_at(g, u, 1), gep(row_src, 64 * u, i8), 16,
                                         nvvm.LoadCacheModifierKind.CG, cp_size=size(16))
         nvvm.cp_async_commit_group()
     copy_rope()  # one more group: lands while the parts convert
@@ -244,28 +217,23 @@ def _fp8_per_thread(latent_ptr, scale_ptr, copy_rope, slot_of, dst, gep, tid, *,
     for p, (g, us) in enumerate(parts):
         nvvm.cp_async_wait_group(len(parts) - p)  # this thread's copies of part p have landed
         if p == 0:  # the warp's scale copies (group 0) have landed: every scale into registers
-            _warp_sync()
+            warp_sync()
             for g2, j in enumerate(rows):
                 for k in range(n_scales):
-                    scales[g2, k] = llvm.load(f32, scale_at(j, c32(k)), alignment=4)
-            _warp_sync()  # before any unit holding scales is overwritten
+                    scales[g2, k] = llvm.load(f32, scale_at(j, k), alignment=4)
+            warp_sync()  # before any unit holding scales is overwritten
         for u in us:
             s = scales[g, 4 * u // chunks_per_scale]  # chunks 4 u + o, o < 4: one scale tile (tile % 64 == 0)
             data = llvm.load(vec4, unit_at(g, u, 1), alignment=16)
             words = []
             for k in range(4):
-                word = llvm.extractelement(data, arith.constant(i32, k))
+                word = llvm.extractelement(data, c32(k))
                 words += mgpu_utils.inline_ptx(_FP8_TO_BF16, word, s, result_types=[i32, i32])
             for h in range(2):
                 vec = llvm.mlir_undef(vec4)
                 for k in range(4):
-                    vec = llvm.insertelement(vec, words[4 * h + k], arith.constant(i32, k))
+                    vec = llvm.insertelement(vec, words[4 * h + k], c32(k))
                 llvm.store(vec, unit_at(g, u, h), alignment=16)
-
-
-def _warp_sync():
-    """bar.warp.sync over the whole warp: orders the lanes' earlier shared-memory accesses."""
-    mgpu_utils.inline_ptx("bar.warp.sync -1;", has_side_effects=True, convergent=True)
 
 
 def _finite_or_zero(x):
@@ -307,20 +275,16 @@ def _sync_consumers():
 # inline_mgpu code.
 def _landed_ptr(words, stage):
     """Shared address of stage `stage`'s landing mbarrier (8 bytes each in `words`, i32)."""
-    i64 = ir.IntegerType.get_signless(64)
-    return llvm.getelementptr(llvm.PointerType.get(address_space=3), mgpu_utils.memref_ptr(words), [_scalar(stage)],
-                              [mgpu_utils.DYNAMIC32], i64, llvm.GEPNoWrapFlags.none)
+    return gep(mgpu_utils.memref_ptr(words), scalar(stage), ir.IntegerType.get_signless(64))
 
 
 def _init_landed(ctx, words, *, stages):
     """Whole CTA, once: one thread initialises each stage's landing mbarrier for _PRODUCER_THREADS
     arrivals, then every thread passes named barrier _START."""
     del ctx
-    i32 = ir.IntegerType.get_signless(32)
     first = mgpu_utils.single_thread_predicate(mgpu_utils.ThreadSubset.BLOCK)
     for k in range(stages):
-        nvvm.mbarrier_init(_landed_ptr(words, arith.constant(i32, k)), arith.constant(i32, _PRODUCER_THREADS),
-                           predicate=first)
+        nvvm.mbarrier_init(_landed_ptr(words, c32(k)), c32(_PRODUCER_THREADS), predicate=first)
     mgpu_utils.inline_ptx(f"fence.mbarrier_init.release.cluster; bar.sync {_START}, {3 * 128};",
                           has_side_effects=True, convergent=True)
 
@@ -345,8 +309,7 @@ def _wait_landed(ctx, words, stage, parity):
     """Consumer warpgroup: wait for phase `parity` of the stage's landing barrier, then fence so that
     this warpgroup's wgmma (async proxy) sees the producer's copies."""
     del ctx
-    i32 = ir.IntegerType.get_signless(32)
-    nvvm.mbarrier_try_wait_parity(_landed_ptr(words, stage), _scalar(parity), arith.constant(i32, 10_000_000))
+    nvvm.mbarrier_try_wait_parity(_landed_ptr(words, stage), scalar(parity), c32(10_000_000))
     mgpu_utils.inline_ptx("fence.proxy.async.shared::cta;", has_side_effects=True)
 
 

@@ -30,16 +30,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, scf
 
+from ..mosaic_inline import (Int, c32, first_bin, gep, global_ptr, lane_and_warp, lane_vector, last_float4, load_ptx,
+                             scalar, smax, smin, warp_ptx)
 from .keys import _INVALID, _KEY_LOW, _KEY_POS_INF, _LOW31, _SIGN
 
 _LOADS = 8  # float4 loads a lane an iteration: 32 keys a lane, 1024 a warp
 _WARPS = 4  # rows (warps) a CTA
 _BINS = 256  # radix digit of the band select: 8 bits a pass
-
-
-def _scalar(v):
-    """The ir.Value of a scalar inline_mgpu argument (a splat FragmentedArray or a value)."""
-    return v.registers.flat[0] if hasattr(v, "registers") else v
 
 
 _SCAN = """{
@@ -60,45 +57,29 @@ shfl.sync.idx.b32 $1, $0, 31, 31, 0xffffffff;
 }"""  # $2 -> ($0 inclusive warp scan, $1 the warp's total); byte lanes never carry (each <= 128)
 
 
-# MLIR building blocks, called while the kernel is lowered
-def _i32():
-    return ir.IntegerType.get_signless(32)
-
-
-def _c32(v):
-    return arith.constant(_i32(), v)
-
-
 def _cmp(pred, a, b):
+    """arith.cmpi by predicate name ("slt", "ult", ...)."""
     return arith.cmpi(getattr(arith.CmpIPredicate, pred), a, b)
-
-
-def _gep(base, off):
-    """&base[off] of an i32 pointer, off an i32."""
-    return llvm.getelementptr(base.type, base, [off], [mgpu_utils.DYNAMIC32], _i32(), llvm.GEPNoWrapFlags.none)
 
 
 def _write_rows(ctx, x, lengths, thr, out, bkey, bcol, cnt, hist, block, *, n_rows, num_keys, k, cap):
     """Warp w of CTA `block` sweeps row n = _WARPS * block + w (if n < n_rows)."""
     del ctx
-    i32, i64 = _i32(), ir.IntegerType.get_signless(64)
-    c32, cmp, gep = _c32, _cmp, _gep
-    gptr = lambda ref: llvm.addrspacecast(llvm.PointerType.get(address_space=1),  # noqa: E731
-                                          mgpu_utils.memref_ptr(ref))
-    tid = mgpu_utils.thread_idx()
-    lane, warp = arith.andi(tid, c32(31)), arith.shrui(tid, c32(5))
-    n = arith.addi(arith.muli(_scalar(block), c32(_WARPS)), warp)
-    row_at = lambda ref, width: gep(gptr(ref), arith.muli(arith.extui(i64, n), arith.constant(i64, width)))  # noqa: E731
-    with mgpu_utils.when(cmp("slt", n, c32(n_rows))):
-        row_len = llvm.load(i32, gep(gptr(lengths), n))
+    i32, i64 = (ir.IntegerType.get_signless(b) for b in (32, 64))
+    cmp = _cmp
+    lane, warp = lane_and_warp(Int(mgpu_utils.thread_idx()))
+    n = Int(scalar(block)) * _WARPS + warp
+    row_at = lambda ref, width: gep(global_ptr(ref), Int(arith.extui(i64, n.value)) * width, i32)  # noqa: E731
+    with mgpu_utils.when(cmp("slt", n.value, c32(n_rows))):
+        row_len = llvm.load(i32, gep(global_ptr(lengths), n, i32))
         thr_row = row_at(thr, 2)
-        t_lo, t_hi = llvm.load(i32, thr_row), llvm.load(i32, gep(thr_row, c32(1)))
+        t_lo, t_hi = llvm.load(i32, thr_row), llvm.load(i32, gep(thr_row, 1, i32))
         # [t_lo, t_hi) as key - t_lo < width, unsigned (the width can exceed 2^31); empty if t_lo > t_hi
         band_width = arith.select(cmp("sle", t_lo, t_hi), arith.subi(t_hi, t_lo), c32(0))
         x_row, out_row, bkey_row, bcol_row = (row_at(x, num_keys), row_at(out, k), row_at(bkey, cap),
                                               row_at(bcol, cap))
-        lane_col = arith.muli(lane, c32(4))
-        last_load = arith.subi(arith.andi(arith.addi(row_len, c32(3)), c32(-4)), c32(4))
+        lane_col = lane * 4
+        last_load = last_float4(Int(row_len))
 
         per_iter = 32 * 4 * _LOADS
 
@@ -108,10 +89,9 @@ def _write_rows(ctx, x, lengths, thr, out, bkey, bcol, cnt, hist, block, *, n_ro
             end they repeat its last float4, which `sweep` masks."""
             vals = []
             for j in range(_LOADS):
-                c0 = arith.addi(arith.muli(it, c32(per_iter)), arith.addi(c32(128 * j), lane_col))
-                at = arith.maxsi(arith.minsi(c0, last_load), c32(0))
+                at = smax(smin(lane_vector(Int(it), j, lane_col, vec=4, loads=_LOADS), last_load), 0)
                 vals.append(mgpu_utils.inline_ptx("ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];",
-                                                  gep(x_row, at), result_types=[i32] * 4))
+                                                  gep(x_row, at, i32), result_types=[i32] * 4))
             return vals
 
         def store(cols, scans, words, run_def, run_band, checked):
@@ -124,14 +104,14 @@ def _write_rows(ctx, x, lengths, thr, out, bkey, bcol, cnt, hist, block, *, n_ro
                 start = arith.addi(base, own)
                 for e, (is_def, is_band, key, prefix) in enumerate(sel):
                     at = arith.addi(start, prefix)
-                    col = arith.addi(c0, c32(e))
+                    col = (c0 + e).value
                     pos = arith.addi(run_def, arith.andi(at, c32(0xFFFF)))
                     st = arith.andi(is_def, cmp("ult", pos, c32(k))) if checked else is_def
-                    mgpu_utils.inline_ptx("st.global.b32 [$0], $1;", gep(out_row, pos), col, predicate=st)
+                    mgpu_utils.inline_ptx("st.global.b32 [$0], $1;", gep(out_row, pos, i32), col, predicate=st)
                     pos = arith.addi(run_band, arith.shrui(at, c32(16)))
                     st = arith.andi(is_band, cmp("ult", pos, c32(cap))) if checked else is_band
-                    mgpu_utils.inline_ptx("st.global.b32 [$0], $1;", gep(bkey_row, pos), key, predicate=st)
-                    mgpu_utils.inline_ptx("st.global.b32 [$0], $1;", gep(bcol_row, pos), col, predicate=st)
+                    mgpu_utils.inline_ptx("st.global.b32 [$0], $1;", gep(bkey_row, pos, i32), key, predicate=st)
+                    mgpu_utils.inline_ptx("st.global.b32 [$0], $1;", gep(bcol_row, pos, i32), col, predicate=st)
                 base = arith.addi(base, field(total))
 
         def sweep(it, vals, carry, masked):
@@ -140,13 +120,13 @@ def _write_rows(ctx, x, lengths, thr, out, bkey, bcol, cnt, hist, block, *, n_ro
             run_def, run_band, valid = carry
             cols, words = [], [c32(0)] * (_LOADS // 2)
             for j in range(_LOADS):
-                c0 = arith.addi(arith.muli(it, c32(per_iter)), arith.addi(c32(128 * j), lane_col))
+                c0 = lane_vector(Int(it), j, lane_col, vec=4, loads=_LOADS)
                 prefix, sel = c32(0), []
                 for e, b in enumerate(vals[j]):
                     key = arith.xori(b, arith.andi(arith.shrsi(b, c32(31)), c32(_LOW31)))
                     ok = cmp("ule", arith.subi(key, c32(_KEY_LOW)), c32(_KEY_POS_INF - _KEY_LOW))  # not NaN / -inf
                     if masked:
-                        ok = arith.andi(ok, cmp("slt", arith.addi(c0, c32(e)), row_len))
+                        ok = arith.andi(ok, cmp("slt", (c0 + e).value, row_len))
                     valid = arith.addi(valid, arith.extui(i32, ok))
                     key = arith.select(ok, key, c32(_INVALID))
                     is_def = cmp("sge", key, t_hi)
@@ -185,26 +165,12 @@ def _write_rows(ctx, x, lengths, thr, out, bkey, bcol, cnt, hist, block, *, n_ro
         carry, vals = mgpu_utils.fori(n_full, ((c32(0),) * 3, load(c32(0))))(step).results
         c_def, c_band, valid = mgpu_utils.fori(has_tail, carry)(
             lambda _, carry: sweep(n_full, vals, carry, masked=True)).results
-        valid = mgpu_utils.inline_ptx("redux.sync.add.s32 $0, $1, 0xffffffff;", valid, result_types=i32, convergent=True)
+        valid = mgpu_utils.inline_ptx("redux.sync.add.s32 $0, $1, 0xffffffff;", valid, result_types=i32,
+                                      convergent=True)
         done = _select_band(hist, lane, warp, c_def, c_band, valid, t_lo, t_hi, out_row, bkey_row, bcol_row,
                             k=k, cap=cap)
         mgpu_utils.inline_ptx("st.global.v4.b32 [$0], {$1, $2, $3, $4};", row_at(cnt, 4), c_def, c_band, valid,
-                              done, predicate=cmp("eq", lane, c32(0)))
-
-
-def _ptx(text, *args, result=True):
-    """Warp-level inline PTX: one i32 result, or none (a side effect)."""
-    return mgpu_utils.inline_ptx(text, *args, result_types=_i32() if result else None, convergent=True,
-                                 has_side_effects=not result)
-
-
-def _load(text, *args, n=1):
-    """Inline PTX that reads memory the warp writes (its histogram, the band the sweep wrote),
-    marked as having side effects: inline asm without them counts as reading no memory, so LLVM
-    may merge two with the same address or hoist one out of a loop (the histogram's addresses are
-    the same every pass) and move them across the writes."""
-    out = mgpu_utils.inline_ptx(text, *args, result_types=[_i32()] * n, has_side_effects=True)
-    return out[0] if n == 1 else out
+                              done, predicate=cmp("eq", lane.value, c32(0)))
 
 
 def _select_band(hist, lane, warp, n_def, n_band, n_valid, t_lo, t_hi, out_row, bkey_row, bcol_row, *, k, cap):
@@ -218,8 +184,8 @@ def _select_band(hist, lane, warp, n_def, n_band, n_valid, t_lo, t_hi, out_row, 
     binade: 2-3 passes), each pass a 256-bin histogram in the warp's shared memory over the
     band (L2: the sweep just wrote it); then one pass writes the keys above it and, in band
     (column) order, as many equal to it as the rank leaves, positions from ballots."""
-    i1, i32 = ir.IntegerType.get_signless(1), _i32()
-    c32, cmp, gep = _c32, _cmp, _gep
+    i1, i32 = (ir.IntegerType.get_signless(b) for b in (1, 32))
+    cmp = _cmp
     n_sel = arith.minsi(n_valid, c32(k))
     done = arith.andi(arith.andi(cmp("sle", n_def, n_sel), cmp("sge", arith.addi(n_def, n_band), n_sel)),
                       cmp("sle", n_band, c32(cap)))
@@ -228,11 +194,11 @@ def _select_band(hist, lane, warp, n_def, n_band, n_valid, t_lo, t_hi, out_row, 
     search = arith.andi(done, arith.andi(cmp("sgt", rank, c32(0)), arith.xori(take_all, arith.constant(i1, 1))))
     u_lo = arith.xori(t_lo, c32(_SIGN))
     differ = arith.xori(u_lo, arith.xori(arith.subi(t_hi, c32(1)), c32(_SIGN)))
-    top_byte = arith.shrui(arith.subi(c32(31), _ptx("clz.b32 $0, $1;", differ)), c32(3))
+    top_byte = arith.shrui(arith.subi(c32(31), warp_ptx("clz.b32 $0, $1;", differ)), c32(3))
     n_passes = arith.select(arith.andi(search, cmp("ne", differ, c32(0))), arith.addi(top_byte, c32(1)), c32(0))
     above_all = arith.select(cmp("eq", n_passes, c32(4)), c32(0), arith.shli(c32(-1), arith.muli(n_passes, c32(8))))
     mgpu_utils.inline_ptx("fence.acq_rel.cta; bar.warp.sync 0xffffffff;", has_side_effects=True, convergent=True)
-    hist = gep(mgpu_utils.memref_ptr(hist), arith.muli(warp, c32(_BINS)))
+    hist = gep(mgpu_utils.memref_ptr(hist), warp * _BINS, i32)
     chunks = lambda n, per: arith.divui(arith.addi(n, c32(per - 1)), c32(per))  # noqa: E731
 
     def radix_pass(p, state):
@@ -240,33 +206,32 @@ def _select_band(hist, lane, warp, n_def, n_band, n_valid, t_lo, t_hi, out_row, 
         shift = arith.muli(arith.subi(arith.subi(n_passes, c32(1)), p), c32(8))
         known = arith.select(cmp("eq", shift, c32(24)), c32(0), arith.shli(c32(-1), arith.addi(shift, c32(8))))
         zero = c32(0)
-        mgpu_utils.inline_ptx("st.shared.v4.b32 [$0], {$1, $1, $1, $1};", gep(hist, arith.muli(lane, c32(8))), zero,
+        mgpu_utils.inline_ptx("st.shared.v4.b32 [$0], {$1, $1, $1, $1};", gep(hist, lane * 8, i32), zero,
                               has_side_effects=True)
-        mgpu_utils.inline_ptx("st.shared.v4.b32 [$0], {$1, $1, $1, $1};",
-                              gep(hist, arith.addi(arith.muli(lane, c32(8)), c32(4))), zero, has_side_effects=True)
+        mgpu_utils.inline_ptx("st.shared.v4.b32 [$0], {$1, $1, $1, $1};", gep(hist, lane * 8 + 4, i32), zero,
+                              has_side_effects=True)
         mgpu_utils.inline_ptx("bar.warp.sync 0xffffffff;", has_side_effects=True, convergent=True)
 
         def count(c, carry):  # _LOADS float4s of band keys a lane, loaded together
-            i0 = [arith.addi(arith.muli(c, c32(128 * _LOADS)), arith.addi(c32(128 * j), arith.muli(lane, c32(4))))
-                  for j in range(_LOADS)]
-            keys = [_load("ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];",
-                          gep(bkey_row, arith.minsi(i, c32(cap - 4))), n=4) for i in i0]
+            i0 = [lane_vector(Int(c), j, lane * 4, vec=4, loads=_LOADS) for j in range(_LOADS)]
+            keys = [load_ptx("ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];", gep(bkey_row, smin(i, cap - 4), i32), n=4)
+                    for i in i0]
             for i, four in zip(i0, keys):
                 for e, key in enumerate(four):
                     u = arith.xori(key, c32(_SIGN))
-                    mine = arith.andi(cmp("slt", arith.addi(i, c32(e)), n_band),
+                    mine = arith.andi(cmp("slt", (i + e).value, n_band),
                                       cmp("eq", arith.andi(u, known), arith.andi(prefix, known)))
                     digit = arith.andi(arith.shrui(u, shift), c32(_BINS - 1))
-                    mgpu_utils.inline_ptx("red.shared.add.u32 [$0], 1;", gep(hist, digit), predicate=mine)
+                    mgpu_utils.inline_ptx("red.shared.add.u32 [$0], 1;", gep(hist, digit, i32), predicate=mine)
             return carry
 
         mgpu_utils.fori(chunks(n_band, 128 * _LOADS), c32(0))(count)
         mgpu_utils.inline_ptx("bar.warp.sync 0xffffffff;", has_side_effects=True, convergent=True)
         # lane L holds digits 255 - 8 L - j, j < 8 (descending): the keys above its digits are the
         # lanes before it (an exclusive scan), then its own in order
-        first = arith.subi(c32(_BINS - 8), arith.muli(lane, c32(8)))
-        lo4 = _load("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", gep(hist, first), n=4)
-        hi4 = _load("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", gep(hist, arith.addi(first, c32(4))), n=4)
+        first = first_bin(lane, _BINS)
+        lo4 = load_ptx("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", gep(hist, first, i32), n=4)
+        hi4 = load_ptx("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", gep(hist, first + 4, i32), n=4)
         counts = list(hi4[::-1]) + list(lo4[::-1])  # digits first + 7, ..., first
         own = c32(0)
         for h in counts:
@@ -277,42 +242,42 @@ def _select_band(hist, lane, warp, n_def, n_band, n_valid, t_lo, t_hi, out_row, 
         for j, h in enumerate(counts):
             nxt = arith.addi(cum, h)
             hit = arith.andi(cmp("slt", cum, remaining), cmp("sge", nxt, remaining))
-            digit = arith.select(hit, arith.subi(arith.addi(first, c32(7)), c32(j)), digit)
+            digit = arith.select(hit, (first + 7 - j).value, digit)
             before = arith.select(hit, cum, before)
             hit_any = arith.ori(hit_any, hit)
             cum = nxt
-        who = _ptx("bfind.u32 $0, $1;", _ptx("vote.sync.ballot.b32 $0, $1, 0xffffffff;", hit_any))
-        digit = _ptx("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;", digit, who)
-        before = _ptx("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;", before, who)
+        who = warp_ptx("bfind.u32 $0, $1;", warp_ptx("vote.sync.ballot.b32 $0, $1, 0xffffffff;", hit_any))
+        digit = warp_ptx("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;", digit, who)
+        before = warp_ptx("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;", before, who)
         mgpu_utils.inline_ptx("bar.warp.sync 0xffffffff;", has_side_effects=True, convergent=True)
         return arith.ori(prefix, arith.shli(digit, shift)), arith.subi(remaining, before)
 
     prefix, remaining = mgpu_utils.fori(n_passes, (arith.andi(u_lo, above_all), rank))(radix_pass).results
     pivot = arith.select(take_all, c32(0), prefix)  # take_all: every band key is above 0
     n_above = arith.subi(rank, remaining)  # band keys above the pivot, all taken
-    lanes_before = _ptx("mov.u32 $0, %lanemask_lt;")
-    popc = lambda v: _ptx("popc.b32 $0, $1;", v)  # noqa: E731
+    lanes_before = warp_ptx("mov.u32 $0, %lanemask_lt;")
+    popc = lambda v: warp_ptx("popc.b32 $0, $1;", v)  # noqa: E731
 
     def compact(c, state):  # _LOADS x 32 band entries, loaded together, ranked by ballots
         run_gt, run_eq = state
         entries = []
         for j in range(_LOADS):
-            i = arith.addi(arith.muli(c, c32(32 * _LOADS)), arith.addi(c32(32 * j), lane))
-            at = arith.minsi(i, c32(cap - 1))
-            entries.append((i, _load("ld.global.cg.b32 $0, [$1];", gep(bkey_row, at)),
-                            _load("ld.global.cg.b32 $0, [$1];", gep(bcol_row, at))))
+            i = lane_vector(Int(c), j, lane, vec=1, loads=_LOADS)
+            at = smin(i, cap - 1)
+            entries.append((i, load_ptx("ld.global.cg.b32 $0, [$1];", gep(bkey_row, at, i32)),
+                            load_ptx("ld.global.cg.b32 $0, [$1];", gep(bcol_row, at, i32))))
         for i, key, col in entries:
-            inside = cmp("slt", i, n_band)
+            inside = cmp("slt", i.value, n_band)
             u = arith.xori(key, c32(_SIGN))
             gt = arith.andi(inside, cmp("ugt", u, pivot))
             eq = arith.andi(inside, cmp("eq", u, pivot))
-            b_gt = _ptx("vote.sync.ballot.b32 $0, $1, 0xffffffff;", gt)
-            b_eq = _ptx("vote.sync.ballot.b32 $0, $1, 0xffffffff;", eq)
+            b_gt = warp_ptx("vote.sync.ballot.b32 $0, $1, 0xffffffff;", gt)
+            b_eq = warp_ptx("vote.sync.ballot.b32 $0, $1, 0xffffffff;", eq)
             eq_rank = arith.addi(run_eq, popc(arith.andi(b_eq, lanes_before)))
             pos = arith.select(gt, arith.addi(run_gt, popc(arith.andi(b_gt, lanes_before))),
                                arith.addi(n_above, eq_rank))
             take = arith.ori(gt, arith.andi(eq, cmp("slt", eq_rank, remaining)))
-            mgpu_utils.inline_ptx("st.global.b32 [$0], $1;", gep(out_row, arith.addi(n_def, pos)), col, predicate=take)
+            mgpu_utils.inline_ptx("st.global.b32 [$0], $1;", gep(out_row, Int(n_def) + pos, i32), col, predicate=take)
             run_gt, run_eq = arith.addi(run_gt, popc(b_gt)), arith.addi(run_eq, popc(b_eq))
         return run_gt, run_eq
 
@@ -320,8 +285,9 @@ def _select_band(hist, lane, warp, n_def, n_band, n_valid, t_lo, t_hi, out_row, 
     mgpu_utils.fori(n_compact, (c32(0), c32(0)))(compact)
 
     def pad(c, carry):
-        i = arith.addi(n_sel, arith.addi(arith.muli(c, c32(32)), lane))
-        mgpu_utils.inline_ptx("st.global.b32 [$0], $1;", gep(out_row, i), c32(-1), predicate=cmp("slt", i, c32(k)))
+        i = Int(n_sel) + (Int(c) * 32 + lane)
+        mgpu_utils.inline_ptx("st.global.b32 [$0], $1;", gep(out_row, i, i32), c32(-1),
+                              predicate=cmp("slt", i.value, c32(k)))
         return carry
 
     mgpu_utils.fori(arith.select(done, chunks(arith.subi(c32(k), n_sel), 32), c32(0)), c32(0))(pad)
@@ -337,7 +303,7 @@ def topk_write(x, lengths, thr, *, k, cap):
     if num_keys % 4 or cap % 4:
         raise ValueError(f"topk_write: the row length and the band capacity must be multiples of 4 "
                          f"(16-byte rows), got {num_keys} and {cap}")
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    int32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     body = functools.partial(_write_rows, n_rows=n_rows, num_keys=num_keys, k=k, cap=cap)
 
     def entry(*refs):
@@ -346,7 +312,7 @@ def topk_write(x, lengths, thr, *, k, cap):
 
     return plgpu.kernel(
         entry,
-        out_type=(i32(n_rows, k), i32(n_rows, cap), i32(n_rows, cap), i32(n_rows, 1, 4)),
+        out_type=(int32(n_rows, k), int32(n_rows, cap), int32(n_rows, cap), int32(n_rows, 1, 4)),
         scratch_types=(plgpu.SMEM((_WARPS, _BINS), jnp.int32),),
         grid=(pl.cdiv(n_rows, _WARPS),),
         grid_names=("rows",),
