@@ -2,7 +2,8 @@
 
 Each op's suite (tests/test_indexer_logits.py, test_topk.py, test_sparse_mla.py,
 test_dense_mha.py) calls the op only through the function of that name here, with a backend
-name first: when a kernel's signature changes, this module is the one place to adapt.
+name first (mapped onto the op's `implementation=` and `config=`): when an op's signature
+changes, this module is the one place to adapt.
 
 Backends (`BACKENDS[op]`): "reference" is the op's jnp oracle (the XLA path); the others are
 Pallas kernels, interpreted on CPU (Pallas or Mosaic GPU interpret mode) and compiled on a GPU,
@@ -49,8 +50,20 @@ def backend_param(op: str, backend: str, *values, id: str | None = None, marks=(
     return pytest.param(backend, *values, id=id or backend, marks=marks)
 
 
+IMPLEMENTATION = {"reference": "xla"}  # a test backend -> the op's implementation; "mosaic_prefill": "mosaic", kernel "prefill"
+
+
 def _interpret(interpret):
     return INTERPRET if interpret is None else interpret
+
+
+def _config(lib, implementation, tuning):
+    """The op's config for `implementation` from a case's keyword tuning (None for none)."""
+    if not tuning:
+        return None
+    if lib.CONFIGS.get(implementation) is None:
+        raise ValueError(f"{implementation} takes no tuning, got {tuning}")
+    return lib.CONFIGS[implementation](**tuning)
 
 
 
@@ -61,16 +74,16 @@ def _interpret(interpret):
 
 def indexer_logits(backend, q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size,
                    interpret=None, **tiling):
+    clean = {"clean": tiling.pop("clean")} if "clean" in tiling else {}
     """[N, W * page_size] f32 logits by `backend`; tiling: the kernel's own overrides (see each kernel)."""
     args = (q, weights, k_cache, k_scale, block_tables, row_seq, row_end)
-    if backend == "reference":
-        if tiling:
-            raise ValueError(f"the reference takes no tiling, got {tiling}")
-        return indexer_logits_lib.indexer_logits_reference(*args, page_size=page_size)
     if backend == "auto":
         backend = indexer_logits_auto(q, k_cache, block_tables, interpret=_interpret(interpret), tiling=tiling)
-    return indexer_logits_lib.indexer_logits(*args, page_size=page_size, backend=backend,
-                                             interpret=_interpret(interpret), **tiling)
+    implementation, _, kernel = IMPLEMENTATION.get(backend, backend).partition("_")
+    config = _config(indexer_logits_lib, implementation, tiling)
+    return indexer_logits_lib.indexer_logits(*args, page_size=page_size, implementation=implementation,
+                                             kernel=kernel or None, config=config, interpret=_interpret(interpret),
+                                             **clean)
 
 
 def indexer_logits_auto(q, k_cache, block_tables, *, interpret, tiling):
@@ -92,13 +105,9 @@ def indexer_logits_auto(q, k_cache, block_tables, *, interpret, tiling):
 def topk(backend, logits, k, *, lengths=None, interpret=None, **tuning):
     """[N, k] int32 top-k positions by `backend` (of each row's first lengths[n] columns, when
     given); tuning: the Triton kernels' knobs (block, sample, ...)."""
-    if backend == "reference":
-        if tuning:
-            raise ValueError(f"the reference takes no tuning, got {tuning}")
-        return topk_lib.topk_reference(logits, k, lengths)
-    if backend not in ("triton", "mosaic"):
-        raise ValueError(f"topk: unknown backend {backend!r}")
-    return topk_lib.topk(logits, k, lengths=lengths, backend=backend, interpret=_interpret(interpret), **tuning)
+    implementation = IMPLEMENTATION.get(backend, backend)
+    return topk_lib.topk(logits, k, lengths=lengths, implementation=implementation,
+                         config=_config(topk_lib, implementation, tuning), interpret=_interpret(interpret))
 
 
 def topk_stages(logits, k, *, lengths=None, interpret=None, **tuning):
@@ -127,9 +136,8 @@ def sparse_mla(backend, q, latent, latent_scale, k_pe, slots, *, scale, interpre
     does not apply to it). "auto": the Mosaic kernel on Hopper where it takes the operands
     (compiled), else the Triton one (jax_sparse_mla.kernels.resolve's choice)."""
     if backend == "reference":
-        if tuning:
-            raise ValueError(f"the reference takes no tuning, got {tuning}")
-        return sparse_mla_lib.sparse_mla_reference(q, latent, latent_scale, k_pe, slots, scale=scale)
+        return sparse_mla_lib.sparse_mla(q, latent, latent_scale, k_pe, slots, scale=scale, implementation="xla",
+                                         config=_config(sparse_mla_lib, "xla", tuning))
     interpret = _interpret(interpret)
     if backend == "auto":
         backend = "mosaic" if not interpret and on_hopper() and sparse_mla_unsupported(
@@ -141,9 +149,9 @@ def sparse_mla(backend, q, latent, latent_scale, k_pe, slots, *, scale, interpre
     if dequantize == "auto":
         dequantize = "kernel" if latent_scale is None else policy.dequantize_route(
             q.shape[0], q.shape[1], slots.shape[-1], sparse_mla_lib.copy_rows(latent.shape[0], pages, page_size))
-    return sparse_mla_lib.sparse_mla(q, latent, latent_scale, k_pe, slots, scale=scale, backend=backend,
-                                     dequantize=dequantize, pages=pages, page_size=page_size,
-                                     interpret=interpret, **tuning)
+    return sparse_mla_lib.sparse_mla(q, latent, latent_scale, k_pe, slots, scale=scale, implementation=backend,
+                                     config=_config(sparse_mla_lib, backend, tuning), dequantize=dequantize,
+                                     pages=pages, page_size=page_size, interpret=interpret)
 
 
 def sparse_mla_unsupported(backend, q, latent, latent_scale, k_pe):
@@ -161,12 +169,11 @@ def sparse_mla_unsupported(backend, q, latent, latent_scale, k_pe):
 def dense_mha(backend, q, k, v, q_start_loc, k_start_loc, *, scale, interpret=None, **kw):
     """[T, H, Dv] causal attention of packed sequences by `backend`; kw: the reference's
     max_scores, or the Mosaic kernel's tiling (block_kv, num_stages, num_programs)."""
-    if backend == "reference":
-        return dense_mha_lib.dense_mha_reference(q, k, v, q_start_loc, k_start_loc, scale=scale, **kw)
-    if backend != "mosaic":
-        raise ValueError(f"dense_mha: unknown backend {backend!r}")
-    return dense_mha_lib.dense_mha(q, k, v, q_start_loc, k_start_loc, scale=scale, backend=backend,
-                                   interpret=_interpret(interpret), **kw)
+    implementation = IMPLEMENTATION.get(backend, backend)
+    args = {name: kw.pop(name) for name in ("selection", "max_kv_len") if name in kw}
+    return dense_mha_lib.dense_mha(q, k, v, q_start_loc, k_start_loc, scale=scale, implementation=implementation,
+                                   config=_config(dense_mha_lib, implementation, kw),
+                                   interpret=_interpret(interpret), **args)
 
 
 def dense_mha_unsupported(backend, dtype, d_qk, d_v):
