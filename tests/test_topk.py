@@ -543,7 +543,7 @@ def test_mosaic_refuses_interpret_mode_and_odd_rows():
     from pallas_kernels.topk import topk
     from pallas_kernels.topk.mosaic import topk_write
     with pytest.raises(ValueError, match="'mosaic' has no interpret mode"):
-        topk(jnp.zeros((4, 64)), 8, backend="mosaic", interpret=True)
+        topk(jnp.zeros((4, 64)), 8, implementation="mosaic", interpret=True)
     zeros = jnp.zeros((4,), jnp.int32), jnp.zeros((4, 2), jnp.int32)
     with pytest.raises(ValueError, match="multiples of 4 .16-byte rows., got 66 and 16"):
         topk_write(jnp.zeros((4, 66)), *zeros, k=8, cap=16)
