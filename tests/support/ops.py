@@ -30,7 +30,7 @@ from . import INTERPRET
 
 BACKENDS = {
     "indexer_logits": ("reference", "auto", "triton", "mosaic_prefill", "mosaic_decode"),
-    "topk": ("reference", "triton", "mosaic"),
+    "topk": ("xla", "triton", "mosaic"),
     "sparse_mla": ("reference", "auto", "triton", "mosaic"),
     "dense_mha": ("reference", "mosaic"),
 }
@@ -39,15 +39,15 @@ BACKENDS = {
 GPU_ONLY = {("sparse_mla", "mosaic"), ("topk", "mosaic")}
 
 
-def backend_param(op: str, backend: str, *values, id: str | None = None, marks=()):
-    """pytest.param(backend, *values) with the `gpu` mark where the backend only runs on a GPU;
-    id defaults to the backend's name."""
-    if backend not in BACKENDS[op]:
-        raise ValueError(f"{op}: unknown backend {backend!r}; one of {BACKENDS[op]}")
+def implementation_param(op: str, implementation: str, *values, id: str | None = None, marks=()):
+    """pytest.param(implementation, *values) with the `gpu` mark where it only runs on a GPU; id
+    defaults to the implementation's name."""
+    if implementation not in BACKENDS[op]:
+        raise ValueError(f"{op}: unknown implementation {implementation!r}; one of {BACKENDS[op]}")
     marks = tuple(marks) if isinstance(marks, (list, tuple)) else (marks,)
-    if (op, backend) in GPU_ONLY:
+    if (op, implementation) in GPU_ONLY:
         marks += (pytest.mark.gpu,)
-    return pytest.param(backend, *values, id=id or backend, marks=marks)
+    return pytest.param(implementation, *values, id=id or implementation, marks=marks)
 
 
 IMPLEMENTATION = {"reference": "xla"}  # a test backend -> the op's implementation; "mosaic_prefill": "mosaic", kernel "prefill"
@@ -74,8 +74,8 @@ def _config(lib, implementation, tuning):
 
 def indexer_logits(backend, q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size,
                    interpret=None, **tiling):
-    clean = {"clean": tiling.pop("clean")} if "clean" in tiling else {}
     """[N, W * page_size] f32 logits by `backend`; tiling: the kernel's own overrides (see each kernel)."""
+    clean = {"clean": tiling.pop("clean")} if "clean" in tiling else {}
     args = (q, weights, k_cache, k_scale, block_tables, row_seq, row_end)
     if backend == "auto":
         backend = indexer_logits_auto(q, k_cache, block_tables, interpret=_interpret(interpret), tiling=tiling)
