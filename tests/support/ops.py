@@ -1,14 +1,15 @@
-"""The one call into each op per backend, and the backends' limits, for the per-op suites.
+"""The op implementations the per-op suites parametrise over, their limits, and the adapters the
+suites not yet calling the ops directly still use.
 
-Each op's suite (tests/test_indexer_logits.py, test_topk.py, test_sparse_mla.py,
-test_dense_mha.py) calls the op only through the function of that name here, with a backend
-name first (mapped onto the op's `implementation=` and `config=`): when an op's signature
-changes, this module is the one place to adapt.
+tests/test_topk.py and tests/test_padding.py call each op as `op(..., implementation=, config=,
+interpret=INTERPRET)`. tests/test_indexer_logits.py, test_sparse_mla.py and test_dense_mha.py
+still call the function of the op's name here, with a test backend name first ("reference":
+the op's "xla" implementation; "mosaic_prefill" / "mosaic_decode": "mosaic" with that kernel)
+and keyword tuning, mapped onto the op's `implementation=` and `config=`.
 
-Backends (`BACKENDS[op]`): "reference" is the op's jnp oracle (the XLA path); the others are
-Pallas kernels, interpreted on CPU (Pallas or Mosaic GPU interpret mode) and compiled on a GPU,
-except those in `GPU_ONLY`, which have no interpret mode. "auto" is the op's public router
-(the kernel it picks for the inputs and device) where an op has more than one kernel.
+`BACKENDS[op]`: the names a suite parametrises over; Pallas kernels are interpreted on CPU and
+compiled on a GPU, except those in `GPU_ONLY`, which have no interpret mode. "auto" is the
+kernel the layer picks for the inputs and device, where an op has more than one kernel.
 """
 
 from __future__ import annotations
@@ -176,11 +177,11 @@ def dense_mha(backend, q, k, v, q_start_loc, k_start_loc, *, scale, interpret=No
                                    interpret=_interpret(interpret), **args)
 
 
-def dense_mha_unsupported(backend, dtype, d_qk, d_v):
-    """Why `backend` cannot run inputs of this dtype and head dims here (None: it can): the Mosaic
-    kernel takes bf16 / f16 with head dims that are multiples of 64 (<= 256), and off the GPU its
-    interpreter needs a CPU thread per kernel warpgroup (else it deadlocks)."""
-    if backend == "reference":
+def dense_mha_unsupported(implementation, dtype, d_qk, d_v):
+    """Why `implementation` cannot run inputs of this dtype and head dims here (None: it can): only
+    the Mosaic kernel has limits: bf16 / f16 with head dims that are multiples of 64 (<= 256), and
+    off the GPU its interpreter needs a CPU thread per kernel warpgroup (else it deadlocks)."""
+    if implementation != "mosaic":
         return None
     reason = dense_mha_lib.unsupported_reason(jnp.dtype(dtype), d_qk, d_v)
     if reason is None and INTERPRET and cpu_threads() < dense_mha_lib.INTERPRET_MIN_CPU_THREADS:
