@@ -2,9 +2,10 @@
 
 `resolve(kernels, config)` makes every device-dependent choice once: which backend runs each op
 ("xla": the pure-jnp reference; "triton": a Pallas Triton-backend kernel; "mosaic": a Pallas
-Mosaic GPU kernel), whether it interprets (off the GPU), and its tuning. The batch-dependent
+Mosaic GPU kernel), whether it interprets (off the GPU), and its config. The batch-dependent
 choices (the Mosaic indexer kernel's shape, an fp8 cache's dequantisation route) are the plan's
-(BatchPlan.groups, policy.py). The wrappers below pass both to the kernels, which decide nothing.
+(BatchPlan.groups, policy.py). The layer calls the four ops of `pallas_kernels`, re-exported
+below, with both: `op(..., **impl.kwargs, <the plan's choice>)`; the ops decide nothing.
 
 `kernels="xla"` runs each op's pure-jnp implementation and `"pallas"` every Pallas kernel
 (compiled on a GPU, in interpret mode elsewhere: slow, for tests). `"auto"` is what measured
@@ -33,23 +34,28 @@ from pallas_kernels.device import on_hopper
 Kernels = Literal["auto", "xla", "pallas"]  # the `kernels` argument of forward, SparseMLA, ...
 CHOICES = get_args(Kernels)
 OPS = ("indexer_logits", "topk", "sparse_mla", "dense_mha")
-BACKENDS = ("xla", "triton", "mosaic")
+IMPLEMENTATIONS = ("xla", "triton", "mosaic")  # every op's names (dense_mha has no "triton")
 MOSAIC_INDEXER_DTYPES = ("fp8", "bfloat16")  # indexer dtypes the Mosaic indexer kernels take (q and keys alike)
 
 
 @dataclasses.dataclass(frozen=True)
 class OpImpl:
-    """How one op runs: backend "xla" | "triton" | "mosaic", interpret (Pallas interpret mode,
-    off the GPU), tuning (keyword overrides for that backend's kernel, as (name, value) pairs;
-    empty: its own defaults)."""
+    """How one op runs: implementation "xla" | "triton" | "mosaic" (the op's name for it),
+    config (that implementation's frozen config, e.g. pallas_kernels.sparse_mla.TritonConfig;
+    None: its defaults), interpret (Pallas interpret mode, off the GPU)."""
 
-    backend: str
+    implementation: str
+    config: object = None
     interpret: bool = False
-    tuning: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}")
+
+    @property
+    def kwargs(self) -> dict:
+        """The op's implementation, config and interpret keywords."""
+        return dict(implementation=self.implementation, config=self.config, interpret=self.interpret)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,12 +102,12 @@ def resolve(kernels: str, config) -> Implementations:
     if kernels == "xla" or (kernels == "auto" and interpret):
         return Implementations(XLA, XLA, XLA, XLA)
     hopper = not interpret and on_hopper()
-    triton = OpImpl("triton", interpret)
+    triton = OpImpl("triton", interpret=interpret)
     indexer = OpImpl("mosaic") if hopper and config.indexer_dtype in MOSAIC_INDEXER_DTYPES else triton
     sparse = OpImpl("mosaic") if hopper and _sparse_mosaic_takes(config) else triton
     too_few_threads = interpret and cpu_threads() < dense_mha_lib.INTERPRET_MIN_CPU_THREADS
     dense_unsupported = dense_mha_lib.unsupported_reason(config.jnp_dtype, config.qk_head_dim, config.v_head_dim)
-    dense = XLA if too_few_threads or dense_unsupported else OpImpl("mosaic", interpret)
+    dense = XLA if too_few_threads or dense_unsupported else OpImpl("mosaic", interpret=interpret)
     topk = OpImpl("mosaic") if hopper else triton
     return Implementations(indexer_logits=indexer, topk=topk, sparse_mla=sparse, dense_mha=dense)
 
@@ -133,56 +139,11 @@ def cpu_threads() -> int:
     return int(os.environ.get("PJRT_NPROC") or len(os.sched_getaffinity(0)))
 
 
-def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size, impl: OpImpl,
-                   kernel: str):
-    """[N, W * page_size] f32 indexer logits of columns [0, row_end); the rest unspecified (the
-    Mosaic kernels skip the -inf fill past a row tile's computed blocks: clean=False in
-    pallas_kernels.indexer_logits): read them through topk(lengths=row_end).
-    kernel: "prefill" | "decode", the Mosaic kernel shape the plan chose for these rows
-    (RowGroup.indexer_kernel; used when impl runs Mosaic)."""
-    if impl.backend == "xla":
-        return indexer_logits_lib.indexer_logits_reference(q, weights, k_cache, k_scale, block_tables, row_seq,
-                                                           row_end, page_size=page_size)
-    backend = f"mosaic_{kernel}" if impl.backend == "mosaic" else impl.backend
-    return indexer_logits_lib.indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end,
-                                             page_size=page_size, backend=backend, clean=False,
-                                             interpret=impl.interpret, **dict(impl.tuning))
-
-
-def topk(logits, k: int, *, lengths, impl: OpImpl):
-    """[N, k] int32 positions of the k largest finite logits per row among its first lengths[n]
-    ([N] int32) columns, -1 padded."""
-    if impl.backend == "xla":
-        return topk_lib.topk_reference(logits, k, lengths)
-    return topk_lib.topk(logits, k, lengths=lengths, backend=impl.backend, interpret=impl.interpret,
-                         **dict(impl.tuning))
-
-
-def sparse_mla(q, latent, latent_scale, k_pe, slots, pages, *, scale, page_size, impl: OpImpl, dequantize: str):
-    """(out [N, H, R] f32, lse [N, H]) of absorbed attention over cache slots (-1 skipped).
-
-    dequantize: "kernel" | "upfront", the plan's route for these rows (RowGroup.dequantize;
-    used by Pallas backends with an fp8 cache). pages: the page ids (-1 ignored) holding every
-    slot, which "upfront" dequantises once ahead of the kernel (a copy with a row for every
-    entry, -1 included): the prefill rows' own pages under the plan's fp8 split
-    (BatchPlan.num_upfront_rows), else the block tables [num_seqs, pages_per_seq]."""
-    if impl.backend == "xla":
-        return sparse_mla_lib.sparse_mla_reference(q, latent, latent_scale, k_pe, slots, scale=scale)
-    return sparse_mla_lib.sparse_mla(q, latent, latent_scale, k_pe, slots, scale=scale, backend=impl.backend,
-                                     dequantize=dequantize, pages=pages, page_size=page_size,
-                                     interpret=impl.interpret, **dict(impl.tuning))
-
-
-def dense_mha(q, k, v, q_start_loc, k_start_loc, *, scale, impl: OpImpl, selection=None, max_kv_len=None):
-    """[T, H, Dv] causal attention of packed ragged sequences, each row restricted to the key
-    positions of its selection row when one is given (masked MHA; see pallas_kernels.dense_mha)."""
-    if impl.backend == "xla":
-        return dense_mha_lib.dense_mha_reference(q, k, v, q_start_loc, k_start_loc, scale=scale, selection=selection)
-    return dense_mha_lib.dense_mha(q, k, v, q_start_loc, k_start_loc, scale=scale, selection=selection,
-                                   max_kv_len=max_kv_len, backend=impl.backend, interpret=impl.interpret,
-                                   **dict(impl.tuning))
-
-
+# The four ops (called with an OpImpl's kwargs) and the cache-layout helpers the layer shares with them.
+indexer_logits = indexer_logits_lib.indexer_logits
+topk = topk_lib.topk
+sparse_mla = sparse_mla_lib.sparse_mla
+dense_mha = dense_mha_lib.dense_mha
 gather_paged_rows = indexer_logits_lib.gather_paged_rows
 dequantize_index_keys = indexer_logits_lib.dequantize_index_keys
 dequantize_latent = sparse_mla_lib.dequantize_latent

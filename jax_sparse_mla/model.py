@@ -242,7 +242,7 @@ def _dense_prefill(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: 
     with jax.named_scope("dense_mha"):
         out = kernel_ops.dense_mha(q.astype(dt), k.astype(dt), v.astype(dt), meta.dense_query_start,
                                    meta.dense_key_start, scale=c_.softmax_scale, selection=selection,
-                                   max_kv_len=max_kv_len, impl=impl)
+                                   max_kv_len=max_kv_len, **impl.kwargs)
     return rows, out.astype(dt)
 
 
@@ -298,10 +298,10 @@ def _score_rows(params, x, qr, positions, cache: cache_lib.PagedCache, meta: Bat
     with jax.named_scope("indexer_logits"):
         logits = kernel_ops.indexer_logits(q_i, w_i, cache.flat("index_k"), cache.flat("index_k_scale"),
                                            meta.block_tables, _pick(meta.row_seq, rows), row_end,
-                                           page_size=c_.page_size, impl=impl.indexer_logits,
-                                           kernel=group.indexer_kernel)
+                                           page_size=c_.page_size, kernel=group.indexer_kernel, clean=False,
+                                           **impl.indexer_logits.kwargs)  # topk reads only [0, row_end)
     with jax.named_scope("indexer_topk"):
-        return kernel_ops.topk(logits, c_.index_topk, lengths=row_end, impl=impl.topk)  # a row reads its causal keys
+        return kernel_ops.topk(logits, c_.index_topk, lengths=row_end, **impl.topk.kwargs)  # a row reads its causal keys
 
 
 def _sparse_attention(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: BatchMeta, rows, top_positions,
@@ -316,8 +316,8 @@ def _sparse_attention(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, met
         q_lat = per_head("thn,hnr->thr", _pick(q_nope, rows), w_uk, c_)
         q_abs = jnp.concatenate([q_lat, _pick(q_pe, rows)], -1).astype(c_.jnp_dtype)
         out_lat, _ = kernel_ops.sparse_mla(q_abs, cache.flat("latent"), cache.flat("latent_scale"),
-                                           cache.flat("k_pe"), slots, pages, scale=c_.softmax_scale,
-                                           page_size=c_.page_size, impl=impl, dequantize=group.dequantize)
+                                           cache.flat("k_pe"), slots, scale=c_.softmax_scale, pages=pages,
+                                           page_size=c_.page_size, dequantize=group.dequantize, **impl.kwargs)
         return per_head("thr,hvr->thv", out_lat, w_uv, c_).astype(c_.jnp_dtype)
 
 

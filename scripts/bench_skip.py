@@ -218,9 +218,9 @@ def _scoring_fn(engine: Engine, requests, args):
     @jax.jit
     def score(q, w, k, k_scale, block_tables, row_seq, row_end):
         logits = kernel_ops.indexer_logits(q, w, k, k_scale, block_tables, row_seq, row_end,
-                                           page_size=cfg.page_size, impl=impl.indexer_logits,
-                                           kernel=policy.indexer_kernel(T, plan.num_seqs))
-        return kernel_ops.topk(logits, cfg.index_topk, lengths=row_end, impl=impl.topk)
+                                           page_size=cfg.page_size, kernel=policy.indexer_kernel(T, plan.num_seqs),
+                                           clean=False, **impl.indexer_logits.kwargs)
+        return kernel_ops.topk(logits, cfg.index_topk, lengths=row_end, **impl.topk.kwargs)
 
     return lambda: score(q, w, cache.flat("index_k"), cache.flat("index_k_scale"), meta.block_tables,
                          meta.row_seq, row_end)

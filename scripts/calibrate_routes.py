@@ -74,8 +74,8 @@ def measure(config: MLAConfig, context_len: int, query_len: int, repeats: int, s
     q_abs = normal(keys[5], (query_len, H, c_.kv_lora_rank + c_.qk_rope_head_dim))
     pages = jnp.arange(-(-num_keys // c_.page_size), dtype=jnp.int32)
     sparse = jax.jit(lambda q, lat, pe, s: kernels.sparse_mla(
-        q, lat, None, pe, s, pages, scale=c_.softmax_scale, page_size=c_.page_size, impl=impl.sparse_mla,
-        dequantize="kernel")[0])
+        q, lat, None, pe, s, scale=c_.softmax_scale, pages=pages, page_size=c_.page_size, dequantize="kernel",
+        **impl.sparse_mla.kwargs)[0])
     q_nope = normal(keys[6], (query_len, H, c_.qk_nope_head_dim))
     absorb = jax.jit(lambda qn, lat_out: (per_head("thn,hnr->thr", qn, w_uk, c_),
                                           per_head("thr,hvr->thv", lat_out, w_uv, c_)))
@@ -88,7 +88,7 @@ def measure(config: MLAConfig, context_len: int, query_len: int, repeats: int, s
     q_start = jnp.array([0, query_len], jnp.int32)
     k_start = jnp.array([0, num_keys], jnp.int32)
     masked = jax.jit(lambda q, k, v, sel: kernels.dense_mha(
-        q, k, v, q_start, k_start, scale=c_.softmax_scale, impl=impl.dense_mha, selection=sel,
+        q, k, v, q_start, k_start, scale=c_.softmax_scale, selection=sel, **impl.dense_mha.kwargs,
         max_kv_len=num_keys))
     c = jnp.zeros((num_keys, c_.kv_lora_rank), jnp.float32)
 

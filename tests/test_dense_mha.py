@@ -26,7 +26,7 @@ from pallas_kernels.dense_mha import unsupported_reason
 from tests.support import ops
 
 OP = "dense_mha"
-param = functools.partial(ops.backend_param, OP)
+param = functools.partial(ops.implementation_param, OP)
 KERNELS = [param("mosaic")]
 
 TOL = 1e-2

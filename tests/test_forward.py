@@ -115,9 +115,9 @@ def test_masked_rows_gather_nothing_in_the_sparse_call(monkeypatch):
     row that selects none costs the kernels nothing)."""
     seen = []
 
-    def spy(q, latent, latent_scale, k_pe, slots, pages, **kw):
+    def spy(q, latent, latent_scale, k_pe, slots, **kw):
         jax.debug.callback(lambda s: seen.append(np.asarray(s)), jnp.sum(slots >= 0, axis=1))
-        return sparse_mla(q, latent, latent_scale, k_pe, slots, pages, **kw)
+        return sparse_mla(q, latent, latent_scale, k_pe, slots, **kw)
 
     sparse_mla = kernel_ops.sparse_mla
     monkeypatch.setattr(kernel_ops, "sparse_mla", spy)
@@ -389,7 +389,7 @@ def test_dense_kernel_through_forward_matches_xla():
     the XLA route's output: ragged prefills with and without context, beside a decode. On CPU the
     kernel runs in Mosaic GPU's interpreter inside the forward's jit (conftest sizes the CPU pool)."""
     cfg = DENSE_KERNEL_TINY
-    assert kernel_ops.resolve("pallas", cfg).dense_mha.backend == "mosaic"
+    assert kernel_ops.resolve("pallas", cfg).dense_mha.implementation == "mosaic"
     outs = {}
     for kernels in ("pallas", "xla"):
         h = Harness(cfg, seed=21, kernels=kernels)
@@ -422,8 +422,8 @@ def test_dense_interpreter_needs_a_thread_per_warpgroup(monkeypatch, threads, de
     monkeypatch.setattr(kernel_ops, "interpret_mode", lambda: True)
     monkeypatch.setenv("PJRT_NPROC", threads)
     impl = kernel_ops.resolve("pallas", cfg)
-    assert impl.dense_mha.backend == dense_impl
-    assert impl.sparse_mla.backend == impl.indexer_logits.backend == impl.topk.backend == "triton"
+    assert impl.dense_mha.implementation == dense_impl
+    assert impl.sparse_mla.implementation == impl.indexer_logits.implementation == impl.topk.implementation == "triton"
 
 
 def test_short_and_long_prefills_in_one_batch():

@@ -29,7 +29,7 @@ from tests.support import INTERPRET, ops
 from tests.support.cases import FP8, make_indexer_case
 
 OP = "indexer_logits"
-param = functools.partial(ops.backend_param, OP)
+param = functools.partial(ops.implementation_param, OP)
 
 
 def reference(*args, page_size):

@@ -5,7 +5,7 @@ real rows (row_seq 0, position -1, row_end 0, slot -1, -1 in the row lists), pad
 after the real ones (-1 block tables, empty start-location ranges).
 
 (a) Only padding: each op's documented output for a row with no work, through the public api
-    (tests/support/ops.py) on the reference and a Pallas backend (interpret mode on CPU):
+    (`op(..., implementation=)`) on "xla" and a Pallas kernel (interpret mode on CPU):
     indexer logits with row_end 0 -> all -inf; top-k of all -inf rows or of length 0 -> all -1; sparse MLA
     with every slot -1 -> out 0, lse +inf (FlashMLA's convention: pallas_kernels/sparse_mla/api.py);
     dense MHA with no sequence owning a row -> zeros.
@@ -32,24 +32,27 @@ from jax_sparse_mla import cache as cache_lib
 from jax_sparse_mla.config import FP8_TILE
 from jax_sparse_mla.model import forward
 from jax_sparse_mla.ops import quantize_tiles
+from pallas_kernels.dense_mha import dense_mha
+from pallas_kernels.indexer_logits import indexer_logits
+from pallas_kernels.sparse_mla import sparse_mla
+from pallas_kernels.topk import topk
 from tests.support import INTERPRET, ops
 from tests.support.cases import FP8, make_indexer_case
 
-# The (op, backend) pairs whose real rows are bitwise unchanged by padding (measured on CPU,
-# interpret mode). The one exception: dense MHA's reference (the XLA path) contracts its P.V
+# The (op, implementation) pairs whose real rows are bitwise unchanged by padding (measured on
+# CPU, interpret mode). The one exception: dense MHA's "xla" (its jnp reference) contracts its P.V
 # and score products over every key row, padding keys included (masked to p = 0), so a longer
 # key axis changes XLA's dot tiling and moves the real rows by float32 round-off (~5e-7
-# absolute at these sizes); it is compared to 1e-6. On a GPU the references are compared to
-# 1e-6 too: XLA's GPU reductions pick their tiling by shape (measured: sparse MLA's reference
-# over an fp8 cache moves by 4.8e-7 when padding rows are added).
-BITWISE = {("indexer_logits", "reference"), ("indexer_logits", "triton"), ("topk", "reference"),
-           ("topk", "triton"), ("sparse_mla", "reference"), ("sparse_mla", "triton"),
-           ("dense_mha", "mosaic")}
+# absolute at these sizes); it is compared to 1e-6. On a GPU every "xla" is compared to 1e-6
+# too: XLA's GPU reductions pick their tiling by shape (measured: sparse MLA's "xla" over an fp8
+# cache moves by 4.8e-7 when padding rows are added).
+BITWISE = {("indexer_logits", "xla"), ("indexer_logits", "triton"), ("topk", "xla"), ("topk", "triton"),
+           ("sparse_mla", "xla"), ("sparse_mla", "triton"), ("dense_mha", "mosaic")}
 
 
-def same(op, backend, got, want, msg=""):
+def same(op, implementation, got, want, msg=""):
     got, want = np.asarray(got), np.asarray(want)
-    if (op, backend) in BITWISE and (INTERPRET or backend != "reference"):
+    if (op, implementation) in BITWISE and (INTERPRET or implementation != "xla"):
         np.testing.assert_array_equal(got, want, err_msg=msg)
     else:
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=msg)
@@ -69,7 +72,7 @@ AROUND = (3, 4)  # padding rows before and after the real rows in the op-level t
 # indexer logits
 # ------------------------------------------------------------------------------------------------
 
-INDEXER = ("reference", "triton")
+INDEXER = ("xla", "triton")
 
 
 def _indexer_case():
@@ -77,30 +80,33 @@ def _indexer_case():
                              rows_per_seq=[3, 1, 4])
 
 
-@pytest.mark.parametrize("backend", INDEXER)
-def test_indexer_logits_padding_rows_are_all_neg_inf(backend):
+@pytest.mark.parametrize("implementation", INDEXER)
+def test_indexer_logits_padding_rows_are_all_neg_inf(implementation):
     (q, w, k, k_scale, tables, row_seq, row_end), page = _indexer_case()
-    out = ops.indexer_logits(backend, q, w, k, k_scale, tables, row_seq, jnp.zeros_like(row_end), page_size=page)
+    out = indexer_logits(q, w, k, k_scale, tables, row_seq, jnp.zeros_like(row_end), page_size=page,
+                         implementation=implementation, interpret=INTERPRET)
     assert out.shape == (q.shape[0], tables.shape[1] * page)
     np.testing.assert_array_equal(np.asarray(out), -np.inf)
 
 
-@pytest.mark.parametrize("backend", INDEXER)
-def test_indexer_logits_real_rows_ignore_padding(backend):
+@pytest.mark.parametrize("implementation", INDEXER)
+def test_indexer_logits_real_rows_ignore_padding(implementation):
     """Padding rows (row_seq 0, row_end 0, random q) around the real rows and padding sequences
     (-1 block tables) after the real ones."""
     before, after = AROUND
     (q, w, k, k_scale, tables, row_seq, row_end), page = _indexer_case()
     n = q.shape[0]
-    want = ops.indexer_logits(backend, q, w, k, k_scale, tables, row_seq, row_end, page_size=page)
+    want = indexer_logits(q, w, k, k_scale, tables, row_seq, row_end, page_size=page, implementation=implementation,
+                          interpret=INTERPRET)
     rng = np.random.default_rng(1)
     q_pad = jnp.asarray(rng.standard_normal((before + n + after,) + q.shape[1:]) * 8, jnp.float32).astype(q.dtype)
     q_pad = q_pad.at[before:before + n].set(q)
     w_pad = embed(w, before, after, 1.0)
     tables_pad = jnp.concatenate([tables, jnp.full((5, tables.shape[1]), -1, jnp.int32)])
-    got = ops.indexer_logits(backend, q_pad, w_pad, k, k_scale, tables_pad, embed(row_seq, before, after, 0),
-                             embed(row_end, before, after, 0), page_size=page)
-    same("indexer_logits", backend, got[before:before + n], want)
+    got = indexer_logits(q_pad, w_pad, k, k_scale, tables_pad, embed(row_seq, before, after, 0),
+                         embed(row_end, before, after, 0), page_size=page, implementation=implementation,
+                         interpret=INTERPRET)
+    same("indexer_logits", implementation, got[before:before + n], want)
     np.testing.assert_array_equal(np.asarray(got[:before]), -np.inf)
     np.testing.assert_array_equal(np.asarray(got[before + n:]), -np.inf)
 
@@ -109,26 +115,26 @@ def test_indexer_logits_real_rows_ignore_padding(backend):
 # top-k
 # ------------------------------------------------------------------------------------------------
 
-TOPK = ("reference", "triton")
+TOPK = ("xla", "triton")
 
 
-@pytest.mark.parametrize("backend", TOPK)
-def test_topk_of_neg_inf_rows_is_all_minus_one(backend):
-    out = ops.topk(backend, jnp.full((6, 256), -jnp.inf, jnp.float32), 16)
+@pytest.mark.parametrize("implementation", TOPK)
+def test_topk_of_neg_inf_rows_is_all_minus_one(implementation):
+    out = topk(jnp.full((6, 256), -jnp.inf, jnp.float32), 16, implementation=implementation, interpret=INTERPRET)
     assert out.shape == (6, 16) and out.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(out), -1)
 
 
-@pytest.mark.parametrize("backend", TOPK)
-def test_topk_of_zero_length_rows_is_all_minus_one(backend):
+@pytest.mark.parametrize("implementation", TOPK)
+def test_topk_of_zero_length_rows_is_all_minus_one(implementation):
     """The layer passes a padding row's row_end 0 as its length: whatever its logits hold."""
     junk = jnp.asarray(np.random.default_rng(4).standard_normal((6, 256)), jnp.float32).at[2].set(jnp.nan)
-    out = ops.topk(backend, junk, 16, lengths=jnp.zeros((6,), jnp.int32))
+    out = topk(junk, 16, lengths=jnp.zeros((6,), jnp.int32), implementation=implementation, interpret=INTERPRET)
     np.testing.assert_array_equal(np.asarray(out), -1)
 
 
-@pytest.mark.parametrize("backend", TOPK)
-def test_topk_real_rows_ignore_padding(backend):
+@pytest.mark.parametrize("implementation", TOPK)
+def test_topk_real_rows_ignore_padding(implementation):
     """Real rows (some with fewer than k valid keys) among all -inf padding rows: the same
     positions (compared as sets: the order within a row is unspecified), -1 for the padding."""
     before, after = AROUND
@@ -136,8 +142,9 @@ def test_topk_real_rows_ignore_padding(backend):
     logits = rng.standard_normal((5, 256)).astype(np.float32)
     logits[1, 10:] = -np.inf  # 10 valid keys < k
     logits[3, ::2] = -np.inf
-    want = np.asarray(ops.topk(backend, jnp.asarray(logits), 16))
-    got = np.asarray(ops.topk(backend, embed(logits, before, after, -np.inf), 16))
+    want = np.asarray(topk(jnp.asarray(logits), 16, implementation=implementation, interpret=INTERPRET))
+    got = np.asarray(topk(embed(logits, before, after, -np.inf), 16, implementation=implementation,
+                          interpret=INTERPRET))
     np.testing.assert_array_equal(np.sort(got[before:before + 5], axis=1), np.sort(want, axis=1))
     np.testing.assert_array_equal(np.delete(got, np.s_[before:before + 5], axis=0), -1)
 
@@ -146,7 +153,7 @@ def test_topk_real_rows_ignore_padding(backend):
 # sparse MLA
 # ------------------------------------------------------------------------------------------------
 
-SPARSE = [("reference", "bf16", "kernel"), ("triton", "bf16", "kernel"), ("reference", "fp8", "kernel"),
+SPARSE = [("xla", "bf16", "kernel"), ("triton", "bf16", "kernel"), ("xla", "fp8", "kernel"),
           ("triton", "fp8", "kernel"), ("triton", "fp8", "upfront")]
 SPARSE_IDS = ["-".join(p) for p in SPARSE]
 SPARSE_PAGE = 8
@@ -166,32 +173,32 @@ def _sparse_case(rows=5, heads=4, rank=128, rope=16, topk=16, num_slots=64, cach
     return q, latent, latent_scale, k_pe, slots
 
 
-def _sparse(backend, dequantize, q, latent, latent_scale, k_pe, slots):
-    kw = {} if backend == "reference" else dict(
-        dequantize=dequantize, pages=jnp.arange(latent.shape[0] // SPARSE_PAGE, dtype=jnp.int32),
-        page_size=SPARSE_PAGE)
-    return ops.sparse_mla(backend, q, latent, latent_scale, k_pe, slots, scale=0.1, **kw)
+def _sparse(implementation, dequantize, q, latent, latent_scale, k_pe, slots):
+    """sparse_mla over the whole cache as the layer's pages ("xla" ignores dequantize and pages)."""
+    return sparse_mla(q, latent, latent_scale, k_pe, slots, scale=0.1, implementation=implementation,
+                      dequantize=dequantize, pages=jnp.arange(latent.shape[0] // SPARSE_PAGE, dtype=jnp.int32),
+                      page_size=SPARSE_PAGE, interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("backend,cache,dequantize", SPARSE, ids=SPARSE_IDS)
-def test_sparse_mla_rows_without_slots(backend, cache, dequantize):
+@pytest.mark.parametrize("implementation,cache,dequantize", SPARSE, ids=SPARSE_IDS)
+def test_sparse_mla_rows_without_slots(implementation, cache, dequantize):
     q, latent, latent_scale, k_pe, slots = _sparse_case(cache=cache)
-    out, lse = _sparse(backend, dequantize, q, latent, latent_scale, k_pe, jnp.full_like(slots, -1))
+    out, lse = _sparse(implementation, dequantize, q, latent, latent_scale, k_pe, jnp.full_like(slots, -1))
     np.testing.assert_array_equal(np.asarray(out), 0.0)
     np.testing.assert_array_equal(np.asarray(lse), np.inf)
 
 
-@pytest.mark.parametrize("backend,cache,dequantize", SPARSE, ids=SPARSE_IDS)
-def test_sparse_mla_real_rows_ignore_padding(backend, cache, dequantize):
+@pytest.mark.parametrize("implementation,cache,dequantize", SPARSE, ids=SPARSE_IDS)
+def test_sparse_mla_real_rows_ignore_padding(implementation, cache, dequantize):
     """Padding rows: -1 slots, q of large values (reading them would show)."""
     before, after = AROUND
     q, latent, latent_scale, k_pe, slots = _sparse_case(cache=cache)
-    want_out, want_lse = _sparse(backend, dequantize, q, latent, latent_scale, k_pe, slots)
-    got_out, got_lse = _sparse(backend, dequantize, embed(q, before, after, 300.0), latent, latent_scale, k_pe,
+    want_out, want_lse = _sparse(implementation, dequantize, q, latent, latent_scale, k_pe, slots)
+    got_out, got_lse = _sparse(implementation, dequantize, embed(q, before, after, 300.0), latent, latent_scale, k_pe,
                                embed(slots, before, after, -1))
     real = slice(before, before + q.shape[0])
-    same("sparse_mla", backend, got_out[real], want_out, "out")
-    same("sparse_mla", backend, got_lse[real], want_lse, "lse")
+    same("sparse_mla", implementation, got_out[real], want_out, "out")
+    same("sparse_mla", implementation, got_lse[real], want_lse, "lse")
     pad = np.delete(np.arange(got_out.shape[0]), np.arange(before, before + q.shape[0]))
     np.testing.assert_array_equal(np.asarray(got_out)[pad], 0.0)
     np.testing.assert_array_equal(np.asarray(got_lse)[pad], np.inf)
@@ -201,15 +208,15 @@ def test_sparse_mla_real_rows_ignore_padding(backend, cache, dequantize):
 # dense MHA
 # ------------------------------------------------------------------------------------------------
 
-DENSE = ("reference", "mosaic")
+DENSE = ("xla", "mosaic")
 
 
-def _dense_run(backend, q, k, v, q_start, k_start):
-    reason = ops.dense_mha_unsupported(backend, q.dtype, q.shape[-1], v.shape[-1])
+def _dense_run(implementation, q, k, v, q_start, k_start):
+    reason = ops.dense_mha_unsupported(implementation, q.dtype, q.shape[-1], v.shape[-1])
     if reason:
-        pytest.skip(f"{backend}: {reason}")
-    return ops.dense_mha(backend, q, k, v, jnp.asarray(q_start, jnp.int32), jnp.asarray(k_start, jnp.int32),
-                         scale=0.2)
+        pytest.skip(f"{implementation}: {reason}")
+    return dense_mha(q, k, v, jnp.asarray(q_start, jnp.int32), jnp.asarray(k_start, jnp.int32), scale=0.2,
+                     implementation=implementation, interpret=INTERPRET)
 
 
 def _dense_qkv(t, tk, seed=4, heads=2, d=64):
@@ -218,30 +225,31 @@ def _dense_qkv(t, tk, seed=4, heads=2, d=64):
     return q, k, v
 
 
-@pytest.mark.parametrize("backend", DENSE)
+@pytest.mark.parametrize("implementation", DENSE)
 @pytest.mark.parametrize("keys", ["no_keys", "unowned_keys"])
-def test_dense_mha_rows_no_sequence_owns(backend, keys):
+def test_dense_mha_rows_no_sequence_owns(implementation, keys):
     """q_start_loc all 0: no sequence owns a row (keys: none owned either, or owned by sequences
     with no query rows)."""
     q, k, v = _dense_qkv(24, 16)
     k_start = [0, 0, 0] if keys == "no_keys" else [0, 7, 16]
-    out = _dense_run(backend, q, k, v, [0, 0, 0], k_start)
+    out = _dense_run(implementation, q, k, v, [0, 0, 0], k_start)
     assert out.shape == (24, 2, 64)
     np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
 
 
-@pytest.mark.parametrize("backend", DENSE)
-def test_dense_mha_real_rows_ignore_padding(backend):
+@pytest.mark.parametrize("implementation", DENSE)
+def test_dense_mha_real_rows_ignore_padding(implementation):
     """Two sequences (one with context); then padding query and key rows of large values and two
     empty padding sequences, as plan_batch pads dense_rows / dense_key_slots and the sequences.
     (Padding rows come only after the owned rows here: the start locations fix where rows lie.)"""
     q_lens, kv_lens = [9, 5], [9, 12]
     q, k, v = _dense_qkv(sum(q_lens), sum(kv_lens))
     q_start, k_start = np.cumsum([0] + q_lens), np.cumsum([0] + kv_lens)
-    want = _dense_run(backend, q, k, v, q_start, k_start)
+    want = _dense_run(implementation, q, k, v, q_start, k_start)
     big = [embed(a, 0, 19, 300.0) for a in (q, k, v)]
-    got = _dense_run(backend, *big, np.r_[q_start, q_start[-1], q_start[-1]], np.r_[k_start, k_start[-1], k_start[-1]])
-    same("dense_mha", backend, got[:q.shape[0]], want)
+    got = _dense_run(implementation, *big, np.r_[q_start, q_start[-1], q_start[-1]],
+                     np.r_[k_start, k_start[-1], k_start[-1]])
+    same("dense_mha", implementation, got[:q.shape[0]], want)
     np.testing.assert_array_equal(np.asarray(got[q.shape[0]:], np.float32), 0.0)
 
 

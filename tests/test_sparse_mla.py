@@ -35,7 +35,7 @@ from pallas_kernels.sparse_mla.splits import auto_num_splits, live_blocks
 from tests.support import INTERPRET, assert_same_as_clean, ops
 
 OP = "sparse_mla"
-param = functools.partial(ops.backend_param, OP)
+param = functools.partial(ops.implementation_param, OP)
 
 
 def kernels(q_dtype, *values, id=None):

@@ -1,6 +1,6 @@
-"""Top-k of indexer logits, every backend against lax.top_k.
+"""Top-k of indexer logits, every implementation against lax.top_k.
 
-Backends (tests/support/ops.py): "reference" (lax.top_k, the XLA path), "triton"
+Implementations (`pallas_kernels.topk.topk(..., implementation=)`): "xla" (lax.top_k), "triton"
 (`pallas_kernels.topk`: thresholds / write / select kernels on Pallas' Triton backend) and
 "mosaic" (the same with the Mosaic GPU write sweep where it applies, which also selects the
 band of rows on the band path: GPU only; its intermediates bit-identical to the Triton sweep's
@@ -9,10 +9,10 @@ Checked per row (check_topk): min(k, #finite) distinct indices then -1, and the 
 their values equal to lax.top_k's (the exact index set where there are no ties at the k-th
 value). For the Triton kernels, the band path (selection among the keys between two sampled
 thresholds) and the whole-row fallback are both exercised, and the tests on their intermediates
-(`ops.topk_stages`) assert which rows took which path, so a sampling bug cannot hide behind the
-(always exact, slower) fallback. On CPU the kernels run in Pallas interpret mode (small rows,
-small k, several slices per row); the `gpu` tests compile them for k = 2048 and rows of 32K /
-128K keys.
+(`tests.support.ops.topk_stages`) assert which rows took which path, so a sampling bug cannot
+hide behind the (always exact, slower) fallback. On CPU the kernels run in Pallas interpret mode
+(small rows, small k, several slices per row); the `gpu` tests compile them for k = 2048 and rows
+of 32K / 128K keys.
 """
 
 from __future__ import annotations
@@ -24,17 +24,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.support import OPTIMIZED, ops
+from pallas_kernels.indexer_logits import indexer_logits
+from pallas_kernels.sparse_mla import sparse_mla
+from pallas_kernels.topk import TritonConfig, topk
+from tests.support import INTERPRET, OPTIMIZED, ops
 from tests.support.cases import make_indexer_case
 
 OP = "topk"
-param = functools.partial(ops.backend_param, OP)
-ALL = [param("reference"), param("triton"), param("mosaic")]
+param = functools.partial(ops.implementation_param, OP)
+ALL = [param("xla"), param("triton"), param("mosaic")]
 
 
-def run(backend, x, k, **tuning):
-    """ops.topk on a numpy [N, L] array; tuning (the Triton kernels' knobs) is dropped for the reference."""
-    return ops.topk(backend, jnp.asarray(x), k, **(tuning if backend != "reference" else {}))
+def run(implementation, x, k, *, lengths=None, **tuning):
+    """topk of a numpy [N, L] array (interpret mode off the GPU); tuning: `TritonConfig`'s fields
+    (the kernels' knobs), dropped for "xla", which takes none."""
+    config = TritonConfig(**tuning) if tuning and implementation != "xla" else None
+    return topk(jnp.asarray(x), k, lengths=lengths, implementation=implementation, config=config,
+                interpret=INTERPRET)
 
 
 def stages(x, k, **kw):
@@ -44,12 +50,12 @@ def stages(x, k, **kw):
 
 def check_topk(out, logits, k):
     """Per row: distinct valid indices, min(k, #(> -inf)) of them, -1 after, and the multiset of
-    their values equal to the reference's (any choice among ties is fine)."""
+    their values equal to lax.top_k's (any choice among ties is fine)."""
     out, x = np.asarray(out), np.asarray(logits)
-    ref = np.asarray(ops.topk("reference", jnp.asarray(x), k))
+    ref = np.asarray(run("xla", x, k))
     assert out.shape == (x.shape[0], k) and out.dtype == np.int32
     for r in range(x.shape[0]):
-        n_sel = min(k, int((x[r] > -np.inf).sum()))  # +inf counts as valid, as in the reference
+        n_sel = min(k, int((x[r] > -np.inf).sum()))  # +inf counts as valid, as in lax.top_k
         sel = out[r]
         assert (sel[sel < 0] == -1).all(), r
         idx = np.sort(sel[sel >= 0])
@@ -77,7 +83,7 @@ def band_path(st, k):
 
 
 def nan_free(x):
-    return np.where(np.isnan(x), -np.inf, x)  # the reference treats NaN as the largest
+    return np.where(np.isnan(x), -np.inf, x)  # lax.top_k treats NaN as the largest
 
 
 def random_rows(rng, num_rows, num_keys, ends=None):
@@ -129,49 +135,49 @@ def _topk_rows(seed, num_keys, k):
 
 
 # ------------------------------------------------------------------------------------------------
-# every backend (CPU: interpret mode)
+# every implementation (CPU: interpret mode)
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("implementation", ALL)
 @pytest.mark.parametrize("num_keys,k,block", [
     (300, 37, 64),     # L not a multiple of the block
     (150, 200, 64),    # k > L
     (1000, 128, None), # default block (capped at the row length)
 ])
-def test_topk(backend, num_keys, k, block):
+def test_topk(implementation, num_keys, k, block):
     x = _topk_rows(num_keys, num_keys, k)
-    check_topk(run(backend, x, k, block=block), x, k)
+    check_topk(run(implementation, x, k, block=block), x, k)
 
 
-@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("implementation", ALL)
 @pytest.mark.parametrize("num_keys,k", [(1, 1), (1, 4), (2, 1)])
-def test_topk_tiny_rows(backend, num_keys, k):
+def test_topk_tiny_rows(implementation, num_keys, k):
     x = np.array([[0.5, -1.0][:num_keys], [-np.inf, 2.0][:num_keys], [-np.inf] * num_keys], np.float32)
-    check_topk(run(backend, x, k), x, k)
+    check_topk(run(implementation, x, k), x, k)
 
 
-@pytest.mark.parametrize("backend", ALL)
-def test_topk_on_indexer_logits(backend):
+@pytest.mark.parametrize("implementation", ALL)
+def test_topk_on_indexer_logits(implementation):
     """The pipeline: logits of a ragged batch (with -inf tails) -> top-k."""
     args, page = make_indexer_case(2, dtype=jnp.bfloat16, scaled=False, hi=4, d=16, page=4,
                                    lengths=[70, 9], rows_per_seq=[6, 2])
-    logits = ops.indexer_logits("reference", *args, page_size=page)
-    check_topk(run(backend, logits, 16, block=32), logits, 16)
+    logits = indexer_logits(*args, page_size=page, implementation="xla")
+    check_topk(run(implementation, logits, 16, block=32), logits, 16)
 
 
-@pytest.mark.parametrize("backend", ALL)
-def test_topk_rows_are_independent(backend):
+@pytest.mark.parametrize("implementation", ALL)
+def test_topk_rows_are_independent(implementation):
     """A row of only -inf, and one with NaN inside its own range, change no other row; NaN counts
-    as invalid in every backend (the reference once let a NaN take a valid key's place)."""
+    as invalid in every implementation ("xla" once let a NaN take a valid key's place)."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((6, 40)).astype(np.float32)
     x[:, 30:] = -np.inf  # past the rows' ends
     x[1, 10:] = -np.inf
-    clean = run(backend, x, 16)
+    clean = run(implementation, x, 16)
     bad = x.copy()
     bad[4] = -np.inf
     bad[5, [0, 3, 7, 20]] = np.nan
-    got = np.asarray(run(backend, bad, 16))
+    got = np.asarray(run(implementation, bad, 16))
     np.testing.assert_array_equal(got[:4], np.asarray(clean)[:4])
     np.testing.assert_array_equal(got[4], -1)
     nan_free_row = np.where(np.isnan(bad[5]), -np.inf, bad[5])
@@ -194,9 +200,9 @@ def _masked(x, lengths):
     return np.where(np.arange(x.shape[1])[None, :] < np.asarray(lengths)[:, None], x, -np.inf)
 
 
-@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("implementation", ALL)
 @pytest.mark.parametrize("num_keys,k,block,slices", [(300, 37, 64, 1), (1000, 40, 64, 4), (150, 200, 64, None)])
-def test_lengths_ignore_the_columns_past_them(backend, num_keys, k, block, slices):
+def test_lengths_ignore_the_columns_past_them(implementation, num_keys, k, block, slices):
     """With lengths, a row's keys are its first lengths[n] columns whatever the rest holds: the
     result equals top-k of the row with its tail set to -inf, at lengths 0, 1, below k, around
     the block and slice boundaries, the whole row and past it (clipped), one slice a row and several."""
@@ -206,8 +212,7 @@ def test_lengths_ignore_the_columns_past_them(backend, num_keys, k, block, slice
     x[3, ::2] = -np.inf  # -inf inside a row's own range still counts as invalid
     garbage = _with_garbage_past(x, lengths, rng)
     tuning = dict(block=block) if slices is None else dict(block=block, slices=slices)
-    got = ops.topk(backend, jnp.asarray(garbage), k, lengths=jnp.asarray(lengths, jnp.int32),
-                   **(tuning if backend != "reference" else {}))
+    got = run(implementation, garbage, k, lengths=jnp.asarray(lengths, jnp.int32), **tuning)
     check_topk(got, _masked(x, np.clip(lengths, 0, num_keys)), k)
 
 
@@ -225,9 +230,9 @@ def test_lengths_keep_the_band_path():
     np.testing.assert_array_equal(cnt[:, :, 2].sum(1), lengths)  # valid keys counted: the rows' own only
 
 
-@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("implementation", ALL)
 @pytest.mark.parametrize("slices", [1, 4, None])
-def test_lengths_much_shorter_than_the_width(backend, slices):
+def test_lengths_much_shorter_than_the_width(implementation, slices):
     """Rows of 0..300 keys in logits 16 x as wide as the longest (the serving program's fixed
     width): lengths 0, 1, k - 1, k, k + 1, around the sample (64 keys) and the block (64), ties
     and -inf among a row's keys, garbage that would win past them (NaN, +inf, 1e30): each row's
@@ -241,8 +246,7 @@ def test_lengths_much_shorter_than_the_width(backend, slices):
     x[[7, 10], ::3] = -np.inf  # -inf among a row's own keys
     garbage = _with_garbage_past(x, lengths, rng)
     tuning = dict(block=block, sample=sample) | ({} if slices is None else dict(slices=slices))
-    got = ops.topk(backend, jnp.asarray(garbage), k, lengths=jnp.asarray(lengths, jnp.int32),
-                   **(tuning if backend != "reference" else {}))
+    got = run(implementation, garbage, k, lengths=jnp.asarray(lengths, jnp.int32), **tuning)
     check_topk(got, _masked(x, lengths), k)
 
 
@@ -301,7 +305,7 @@ def test_lengths_are_checked():
     x = jnp.zeros((3, 10), jnp.float32)
     for bad in (jnp.zeros((2,), jnp.int32), jnp.zeros((3,), jnp.float32), [1, 2, 3]):
         with pytest.raises(ValueError, match=r"lengths must be an integer array of shape \[N\] = \(3,\)"):
-            ops.topk("triton", x, 4, lengths=bad)
+            run("triton", x, 4, lengths=bad)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -430,18 +434,18 @@ def test_topk_attention_unchanged():
     q = jax.random.normal(keys[1], (ends.shape[0], heads, rank + rope), jnp.float32)
     latent = jax.random.normal(keys[2], (num_keys, rank), jnp.float32)
     k_pe = jax.random.normal(keys[3], (num_keys, rope), jnp.float32)
-    attend = functools.partial(ops.sparse_mla, "reference", q, latent, None, k_pe, scale=0.1)
-    out, lse = attend(ops.topk("triton", logits, k, sample=64, block=64))
-    ref_out, ref_lse = attend(ops.topk("reference", logits, k))
+    attend = functools.partial(sparse_mla, q, latent, None, k_pe, scale=0.1, implementation="xla")
+    out, lse = attend(run("triton", logits, k, sample=64, block=64))
+    ref_out, ref_lse = attend(run("xla", logits, k))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5)
 
 
 def test_topk_bad_input():
     with pytest.raises(ValueError, match="2-D"):
-        ops.topk("triton", jnp.zeros((2, 3, 4)), 2)
+        run("triton", jnp.zeros((2, 3, 4)), 2)
     with pytest.raises(ValueError, match="k"):
-        ops.topk("triton", jnp.zeros((2, 8)), -1)
+        run("triton", jnp.zeros((2, 8)), -1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -491,7 +495,7 @@ def test_topk_gpu():
     x[26] = np.round(x[26] * 0.5)  # ~40% of the row tied at the threshold
     x[27] *= 1e30
     x[27, :5] = np.inf
-    out = jax.jit(functools.partial(ops.topk, "triton", k=k))(jnp.asarray(x))
+    out = jax.jit(functools.partial(run, "triton", k=k))(jnp.asarray(x))
     check_topk(out, np.where(np.isnan(x), -np.inf, x), k)
 
 
@@ -501,7 +505,7 @@ def test_topk_gpu_long_rows():
     x = rng.standard_normal((8, 131072)).astype(np.float32)
     x[1, 70000:] = -np.inf
     x[2] = np.round(x[2] * 8)
-    out = jax.jit(functools.partial(ops.topk, "triton", k=2048))(jnp.asarray(x))
+    out = jax.jit(functools.partial(run, "triton", k=2048))(jnp.asarray(x))
     check_topk(out, x, 2048)
 
 
@@ -520,7 +524,7 @@ def test_topk_many_rows(rows, num_keys, k):
     bad = adversarial_rows(rng, num_keys, k)
     x[-len(bad):] = bad
     lengths[-len(bad):] = num_keys
-    out = jax.jit(functools.partial(ops.topk, "triton", k=k), compiler_options=OPTIMIZED)(
+    out = jax.jit(functools.partial(run, "triton", k=k), compiler_options=OPTIMIZED)(
         jnp.asarray(_with_garbage_past(x, lengths, rng)), lengths=jnp.asarray(lengths, jnp.int32))
     check_topk(out, _masked(nan_free(x), lengths), k)
 
@@ -540,10 +544,9 @@ def test_mosaic_write_lowers_for_the_gpu():
 
 
 def test_mosaic_refuses_interpret_mode_and_odd_rows():
-    from pallas_kernels.topk import topk
     from pallas_kernels.topk.mosaic import topk_write
     with pytest.raises(ValueError, match="'mosaic' has no interpret mode"):
-        topk(jnp.zeros((4, 64)), 8, backend="mosaic", interpret=True)
+        topk(jnp.zeros((4, 64)), 8, implementation="mosaic", interpret=True)
     zeros = jnp.zeros((4,), jnp.int32), jnp.zeros((4, 2), jnp.int32)
     with pytest.raises(ValueError, match="multiples of 4 .16-byte rows., got 66 and 16"):
         topk_write(jnp.zeros((4, 66)), *zeros, k=8, cap=16)
@@ -600,12 +603,12 @@ def test_mosaic_write_matches_triton(rows, num_keys, slices, k):
 
 @pytest.mark.gpu
 def test_mosaic_topk_in_a_jit():
-    """backend "mosaic" through the public op, jitted with XLA's optimisations, on a causal
+    """Implementation "mosaic" through the public op, jitted with XLA's optimisations, on a causal
     prefill's rows (row r sees its first (r + 1) L / rows keys)."""
     rows, num_keys, k = 4096, 8192, 2048
     rng = np.random.default_rng(11)
     lengths = ((np.arange(rows) + 1) * num_keys // rows).astype(np.int32)
     x = rng.standard_normal((rows, num_keys)).astype(np.float32)
-    out = jax.jit(functools.partial(ops.topk, "mosaic", k=k), compiler_options=OPTIMIZED)(
+    out = jax.jit(functools.partial(run, "mosaic", k=k), compiler_options=OPTIMIZED)(
         jnp.asarray(_with_garbage_past(x, lengths, rng)), lengths=jnp.asarray(lengths))
     check_topk(out, _masked(x, lengths), k)

@@ -2,7 +2,9 @@
 GPU's interpreter off the GPU) and `dense_mha_reference` (jnp, float32). Design and measurements:
 docs/design/dense_mha.md."""
 
-from .api import INTERPRET_MIN_CPU_THREADS, KERNEL_DTYPES, dense_mha, unsupported_reason
+from .api import (CONFIGS, IMPLEMENTATIONS, INTERPRET_MIN_CPU_THREADS, KERNEL_DTYPES, MosaicConfig, XlaConfig,
+                  dense_mha, unsupported_reason)
 from .reference import dense_mha_reference
 
-__all__ = ["INTERPRET_MIN_CPU_THREADS", "KERNEL_DTYPES", "dense_mha", "dense_mha_reference", "unsupported_reason"]
+__all__ = ["CONFIGS", "IMPLEMENTATIONS", "INTERPRET_MIN_CPU_THREADS", "KERNEL_DTYPES", "MosaicConfig", "XlaConfig",
+           "dense_mha", "dense_mha_reference", "unsupported_reason"]

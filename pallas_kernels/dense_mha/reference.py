@@ -3,9 +3,47 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from .api import check_inputs, check_selection
+
+def check_inputs(q, k, v, q_start_loc, k_start_loc, dtypes):
+    """ValueError unless q, k, v and the start locations have the shapes and one dtype of `dtypes`."""
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        raise ValueError(f"q, k, v must be [T, H, D]; got shapes {q.shape}, {k.shape}, {v.shape}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k {k.shape} and v {v.shape} must agree on [Tk, H]")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"q has {q.shape[1]} heads, k and v have {k.shape[1]}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q head dim {q.shape[2]} != k head dim {k.shape[2]}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in dtypes:
+        names = ", ".join(jnp.dtype(d).name for d in dtypes)
+        raise ValueError(f"q, k, v must share one dtype of ({names}); got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, loc in (("q_start_loc", q_start_loc), ("k_start_loc", k_start_loc)):
+        if loc.ndim != 1 or loc.shape[0] < 1 or loc.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32 [S+1]; got {loc.dtype} {loc.shape}")
+    if q_start_loc.shape != k_start_loc.shape:
+        raise ValueError(f"q_start_loc {q_start_loc.shape} and k_start_loc {k_start_loc.shape} differ")
+
+
+def check_selection(selection, num_rows: int, max_kv_len):
+    """ValueError unless selection is None or int32 [T, K] (K >= 1) for q's T rows, and
+    max_kv_len is None or a positive int (given only with a selection)."""
+    if selection is None:
+        if max_kv_len is not None:
+            raise ValueError("max_kv_len bounds a selection's key positions: give it with a selection")
+        return
+    if not hasattr(selection, "ndim") or not hasattr(selection, "dtype"):
+        raise ValueError(f"selection must be an int32 array [T, K], got {type(selection).__name__}")
+    if selection.ndim != 2 or selection.shape[0] != num_rows or selection.shape[1] < 1:
+        raise ValueError(f"selection must be [T, K] with T = {num_rows} (q's rows) and K >= 1; "
+                         f"got {selection.shape}")
+    if selection.dtype != jnp.int32:
+        raise ValueError(f"selection must be int32, got {selection.dtype}")
+    if max_kv_len is not None and (isinstance(max_kv_len, (bool, np.bool_))
+                                   or not isinstance(max_kv_len, (int, np.integer)) or max_kv_len < 1):
+        raise ValueError(f"max_kv_len must be a positive int, got {max_kv_len!r}")
 
 
 def _row_segments(start_loc, rows):

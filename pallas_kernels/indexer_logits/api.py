@@ -1,4 +1,4 @@
-"""Lightning-indexer logits over a paged key cache: the public entry (the caller names the kernel).
+"""Lightning-indexer logits over a paged key cache: the public entry (the caller names the implementation).
 
 For each scored row n (a query token), over the keys of its own sequence:
     logits[n, s] = sum_h weights[n, h] * relu(q[n, h] . k[s]) * k_scale[s]   for s < row_end[n]
@@ -14,62 +14,102 @@ pages reach no valid logit.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import dataclasses
 
+from ..config import check_implementation, check_ints, overrides
 from .mosaic_decode import indexer_logits_mosaic_decode
 from .mosaic_prefill import indexer_logits_mosaic_prefill
+from .reference import indexer_logits_reference
 from .triton import indexer_logits_triton
 
-# backend -> (its kernel, the keyword tuning it takes)
-BACKENDS = {
-    "triton": (indexer_logits_triton,  # see triton.choose_tiling; fp8_imprecise_acc: see the kernel
-               ("block_rows", "block_keys", "chunk", "num_warps", "num_stages", "fp8_imprecise_acc")),
-    "mosaic_prefill": (indexer_logits_mosaic_prefill,  # see mosaic_prefill.PrefillTiling
-                       ("block_rows", "group", "stages", "splits", "compute_wgs", "programs")),
-    "mosaic_decode": (indexer_logits_mosaic_decode,  # see mosaic_decode.choose_decode_tiling
-                      ("block_rows", "chunk", "step_blocks", "stages", "num_sms")),
-}
 
 
-def dequantize_index_keys(keys, scale):
-    """keys: [..., D] (e4m3 | bf16 | f32); scale: [...] f32 (fp8 keys) or None -> [..., D] f32."""
-    keys = keys.astype(jnp.float32)
-    return keys if scale is None else keys * scale[..., None]
+@dataclasses.dataclass(frozen=True)
+class TritonConfig:
+    """Tuning of the Triton kernel (None: its choice, `triton.choose_tiling`); fp8_imprecise_acc:
+    see `triton.indexer_logits_triton` (0 allowed: exact f32 accumulation)."""
+
+    block_rows: int | None = None
+    block_keys: int | None = None
+    chunk: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    fp8_imprecise_acc: int | None = None
+
+    def __post_init__(self):
+        check_ints(self, zero_ok=("fp8_imprecise_acc",))
 
 
-def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size, backend,
-                   clean=True, interpret=False, **tuning):
-    """Indexer logits, Pallas kernels. Same contract as `reference.indexer_logits_reference`
-    (with clean=True; clean=False below).
+PREFILL_FIELDS = ("group", "splits", "compute_wgs", "programs")  # the prefill kernel's alone
+DECODE_FIELDS = ("chunk", "step_blocks", "num_sms")  # the decode kernel's alone
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Tuning of the Mosaic GPU kernels (None: their choice): block_rows and stages for either;
+    PREFILL_FIELDS for the prefill kernel only (`mosaic_prefill.PrefillTiling`), DECODE_FIELDS for
+    the decode kernel only (`mosaic_decode.choose_decode_tiling`); a field of the other kernel is
+    a ValueError at the call."""
+
+    block_rows: int | None = None
+    stages: int | None = None
+    group: int | None = None
+    splits: int | None = None
+    compute_wgs: int | None = None
+    programs: int | None = None
+    chunk: int | None = None
+    step_blocks: int | None = None
+    num_sms: int | None = None
+
+    def __post_init__(self):
+        check_ints(self)
+
+
+CONFIGS = {"xla": None, "triton": TritonConfig, "mosaic": MosaicConfig}  # implementation -> its config class
+IMPLEMENTATIONS = tuple(CONFIGS)
+MOSAIC_KERNELS = {"prefill": (indexer_logits_mosaic_prefill, DECODE_FIELDS),  # kernel -> (it, the fields it refuses)
+                  "decode": (indexer_logits_mosaic_decode, PREFILL_FIELDS)}
+
+
+def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size, implementation,
+                   config=None, kernel=None, clean=True, interpret=False):
+    """Indexer logits. Contract: `reference.indexer_logits_reference` (with clean=True; clean=False below).
 
     q: [N, Hi, D]; weights [N, Hi] f32; k_cache [num_slots, D]; k_scale [num_slots] f32 or None;
     block_tables [S, W] int32; row_seq, row_end [N] int32 -> [N, W * page_size] f32.
-    backend (named by the caller: jax_sparse_mla.kernels.resolve and the plan's
-    RowGroup.indexer_kernel for the layer):
+    implementation (named by the caller: jax_sparse_mla.kernels.resolve for the layer):
+      "xla": `reference.indexer_logits_reference`, jnp (any dtypes; the oracle);
       "triton": `triton.indexer_logits_triton`, the portable kernel (e4m3 | bf16 | f32; other
         GPUs; interpret=True on CPU);
-      "mosaic_prefill": `mosaic_prefill.indexer_logits_mosaic_prefill`, Mosaic GPU (Hopper;
-        e4m3 or bf16 q and keys of one dtype), for many rows per sequence (wgmma + TMA,
-        warp-specialised; MMA-bound);
-      "mosaic_decode": `mosaic_decode.indexer_logits_mosaic_decode`, Mosaic GPU, for 1-2 rows
-        per sequence (a TMA stream of the key pages through a deep SMEM ring; bandwidth-bound).
-    Which Mosaic kernel suits a batch: jax_sparse_mla.policy.indexer_kernel (docs/design/indexer.md).
+      "mosaic": a Mosaic GPU kernel (Hopper; e4m3 or bf16 q and keys of one dtype), `kernel`:
+        "prefill": `mosaic_prefill.indexer_logits_mosaic_prefill`, for many rows per sequence
+          (wgmma + TMA, warp-specialised; MMA-bound);
+        "decode": `mosaic_decode.indexer_logits_mosaic_decode`, for 1-2 rows per sequence (a
+          TMA stream of the key pages through a deep SMEM ring; bandwidth-bound).
+      Which suits a batch is the caller's: jax_sparse_mla.policy.indexer_kernel, through the
+      plan's RowGroup.indexer_kernel (docs/design/indexer.md); other implementations ignore it.
+    config: CONFIGS[implementation] (TritonConfig | MosaicConfig; "xla" takes none) or None (the
+      kernel's own tiling).
     clean: False lets the Mosaic kernels leave a row's columns unwritten past the last key block
       its row tile computes (anything may be there; columns in [0, row_end) and -inf in computed
       blocks as ever), as DeepGEMM's clean_logits=False: for a consumer that reads only each
       row's first row_end columns (topk with lengths=row_end, as the layer does). It spares the
       -inf fill of causal tails and padding rows (one 256-byte store per row per 64-key block).
-      The Triton kernel writes -inf there either way.
-    tuning: keyword overrides the backend's kernel takes (BACKENDS[backend][1]); another name is
-    a ValueError.
+      The other implementations write -inf there either way.
+    interpret: run a Pallas kernel in its interpreter (CPU); "xla" ignores it.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {tuple(BACKENDS)}, got {backend!r}")
-    kernel, takes = BACKENDS[backend]
-    unknown = sorted(set(tuning) - set(takes))
-    if unknown:
-        raise ValueError(f"the {backend} indexer kernel takes no {', '.join(unknown)} (its tuning: {', '.join(takes)})")
-    if backend != "triton":
-        tuning = dict(tuning, clean=clean)
-    return kernel(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, page_size=page_size,
-                  interpret=interpret, **tuning)
+    check_implementation("indexer_logits", implementation, config, CONFIGS)
+    args = (q, weights, k_cache, k_scale, block_tables, row_seq, row_end)
+    if implementation == "xla":
+        return indexer_logits_reference(*args, page_size=page_size)
+    tuning = overrides(config)
+    if implementation == "triton":
+        return indexer_logits_triton(*args, page_size=page_size, interpret=interpret, **tuning)
+    if kernel not in MOSAIC_KERNELS:
+        raise ValueError(f"indexer_logits: kernel must be one of {tuple(MOSAIC_KERNELS)} for implementation "
+                         f"'mosaic', got {kernel!r}")
+    fn, refused = MOSAIC_KERNELS[kernel]
+    wrong = sorted(set(tuning) & set(refused))
+    if wrong:
+        raise ValueError(f"indexer_logits: the {kernel} Mosaic kernel takes no MosaicConfig.{', '.join(wrong)}")
+    return fn(*args, page_size=page_size, clean=clean, interpret=interpret, **tuning)

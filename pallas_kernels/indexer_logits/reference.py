@@ -5,10 +5,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .api import dequantize_index_keys
 from .layout import gather_paged_rows
 
 ROW_CHUNK = 64  # rows per step of the reference, bounding its [rows, heads, keys] intermediate
+
+
+def dequantize_index_keys(keys, scale):
+    """keys: [..., D] (e4m3 | bf16 | f32); scale: [...] f32 (fp8 keys) or None -> [..., D] f32."""
+    keys = keys.astype(jnp.float32)
+    return keys if scale is None else keys * scale[..., None]
 
 
 def indexer_logits_reference(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size):

@@ -8,10 +8,10 @@ nothing whatever the cache holds (slot 0, which it addresses, may hold another r
 its gathered row is zero by select (the reference), masked loads (Triton) or zero-filled copies
 (Mosaic GPU), never by a 0 probability times its values (0 * NaN = NaN).
 
-`reference.sparse_mla_reference` is the jnp oracle (and the XLA path); `sparse_mla` the Pallas
-GPU kernels, same signature and results. An fp8 cache is dequantised either inside the
+`sparse_mla` runs the implementation the caller names: "xla", `reference.sparse_mla_reference`,
+the jnp oracle, or a Pallas GPU kernel with the same results. An fp8 cache is dequantised either inside the
 kernel, per gathered row, or "upfront": the cache pages the rows can reach dequantised once into
-a bf16 copy that the bf16 kernel then reads (`dequantize=`, below). Two backends, named by the
+a bf16 copy that the bf16 kernel then reads (`dequantize=`, below). Two kernels, named by the
 caller (jax_sparse_mla.kernels.resolve for the layer; the route by its plan, policy.py):
   * "mosaic": `mosaic.sparse_mla_mosaic`, Pallas Mosaic GPU (Hopper) with wgmma and a
     warp-specialised producer that gathers the selected rows with cp.async;
@@ -22,26 +22,45 @@ caller (jax_sparse_mla.kernels.resolve for the layer; the route by its plan, pol
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
+from ..config import check_implementation, check_ints, overrides
 from . import mosaic
+from .reference import dequantize_latent, sparse_mla_reference
 from .triton import sparse_mla_triton
 
 
-def dequantize_latent(latent, latent_scale):
-    """latent: [..., R] (bf16 | f32 | e4m3); latent_scale: [..., R // tile] f32 or None -> f32."""
-    values = latent.astype(jnp.float32)
-    if latent_scale is None:
-        return values
-    tile = latent.shape[-1] // latent_scale.shape[-1]
-    shaped = values.reshape(values.shape[:-1] + (latent_scale.shape[-1], tile))
-    return (shaped * latent_scale[..., None]).reshape(values.shape)
-
-
 DEQUANTIZE = ("kernel", "upfront")
-BACKENDS = ("triton", "mosaic")
-TUNING = {"triton": ("block_h", "block_k", "num_splits", "num_warps", "num_stages"),  # see sparse_mla_triton
-          "mosaic": ("num_splits",)}  # see mosaic.sparse_mla_mosaic
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonConfig:
+    """Tuning of the Triton kernel (None: its default; see `triton.sparse_mla_triton`)."""
+
+    block_h: int | None = None
+    block_k: int | None = None
+    num_splits: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def __post_init__(self):
+        check_ints(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Tuning of the Mosaic GPU kernel (None: its choice; see `mosaic.sparse_mla_mosaic`)."""
+
+    num_splits: int | None = None
+
+    def __post_init__(self):
+        check_ints(self)
+
+
+CONFIGS = {"xla": None, "triton": TritonConfig, "mosaic": MosaicConfig}  # implementation -> its config class
+IMPLEMENTATIONS = tuple(CONFIGS)
 
 
 def copy_rows(num_slots, pages, page_size):
@@ -86,9 +105,9 @@ def dequantize_pages(latent, latent_scale, k_pe, slots, pages, *, page_size, dty
             renumbered.astype(jnp.int32))
 
 
-def sparse_mla(q, latent, latent_scale, k_pe, slots, *, scale, backend, dequantize="kernel", pages=None,
-               page_size=None, interpret=False, **tuning):
-    """Sparse MLA attention as a Pallas GPU kernel; same semantics as `reference.sparse_mla_reference`.
+def sparse_mla(q, latent, latent_scale, k_pe, slots, *, scale, implementation, config=None, dequantize="kernel",
+               pages=None, page_size=None, interpret=False):
+    """Sparse MLA attention; the semantics of `reference.sparse_mla_reference`.
 
     q: [N, H, R + P] (bf16 | f32); latent: [num_slots, R] (bf16 | f32 | float8_e4m3fn);
     latent_scale: [num_slots, R // 128] f32 (fp8 cache: FlashMLA's per-128-value tile scales) or
@@ -96,11 +115,12 @@ def sparse_mla(q, latent, latent_scale, k_pe, slots, *, scale, backend, dequanti
     Returns (out [N, H, R] f32, lse [N, H] f32); rows with no valid slot give out 0, lse +inf.
     `scale` is a static Python number (folded into the kernel).
 
-    backend: "mosaic" (`mosaic.sparse_mla_mosaic`: Hopper, bf16 q and k_pe, compiled only; it
-    raises ValueError for operands `unsupported_reason` names rather than running another
-    kernel) or "triton" (`triton.sparse_mla_triton`; interpret=True runs it on CPU).
-    tuning: keyword overrides of that backend's kernel, TUNING[backend] (Triton: block_h,
-    block_k, num_splits, num_warps, num_stages; Mosaic: num_splits); another name is a ValueError.
+    implementation: "xla" (`reference.sparse_mla_reference`, jnp: the oracle; it dequantises
+    per gathered row and ignores dequantize, pages and interpret), "mosaic"
+    (`mosaic.sparse_mla_mosaic`: Hopper, bf16 q and k_pe, compiled only; it raises ValueError
+    for operands `unsupported_reason` names rather than running another kernel) or "triton"
+    (`triton.sparse_mla_triton`; interpret=True runs it on CPU).
+    config: CONFIGS[implementation] (TritonConfig | MosaicConfig; "xla" takes none) or None.
 
     fp8 caches (`dequantize_pages`): pages [..] int32 (-1 ignored) lists every cache page the
     slots may name (page_size slots each; e.g. the batch's block tables), None = the whole cache.
@@ -118,22 +138,20 @@ def sparse_mla(q, latent, latent_scale, k_pe, slots, *, scale, backend, dequanti
     accumulator alone (128 x 512 f32 = 256 KiB) is the whole register file. (jax 0.11 marks the
     Pallas Triton backend deprecated and warns on each lowering.)
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_implementation("sparse_mla", implementation, config, CONFIGS)
     if dequantize not in DEQUANTIZE:
         raise ValueError(f"dequantize must be one of {DEQUANTIZE}, got {dequantize!r}")
-    unknown = sorted(set(tuning) - set(TUNING[backend]))
-    if unknown:
-        raise ValueError(f"the {backend} sparse_mla kernel takes no {', '.join(unknown)} "
-                         f"(its tuning: {', '.join(TUNING[backend])})")
+    if implementation == "xla":
+        return sparse_mla_reference(q, latent, latent_scale, k_pe, slots, scale=scale)
     if latent_scale is None and dequantize == "upfront":
         raise ValueError("dequantize='upfront' needs an fp8 cache (latent_scale)")
     if dequantize == "upfront":
         latent, k_pe, slots = dequantize_pages(latent, latent_scale, k_pe, slots, pages,
                                                page_size=page_size, dtype=q.dtype)
         latent_scale = None
-    if backend == "mosaic":
+    if implementation == "mosaic":
         if interpret:
             raise ValueError("the Mosaic GPU kernel has no interpret mode (its gathers are inline PTX)")
-        return mosaic.sparse_mla_mosaic(q, latent, latent_scale, k_pe, slots, scale=scale, **tuning)
-    return sparse_mla_triton(q, latent, latent_scale, k_pe, slots, scale=scale, interpret=interpret, **tuning)
+        return mosaic.sparse_mla_mosaic(q, latent, latent_scale, k_pe, slots, scale=scale, **overrides(config))
+    return sparse_mla_triton(q, latent, latent_scale, k_pe, slots, scale=scale, interpret=interpret,
+                             **overrides(config))

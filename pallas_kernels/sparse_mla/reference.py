@@ -5,9 +5,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .api import dequantize_latent
 
 ROW_CHUNK = 32  # rows per step of the reference, bounding its [rows, topk, R] gather
+
+
+def dequantize_latent(latent, latent_scale):
+    """latent: [..., R] (bf16 | f32 | e4m3); latent_scale: [..., R // tile] f32 or None -> f32."""
+    values = latent.astype(jnp.float32)
+    if latent_scale is None:
+        return values
+    tile = latent.shape[-1] // latent_scale.shape[-1]
+    shaped = values.reshape(values.shape[:-1] + (latent_scale.shape[-1], tile))
+    return (shaped * latent_scale[..., None]).reshape(values.shape)
 
 
 def sparse_mla_reference(q, latent, latent_scale, k_pe, slots, *, scale):

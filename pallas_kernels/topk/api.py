@@ -4,16 +4,36 @@ the jnp oracle)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
+from ..config import check_implementation, check_ints
+from .reference import topk_reference
 from .triton import topk_stages
 
 
-BACKENDS = ("triton", "mosaic")
+@dataclasses.dataclass(frozen=True)
+class TritonConfig:
+    """Tuning of the Pallas kernels, "triton" and "mosaic" alike (the Mosaic write sweep runs
+    inside the Triton kernels' plan): None is the kernels' choice (see `triton.topk_stages`)."""
+
+    block: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    sample: int | None = None
+    capacity: int | None = None
+    slices: int | None = None
+
+    def __post_init__(self):
+        check_ints(self)
 
 
-def topk(logits, k: int, *, lengths=None, backend="triton", interpret=False, block=None, num_warps=None,
-         num_stages=None, sample=None, capacity=None, slices=None):
+CONFIGS = {"xla": None, "triton": TritonConfig, "mosaic": TritonConfig}  # implementation -> its config class
+IMPLEMENTATIONS = tuple(CONFIGS)
+
+
+def topk(logits, k: int, *, lengths=None, implementation, config=None, interpret=False):
     """[N, L] f32 (-inf = invalid) -> [N, k] int32: indices of the k largest finite entries per
     row, -1 padded. Same contract as `reference.topk_reference` (order within a row unspecified;
     among equal values at the threshold any choice is valid; NaN counts as invalid).
@@ -52,20 +72,21 @@ def topk(logits, k: int, *, lengths=None, backend="triton", interpret=False, blo
     With several slices a row, loads go 4 chunks at a time (one memory latency per 4); with
     >= 1024 rows, singly (it cost more than it saved).
     Latency-bound at few rows (three launches and ~3.5 dependent passes); docs/design/topk.md.
-    backend: "triton": the three kernels above; "mosaic": step 2 by `mosaic.topk_write` (Mosaic GPU,
+    implementation: "xla": `reference.topk_reference` (lax.top_k; interpret ignored); "triton":
+      the three kernels above; "mosaic": step 2 by `mosaic.topk_write` (Mosaic GPU,
       a warp a row, shuffle scans in registers: no interpreter) where it applies, one slice a row
       and L, capacity multiples of 4, else as "triton"; the same warp then selects the row's band
       when it holds the answer (radix select, 8 bits a pass, in shared memory), and the select
       kernel only takes the other rows. Same index sets as "triton"; its band keys come as those
       above the boundary value, then those equal to it, each in column order.
-    block, num_warps, num_stages, sample, capacity, slices: the kernels' tuning (see `topk_stages`;
-      without num_warps each kernel takes its own count for the row count, `triton._kernel_plan`).
+    config: a TritonConfig (the Pallas implementations; "xla" takes none) or None: block,
+      num_warps, num_stages, sample, capacity, slices (see `topk_stages`; without num_warps each
+      kernel takes its own count for the row count, `triton._kernel_plan`).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "mosaic" and interpret:
-        raise ValueError("topk: backend 'mosaic' has no interpret mode (its write sweep is inline PTX); "
-                         "use backend='triton' with interpret=True")
+    check_implementation("topk", implementation, config, CONFIGS)
+    if implementation == "mosaic" and interpret:
+        raise ValueError("topk: implementation 'mosaic' has no interpret mode (its write sweep is inline PTX); "
+                         "use implementation='triton' with interpret=True")
     if logits.ndim != 2:
         raise ValueError(f"topk: logits must be 2-D [N, L], got shape {logits.shape}")
     if k < 0:
@@ -76,10 +97,13 @@ def topk(logits, k: int, *, lengths=None, backend="triton", interpret=False, blo
         raise ValueError(f"topk: lengths must be an integer array of shape [N] = ({n},), got "
                          f"{getattr(lengths, 'shape', type(lengths).__name__)} "
                          f"{getattr(lengths, 'dtype', '')}")
+    if implementation == "xla":
+        return topk_reference(logits, k, lengths)
     if n == 0 or k == 0:
         return jnp.zeros((n, k), jnp.int32)
     if num_keys == 0:
         return jnp.full((n, k), -1, jnp.int32)
-    return topk_stages(logits, k, lengths=lengths, interpret=interpret, block=block, num_warps=num_warps,
-                       num_stages=num_stages, sample=sample, capacity=capacity,
-                       slices=slices, backend=backend)["out"]
+    config = config or TritonConfig()
+    return topk_stages(logits, k, lengths=lengths, interpret=interpret, block=config.block,
+                       num_warps=config.num_warps, num_stages=config.num_stages, sample=config.sample,
+                       capacity=config.capacity, slices=config.slices, backend=implementation)["out"]

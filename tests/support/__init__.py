@@ -2,8 +2,8 @@
 
 `tests.support` holds the facts about where the suite runs and the helpers several test modules
 share (subprocess runs of the checkout, a scored plan, fp8 quantisation); `tests.support.ops` the
-one call into each op per backend (the only place to adapt when a kernel signature changes) and
-the backends' limits; `tests.support.cases` the input builders more than one op's suite uses.
+implementations each op's suite runs and their limits; `tests.support.cases` the input builders
+more than one op's suite uses.
 """
 
 import contextlib

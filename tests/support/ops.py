@@ -1,13 +1,15 @@
-"""The one call into each op per backend, and the backends' limits, for the per-op suites.
+"""The op implementations the per-op suites parametrise over, their limits, and the adapters the
+suites not yet calling the ops directly still use.
 
-Each op's suite (tests/test_indexer_logits.py, test_topk.py, test_sparse_mla.py,
-test_dense_mha.py) calls the op only through the function of that name here, with a backend
-name first: when a kernel's signature changes, this module is the one place to adapt.
+tests/test_topk.py and tests/test_padding.py call each op as `op(..., implementation=, config=,
+interpret=INTERPRET)`. tests/test_indexer_logits.py, test_sparse_mla.py and test_dense_mha.py
+still call the function of the op's name here, with a test backend name first ("reference":
+the op's "xla" implementation; "mosaic_prefill" / "mosaic_decode": "mosaic" with that kernel)
+and keyword tuning, mapped onto the op's `implementation=` and `config=`.
 
-Backends (`BACKENDS[op]`): "reference" is the op's jnp oracle (the XLA path); the others are
-Pallas kernels, interpreted on CPU (Pallas or Mosaic GPU interpret mode) and compiled on a GPU,
-except those in `GPU_ONLY`, which have no interpret mode. "auto" is the op's public router
-(the kernel it picks for the inputs and device) where an op has more than one kernel.
+`BACKENDS[op]`: the names a suite parametrises over; Pallas kernels are interpreted on CPU and
+compiled on a GPU, except those in `GPU_ONLY`, which have no interpret mode. "auto" is the
+kernel the layer picks for the inputs and device, where an op has more than one kernel.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from . import INTERPRET
 
 BACKENDS = {
     "indexer_logits": ("reference", "auto", "triton", "mosaic_prefill", "mosaic_decode"),
-    "topk": ("reference", "triton", "mosaic"),
+    "topk": ("xla", "triton", "mosaic"),
     "sparse_mla": ("reference", "auto", "triton", "mosaic"),
     "dense_mha": ("reference", "mosaic"),
 }
@@ -38,19 +40,31 @@ BACKENDS = {
 GPU_ONLY = {("sparse_mla", "mosaic"), ("topk", "mosaic")}
 
 
-def backend_param(op: str, backend: str, *values, id: str | None = None, marks=()):
-    """pytest.param(backend, *values) with the `gpu` mark where the backend only runs on a GPU;
-    id defaults to the backend's name."""
-    if backend not in BACKENDS[op]:
-        raise ValueError(f"{op}: unknown backend {backend!r}; one of {BACKENDS[op]}")
+def implementation_param(op: str, implementation: str, *values, id: str | None = None, marks=()):
+    """pytest.param(implementation, *values) with the `gpu` mark where it only runs on a GPU; id
+    defaults to the implementation's name."""
+    if implementation not in BACKENDS[op]:
+        raise ValueError(f"{op}: unknown implementation {implementation!r}; one of {BACKENDS[op]}")
     marks = tuple(marks) if isinstance(marks, (list, tuple)) else (marks,)
-    if (op, backend) in GPU_ONLY:
+    if (op, implementation) in GPU_ONLY:
         marks += (pytest.mark.gpu,)
-    return pytest.param(backend, *values, id=id or backend, marks=marks)
+    return pytest.param(implementation, *values, id=id or implementation, marks=marks)
+
+
+IMPLEMENTATION = {"reference": "xla"}  # a test backend -> the op's implementation; "mosaic_prefill": "mosaic", kernel "prefill"
 
 
 def _interpret(interpret):
     return INTERPRET if interpret is None else interpret
+
+
+def _config(lib, implementation, tuning):
+    """The op's config for `implementation` from a case's keyword tuning (None for none)."""
+    if not tuning:
+        return None
+    if lib.CONFIGS.get(implementation) is None:
+        raise ValueError(f"{implementation} takes no tuning, got {tuning}")
+    return lib.CONFIGS[implementation](**tuning)
 
 
 
@@ -62,15 +76,15 @@ def _interpret(interpret):
 def indexer_logits(backend, q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size,
                    interpret=None, **tiling):
     """[N, W * page_size] f32 logits by `backend`; tiling: the kernel's own overrides (see each kernel)."""
+    clean = {"clean": tiling.pop("clean")} if "clean" in tiling else {}
     args = (q, weights, k_cache, k_scale, block_tables, row_seq, row_end)
-    if backend == "reference":
-        if tiling:
-            raise ValueError(f"the reference takes no tiling, got {tiling}")
-        return indexer_logits_lib.indexer_logits_reference(*args, page_size=page_size)
     if backend == "auto":
         backend = indexer_logits_auto(q, k_cache, block_tables, interpret=_interpret(interpret), tiling=tiling)
-    return indexer_logits_lib.indexer_logits(*args, page_size=page_size, backend=backend,
-                                             interpret=_interpret(interpret), **tiling)
+    implementation, _, kernel = IMPLEMENTATION.get(backend, backend).partition("_")
+    config = _config(indexer_logits_lib, implementation, tiling)
+    return indexer_logits_lib.indexer_logits(*args, page_size=page_size, implementation=implementation,
+                                             kernel=kernel or None, config=config, interpret=_interpret(interpret),
+                                             **clean)
 
 
 def indexer_logits_auto(q, k_cache, block_tables, *, interpret, tiling):
@@ -92,13 +106,9 @@ def indexer_logits_auto(q, k_cache, block_tables, *, interpret, tiling):
 def topk(backend, logits, k, *, lengths=None, interpret=None, **tuning):
     """[N, k] int32 top-k positions by `backend` (of each row's first lengths[n] columns, when
     given); tuning: the Triton kernels' knobs (block, sample, ...)."""
-    if backend == "reference":
-        if tuning:
-            raise ValueError(f"the reference takes no tuning, got {tuning}")
-        return topk_lib.topk_reference(logits, k, lengths)
-    if backend not in ("triton", "mosaic"):
-        raise ValueError(f"topk: unknown backend {backend!r}")
-    return topk_lib.topk(logits, k, lengths=lengths, backend=backend, interpret=_interpret(interpret), **tuning)
+    implementation = IMPLEMENTATION.get(backend, backend)
+    return topk_lib.topk(logits, k, lengths=lengths, implementation=implementation,
+                         config=_config(topk_lib, implementation, tuning), interpret=_interpret(interpret))
 
 
 def topk_stages(logits, k, *, lengths=None, interpret=None, **tuning):
@@ -127,9 +137,8 @@ def sparse_mla(backend, q, latent, latent_scale, k_pe, slots, *, scale, interpre
     does not apply to it). "auto": the Mosaic kernel on Hopper where it takes the operands
     (compiled), else the Triton one (jax_sparse_mla.kernels.resolve's choice)."""
     if backend == "reference":
-        if tuning:
-            raise ValueError(f"the reference takes no tuning, got {tuning}")
-        return sparse_mla_lib.sparse_mla_reference(q, latent, latent_scale, k_pe, slots, scale=scale)
+        return sparse_mla_lib.sparse_mla(q, latent, latent_scale, k_pe, slots, scale=scale, implementation="xla",
+                                         config=_config(sparse_mla_lib, "xla", tuning))
     interpret = _interpret(interpret)
     if backend == "auto":
         backend = "mosaic" if not interpret and on_hopper() and sparse_mla_unsupported(
@@ -141,9 +150,9 @@ def sparse_mla(backend, q, latent, latent_scale, k_pe, slots, *, scale, interpre
     if dequantize == "auto":
         dequantize = "kernel" if latent_scale is None else policy.dequantize_route(
             q.shape[0], q.shape[1], slots.shape[-1], sparse_mla_lib.copy_rows(latent.shape[0], pages, page_size))
-    return sparse_mla_lib.sparse_mla(q, latent, latent_scale, k_pe, slots, scale=scale, backend=backend,
-                                     dequantize=dequantize, pages=pages, page_size=page_size,
-                                     interpret=interpret, **tuning)
+    return sparse_mla_lib.sparse_mla(q, latent, latent_scale, k_pe, slots, scale=scale, implementation=backend,
+                                     config=_config(sparse_mla_lib, backend, tuning), dequantize=dequantize,
+                                     pages=pages, page_size=page_size, interpret=interpret)
 
 
 def sparse_mla_unsupported(backend, q, latent, latent_scale, k_pe):
@@ -161,19 +170,18 @@ def sparse_mla_unsupported(backend, q, latent, latent_scale, k_pe):
 def dense_mha(backend, q, k, v, q_start_loc, k_start_loc, *, scale, interpret=None, **kw):
     """[T, H, Dv] causal attention of packed sequences by `backend`; kw: the reference's
     max_scores, or the Mosaic kernel's tiling (block_kv, num_stages, num_programs)."""
-    if backend == "reference":
-        return dense_mha_lib.dense_mha_reference(q, k, v, q_start_loc, k_start_loc, scale=scale, **kw)
-    if backend != "mosaic":
-        raise ValueError(f"dense_mha: unknown backend {backend!r}")
-    return dense_mha_lib.dense_mha(q, k, v, q_start_loc, k_start_loc, scale=scale, backend=backend,
-                                   interpret=_interpret(interpret), **kw)
+    implementation = IMPLEMENTATION.get(backend, backend)
+    args = {name: kw.pop(name) for name in ("selection", "max_kv_len") if name in kw}
+    return dense_mha_lib.dense_mha(q, k, v, q_start_loc, k_start_loc, scale=scale, implementation=implementation,
+                                   config=_config(dense_mha_lib, implementation, kw),
+                                   interpret=_interpret(interpret), **args)
 
 
-def dense_mha_unsupported(backend, dtype, d_qk, d_v):
-    """Why `backend` cannot run inputs of this dtype and head dims here (None: it can): the Mosaic
-    kernel takes bf16 / f16 with head dims that are multiples of 64 (<= 256), and off the GPU its
-    interpreter needs a CPU thread per kernel warpgroup (else it deadlocks)."""
-    if backend == "reference":
+def dense_mha_unsupported(implementation, dtype, d_qk, d_v):
+    """Why `implementation` cannot run inputs of this dtype and head dims here (None: it can): only
+    the Mosaic kernel has limits: bf16 / f16 with head dims that are multiples of 64 (<= 256), and
+    off the GPU its interpreter needs a CPU thread per kernel warpgroup (else it deadlocks)."""
+    if implementation != "mosaic":
         return None
     reason = dense_mha_lib.unsupported_reason(jnp.dtype(dtype), d_qk, d_v)
     if reason is None and INTERPRET and cpu_threads() < dense_mha_lib.INTERPRET_MIN_CPU_THREADS:
