@@ -7,6 +7,8 @@ Meshes (heads over "tensor", sequences over "data"): jax_sparse_mla.sharding; a 
 device (data-parallel attention, each device its own plan and cache): jax_sparse_mla.data_parallel.
 Checkpoints: orbax save / restore, jax_sparse_mla.checkpoint; Hugging Face safetensors layers,
 jax_sparse_mla.hf_checkpoint.
+The harness that drives the layer (the serving loop and its page allocator, the tests' synthetic
+Harness, the demo): jax_sparse_mla.serving, which no layer module imports.
 """
 
 __version__ = "0.2.0"  # the single source: pyproject.toml reads this literal (no import at build time)

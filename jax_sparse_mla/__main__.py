@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from .demo import run_demo  # imports jax
+    from .serving.demo import run_demo  # imports jax
 
     return run_demo(args.config, args.kernels, force=args.force)
 

@@ -13,7 +13,7 @@ from jax_sparse_mla.checkpoint import restore_checkpoint, save_checkpoint
 from jax_sparse_mla.hf_checkpoint import load_layer_from_safetensors
 from jax_sparse_mla.model import jit_forward
 from jax_sparse_mla.sharding import cache_shardings, make_mesh, param_shardings
-from jax_sparse_mla.synthetic import Harness
+from jax_sparse_mla.serving.synthetic import Harness
 from tests.support.checkpoints import HF_CONFIG, OVERRIDES, write_fake_checkpoint
 
 TINY = MLAConfig.tiny()

@@ -10,7 +10,7 @@ import pytest
 from jax_sparse_mla import MLAConfig, Request, init_cache, plan_batch, read_indexer_keys, read_latent
 from jax_sparse_mla import kernels as kernel_ops
 from jax_sparse_mla.model import forward, jit_forward
-from jax_sparse_mla.synthetic import Harness, rel_err
+from jax_sparse_mla.serving.synthetic import Harness, rel_err
 
 TINY = MLAConfig.tiny()  # topk 16, page 4, float32 activations, bf16 latent cache, fp8 indexer
 DENSE_KERNEL_TINY = dataclasses.replace(TINY, dtype="bfloat16", qk_nope_head_dim=56, v_head_dim=64)  # head dims the dense kernel takes

@@ -5,6 +5,11 @@
   * plan.py and policy.py (the host-side batch plan and its decisions) import no kernel module,
     neither pallas_kernels nor jax_sparse_mla.kernels, directly or through other jax_sparse_mla
     modules they import;
+  * the layer never imports the harness: no jax_sparse_mla module outside the harness subpackage
+    jax_sparse_mla.serving (the serving loop, synthetic.Harness, the demo) imports it, bar
+    jax_sparse_mla.__main__, the command line whose command is the demo;
+  * the harness holds the only page allocator: the one *Allocator class of jax_sparse_mla and
+    pallas_kernels is jax_sparse_mla.serving.allocator.PageAllocator;
   * tests import no other test module (no test_*.py, no conftest): shared helpers live in the
     tests.support package.
 
@@ -26,6 +31,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("jax_sparse_mla", "pallas_kernels", "tests")
 KERNEL_MODULES = ("pallas_kernels", "jax_sparse_mla.kernels")
 HOST_PLANNING = ("jax_sparse_mla.plan", "jax_sparse_mla.policy")
+HARNESS = "jax_sparse_mla.serving"
+HARNESS_IMPORTERS = ("jax_sparse_mla.__main__",)  # the command line runs the demo
+THE_ALLOCATOR = ("jax_sparse_mla.serving.allocator", "PageAllocator")
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -99,7 +107,8 @@ def _fail_if(offences, rule):
 
 
 def test_modules_found():
-    for name in ("pallas_kernels", "jax_sparse_mla.kernels", "jax_sparse_mla.plan", "tests.conftest"):
+    for name in ("pallas_kernels", "jax_sparse_mla.kernels", "jax_sparse_mla.plan", HARNESS, THE_ALLOCATOR[0],
+                 "tests.conftest"):
         assert name in MODULES, name
     assert sum(m.startswith("pallas_kernels.") for m in MODULES) >= 4
 
@@ -122,6 +131,21 @@ def test_host_planning_imports_no_kernel_module(module):
              f"{module} must not import a kernel module ({', '.join(KERNEL_MODULES)}), even transitively")
 
 
+def test_the_layer_never_imports_the_harness():
+    layer = [m for m in MODULES if _is_under(m, ("jax_sparse_mla",)) and not _is_under(m, (HARNESS,))]
+    _fail_if(_offences(layer, (HARNESS,), allowed_importers=HARNESS_IMPORTERS),
+             f"jax_sparse_mla's modules outside the harness ({HARNESS}) must not import it")
+
+
+def test_the_harness_holds_the_only_page_allocator():
+    found = [(m, node.name, node.lineno) for m in MODULES if _is_under(m, ("jax_sparse_mla", "pallas_kernels"))
+             for node in ast.walk(ast.parse(MODULES[m].read_text(), str(MODULES[m])))
+             if isinstance(node, ast.ClassDef) and node.name.endswith("Allocator")]
+    assert THE_ALLOCATOR in [(m, name) for m, name, _ in found], f"{THE_ALLOCATOR} not found"
+    _fail_if([f"{_where(m, line)} defines {name}" for m, name, line in found if (m, name) != THE_ALLOCATOR],
+             f"the one page allocator is {'.'.join(THE_ALLOCATOR)}")
+
+
 def test_tests_import_no_test_module():
     tests = [m for m in MODULES if _is_under(m, ("tests",))]
     offences = [f"{_where(m, line)} imports {imp}" for m in tests for imp, line in _imports(m)
@@ -132,6 +156,7 @@ def test_tests_import_no_test_module():
 def test_rules_catch_offences(tmp_path, monkeypatch):
     """The checks above name the offending import (a planted module that breaks each rule)."""
     planted = {"jax_sparse_mla.planted": "from . import kernels\n",
+               "jax_sparse_mla.planted_pages": "from .serving import Engine\n\n\nclass FreeListAllocator:\n    pass\n",
                "tests.test_planted": "from tests.test_layering import MODULES\n"}
     for name, source in planted.items():
         path = tmp_path / (name.replace(".", "_") + ".py")
@@ -141,3 +166,7 @@ def test_rules_catch_offences(tmp_path, monkeypatch):
     assert chains and "imports jax_sparse_mla.kernels" in chains[0], chains
     with pytest.raises(pytest.fail.Exception, match="imports tests.test_layering"):
         test_tests_import_no_test_module()
+    with pytest.raises(pytest.fail.Exception, match="planted_pages.py:1 imports jax_sparse_mla.serving"):
+        test_the_layer_never_imports_the_harness()
+    with pytest.raises(pytest.fail.Exception, match="planted_pages.py:4 defines FreeListAllocator"):
+        test_the_harness_holds_the_only_page_allocator()

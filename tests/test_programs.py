@@ -12,7 +12,7 @@ from jax_sparse_mla import (BucketPolicy, MLAConfig, Request, SparseMLA, init_ca
                             plan_batch)
 from jax_sparse_mla import plan as plan_lib
 from jax_sparse_mla.model import forward
-from jax_sparse_mla.synthetic import rel_err
+from jax_sparse_mla.serving.synthetic import rel_err
 
 TINY = MLAConfig.tiny()
 

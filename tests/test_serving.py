@@ -108,6 +108,7 @@ def test_pool_too_small_is_a_clear_error():
         engine.run([RequestSpec(0, 18, 2)], progress=False)
     alloc = PageAllocator(3)
     assert alloc.allocate(2) == [0, 1] and alloc.allocate(2) is None
+    assert PageAllocator(3, order=[2, 0, 1]).allocate(2) == [2, 0]  # a shuffled free list (synthetic.Harness)
     alloc.free([0])
     with pytest.raises(ValueError, match="page 0 is freed but was not allocated"):
         alloc.free([0])
@@ -392,6 +393,8 @@ def test_run_arguments_are_checked():
             engine.run([RequestSpec(0, 3, 2)], **{"progress": False, **kwargs})
     with pytest.raises(ValueError, match="num_pages must be an integer, got 2.5"):
         PageAllocator(2.5)
+    with pytest.raises(ValueError, match=r"order must be a permutation of range\(num_pages\) = range\(3\)"):
+        PageAllocator(3, order=[0, 0, 1])
 
 
 # --- decoder-block mode: x = x + attn(RMSNorm(x)); x = x + moe(RMSNorm(x)) ----------------------

@@ -1,5 +1,5 @@
 """The engine: N sparse-MLA layers and their paged caches served by a continuous-batching loop
-(`Engine`), its options (`EngineOptions`), the page free list (`PageAllocator`) and the oracle
+(`Engine`; its pages from allocator.PageAllocator), its options (`EngineOptions`) and the oracle
 of one request served alone (`reference_outputs`). See the package docstring for the loop."""
 
 from __future__ import annotations
@@ -25,44 +25,10 @@ from ..policy import check_prefill_route
 from ..progress import progress_bar, show_progress
 from ..validate import as_bool, as_int, is_int
 from . import block as _block
+from .allocator import PageAllocator, PoolTooSmallError
 from .block import BLOCKS, MoEConfig
 from .metrics import RequestMetrics, ServeResult, StepRecord
 from .workload import RequestSpec, Workload, specs_of
-
-
-class PoolTooSmallError(ValueError):
-    """A request needs more pages than the whole cache holds."""
-
-
-class PageAllocator:
-    """A free list over page ids [0, num_pages)."""
-
-    def __init__(self, num_pages: int):
-        self.num_pages = as_int(num_pages, "num_pages", 1)
-        self._free = deque(range(num_pages))
-        self._used: set[int] = set()
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int] | None:
-        """n page ids, or None when fewer than n are free (PoolTooSmallError if n > num_pages)."""
-        if n > self.num_pages:
-            raise PoolTooSmallError(f"a request needs {n} pages but the cache has only {self.num_pages} "
-                                    "(raise num_pages or shorten the requests)")
-        if n > len(self._free):
-            return None
-        pages = [self._free.popleft() for _ in range(n)]
-        self._used.update(pages)
-        return pages
-
-    def free(self, pages: Iterable[int]) -> None:
-        for p in pages:
-            if p not in self._used:
-                raise ValueError(f"page {p} is freed but was not allocated")
-            self._used.remove(p)
-            self._free.append(p)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,9 +6,9 @@ import sys
 
 import jax
 
-from .config import MLAConfig
-from .model import jit_forward
-from .progress import progress_bar
+from ..config import MLAConfig
+from ..model import jit_forward
+from ..progress import progress_bar
 from .synthetic import Harness
 
 

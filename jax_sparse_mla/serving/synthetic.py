@@ -1,8 +1,10 @@
 """Synthetic sequences served step by step and checked against the reference.
 
-The demo and the tests both use `Harness`: it owns random params, a paged cache and a page
-allocator, runs steps of (sequence, new tokens) work through plan_batch + jit_forward, and
-compares each step's rows with `reference.sequence_forward` of the whole sequence so far.
+The demo and the tests both use `Harness`: it owns random params, a paged cache and pages from
+the harness's one allocator (allocator.PageAllocator, in a seeded shuffled order), runs steps of
+caller-chosen (sequence, new tokens) work through plan_batch + jit_forward (one layer, no
+scheduler: the scheduling loop is engine.Engine.run), and compares each step's rows with
+`reference.sequence_forward` of the whole sequence so far.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import reference
-from .cache import init_cache
-from .model import jit_forward
-from .params import init_params
-from .plan import Request, plan_batch
+from .. import reference
+from ..cache import init_cache
+from ..model import jit_forward
+from ..params import init_params
+from ..plan import Request, plan_batch
+from .allocator import PageAllocator
 
 
 def rel_err(out, ref) -> float:
@@ -35,7 +38,7 @@ class Harness:
         self.params = init_params(config, jax.random.key(seed))
         self.cache = init_cache(config, num_pages)
         self.rng = np.random.default_rng(seed)
-        self.free_pages = [int(p) for p in self.rng.permutation(num_pages)]  # shuffled: tables are not contiguous
+        self.allocator = PageAllocator(num_pages, order=self.rng.permutation(num_pages))  # tables not contiguous
         self.hidden, self.done, self.tables = {}, {}, {}
 
     def add(self, seq_id, length):
@@ -43,9 +46,10 @@ class Harness:
         self.hidden[seq_id] = self.rng.standard_normal((length, self.config.hidden_size)).astype(np.float32)
         self.done[seq_id] = 0
         pages = -(-length // self.config.page_size)
-        if pages > len(self.free_pages):
-            raise ValueError(f"sequence {seq_id} needs {pages} pages, {len(self.free_pages)} are free")
-        self.tables[seq_id] = [self.free_pages.pop() for _ in range(pages)]
+        table = self.allocator.allocate(pages)
+        if table is None:
+            raise ValueError(f"sequence {seq_id} needs {pages} pages, {self.allocator.num_free} are free")
+        self.tables[seq_id] = table
 
     def step(self, work, *, timed=False, **plan_options):
         """Runs one step of work [(seq_id, n_new)].
