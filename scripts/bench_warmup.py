@@ -17,9 +17,11 @@ as count_programs counts it): the program count before anything compiles. The de
 --programs START:STOP: both phases warm up that slice of the set only (enumerate_plans' order):
 a cold warm-up longer than one run's time limit is measured in parts, whose seconds add up.
 
-Per phase: precompile_s (the precompile call), process_s (the whole process: imports, engine
+Each program is warmed up by its own Engine.precompile call, and the child prints a line per
+program to stderr as it ends (a run cut by a time limit still shows how far it got and each
+program's seconds). Per phase: precompile_s (the precompile calls), process_s (the whole process: imports, engine
 init, precompile), the PrecompileReport's program count, routes and method (the default,
-"call"), each program's seconds (median, max), and the
+"call"), each program's seconds (program_s; median, max), and the
 jax.monitoring events of the precompile call: persistent-cache hits and misses, and jax's
 backend-compile events (one per executable built: an XLA compile or a load from the persistent
 cache) and their seconds. A restart served by the cache has hits and no misses. Each phase's
@@ -109,14 +111,23 @@ def phase(args) -> dict:
     jax.block_until_ready((engine.params, engine.caches, engine.pool))
     t1 = time.perf_counter()
     before, before_s = Counter(events), dict(seconds)  # the engine's own programs: outside the cache
-    report = engine.precompile(cache_dir=args.cache_dir, progress=False if args.smoke else None,
-                               plans=enumerate_set(args)[args.slice])
+    program_s, per_route, method = [], Counter(), None
+    start = args.slice.start or 0
+    for i, plan in enumerate(enumerate_set(args)[args.slice], start):  # one call a program: a line as it ends
+        report = engine.precompile(cache_dir=args.cache_dir, progress=False, plans=[plan])
+        program_s += report.seconds
+        per_route.update(report.per_route)
+        method = report.method
+        stages = "+".join(s for s, n in (("dense", plan.num_dense_keys), ("sparse", plan.num_sparse_tokens)) if n)
+        print(f"  {args.phase} program {i}: {plan.num_tokens} rows, {stages or plan.route}: {report.seconds[0]:.1f} s",
+              file=sys.stderr, flush=True)
     t2 = time.perf_counter()
     events.subtract(before)
     return {"phase": args.phase, "precompile_s": t2 - t1, "engine_init_s": t1 - t0,
-            "num_programs": report.num_programs, "per_route": report.per_route, "method": report.method,
-            "program_s_median": statistics.median(report.seconds) if report.seconds else 0.0,
-            "program_s_max": max(report.seconds, default=0.0),
+            "num_programs": len(program_s), "per_route": dict(sorted(per_route.items())), "method": method,
+            "program_s": program_s,
+            "program_s_median": statistics.median(program_s) if program_s else 0.0,
+            "program_s_max": max(program_s, default=0.0),
             "cache_hits": events[HIT], "cache_misses": events[MISS], "executables": events[COMPILE],
             "executables_s": seconds[COMPILE] - before_s.get(COMPILE, 0.0),
             "device": jax.devices()[0].device_kind, "jax": jax.__version__}

@@ -177,6 +177,7 @@ def test_warmup_bench_restart_loads_every_program_from_the_persistent_cache(tmp_
     counts, cold, restart = result["count_programs"], result["phases"]["cold"], result["phases"]["restart"]
     assert counts["total"] - 1 == cold["num_programs"] == restart["num_programs"] > 0
     assert cold["per_route"] == restart["per_route"] == {"cond": counts["total"] - 1}
+    assert len(cold["program_s"]) == len(restart["program_s"]) == cold["num_programs"]  # a time per program
     assert cold["cache_hits"] == 0 and cold["cache_misses"] >= cold["num_programs"]
     assert restart["cache_misses"] == 0 and restart["cache_hits"] >= restart["num_programs"], restart
     assert out.index("count_programs") < out.index("cold") < out.index("restart ") < out.index("restart / cold")
