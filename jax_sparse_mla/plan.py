@@ -363,8 +363,11 @@ class BatchPlan:
     @property
     def dense_calls(self) -> tuple[tuple[int, bool], ...]:
         """A cond plan's dense MHA calls, (keys, with masked rows), meta.branches[1] picks one:
-        each of key_sizes without masked rows, then (masked != "none") each nonzero one with."""
-        masked = () if self.masked == "none" else tuple((k, True) for k in self.key_sizes if k)
+        each of key_sizes without masked rows, then (masked != "none") each one past index_topk
+        with: a masked row's request is longer than index_topk, so its call holds more keys (and a
+        masked call at a size no step can reach would only be one more kernel to compile)."""
+        topk = self.config.index_topk
+        masked = () if self.masked == "none" else tuple((k, True) for k in self.key_sizes if k > topk)
         return tuple((k, False) for k in self.key_sizes) + masked
 
     def dense_keys_picked(self, branch) -> int:
@@ -1009,14 +1012,16 @@ def cond_plan(config: MLAConfig, num_tokens: int, num_seqs: int, pages_per_seq: 
     of it: plan_host and precompile.enumerate_plans build cond plans here): dense, a dense / masked
     MHA call; sparse, scoring and sparse attention (at least one). Sizes from the bucket alone,
     the stages' ladders from num_tokens (BatchPlan.score_sizes, key_sizes, attend_sizes,
-    row_sizes); masked calls where both stages are there, unless long prefills attend sparsely."""
+    row_sizes); masked calls where both stages are there and the largest key size holds a request
+    longer than index_topk (a masked row's), unless long prefills attend sparsely."""
     if not (dense or sparse):
         raise ValueError("a cond plan holds the dense call, the sparse stages or both")
     return BatchPlan(num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=pages_per_seq, use_dense_mha=None,
                      num_sparse_tokens=num_tokens if sparse else 0,
                      num_dense_keys=key_ladder(num_tokens)[-1] if dense else 0,
                      skip_indexer=skip_indexer, num_pages=num_pages, config=PlanConfig.of(config),
-                     masked="some" if dense and sparse and prefill_route != "sparse" else "none",
+                     masked="some" if (dense and sparse and prefill_route != "sparse"
+                                       and key_ladder(num_tokens)[-1] > config.index_topk) else "none",
                      tensor_parallel=tensor_parallel)
 
 

@@ -142,7 +142,7 @@ def test_plan_routes_long_prefills_masked_with_their_keys_in_the_dense_call():
     sparse, meta = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], prefill_route="sparse")
     assert sparse.masked == "none" and not sparse.use_dense_mha
     cond, cond_meta = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], prefill_route="masked", dispatch="cond")
-    assert cond.masked == "some" and cond_meta.branches[1] > len(cond.key_sizes)  # the masked dense call
+    assert cond.masked == "some" and cond.dense_calls[cond_meta.branches[1]] == (32, True)  # the masked dense call
     short, _ = plan_batch(TINY, [Request(0, k, list(range(4)))], prefill_route="masked")
     assert short.masked == "none" and not short.has_indexer_scoring  # <= index_topk: dense, not scored
     forced, _ = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], prefill_route="masked", force_sparse=True)
@@ -182,8 +182,14 @@ def test_cond_dispatch_plan_depends_on_buckets_and_stages_only():
     b, meta_b = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], dispatch="cond", buckets=BucketPolicy(min_pages_per_seq=8))
     assert b.num_scored_tokens is None and b.has_indexer_scoring and b.masked == "some"
     assert b.attend_sizes == b.score_sizes == (32,) and b.key_sizes == (0, 16, 32, 64, 128)
-    np.testing.assert_array_equal(meta_b.branches, [0, 6, 0, 0])  # k + 1 rows scored, then masked over 32 keys
-    assert b.dense_calls[6] == (32, True)
+    np.testing.assert_array_equal(meta_b.branches, [0, 5, 0, 0])  # k + 1 rows scored, then masked over 32 keys
+    # masked calls only past index_topk keys: a masked row's request is longer than that
+    assert b.dense_calls[5:] == ((32, True), (64, True), (128, True))
+    for rows, masked in ((256, ()), (512, ()), (1024, (4096,)), (8192, (4096, 8192, 16384, 32768))):
+        both = plan_lib.cond_plan(MLAConfig.deepseek_v32(), rows, 256, 2048, num_pages=65536, skip_indexer=True, dense=True, sparse=True,
+                                  prefill_route="auto")
+        assert both.masked == ("some" if masked else "none")  # none where no key size passes index_topk (2048)
+        assert tuple(k for k, m in both.dense_calls if m) == masked
     c, meta_c = plan_batch(TINY, [Request(0, k + 1, list(range(5)))], dispatch="cond", prefill_route="sparse",
                            buckets=BucketPolicy(min_pages_per_seq=8))
     assert (c.num_dense_keys, c.key_sizes, c.masked, c.num_sparse_tokens) == (0, (), "none", 32)  # sparse only
