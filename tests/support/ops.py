@@ -33,7 +33,7 @@ BACKENDS = {
     "indexer_logits": ("reference", "auto", "triton", "mosaic_prefill", "mosaic_decode"),
     "topk": ("xla", "triton", "mosaic"),
     "sparse_mla": ("reference", "auto", "triton", "mosaic"),
-    "dense_mha": ("reference", "mosaic"),
+    "dense_mha": ("xla", "mosaic"),
 }
 # (op, backend) pairs that only run compiled on a GPU: the sparse Mosaic kernel's gathers and the
 # Mosaic top-k write sweep are inline PTX, which Mosaic GPU's interpreter cannot run.
