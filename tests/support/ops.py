@@ -32,7 +32,7 @@ from . import INTERPRET
 BACKENDS = {
     "indexer_logits": ("reference", "auto", "triton", "mosaic_prefill", "mosaic_decode"),
     "topk": ("xla", "triton", "mosaic"),
-    "sparse_mla": ("reference", "auto", "triton", "mosaic"),
+    "sparse_mla": ("xla", "triton", "mosaic"),
     "dense_mha": ("xla", "mosaic"),
 }
 # (op, backend) pairs that only run compiled on a GPU: the sparse Mosaic kernel's gathers and the
@@ -153,6 +153,23 @@ def sparse_mla(backend, q, latent, latent_scale, k_pe, slots, *, scale, interpre
     return sparse_mla_lib.sparse_mla(q, latent, latent_scale, k_pe, slots, scale=scale, implementation=backend,
                                      config=_config(sparse_mla_lib, backend, tuning), dequantize=dequantize,
                                      pages=pages, page_size=page_size, interpret=interpret)
+
+
+def sparse_mla_auto(q, latent, latent_scale, k_pe):
+    """The kernel the layer runs for these operands (jax_sparse_mla.kernels.resolve's choice): the
+    Mosaic kernel on Hopper where it takes them (compiled), else the Triton one."""
+    if not INTERPRET and on_hopper() and sparse_mla_unsupported("mosaic", q, latent, latent_scale, k_pe) is None:
+        return "mosaic"
+    return "triton"
+
+
+def sparse_mla_dequantize(q, latent, latent_scale, slots, pages=None, page_size=None):
+    """The layer's dequantize route for these rows: "kernel" for a bf16 / f32 cache, else
+    jax_sparse_mla.policy.dequantize_route over the copy `pages` would make."""
+    if latent_scale is None:
+        return "kernel"
+    return policy.dequantize_route(q.shape[0], q.shape[1], slots.shape[-1],
+                                   sparse_mla_lib.copy_rows(latent.shape[0], pages, page_size))
 
 
 def sparse_mla_unsupported(backend, q, latent, latent_scale, k_pe):
