@@ -1,7 +1,8 @@
-"""Dense causal MHA over packed ragged prefills, every backend against the float32 reference.
+"""Dense causal MHA over packed ragged prefills, every implementation against the float32 reference.
 
-Backends (tests/support/ops.py): "reference" (`dense_mha_reference`, jnp, float32: the XLA
-path and oracle, itself checked against a naive per-sequence numpy computation) and "mosaic"
+Implementations (`pallas_kernels.dense_mha.dense_mha(..., implementation=)`): "xla"
+(`dense_mha_reference`, jnp, float32: the XLA path and oracle, itself checked against a naive
+per-sequence numpy computation) and "mosaic"
 (the Mosaic GPU kernel: bf16 / f16, head dims multiples of 64; on CPU it runs in Mosaic GPU
 interpret mode, which needs a CPU thread per kernel warpgroup: `ops.dense_mha_unsupported`).
 Kernel errors are relative, ||out - ref|| / ||ref|| over the rows sequences own;
@@ -9,7 +10,7 @@ tolerance 1e-2 for bf16/f16 inputs: the kernel rounds the softmax probabilities 
 dtype before the P.V product (as flash attention does) and rounds its output to it; observed
 errors are ~2e-3. Rows no sequence owns must be exactly 0, and rows outside every sequence are
 poisoned with large values in q, k and v so that reading them would show. The isolation tests
-(every backend) plant NaN / inf in other sequences' rows and unowned rows: a row's output
+(every implementation) plant NaN / inf in other sequences' rows and unowned rows: a row's output
 depends on its own sequence alone (no 0 * NaN through masked probabilities), and its own
 non-finite values show. The `gpu` twin compiles the kernel at real sizes.
 Small num_programs make each persistent program walk several (block, head) items.
@@ -22,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.dense_mha import unsupported_reason
-from tests.support import ops
+from pallas_kernels.dense_mha import MosaicConfig, XlaConfig, dense_mha, unsupported_reason
+from tests.support import INTERPRET, ops
 
 OP = "dense_mha"
 param = functools.partial(ops.implementation_param, OP)
@@ -33,16 +34,18 @@ TOL = 1e-2
 POISON = 300.0
 
 
-def require(backend, q, v):
-    """Skip unless `backend` runs q, v's dtype and head dims here."""
-    reason = ops.dense_mha_unsupported(backend, q.dtype, q.shape[-1], v.shape[-1])
+def require(implementation, q, v):
+    """Skip unless `implementation` runs q, v's dtype and head dims here."""
+    reason = ops.dense_mha_unsupported(implementation, q.dtype, q.shape[-1], v.shape[-1])
     if reason:
-        pytest.skip(f"{backend}: {reason}")
+        pytest.skip(f"{implementation}: {reason}")
 
 
-def run(backend, q, k, v, q_start, k_start, **kw):
-    require(backend, q, v)
-    return ops.dense_mha(backend, q, k, v, q_start, k_start, **kw)
+def run(implementation, q, k, v, q_start, k_start, **kw):
+    """dense_mha by `implementation` (interpret mode off the GPU), skipped where it cannot run here;
+    kw: dense_mha's (scale, selection, max_kv_len, config)."""
+    require(implementation, q, v)
+    return dense_mha(q, k, v, q_start, k_start, implementation=implementation, interpret=INTERPRET, **kw)
 
 
 def make_batch(seed, q_lens, ctx_lens, *, heads, d_qk=192, d_v=128, pad_q=0, pad_k=0,
@@ -127,31 +130,33 @@ def test_reference_matches_naive():
     expected = naive(q, k, v, q_start, k_start, 0.3)
     # one query block; blocks of 4 queries (18 rows: a ragged last block)
     for max_scores in (1 << 27, 4 * 2 * k.shape[0]):
-        ref = ops.dense_mha("reference", q, k, v, q_start, k_start, scale=0.3, max_scores=max_scores)
+        ref = dense_mha(q, k, v, q_start, k_start, scale=0.3, implementation="xla",
+                        config=XlaConfig(max_scores=max_scores))
         assert ref.shape == (q.shape[0], 2, 8) and ref.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(ref), expected, rtol=1e-5, atol=1e-5)
 
 
 # T, Tk = 339, 607 (the kernel pads them to multiples of 8) and 336, 608 (no padding)
-@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("implementation", KERNELS)
 @pytest.mark.parametrize("dtype,pad_q,pad_k", [(jnp.bfloat16, 9, 5), (jnp.float16, 6, 6)])
-def test_ragged_batch(backend, dtype, pad_q, pad_k):
+def test_ragged_batch(implementation, dtype, pad_q, pad_k):
     q, k, v, q_start, k_start = make_batch(1, **RAGGED, heads=2, pad_q=pad_q, pad_k=pad_k, dtype=dtype)
-    out = run(backend, q, k, v, q_start, k_start, scale=0.1, num_programs=3)
-    ref = ops.dense_mha("reference", q, k, v, q_start, k_start, scale=0.1)
+    out = run(implementation, q, k, v, q_start, k_start, scale=0.1, config=MosaicConfig(num_programs=3))
+    ref = dense_mha(q, k, v, q_start, k_start, scale=0.1, implementation="xla")
     assert out.shape == (q.shape[0], 2, 128) and out.dtype == dtype
     owned = int(q_start[-1])
     assert rel_err(out, ref, owned) < TOL
     np.testing.assert_array_equal(np.asarray(out[owned:], np.float32), 0.0)
 
 
-@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("implementation", KERNELS)
 @pytest.mark.parametrize("block_kv", [128, 96])  # 96: V swizzled at 64 bytes
-def test_long_context_and_key_tiles(backend, block_kv):
+def test_long_context_and_key_tiles(implementation, block_kv):
     """Key tiles in two slots, a context of several tiles, one query row per sequence end."""
     q, k, v, q_start, k_start = make_batch(2, [65, 3], [300, 130], heads=1, d_qk=64, d_v=64, pad_q=1)
-    out = run(backend, q, k, v, q_start, k_start, scale=0.2, block_kv=block_kv, num_stages=2, num_programs=2)
-    ref = ops.dense_mha("reference", q, k, v, q_start, k_start, scale=0.2)
+    out = run(implementation, q, k, v, q_start, k_start, scale=0.2,
+              config=MosaicConfig(block_kv=block_kv, num_stages=2, num_programs=2))
+    ref = dense_mha(q, k, v, q_start, k_start, scale=0.2, implementation="xla")
     assert rel_err(out, ref, int(q_start[-1])) < TOL
     np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)
 
@@ -159,13 +164,13 @@ def test_long_context_and_key_tiles(backend, block_kv):
 # Work-list orders and diagonal tiles: sequences of at most 128 rows on average (items dealt
 # head fastest: several heads, more items than programs) and 128-aligned prefills with and
 # without a 128-aligned context (warpgroup 0's diagonal key tiles run as 64-key half steps).
-@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("implementation", KERNELS)
 @pytest.mark.parametrize("q_lens,ctx_lens", [([100, 7, 0, 120, 29], [0, 3, 9, 0, 64]),
                                              ([256, 128], [0, 128])])
-def test_short_and_aligned_prefills(backend, q_lens, ctx_lens):
+def test_short_and_aligned_prefills(implementation, q_lens, ctx_lens):
     q, k, v, q_start, k_start = make_batch(6, q_lens, ctx_lens, heads=4, d_qk=64, d_v=64, pad_q=3)
-    out = run(backend, q, k, v, q_start, k_start, scale=0.2, num_programs=3)
-    ref = ops.dense_mha("reference", q, k, v, q_start, k_start, scale=0.2)
+    out = run(implementation, q, k, v, q_start, k_start, scale=0.2, config=MosaicConfig(num_programs=3))
+    ref = dense_mha(q, k, v, q_start, k_start, scale=0.2, implementation="xla")
     owned = int(q_start[-1])
     assert rel_err(out, ref, owned) < TOL
     np.testing.assert_array_equal(np.asarray(out[owned:], np.float32), 0.0)
@@ -177,26 +182,26 @@ def test_selection_reference_matches_naive():
     sel = random_selection(11, q_start, k_start, q.shape[0], 12)
     expected = naive(q, k, v, q_start, k_start, 0.3, selection=sel)
     for max_scores in (1 << 27, 4 * 2 * k.shape[0]):
-        ref = ops.dense_mha("reference", q, k, v, q_start, k_start, scale=0.3, selection=sel,
-                            max_scores=max_scores)
+        ref = dense_mha(q, k, v, q_start, k_start, scale=0.3, implementation="xla", selection=sel,
+                        config=XlaConfig(max_scores=max_scores))
         np.testing.assert_allclose(np.asarray(ref), expected, rtol=1e-5, atol=1e-5)
 
 
 # Masked MHA: ragged sequences with contexts, a sequence whose rows select only their 40 most
 # recent keys (its blocks skip the early key tiles of a 300-key context), tilings with 128- and
 # 96-key tiles, several items per program.
-@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("implementation", KERNELS)
 @pytest.mark.parametrize("block_kv", [128, 96])
-def test_selection_matches_reference(backend, block_kv):
+def test_selection_matches_reference(implementation, block_kv):
     q, k, v, q_start, k_start = make_batch(12, [70, 1, 0, 130, 129], [0, 5, 3, 300, 64], heads=2,
                                            d_qk=64, d_v=64, pad_q=9, pad_k=5)
     sel = random_selection(12, q_start, k_start, q.shape[0], 48)
     recent = random_selection(13, q_start, k_start, q.shape[0], 48, recent=40)
     s3 = slice(int(q_start[3]), int(q_start[4]))
     sel = sel.at[s3].set(recent[s3])
-    kw = dict(block_kv=block_kv, num_stages=2, num_programs=3)
-    out = run(backend, q, k, v, q_start, k_start, scale=0.2, selection=sel, **kw)
-    ref = ops.dense_mha("reference", q, k, v, q_start, k_start, scale=0.2, selection=sel)
+    kw = dict(config=MosaicConfig(block_kv=block_kv, num_stages=2, num_programs=3))
+    out = run(implementation, q, k, v, q_start, k_start, scale=0.2, selection=sel, **kw)
+    ref = dense_mha(q, k, v, q_start, k_start, scale=0.2, implementation="xla", selection=sel)
     owned = int(q_start[-1])
     assert out.shape == (q.shape[0], 2, 64) and out.dtype == q.dtype
     assert rel_err(out, ref, owned) < TOL
@@ -207,8 +212,8 @@ def test_selection_matches_reference(backend, block_kv):
     # every causal position listed: causal attention
     every = jnp.where(jnp.arange(512)[None] <= jnp.arange(512)[:, None], jnp.arange(512)[None], -1)
     _, pos = ref_positions(q_start, k_start, q.shape[0])
-    full = run(backend, q, k, v, q_start, k_start, scale=0.2, selection=every[jnp.maximum(pos, 0)], **kw)
-    assert rel_err(full, ops.dense_mha("reference", q, k, v, q_start, k_start, scale=0.2), owned) < TOL
+    full = run(implementation, q, k, v, q_start, k_start, scale=0.2, selection=every[jnp.maximum(pos, 0)], **kw)
+    assert rel_err(full, dense_mha(q, k, v, q_start, k_start, scale=0.2, implementation="xla"), owned) < TOL
 
 
 def test_selection_masks_list_exactly_the_tiles_a_block_selects():
@@ -259,30 +264,31 @@ def ref_positions(q_start, k_start, num_rows):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")
-@pytest.mark.parametrize("backend", KERNELS)
-def test_selection_past_max_kv_len_is_nan(backend):
+@pytest.mark.parametrize("implementation", KERNELS)
+def test_selection_past_max_kv_len_is_nan(implementation):
     """A sequence longer than max_kv_len (its bitmask would drop keys) comes out NaN, loudly;
     the shorter sequences are unaffected."""
     q, k, v, q_start, k_start = make_batch(14, [40, 90], [0, 200], heads=1, d_qk=64, d_v=64)
     sel = random_selection(14, q_start, k_start, q.shape[0], 32)
-    out = np.asarray(run(backend, q, k, v, q_start, k_start, scale=0.2, selection=sel,
-                         max_kv_len=100, num_programs=2), np.float32)
-    ref = np.asarray(ops.dense_mha("reference", q, k, v, q_start, k_start, scale=0.2, selection=sel))
+    out = np.asarray(run(implementation, q, k, v, q_start, k_start, scale=0.2, selection=sel,
+                         max_kv_len=100, config=MosaicConfig(num_programs=2)), np.float32)
+    ref = np.asarray(dense_mha(q, k, v, q_start, k_start, scale=0.2, implementation="xla", selection=sel))
     assert np.isnan(out[40:]).all()
     assert rel_err(out[:40], ref[:40], 40) < TOL
 
 
-@pytest.mark.parametrize("backend", [param("reference")] + KERNELS)
-def test_all_padding(backend):
+@pytest.mark.parametrize("implementation", [param("xla")] + KERNELS)
+def test_all_padding(implementation):
     q, k, v, q_start, k_start = make_batch(3, [0, 0], [0, 4], heads=1, d_qk=64, d_v=64, pad_q=5)
-    out = run(backend, q, k, v, q_start, k_start, scale=0.2)
+    out = run(implementation, q, k, v, q_start, k_start, scale=0.2)
     np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
 
 
-@pytest.mark.parametrize("backend", KERNELS)
-def test_bad_inputs(backend):
+@pytest.mark.parametrize("implementation", KERNELS)
+def test_bad_inputs(implementation):
     q, k, v, q_start, k_start = make_batch(4, [3], [0], heads=2, d_qk=64, d_v=64)
-    call = lambda *a, **kw: ops.dense_mha(backend, *a, scale=1.0, **kw)  # noqa: E731
+    call = lambda *a, **kw: dense_mha(*a, scale=1.0, implementation=implementation, interpret=INTERPRET,  # noqa: E731
+                                      **kw)
     with pytest.raises(ValueError, match="heads"):
         call(q[:, :1], k, v, q_start, k_start)
     with pytest.raises(ValueError, match="head dim"):
@@ -294,9 +300,10 @@ def test_bad_inputs(backend):
     with pytest.raises(ValueError, match="int32"):
         call(q, k, v, q_start.astype(jnp.float32), k_start)
     with pytest.raises(ValueError, match="shared memory"):
-        call(*make_batch(4, [3], [0], heads=1)[:3], q_start, k_start, block_kv=128, num_stages=3)
+        call(*make_batch(4, [3], [0], heads=1)[:3], q_start, k_start,
+             config=MosaicConfig(block_kv=128, num_stages=3))
     with pytest.raises(ValueError, match="both"):
-        call(q, k, v, q_start, k_start, block_kv=128)
+        call(q, k, v, q_start, k_start, config=MosaicConfig(block_kv=128))
     sel = jnp.zeros((3, 4), jnp.int32)
     with pytest.raises(ValueError, match=r"selection must be \[T, K\] with T = 3"):
         call(q, k, v, q_start, k_start, selection=sel[:2])
@@ -311,15 +318,16 @@ def test_bad_inputs(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", KERNELS)
-def test_real_dims_compiled(backend):
+@pytest.mark.parametrize("implementation", KERNELS)
+def test_real_dims_compiled(implementation):
     """H=128, Dqk 192, Dv 128 at prefill sizes, compiled; the reference on 8 heads."""
     q, k, v, q_start, k_start = make_batch(5, [1000, 1, 0, 300, 2048, 77], [0, 5, 3, 700, 0, 64],
                                            heads=128, pad_q=37, pad_k=11)
-    out = jax.jit(lambda *a: ops.dense_mha(backend, *a, scale=192 ** -0.5))(q, k, v, q_start, k_start)
+    out = jax.jit(lambda *a: dense_mha(*a, scale=192 ** -0.5, implementation=implementation,
+                                         interpret=INTERPRET))(q, k, v, q_start, k_start)
     heads = slice(0, 8)
-    ref = ops.dense_mha("reference", q[:, heads], k[:, heads], v[:, heads], q_start, k_start,
-                        scale=192 ** -0.5)
+    ref = dense_mha(q[:, heads], k[:, heads], v[:, heads], q_start, k_start,
+                        scale=192 ** -0.5, implementation="xla")
     owned = int(q_start[-1])
     assert rel_err(out[:, heads], ref, owned) < TOL
     np.testing.assert_array_equal(np.asarray(out[owned:], np.float32), 0.0)
@@ -328,10 +336,11 @@ def test_real_dims_compiled(backend):
     recent = random_selection(6, q_start, k_start, q.shape[0], 2048, recent=1000)
     s3 = slice(int(q_start[3]), int(q_start[4]))
     sel = sel.at[s3].set(recent[s3])
-    out = jax.jit(lambda *a: ops.dense_mha(backend, *a, scale=192 ** -0.5, selection=sel, max_kv_len=2048))(
+    out = jax.jit(lambda *a: dense_mha(*a, scale=192 ** -0.5, selection=sel, max_kv_len=2048,
+                                         implementation=implementation, interpret=INTERPRET))(
         q, k, v, q_start, k_start)
-    ref = ops.dense_mha("reference", q[:, heads], k[:, heads], v[:, heads], q_start, k_start,
-                        scale=192 ** -0.5, selection=sel)
+    ref = dense_mha(q[:, heads], k[:, heads], v[:, heads], q_start, k_start,
+                        scale=192 ** -0.5, implementation="xla", selection=sel)
     assert rel_err(out[:, heads], ref, owned) < TOL
     np.testing.assert_array_equal(np.asarray(out[owned:], np.float32), 0.0)
 
@@ -352,10 +361,10 @@ def test_kernel_lowers_for_the_gpu_at_real_dims(d_qk, d_v):
     sd = jax.ShapeDtypeStruct
     args = (sd((4096, 128, d_qk), jnp.bfloat16), sd((6144, 128, d_qk), jnp.bfloat16),
             sd((6144, 128, d_v), jnp.bfloat16), sd((5,), jnp.int32), sd((5,), jnp.int32))
-    fn = jax.jit(lambda *a: ops.dense_mha("mosaic", *a, scale=0.07, interpret=False))
+    fn = jax.jit(lambda *a: dense_mha(*a, scale=0.07, implementation="mosaic"))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    masked = jax.jit(lambda *a: ops.dense_mha("mosaic", *a[:5], scale=0.07, selection=a[5],
-                                              max_kv_len=8192, interpret=False))
+    masked = jax.jit(lambda *a: dense_mha(*a[:5], scale=0.07, selection=a[5], max_kv_len=8192,
+                                          implementation="mosaic"))
     sel = sd((4096, 2048), jnp.int32)
     assert "mosaic_gpu" in masked.trace(*args, sel).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -402,54 +411,57 @@ def check_isolation(run, q, k, v, q_start, k_start, *, clean):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's NaN products
-@pytest.mark.parametrize("backend,tiling", [
-    param("reference", dict(max_scores=1 << 27), id="reference-one_query_block"),
-    param("reference", dict(max_scores=7 * 2 * 300), id="reference-query_blocks_of_7"),
-    param("mosaic", dict(block_kv=128), id="mosaic-block_kv128"),
-    param("mosaic", dict(block_kv=96), id="mosaic-block_kv96"),  # 96: 64-row pieces of the V tile overlap
-    param("mosaic", dict(block_kv=128, masked=True), id="mosaic-masked"),  # with a selection
+@pytest.mark.parametrize("implementation,config,masked", [
+    param("xla", XlaConfig(max_scores=1 << 27), False, id="xla-one_query_block"),
+    param("xla", XlaConfig(max_scores=7 * 2 * 300), False, id="xla-query_blocks_of_7"),
+    param("mosaic", MosaicConfig(block_kv=128, num_stages=2, num_programs=2), False, id="mosaic-block_kv128"),
+    # 96: 64-row pieces of the V tile overlap
+    param("mosaic", MosaicConfig(block_kv=96, num_stages=2, num_programs=2), False, id="mosaic-block_kv96"),
+    param("mosaic", MosaicConfig(block_kv=128, num_stages=2, num_programs=2), True, id="mosaic-masked"),
 ])
-def test_rows_see_only_their_sequence(backend, tiling):
+def test_rows_see_only_their_sequence(implementation, config, masked):
     """NaN / inf in other sequences' q, k, v rows and in rows no sequence owns never reach a
     sequence's outputs (no 0 * NaN through the masked probabilities). The reference (float32)
     is checked on small head dims against the naive computation; the kernel, whose key tiles start
     up to 7 keys before a sequence's first key and run past its last one, against the reference,
     and its kept sequences' rows are bit-identical to the clean run."""
-    if backend == "reference":
+    selection = None
+    if implementation == "xla":
         q, k, v, q_start, k_start = make_batch(8, **ISOLATION, heads=2, d_qk=16, d_v=8, pad_q=8,
                                                pad_k=9, dtype=jnp.float32)
         scale = 0.3
     else:
         q, k, v, q_start, k_start = make_batch(9, **ISOLATION, heads=2, d_qk=64, d_v=64, pad_q=8,
                                                pad_k=9)
-        scale, tiling = 0.2, dict(tiling, num_stages=2, num_programs=2)
-        if tiling.pop("masked", False):
-            tiling["selection"] = random_selection(9, q_start, k_start, q.shape[0], 24)
-    attend = lambda q, k, v: run(backend, q, k, v, q_start, k_start, scale=scale, **tiling)  # noqa: E731
+        scale = 0.2
+        if masked:
+            selection = random_selection(9, q_start, k_start, q.shape[0], 24)
+    attend = lambda q, k, v: run(implementation, q, k, v, q_start, k_start, scale=scale,  # noqa: E731
+                                 selection=selection, config=config)
     clean = np.asarray(attend(q, k, v), np.float32)
     owned = int(q_start[-1])
-    if backend == "reference":
+    if implementation == "xla":
         np.testing.assert_allclose(clean, naive(q, k, v, q_start, k_start, scale), rtol=1e-5, atol=1e-5)
     else:
-        ref = ops.dense_mha("reference", q, k, v, q_start, k_start, scale=scale, selection=tiling.get("selection"))
+        ref = dense_mha(q, k, v, q_start, k_start, scale=scale, implementation="xla", selection=selection)
         assert rel_err(clean, ref, owned) < TOL
         np.testing.assert_array_equal(clean[owned:], 0.0)
     for out, expected in check_isolation(attend, q, k, v, q_start, k_start, clean=clean):
-        if backend == "reference":
+        if implementation == "xla":
             assert rel_err(out, expected, len(out)) < 1e-6
         else:
             np.testing.assert_array_equal(out, expected)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")
-@pytest.mark.parametrize("backend", [param("reference")] + KERNELS)
-def test_own_nonfinite_values_reach_own_rows(backend):
+@pytest.mark.parametrize("implementation", [param("xla")] + KERNELS)
+def test_own_nonfinite_values_reach_own_rows(implementation):
     """A sequence's own NaN / inf is not hidden: NaN in its key 0's v reaches all its rows, inf in
     one of its queries reaches that row; the other rows are unchanged."""
     q, k, v, q_start, k_start = make_batch(10, **ISOLATION, heads=2, d_qk=64, d_v=64, pad_q=8,
                                            pad_k=9)
-    tiling = {} if backend == "reference" else dict(num_programs=2)
-    attend = lambda q, v: run(backend, q, k, v, q_start, k_start, scale=0.2, **tiling)  # noqa: E731
+    config = None if implementation == "xla" else MosaicConfig(num_programs=2)
+    attend = lambda q, v: run(implementation, q, k, v, q_start, k_start, scale=0.2, config=config)  # noqa: E731
     clean = np.asarray(attend(q, v), np.float32)
     bad_seq, bad_row = 4, int(q_start[1]) + 30  # all of sequence 4; one query of sequence 1
     out = np.asarray(attend(q.at[bad_row, 1, 3].set(jnp.inf), v.at[k_start[bad_seq], 0, 5].set(jnp.nan)),

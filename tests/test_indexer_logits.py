@@ -1,14 +1,15 @@
-"""Indexer logits over a paged key cache, every backend against the jnp reference.
+"""Indexer logits over a paged key cache, every implementation against the jnp reference.
 
-Backends (tests/support/ops.py): "reference" (jnp, the XLA path and oracle), "auto" (the public
-router `pallas_kernels.indexer_logits.indexer_logits`), "triton" (the portable Pallas kernel),
-"mosaic_prefill" and "mosaic_decode" (the Mosaic GPU kernels). On CPU the kernels run in Pallas
+Implementations (`pallas_kernels.indexer_logits.indexer_logits(..., implementation=, kernel=)`):
+"xla" (jnp, the XLA path and oracle), "triton" (the portable Pallas kernel) and "mosaic" with
+kernel "prefill" or "decode" (the Mosaic GPU kernels); "auto" is the kernel the layer picks
+(`ops.indexer_logits_auto`). On CPU the kernels run in Pallas
 interpret mode on the tiny config (Hi=4, D=16; the Mosaic GPU kernels in their interpreter,
 which poisons fresh buffers with NaN, so every unwritten logit fails); the `gpu` tests compile
-them for real dimensions (Hi=64, D=128, page 64). Each (case, backend) pair below is one the
+them for real dimensions (Hi=64, D=128, page 64). Each (case, kernel) pair below is one the
 kernel's limits and the interpreter's speed allow (the Mosaic decode kernel's cases keep their
 key rings from wrapping on CPU; see _MGPU_DECODE_CASES). The isolation cases (NaN / inf in
-keys no valid logit may read) run on every backend.
+keys no valid logit may read) run on every implementation.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import numpy as np
 import pytest
 
 from jax_sparse_mla.config import MLAConfig
-from pallas_kernels.indexer_logits import gather_paged_rows, layout
+from pallas_kernels.indexer_logits import MosaicConfig, TritonConfig, gather_paged_rows, indexer_logits, layout
 from pallas_kernels.indexer_logits.mosaic_decode import choose_decode_tiling
 from pallas_kernels.indexer_logits.mosaic_common import TMA_SMEM_ALIGN, meta_width
 from pallas_kernels.indexer_logits.mosaic_prefill import _tiles, _weight_rows, choose_prefill_tiling
+from pallas_kernels.topk import topk
 from tests.support import INTERPRET, ops
 from tests.support.cases import FP8, make_indexer_case
 
@@ -33,7 +35,16 @@ param = functools.partial(ops.implementation_param, OP)
 
 
 def reference(*args, page_size):
-    return ops.indexer_logits("reference", *args, page_size=page_size)
+    return indexer_logits(*args, page_size=page_size, implementation="xla")
+
+
+def run(implementation, kernel, *args, page_size, config=None, clean=True, interpret=INTERPRET):
+    """indexer_logits by `implementation` (kernel: the Mosaic one; "auto": the kernel
+    `ops.indexer_logits_auto` picks for the inputs and device), interpret mode off the GPU."""
+    if implementation == "auto":
+        implementation, kernel = ops.indexer_logits_auto(args[0], args[2], args[4], interpret=interpret)
+    return indexer_logits(*args, page_size=page_size, implementation=implementation, kernel=kernel, config=config,
+                          clean=clean, interpret=interpret)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -128,7 +139,7 @@ def check_logits_within(out, ref, bound):
 
 
 def check_fp8_logits(out, ref, args, page_size, *, on_gpu=not INTERPRET):
-    """fp8 logits against the f32 reference, per backend: interpreted on CPU (exact products, f32
+    """fp8 logits against the f32 reference, per implementation: interpreted on CPU (exact products, f32
     sums) within the tight 1e-5 norm tolerance; compiled for the GPU within fp8_logit_bound."""
     if on_gpu:
         check_logits_within(out, ref, fp8_logit_bound(args, page_size))
@@ -137,7 +148,7 @@ def check_fp8_logits(out, ref, args, page_size, *, on_gpu=not INTERPRET):
 
 
 def check_indexer_logits(out, ref, args, page_size, tol):
-    """fp8 inputs: check_fp8_logits (per backend); bf16 / f32: norm-relative tol."""
+    """fp8 inputs: check_fp8_logits (per implementation); bf16 / f32: norm-relative tol."""
     if args[0].dtype == FP8:
         check_fp8_logits(out, ref, args, page_size)
     else:
@@ -204,31 +215,31 @@ _MGPU_DECODE_CASES = [
 
 _TINY_DIMS = dict(hi=4, d=16)
 
-# backend, then make_indexer_case's seed and arguments, and the kernel's tiling
+# implementation and kernel, then make_indexer_case's seed and arguments, and the kernel's config
 _KERNEL_CASES = (
-    # tiling overrides are the Triton kernel's (the router sends any override there); without
-    # one the router picks by device ("auto": the Triton kernel on CPU, a Mosaic one on Hopper)
-    [param("triton" if tiling else "auto", 0, dict(dtype=dtype, scaled=scaled, page=4, lengths=[37, 1, 90, 12],
-                                                   rows_per_seq=[5, 1, 7, 3]), tiling,
-           id=f"{'triton' if tiling else 'auto'}-ragged{i}")
+    # tiling overrides are the Triton kernel's; without one, the kernel the layer picks by device
+    # ("auto": the Triton kernel on CPU, a Mosaic one on Hopper)
+    [param("triton" if tiling else "auto", None, 0,
+           dict(dtype=dtype, scaled=scaled, page=4, lengths=[37, 1, 90, 12], rows_per_seq=[5, 1, 7, 3]),
+           TritonConfig(**tiling) if tiling else None, id=f"{'triton' if tiling else 'auto'}-ragged{i}")
      for i, (dtype, scaled, tiling) in enumerate(_RAGGED_CASES)]
     # one causal sequence, every position a row (prefill); fp8 without k_scale; 3 heads (padded)
-    + [param("auto", 1, dict(dtype=FP8, scaled=False, hi=3, page=4, lengths=[45], rows_per_seq=[45]), {},
+    + [param("auto", None, 1, dict(dtype=FP8, scaled=False, hi=3, page=4, lengths=[45], rows_per_seq=[45]), None,
              id="auto-prefill_causal_fp8_unscaled")]
     # the Mosaic GPU kernels (heads 4 -> 8 and D 16 -> 32 padded)
-    + [param("mosaic_prefill", 7, dict(dtype=dtype, scaled=scaled, page=page, lengths=lengths, rows_per_seq=rows),
-             tiling, id=f"mosaic_prefill{i}")
+    + [param("mosaic", "prefill", 7, dict(dtype=dtype, scaled=scaled, page=page, lengths=lengths, rows_per_seq=rows),
+             MosaicConfig(**tiling), id=f"mosaic_prefill{i}")
        for i, (dtype, scaled, page, lengths, rows, tiling) in enumerate(_MGPU_PREFILL_CASES)]
-    + [param("mosaic_decode", 7, dict(dtype=dtype, scaled=scaled, page=page, lengths=lengths, rows_per_seq=rows),
-             tiling, id=f"mosaic_decode{i}")
+    + [param("mosaic", "decode", 7, dict(dtype=dtype, scaled=scaled, page=page, lengths=lengths, rows_per_seq=rows),
+             MosaicConfig(**tiling), id=f"mosaic_decode{i}")
        for i, (dtype, scaled, page, lengths, rows, tiling) in enumerate(_MGPU_DECODE_CASES)]
 )
 
 
-@pytest.mark.parametrize("backend,seed,case,tiling", _KERNEL_CASES)
-def test_logits_match_reference(backend, seed, case, tiling):
+@pytest.mark.parametrize("implementation,kernel,seed,case,config", _KERNEL_CASES)
+def test_logits_match_reference(implementation, kernel, seed, case, config):
     args, page = make_indexer_case(seed, **{**_TINY_DIMS, **case})
-    out = ops.indexer_logits(backend, *args, page_size=page, **tiling)
+    out = run(implementation, kernel, *args, page_size=page, config=config)
     check_indexer_logits(out, reference(*args, page_size=page), args, page, 1e-5)
 
 
@@ -238,7 +249,7 @@ def test_mosaic_decode_rows_in_sequence_order():
     args, page = make_indexer_case(8, dtype=FP8, scaled=True, hi=4, d=16, page=64, lengths=[300, 1, 190],
                                    rows_per_seq=[1, 1, 1], interleave_rows=False)
     assert np.array_equal(np.asarray(args[5]), np.arange(3))
-    out = ops.indexer_logits("mosaic_decode", *args, page_size=page, chunk=4, stages=2)
+    out = run("mosaic", "decode", *args, page_size=page, config=MosaicConfig(chunk=4, stages=2))
     check_indexer_logits(out, reference(*args, page_size=page), args, page, 1e-5)
 
 
@@ -247,7 +258,7 @@ def test_mosaic_decode_rejects_mixed_dtypes():
                                    lengths=[70], rows_per_seq=[1])
     q, w, k, *rest = args
     with pytest.raises(ValueError, match="float8_e4m3fn or bfloat16"):
-        ops.indexer_logits("mosaic_decode", q, w, k.astype(jnp.bfloat16), *rest, page_size=page)
+        run("mosaic", "decode", q, w, k.astype(jnp.bfloat16), *rest, page_size=page)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -259,39 +270,43 @@ _REAL_DIMS = dict(hi=64, d=128, page=64)
 _REAL_DIM_CASES = (
     # the router: two causal sequences (one with context), many rows each; decode: 1-2 rows per
     # sequence, longer contexts
-    [param("auto", 3, dict(lengths=[3000, 1100], rows_per_seq=[1200, 1100]), id="auto-prefill"),
-     param("auto", 3, dict(lengths=[4100, 700, 6000, 1, 2500] * 4, rows_per_seq=[2, 1, 2, 1, 2] * 4),
+    [param("auto", None, 3, dict(lengths=[3000, 1100], rows_per_seq=[1200, 1100]), id="auto-prefill"),
+     param("auto", None, 3, dict(lengths=[4100, 700, 6000, 1, 2500] * 4, rows_per_seq=[2, 1, 2, 1, 2] * 4),
            id="auto-decode")]
     # both prefill kernels: two causal sequences (one with context, neither a multiple of 64 long),
     # rows of both interleaved, plus a short third sequence
-    + [param(b, 6, dict(lengths=[3001, 1100, 70], rows_per_seq=[1203, 1100, 33]), id=f"{b}-prefill")
-       for b in ("mosaic_prefill", "triton")]
+    + [param(implementation, kernel, 6, dict(lengths=[3001, 1100, 70], rows_per_seq=[1203, 1100, 33]),
+             id=f"{name}-prefill")
+       for implementation, kernel, name in (("mosaic", "prefill", "mosaic_prefill"), ("triton", None, "triton"))]
     # both decode kernels: long ragged contexts (key rings refilled many times), 1 and 2 (MTP)
     # rows per sequence, a 1-key sequence, rows with no valid key
-    + [param(b, 10, dict(lengths=[33001, 700, 1, 20000, 4097, 64], rows_per_seq=rows), id=f"{b}-decode{i}")
-       for i, (b, rows) in enumerate([("mosaic_decode", [1, 1, 1, 1, 1, 1]),    # one row per tile
-                                      ("mosaic_decode", [2, 2, 1, 2, 2, 1]),    # MTP: 2 rows a tile, empty slots
-                                      ("triton", [1, 2, 1, 2, 1, 1])])]
+    + [param(implementation, kernel, 10, dict(lengths=[33001, 700, 1, 20000, 4097, 64], rows_per_seq=rows),
+             id=f"{implementation}{'_' + kernel if kernel else ''}-decode{i}")
+       for i, (implementation, kernel, rows) in enumerate([
+           ("mosaic", "decode", [1, 1, 1, 1, 1, 1]),    # one row per tile
+           ("mosaic", "decode", [2, 2, 1, 2, 2, 1]),    # MTP: 2 rows a tile, empty slots
+           ("triton", None, [1, 2, 1, 2, 1, 1])])]
 )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,scaled", _DTYPES)
-@pytest.mark.parametrize("backend,seed,case", _REAL_DIM_CASES)
-def test_logits_match_reference_real_dims_gpu(backend, seed, case, dtype, scaled):
+@pytest.mark.parametrize("implementation,kernel,seed,case", _REAL_DIM_CASES)
+def test_logits_match_reference_real_dims_gpu(implementation, kernel, seed, case, dtype, scaled):
     args, page = make_indexer_case(seed, dtype=dtype, scaled=scaled, **_REAL_DIMS, **case)
-    out = jax.jit(functools.partial(ops.indexer_logits, backend, page_size=page))(*args)
+    out = jax.jit(functools.partial(run, implementation, kernel, page_size=page))(*args)
     ref = jax.jit(functools.partial(reference, page_size=page))(*args)
     check_indexer_logits(out, ref, args, page, 1e-4)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend,seed,case,tiling", [p for p in _KERNEL_CASES if p.values[0].startswith("mosaic")])
-def test_mosaic_cases_compiled_gpu(backend, seed, case, tiling):
+@pytest.mark.parametrize("implementation,kernel,seed,case,config",
+                         [p for p in _KERNEL_CASES if p.values[0] == "mosaic"])
+def test_mosaic_cases_compiled_gpu(implementation, kernel, seed, case, config):
     """The interpreter's cases compiled: padded tiny dims and small tiles, where SMEM buffers are
     smallest (TMA alignment faults show only on the GPU)."""
     args, page = make_indexer_case(seed, **{**_TINY_DIMS, **case})
-    out = jax.jit(functools.partial(ops.indexer_logits, backend, page_size=page, **tiling))(*args)
+    out = jax.jit(functools.partial(run, implementation, kernel, page_size=page, config=config))(*args)
     check_indexer_logits(out, reference(*args, page_size=page), args, page, 1e-4)  # as the real dims'
 
 
@@ -339,28 +354,29 @@ def _isolation_case(dtype, scaled, page, seed=1):
     return clean, poisoned, row_seq != 2
 
 
-@pytest.mark.parametrize("backend,dtype,scaled,page,tiling", [
+@pytest.mark.parametrize("implementation,kernel,dtype,scaled,page,config", [
     # pages of 4
-    param("reference", FP8, True, 4, {}, id="reference-fp8-page4"),
-    param("triton", FP8, True, 4, {}, id="triton-fp8-page4"),
-    param("reference", jnp.bfloat16, False, 4, {}, id="reference-bf16-page4"),
-    param("triton", jnp.bfloat16, False, 4, {}, id="triton-bf16-page4"),
-    param("reference", FP8, True, 64, {}, id="reference-fp8-page64"),
+    param("xla", None, FP8, True, 4, None, id="xla-fp8-page4"),
+    param("triton", None, FP8, True, 4, None, id="triton-fp8-page4"),
+    param("xla", None, jnp.bfloat16, False, 4, None, id="xla-bf16-page4"),
+    param("triton", None, jnp.bfloat16, False, 4, None, id="triton-bf16-page4"),
+    param("xla", None, FP8, True, 64, None, id="xla-fp8-page64"),
     # the Mosaic GPU kernels (CPU: their interpreter): keys are the wgmma's M rows and the head sum
     # a row reduction, so a NaN key reaches only its own logit, which the row-end mask drops.
     # Keys read straight from 64-key pages: a -1 table entry reads page 0 (NaN)
-    param("mosaic_prefill", FP8, True, 64, dict(block_rows=4, group=2, stages=4), id="mosaic_prefill-page64"),
-    param("mosaic_decode", FP8, True, 64, dict(block_rows=1, chunk=4, step_blocks=1, stages=4),
+    param("mosaic", "prefill", FP8, True, 64, MosaicConfig(block_rows=4, group=2, stages=4),
+          id="mosaic_prefill-page64"),
+    param("mosaic", "decode", FP8, True, 64, MosaicConfig(block_rows=1, chunk=4, step_blocks=1, stages=4),
           id="mosaic_decode-page64"),
     # pages of 4: keys gathered into 64-key pages first (gather_paged_rows)
-    param("mosaic_decode", jnp.bfloat16, False, 4, dict(block_rows=1, chunk=4, step_blocks=1, stages=4),
+    param("mosaic", "decode", jnp.bfloat16, False, 4, MosaicConfig(block_rows=1, chunk=4, step_blocks=1, stages=4),
           id="mosaic_decode-page4"),
 ])
-def test_logits_ignore_other_keys(backend, dtype, scaled, page, tiling):
+def test_logits_ignore_other_keys(implementation, kernel, dtype, scaled, page, config):
     clean, poisoned, keep = _isolation_case(dtype, scaled, page)
-    run = functools.partial(ops.indexer_logits, backend, page_size=page, **tiling)
-    want = np.asarray(run(*clean))[keep]
-    got = np.asarray(run(*poisoned))[keep]
+    logits = functools.partial(run, implementation, kernel, page_size=page, config=config)
+    want = np.asarray(logits(*clean))[keep]
+    got = np.asarray(logits(*poisoned))[keep]
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
     fin = np.isfinite(want)
     np.testing.assert_array_equal(got[~fin], -np.inf)
@@ -567,8 +583,8 @@ def test_choose_prefill_tiling():
         choose_prefill_tiling(8192, 1, 128, jnp.bfloat16, 64, 128, group=3)
 
 
-def _lowers_to_mosaic_gpu(backend, args, page_size):
-    fn = jax.jit(functools.partial(ops.indexer_logits, backend, page_size=page_size, interpret=False))
+def _lowers_to_mosaic_gpu(kernel, args, page_size):
+    fn = jax.jit(functools.partial(indexer_logits, page_size=page_size, implementation="mosaic", kernel=kernel))
     return "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -580,7 +596,7 @@ def test_mosaic_prefill_lowers_for_the_gpu(dtype, scaled):
     args = (sd((4096, 64, 128), dtype), sd((4096, 64), jnp.float32), sd((64 * 256, 128), dtype),
             sd((64 * 256,), jnp.float32) if scaled else None, sd((2, 128), jnp.int32),
             sd((4096,), jnp.int32), sd((4096,), jnp.int32))
-    assert _lowers_to_mosaic_gpu("mosaic_prefill", args, 64)
+    assert _lowers_to_mosaic_gpu("prefill", args, 64)
 
 
 @pytest.mark.parametrize("dtype,scaled,rows", [(FP8, True, 1), (jnp.bfloat16, False, 1), (FP8, True, 2)])
@@ -592,7 +608,7 @@ def test_mosaic_decode_lowers_for_the_gpu(dtype, scaled, rows):
     args = (sd((n, 64, 128), dtype), sd((n, 64), jnp.float32), sd((slots, 128), dtype),
             sd((slots,), jnp.float32) if scaled else None, sd((32, 512), jnp.int32),
             sd((n,), jnp.int32), sd((n,), jnp.int32))
-    assert _lowers_to_mosaic_gpu("mosaic_decode", args, 64)
+    assert _lowers_to_mosaic_gpu("decode", args, 64)
 
 
 @pytest.mark.parametrize("rows_per_seq", [1, 6, 13])
@@ -606,37 +622,38 @@ def test_mosaic_decode_lowers_at_tiny_dims(rows_per_seq):
     sd = jax.ShapeDtypeStruct
     args = (sd((n, hi, d), jnp.bfloat16), sd((n, hi), jnp.float32), sd((page * num_seqs * width, d), jnp.bfloat16),
             None, sd((num_seqs, width), jnp.int32), sd((n,), jnp.int32), sd((n,), jnp.int32))
-    assert _lowers_to_mosaic_gpu("mosaic_decode", args, page)
+    assert _lowers_to_mosaic_gpu("decode", args, page)
 
 
-@pytest.mark.parametrize("backend,case,tiling", [
-    param("mosaic_prefill", dict(dtype=FP8, scaled=True, page=4, lengths=[37, 1, 300, 12], rows_per_seq=[5, 1, 9, 3]),
-          dict(block_rows=4, group=2, stages=4), id="mosaic_prefill-ragged"),
-    param("mosaic_prefill", dict(dtype=FP8, scaled=False, page=64, lengths=[150], rows_per_seq=[150]),
-          dict(block_rows=16, splits=3, stages=4), id="mosaic_prefill-causal"),
-    param("mosaic_decode", dict(dtype=FP8, scaled=True, page=64, lengths=[520, 1, 77], rows_per_seq=[1, 1, 1]),
-          dict(chunk=4, step_blocks=2, stages=2), id="mosaic_decode-ragged"),
-    param("triton", dict(dtype=FP8, scaled=True, page=4, lengths=[37, 1, 90, 12], rows_per_seq=[5, 1, 7, 3]),
-          dict(block_rows=2, block_keys=32, chunk=32), id="triton"),
+@pytest.mark.parametrize("implementation,kernel,case,config", [
+    param("mosaic", "prefill",
+          dict(dtype=FP8, scaled=True, page=4, lengths=[37, 1, 300, 12], rows_per_seq=[5, 1, 9, 3]),
+          MosaicConfig(block_rows=4, group=2, stages=4), id="mosaic_prefill-ragged"),
+    param("mosaic", "prefill", dict(dtype=FP8, scaled=False, page=64, lengths=[150], rows_per_seq=[150]),
+          MosaicConfig(block_rows=16, splits=3, stages=4), id="mosaic_prefill-causal"),
+    param("mosaic", "decode", dict(dtype=FP8, scaled=True, page=64, lengths=[520, 1, 77], rows_per_seq=[1, 1, 1]),
+          MosaicConfig(chunk=4, step_blocks=2, stages=2), id="mosaic_decode-ragged"),
+    param("triton", None, dict(dtype=FP8, scaled=True, page=4, lengths=[37, 1, 90, 12], rows_per_seq=[5, 1, 7, 3]),
+          TritonConfig(block_rows=2, block_keys=32, chunk=32), id="triton"),
 ])
-def test_unclean_logits_agree_within_each_row(backend, case, tiling):
+def test_unclean_logits_agree_within_each_row(implementation, kernel, case, config):
     """clean=False (the layer's call: top-k reads each row's first row_end columns only): the
     columns [0, row_end) equal the clean call's bit for bit, and top-k with lengths=row_end picks
     the same keys from either."""
     args, page = make_indexer_case(3, **{**_TINY_DIMS, **case})
     row_end = np.asarray(args[6])
-    clean = np.asarray(ops.indexer_logits(backend, *args, page_size=page, **tiling))
-    unclean = np.asarray(ops.indexer_logits(backend, *args, page_size=page, clean=False, **tiling))
+    clean = np.asarray(run(implementation, kernel, *args, page_size=page, config=config))
+    unclean = np.asarray(run(implementation, kernel, *args, page_size=page, config=config, clean=False))
     inside = np.arange(clean.shape[1])[None, :] < row_end[:, None]
     np.testing.assert_array_equal(unclean[inside], clean[inside])
-    if backend.startswith("mosaic"):
+    if implementation == "mosaic":
         if INTERPRET:  # the fill was skipped: the interpreter leaves unwritten memory NaN (on a
             assert np.isnan(unclean[~inside]).any()  # GPU it holds what the buffer held before)
     else:  # the Triton kernel fills either way
         np.testing.assert_array_equal(unclean, clean)
     k = 8
     lengths = jnp.asarray(row_end, jnp.int32)
-    want = np.sort(np.asarray(ops.topk("reference", jnp.asarray(clean), k)), 1)
-    for topk_backend in ("reference", "triton"):
-        got = ops.topk(topk_backend, jnp.asarray(unclean), k, lengths=lengths)
-        np.testing.assert_array_equal(np.sort(np.asarray(got), 1), want, err_msg=topk_backend)
+    want = np.sort(np.asarray(topk(jnp.asarray(clean), k, implementation="xla")), 1)
+    for topk_implementation in ("xla", "triton"):
+        got = topk(jnp.asarray(unclean), k, lengths=lengths, implementation=topk_implementation, interpret=INTERPRET)
+        np.testing.assert_array_equal(np.sort(np.asarray(got), 1), want, err_msg=topk_implementation)

@@ -1,10 +1,11 @@
-"""Sparse MLA attention over selected cache slots, every backend against the jnp reference.
+"""Sparse MLA attention over selected cache slots, every implementation against the jnp reference.
 
-Backends (tests/support/ops.py): "reference" (`sparse_mla_reference`, jnp: the XLA path and
-oracle), "triton" (the Pallas Triton kernel; interpret mode on CPU), "mosaic" (the Mosaic GPU
-kernel: Hopper only, bf16 q; its gathers are inline PTX, so it has no interpret mode and its
-cases are `gpu` tests, with CPU twins that lower it for the GPU) and "auto" (the public
-router's choice). Each kernel case runs on every kernel that takes its operands.
+Implementations (`pallas_kernels.sparse_mla.sparse_mla(..., implementation=)`): "xla"
+(`sparse_mla_reference`, jnp: the XLA path and oracle), "triton" (the Pallas Triton kernel;
+interpret mode on CPU), "mosaic" (the Mosaic GPU kernel: Hopper only, bf16 q; its gathers are
+inline PTX, so it has no interpret mode and its cases are `gpu` tests, with CPU twins that lower
+it for the GPU); "auto" (`ops.sparse_mla_auto`) is the public router's choice. Each kernel case
+runs on every kernel that takes its operands.
 
 Errors are relative: ||out - ref|| / ||ref|| over the rows that have a valid slot. Tolerances:
   * f32 q and f32 (or fp8 with f32 q) cache: 1e-5. The kernel's products are IEEE f32 there, so
@@ -17,7 +18,7 @@ an fp8 cache with bf16 q: the kernels dequantise e4m3 x f32 scale to bf16 (as Fl
 a <= 2^-9 relative rounding per value (far below e4m3's own 2^-4), which at the real shapes
 (576-wide scores of random N(0, 1) data) moves the top scores, hence lse, by up to ~1.6e-2.
 The isolation cases plant NaN / inf in every cache slot no row selects (slot 0 included) and run
-on every backend.
+on every implementation.
 """
 
 import functools
@@ -30,7 +31,7 @@ import pytest
 from jax_sparse_mla.config import FP8_TILE
 from jax_sparse_mla.ops import quantize_tiles
 from jax_sparse_mla.policy import UPFRONT_MIN_USES
-from pallas_kernels.sparse_mla import dequantize_latent, dequantize_pages
+from pallas_kernels.sparse_mla import MosaicConfig, TritonConfig, dequantize_latent, dequantize_pages, sparse_mla
 from pallas_kernels.sparse_mla.splits import auto_num_splits, live_blocks
 from tests.support import INTERPRET, assert_same_as_clean, ops
 
@@ -39,7 +40,7 @@ param = functools.partial(ops.implementation_param, OP)
 
 
 def kernels(q_dtype, *values, id=None):
-    """The kernel backends for q of q_dtype (the Mosaic kernel takes bf16 q only), as params."""
+    """The kernels for q of q_dtype (the Mosaic kernel takes bf16 q only), as params."""
     names = ["triton"] + (["mosaic"] if q_dtype == jnp.bfloat16 else [])
     return [param(b, *values, id=f"{b}-{id}" if id else b) for b in names]
 
@@ -64,13 +65,32 @@ def make_inputs(seed, *, rows, heads, rank, rope, topk, num_slots, cache, q_dtyp
     return q, latent, latent_scale, k_pe, slots
 
 
-def check(backend, inputs, *, scale, out_tol, lse_tol, **kwargs):
+def tuned(implementation, *, num_splits=None, **tiling):
+    """`implementation`'s config for a case's tuning: the Triton kernel takes the tiling (block_h,
+    block_k, ...) and num_splits, the Mosaic kernel num_splits only."""
+    if implementation == "mosaic":
+        return MosaicConfig(num_splits=num_splits)
+    return TritonConfig(num_splits=num_splits, **tiling)
+
+
+def run(implementation, q, latent, latent_scale, k_pe, slots, *, dequantize="auto", pages=None, page_size=None,
+        **kw):
+    """sparse_mla by `implementation` (interpret mode off the GPU); dequantize "auto": the layer's
+    route for these rows (`ops.sparse_mla_dequantize`); kw: scale, config."""
+    if dequantize == "auto":
+        dequantize = ops.sparse_mla_dequantize(q, latent, latent_scale, slots, pages, page_size)
+    return sparse_mla(q, latent, latent_scale, k_pe, slots, implementation=implementation, dequantize=dequantize,
+                      pages=pages, page_size=page_size, interpret=INTERPRET, **kw)
+
+
+def check(implementation, inputs, *, scale, out_tol, lse_tol, **kwargs):
+    """`run(implementation, ...)` against "xla": skipped where the kernel cannot take the operands."""
     q, latent, latent_scale, k_pe, slots = inputs
-    reason = ops.sparse_mla_unsupported(backend, q, latent, latent_scale, k_pe)
+    reason = ops.sparse_mla_unsupported(implementation, q, latent, latent_scale, k_pe)
     if reason:
-        pytest.skip(f"{backend}: {reason}")
-    out, lse = ops.sparse_mla(backend, q, latent, latent_scale, k_pe, slots, scale=scale, **kwargs)
-    ref_out, ref_lse = ops.sparse_mla("reference", q, latent, latent_scale, k_pe, slots, scale=scale)
+        pytest.skip(f"{implementation}: {reason}")
+    out, lse = run(implementation, q, latent, latent_scale, k_pe, slots, scale=scale, **kwargs)
+    ref_out, ref_lse = sparse_mla(q, latent, latent_scale, k_pe, slots, scale=scale, implementation="xla")
     out, lse, ref_out, ref_lse = map(np.asarray, (out, lse, ref_out, ref_lse))
     assert out.shape == ref_out.shape and out.dtype == np.float32
     assert lse.shape == ref_lse.shape and lse.dtype == np.float32
@@ -110,17 +130,17 @@ _HOLES_CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend,cache,q_dtype,tol", [
+@pytest.mark.parametrize("implementation,cache,q_dtype,tol", [
     p for cache, q_dtype, tol in _HOLES_CASES
     for p in kernels(q_dtype, cache, q_dtype, tol, id=f"{cache}-{jnp.dtype(q_dtype).name}")])
-def test_random_slots_with_holes(backend, cache, q_dtype, tol):
+def test_random_slots_with_holes(implementation, cache, q_dtype, tol):
     inputs = make_inputs(0, rows=6, heads=4, topk=16, cache=cache, q_dtype=q_dtype, **TINY)
-    check(backend, inputs, scale=0.1, **tol)
+    check(implementation, inputs, scale=0.1, **tol)
 
 
-@pytest.mark.parametrize("backend", kernels(jnp.float32))
+@pytest.mark.parametrize("implementation", kernels(jnp.float32))
 @pytest.mark.parametrize("cache", ["f32", "fp8"])
-def test_empty_and_sparse_rows(backend, cache):
+def test_empty_and_sparse_rows(implementation, cache):
     """Rows with no valid slot (out 0, lse +inf) and rows with only a few (index set < topk)."""
     q, latent, latent_scale, k_pe, slots = make_inputs(
         1, rows=6, heads=4, topk=16, cache=cache, q_dtype=jnp.float32, **TINY)
@@ -128,34 +148,35 @@ def test_empty_and_sparse_rows(backend, cache):
     slots = slots.at[1].set(jnp.full((16,), -1).at[3].set(5))        # a single slot
     slots = slots.at[2].set(jnp.full((16,), -1).at[:3].set(jnp.array([7, 8, 9])))  # a short prefix
     slots = slots.at[5].set(-1)
-    out, lse = check(backend, (q, latent, latent_scale, k_pe, slots), scale=0.1, **EXACT)
+    out, lse = check(implementation, (q, latent, latent_scale, k_pe, slots), scale=0.1, **EXACT)
     # one slot: softmax weight 1, the output is that cache row
     row = latent.astype(jnp.float32)[5] if latent_scale is None else (
         latent.astype(jnp.float32)[5].reshape(-1, FP8_TILE) * latent_scale[5][:, None]).reshape(-1)
     np.testing.assert_allclose(out[1], np.broadcast_to(np.asarray(row), out[1].shape), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", kernels(jnp.float32))
+@pytest.mark.parametrize("implementation", kernels(jnp.float32))
 @pytest.mark.parametrize("heads,topk", [(6, 20), (4, 8), (20, 40)])
-def test_odd_heads_and_topk(backend, heads, topk):
+def test_odd_heads_and_topk(implementation, heads, topk):
     """H not a power of two (padded, masked), K not a multiple of the block or below it.
 
     H=20 with block_h=16 gives two head blocks, the second mostly padding.
     """
     inputs = make_inputs(2, rows=3, heads=heads, topk=topk, cache="f32", q_dtype=jnp.float32, **TINY)
-    check(backend, inputs, scale=0.2, block_h=16, block_k=16, **EXACT)
+    check(implementation, inputs, scale=0.2, config=tuned(implementation, block_h=16, block_k=16), **EXACT)
 
 
-@pytest.mark.parametrize("backend", kernels(jnp.bfloat16))
+@pytest.mark.parametrize("implementation", kernels(jnp.bfloat16))
 @pytest.mark.parametrize("num_splits", [2, 3])
-def test_split_slot_list(backend, num_splits):
+def test_split_slot_list(implementation, num_splits):
     """Slot lists split over programs and merged by lse, including splits with no valid slot."""
     q, latent, latent_scale, k_pe, slots = make_inputs(
         3, rows=4, heads=4, topk=48, cache="bf16", q_dtype=jnp.bfloat16, **TINY)
     slots = slots.at[0, 16:].set(-1)   # only the first split has work
     slots = slots.at[1, :40].set(-1)   # only the last split has work
     slots = slots.at[2].set(-1)        # nothing at all
-    check(backend, (q, latent, latent_scale, k_pe, slots), scale=0.1, block_k=16, num_splits=num_splits, **BF16)
+    check(implementation, (q, latent, latent_scale, k_pe, slots), scale=0.1,
+          config=tuned(implementation, block_k=16, num_splits=num_splits), **BF16)
 
 
 def test_live_blocks_reach_the_last_valid_slot():
@@ -183,9 +204,9 @@ def test_auto_splits_fill_one_wave(wave, min_blocks):
                 assert programs * (s + 1) > wave or num_blocks // (s + 1) < min_blocks
 
 
-@pytest.mark.parametrize("backend", kernels(jnp.bfloat16))
+@pytest.mark.parametrize("implementation", kernels(jnp.bfloat16))
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_work_stops_at_the_last_valid_slot(backend, num_splits):
+def test_work_stops_at_the_last_valid_slot(implementation, num_splits):
     """The kernels walk a row's slots only up to its last valid one (`splits.live_blocks`): rows
     whose valid slots end early, start late, lie in the last block only or are absent, over
     several slot blocks of both kernels (Triton 16, Mosaic 64) and splits that end up with none."""
@@ -197,7 +218,8 @@ def test_work_stops_at_the_last_valid_slot(backend, num_splits):
     slots = slots.at[3, 70:].set(-1)            # two Mosaic blocks, the second barely
     slots = slots.at[4, 20:200].set(-1)         # an interior gap, then more
     slots = slots.at[5, 128:].set(-1)           # ends on a block boundary
-    check(backend, (q, latent, latent_scale, k_pe, slots), scale=0.1, block_k=16, num_splits=num_splits, **BF16)
+    check(implementation, (q, latent, latent_scale, k_pe, slots), scale=0.1,
+          config=tuned(implementation, block_k=16, num_splits=num_splits), **BF16)
 
 
 def test_triton_kernel_walks_only_the_live_blocks(monkeypatch):
@@ -208,25 +230,25 @@ def test_triton_kernel_walks_only_the_live_blocks(monkeypatch):
 
     inputs = make_inputs(12, rows=4, heads=4, topk=64, cache="bf16", q_dtype=jnp.bfloat16, hole_frac=0.0, **TINY)
     q, latent, latent_scale, k_pe, slots = inputs
-    kw = dict(scale=0.1, block_k=16, num_splits=1)
-    want_out, want_lse = map(np.asarray, ops.sparse_mla("triton", *inputs, **kw))
+    kw = dict(scale=0.1, config=TritonConfig(block_k=16, num_splits=1))
+    want_out, want_lse = map(np.asarray, run("triton", *inputs, **kw))
     real = triton_kernel.live_blocks
     monkeypatch.setattr(triton_kernel, "live_blocks", lambda s, b: real(s, b).at[1].set(0).at[2].set(1))
-    out, lse = map(np.asarray, ops.sparse_mla("triton", *inputs, **kw))
+    out, lse = map(np.asarray, run("triton", *inputs, **kw))
     np.testing.assert_array_equal(out[[0, 3]], want_out[[0, 3]])
     np.testing.assert_array_equal(out[1], 0.0)
     np.testing.assert_array_equal(lse[1], np.inf)
-    first_block = np.asarray(ops.sparse_mla("triton", q, latent, latent_scale, k_pe, slots.at[:, 16:].set(-1), **kw)[0])
+    first_block = np.asarray(run("triton", q, latent, latent_scale, k_pe, slots.at[:, 16:].set(-1), **kw)[0])
     np.testing.assert_array_equal(out[2], first_block[2])
 
 
-@pytest.mark.parametrize("backend", kernels(jnp.float32))
-def test_large_scores_are_stable(backend):
+@pytest.mark.parametrize("implementation", kernels(jnp.float32))
+def test_large_scores_are_stable(implementation):
     """Scores in the hundreds: the online softmax must rescale, not overflow."""
     q, latent, latent_scale, k_pe, slots = make_inputs(
         4, rows=2, heads=4, topk=32, cache="f32", q_dtype=jnp.float32, **TINY)
-    check(backend, (q * 30.0, latent, latent_scale, k_pe, slots), scale=1.0, block_k=16, out_tol=1e-4,
-          lse_tol=1e-3)
+    check(implementation, (q * 30.0, latent, latent_scale, k_pe, slots), scale=1.0,
+          config=tuned(implementation, block_k=16), out_tol=1e-4, lse_tol=1e-3)
 
 
 def paged_inputs(seed, *, rows, heads, rank, rope, topk, page_size, cache_pages, seq_pages):
@@ -263,9 +285,9 @@ def test_dequantize_pages_renumbers_slots():
     np.testing.assert_array_equal(np.asarray(copy_pe)[got_rows], np.asarray(k_pe)[want_rows])
 
 
-@pytest.mark.parametrize("backend,q_dtype", [p for q_dtype in (jnp.bfloat16, jnp.float32)
+@pytest.mark.parametrize("implementation,q_dtype", [p for q_dtype in (jnp.bfloat16, jnp.float32)
                                              for p in kernels(q_dtype, q_dtype, id=jnp.dtype(q_dtype).name)])
-def test_fp8_upfront_equals_in_kernel(backend, q_dtype):
+def test_fp8_upfront_equals_in_kernel(implementation, q_dtype):
     """Dequantising the sequence's pages upfront gives the in-kernel route's results (both round
     e4m3 x scale to q's dtype, so the products see the same operands), and both match the
     reference. Bit for bit where both routes run the same instructions (interpret mode, the Mosaic
@@ -276,9 +298,9 @@ def test_fp8_upfront_equals_in_kernel(backend, q_dtype):
     q = q.astype(q_dtype)
     tol = EXACT if q_dtype == jnp.float32 else FP8
     kw = dict(pages=pages, page_size=8, **tol)
-    in_kernel = check(backend, (q, latent, latent_scale, k_pe, slots), scale=0.1, dequantize="kernel", **kw)
-    upfront = check(backend, (q, latent, latent_scale, k_pe, slots), scale=0.1, dequantize="upfront", **kw)
-    if INTERPRET or backend != "triton" or q_dtype == jnp.float32:
+    in_kernel = check(implementation, (q, latent, latent_scale, k_pe, slots), scale=0.1, dequantize="kernel", **kw)
+    upfront = check(implementation, (q, latent, latent_scale, k_pe, slots), scale=0.1, dequantize="upfront", **kw)
+    if INTERPRET or implementation != "triton" or q_dtype == jnp.float32:
         np.testing.assert_array_equal(upfront[0], in_kernel[0])
         np.testing.assert_array_equal(upfront[1], in_kernel[1])
     else:
@@ -291,7 +313,7 @@ def _kernel_latent_dtype(rows, *, whole_cache=False):
     `rows` rows of topk 32 and 128 heads over a sequence's 4 pages (+3 -1 entries) of 50."""
     q, latent, latent_scale, k_pe, slots, pages = paged_inputs(
         9, rows=rows, heads=128, rank=128, rope=8, topk=32, page_size=64, cache_pages=50, seq_pages=4)
-    fn = functools.partial(ops.sparse_mla, "triton", scale=0.1, page_size=64)
+    fn = functools.partial(run, "triton", scale=0.1, page_size=64)
     jaxpr = jax.make_jaxpr(lambda *a: fn(*a, pages=None if whole_cache else pages))(q, latent, latent_scale, k_pe, slots)
     (call,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
     return call.invars[1].aval.dtype
@@ -315,7 +337,8 @@ def test_dequantize_rejects_bad_arguments(bad):
     if bad == "bf16_upfront":
         latent, latent_scale = latent.astype(jnp.bfloat16), None
     with pytest.raises(ValueError, match="dequantize|fp8|page_size"):
-        ops.sparse_mla("auto", q, latent, latent_scale, k_pe, slots, scale=0.1, **kw)
+        sparse_mla(q, latent, latent_scale, k_pe, slots, scale=0.1,
+                   implementation=ops.sparse_mla_auto(q, latent, latent_scale, k_pe), interpret=INTERPRET, **kw)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -367,17 +390,17 @@ _TABLES = jnp.asarray([[4, 5, 6, 7, 8, 9], [10, 11, -1, -1, -1, -1]], jnp.int32)
 _ISOLATION_ROUTES = [("bf16", "auto"), ("fp8", "kernel"), ("fp8", "upfront")]
 
 
-@pytest.mark.parametrize("backend,cache,dequantize,pages", [
-    param("reference", "bf16", "auto", None, id="reference-bf16"),
-    param("reference", "fp8", "auto", None, id="reference-fp8"),
+@pytest.mark.parametrize("implementation,cache,dequantize,pages", [
+    param("xla", "bf16", "auto", None, id="xla-bf16"),
+    param("xla", "fp8", "auto", None, id="xla-fp8"),
 ] + [param("triton", cache, dequantize, _TABLES, id=f"triton-{cache}-{dequantize}")
      for cache, dequantize in _ISOLATION_ROUTES]
   # the Mosaic GPU kernel zero-fills -1 slots in its gathers (cp.async of size 0)
   + [param("mosaic", cache, dequantize, jnp.arange(4, 12, dtype=jnp.int32), id=f"mosaic-{cache}-{dequantize}")
      for cache, dequantize in _ISOLATION_ROUTES])
-def test_ignores_unselected_slots(backend, cache, dequantize, pages):
-    kw = {} if backend == "reference" else dict(dequantize=dequantize, pages=pages, page_size=PAGE)
-    _check_sparse(functools.partial(ops.sparse_mla, backend, scale=0.1, **kw), cache)
+def test_ignores_unselected_slots(implementation, cache, dequantize, pages):
+    kw = {} if implementation == "xla" else dict(dequantize=dequantize, pages=pages, page_size=PAGE)
+    _check_sparse(functools.partial(run, implementation, scale=0.1, **kw), cache)
 
 
 def test_dequantize_pages_zeroes_unlisted_entries():
@@ -397,14 +420,14 @@ def test_dequantize_pages_zeroes_unlisted_entries():
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", kernels(jnp.bfloat16))
+@pytest.mark.parametrize("implementation", kernels(jnp.bfloat16))
 @pytest.mark.parametrize("cache,dequantize", [("bf16", "auto"), ("fp8", "kernel"), ("fp8", "upfront")])
-def test_real_dimensions_gpu(cache, dequantize, backend):
+def test_real_dimensions_gpu(cache, dequantize, implementation):
     """DeepSeek-V3.2 shapes: H=128, R=512, P=64, topk 2048 over a 32K-token cache, 64 rows."""
     inputs = make_inputs(5, rows=64, heads=128, rank=512, rope=64, topk=2048, num_slots=32768,
                          cache=cache, q_dtype=jnp.bfloat16, hole_frac=0.1)
     scale = (128 + 64) ** -0.5 * (0.1 * np.log(40.0) + 1) ** 2
-    check(backend, inputs, scale=scale, dequantize=dequantize, **(FP8 if cache == "fp8" else BF16))
+    check(implementation, inputs, scale=scale, dequantize=dequantize, **(FP8 if cache == "fp8" else BF16))
 
 
 @pytest.mark.gpu
@@ -413,10 +436,10 @@ def test_mosaic_fp8_routes_agree_gpu():
     rounded to bf16) give the same attention, at the real shapes over a paged cache."""
     q, latent, latent_scale, k_pe, slots, pages = paged_inputs(
         11, rows=256, heads=128, rank=512, rope=64, topk=2048, page_size=64, cache_pages=640, seq_pages=300)
-    run = functools.partial(ops.sparse_mla, "mosaic", q, latent, latent_scale, k_pe, slots, scale=0.06,
-                            pages=pages, page_size=64)
-    in_kernel = run(dequantize="kernel")
-    upfront = run(dequantize="upfront")
+    attend = functools.partial(run, "mosaic", q, latent, latent_scale, k_pe, slots, scale=0.06,
+                               pages=pages, page_size=64)
+    in_kernel = attend(dequantize="kernel")
+    upfront = attend(dequantize="upfront")
     np.testing.assert_allclose(upfront[0], in_kernel[0], rtol=0, atol=1e-5 * float(jnp.abs(in_kernel[0]).max()))
     np.testing.assert_allclose(upfront[1], in_kernel[1], rtol=0, atol=1e-5)
 
@@ -434,7 +457,7 @@ def test_mosaic_odd_shapes_gpu(cache, heads, num_splits):
     slots = slots.at[0].set(-1)
     slots = slots.at[1].set(jnp.full((200,), -1).at[150].set(7))
     slots = slots.at[2, :128].set(-1)
-    check("mosaic", (q, latent, latent_scale, k_pe, slots), scale=0.2, num_splits=num_splits,
+    check("mosaic", (q, latent, latent_scale, k_pe, slots), scale=0.2, config=MosaicConfig(num_splits=num_splits),
           dequantize="kernel" if cache == "fp8" else "auto", **(FP8 if cache == "fp8" else BF16))
 
 
@@ -455,8 +478,7 @@ def test_mosaic_fp8_dequantisation_gpu():
     slots = np.full((rows, 64), -1, np.int32)
     slots[:, 37] = np.arange(rows)
     # (scores reach ~1e6 here, so lse is not compared: with one slot its weight is 1 regardless)
-    out, _ = ops.sparse_mla("mosaic", q, latent, latent_scale, k_pe, jnp.asarray(slots), scale=0.1,
-                            dequantize="kernel")
+    out, _ = run("mosaic", q, latent, latent_scale, k_pe, jnp.asarray(slots), scale=0.1, dequantize="kernel")
     out = np.asarray(out)
     want = (np.asarray(latent.astype(jnp.float32)).reshape(rows, -1, FP8_TILE)
             * np.asarray(latent_scale)[:, :, None]).reshape(rows, 1, rank)
@@ -480,8 +502,8 @@ def test_mosaic_kernel_lowers(cache, heads, rank, rope, topk, num_splits):
     latent_scale = None if cache == "bf16" else sd((4096, rank // FP8_TILE), jnp.float32)
     args = (sd((3, heads, rank + rope), jnp.bfloat16), latent, latent_scale, sd((4096, rope), jnp.bfloat16),
             sd((3, topk), jnp.int32))
-    fn = jax.jit(lambda *a: ops.sparse_mla("mosaic", *a, scale=0.1, num_splits=num_splits, dequantize="kernel",
-                                           interpret=False))
+    fn = jax.jit(lambda *a: sparse_mla(*a, scale=0.1, implementation="mosaic",
+                                       config=MosaicConfig(num_splits=num_splits), dequantize="kernel"))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -494,5 +516,5 @@ def test_mosaic_rejects_unsupported_shapes(bad):
     latent_scale = jnp.ones((8, rank // 8), jnp.float32) if bad == "fp8_tile" else None
     q = jnp.zeros((2, 4, rank + rope), jnp.bfloat16)
     with pytest.raises(ValueError):
-        ops.sparse_mla("mosaic", q, jnp.zeros((8, rank), dtype), latent_scale, jnp.zeros((8, rope), jnp.bfloat16),
-                       jnp.zeros((2, 4), jnp.int32), scale=0.1, dequantize="kernel", interpret=False)
+        sparse_mla(q, jnp.zeros((8, rank), dtype), latent_scale, jnp.zeros((8, rope), jnp.bfloat16),
+                   jnp.zeros((2, 4), jnp.int32), scale=0.1, implementation="mosaic", dequantize="kernel")
