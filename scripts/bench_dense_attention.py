@@ -140,7 +140,7 @@ def options(batch, new, ctx):
         return out.reshape(batch * new, HEADS, D_V)
 
     def mosaic(q, k, v, q_start, k_start):
-        return dense_mha(q, k, v, q_start, k_start, scale=SCALE)
+        return dense_mha(q, k, v, q_start, k_start, scale=SCALE, implementation="mosaic")
 
     def reference(q, k, v, q_start, k_start):
         return dense_mha_reference(q, k, v, q_start, k_start, scale=SCALE)

@@ -7,7 +7,7 @@
   (+ k_scale) and bf16: the Mosaic GPU kernel (`mgpu`, what the layer runs for prefill on Hopper)
   beside the Triton kernel (`triton`) and XLA; TFLOP/s counted as 2 * valid_causal_pairs * Hi * D.
 * decode logits: batch B of sequences, each with --decode-rows query rows at the end of a
-  context of C keys: the Mosaic GPU decode kernel (`indexer_logits(backend="mosaic_decode")`) and, full mode
+  context of C keys: the Mosaic GPU decode kernel (`indexer_logits(implementation="mosaic", kernel="decode")`) and, full mode
   or B=32 C=32K, the Triton kernel; GB/s of key bytes read once per sequence (D + 4 per key
   for fp8 with its scale, 2 * D for bf16) against the copy bandwidth measured in the same run on
   an array of the same bytes (copy GB/s = 2 * bytes / time, `copy_gbps`). Decode calls are
@@ -63,9 +63,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from pallas_kernels.indexer_logits import MosaicConfig as IndexerMosaicConfig  # noqa: E402
 from pallas_kernels.indexer_logits import indexer_logits, indexer_logits_reference  # noqa: E402
 from pallas_kernels.indexer_logits.mosaic_prefill import indexer_logits_mosaic_prefill  # noqa: E402
 from pallas_kernels.indexer_logits.triton import indexer_logits_triton  # noqa: E402
+from pallas_kernels.topk import TritonConfig as TopkConfig  # noqa: E402
 from pallas_kernels.topk import topk, topk_reference  # noqa: E402
 from timing import median_ms  # noqa: E402
 
@@ -334,7 +336,8 @@ def bench_decode(quick, tiling=None, batches=None, contexts=None, dtypes=(FP8, j
     kernel (default: full mode, or the B=32 C=32K config)."""
     batches = batches or ([1, 32, 128] if quick else [1, 8, 32, 64, 128])
     contexts = contexts or ([131072, 32768] if quick else [4096, 16384, 32768, 65536, 131072])  # quick: 128K first
-    kern = functools.partial(indexer_logits, backend="mosaic_decode", page_size=PAGE, **(tiling or {}))
+    kern = functools.partial(indexer_logits, implementation="mosaic", kernel="decode", page_size=PAGE,
+                             config=IndexerMosaicConfig(**tiling) if tiling else None)
     triton = functools.partial(indexer_logits_triton, page_size=PAGE)
     copies = {}
     for dtype in dtypes:
@@ -426,7 +429,8 @@ def bench_topk(quick, tiling=None, shapes=None, tag=""):
             record(kind="topk" + tag, **params, unit="GBps", error=f"inputs/xla: {type(e).__name__}: {e}"[:300])
             continue
         for backend in TOPK_BACKENDS:  # the two on the same inputs, one after the other
-            kern = functools.partial(topk, k=TOPK, lengths=lengths, backend=backend, **(tiling or {}))
+            kern = functools.partial(topk, k=TOPK, lengths=lengths, implementation=backend,
+                                     config=TopkConfig(**tiling) if tiling else None)
             jitted = jax.jit(kern)
             rec = dict(kind="topk" + tag, **params, backend=backend, tiling=tiling or "default", unit="GBps")
             if xla_ms is None:

@@ -49,7 +49,7 @@ from jax_sparse_mla.config import FP8_TILE  # noqa: E402
 from timing import median_ms  # noqa: E402
 from jax_sparse_mla.ops import quantize_tiles  # noqa: E402
 from jax_sparse_mla.policy import dequantize_route  # noqa: E402
-from pallas_kernels.sparse_mla import sparse_mla, sparse_mla_reference  # noqa: E402
+from pallas_kernels.sparse_mla import CONFIGS, sparse_mla, sparse_mla_reference  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
@@ -137,11 +137,12 @@ def rel_err(out, ref_out, lse, ref_lse, slots):
 def kernel_fn(impl, tiling, dequantize, num_splits=None):
     """The jitted kernel of one backend ("triton", with an optional tiling, or "mosaic", with an
     optional num_splits)."""
-    kw = dict(INTERPRET) if tiling is None else dict(zip(TILING_KEYS, tiling), **INTERPRET)
+    tuning = {} if tiling is None else dict(zip(TILING_KEYS, tiling))
     if num_splits is not None:
-        kw["num_splits"] = num_splits
-    return jax.jit(functools.partial(sparse_mla, scale=SCALE, backend=impl, dequantize=dequantize,
-                                     page_size=PAGE_SIZE, **kw))
+        tuning["num_splits"] = num_splits
+    config = CONFIGS[impl](**tuning) if tuning else None
+    return jax.jit(functools.partial(sparse_mla, scale=SCALE, implementation=impl, config=config,
+                                     dequantize=dequantize, page_size=PAGE_SIZE, **INTERPRET))
 
 
 def run_config(kind, fmt, a, b, num_slots, reference_fn, impls, tilings=(None,), time_reference=True, empty=0.0,

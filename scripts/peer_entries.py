@@ -27,11 +27,12 @@ def sparse_mla_attention(q, latent, latent_scale, k_pe, slots, *, scale):
     if latent_scale is not None:
         # the plan's fp8 route for these rows; with no page list the upfront copy holds the whole cache
         dequantize = dequantize_route(q.shape[0], q.shape[1], slots.shape[-1], latent.shape[0])
-    return sparse_mla(q, latent, latent_scale, k_pe, slots, scale=scale, backend="mosaic", dequantize=dequantize)
+    return sparse_mla(q, latent, latent_scale, k_pe, slots, scale=scale, implementation="mosaic",
+                      dequantize=dequantize)
 
 
 def indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, *, page_size):
     """The Mosaic kernel `policy.indexer_kernel` picks for these rows and sequences (clean logits)."""
     kind = policy.indexer_kernel(q.shape[0], block_tables.shape[0])
     return _indexer_logits(q, weights, k_cache, k_scale, block_tables, row_seq, row_end, page_size=page_size,
-                           backend=f"mosaic_{kind}")
+                           implementation="mosaic", kernel=kind)

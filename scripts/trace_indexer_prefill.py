@@ -45,7 +45,7 @@ def schedule_given(x):
     """The peer entry's kernel with `mosaic_prefill._tiles` replaced, while it traces, by the
     schedule computed beforehand for these rows (constants of the program)."""
     tiles, static = mosaic_prefill._tiles, []
-    call = functools.partial(indexer_logits, page_size=64, backend="mosaic_prefill")
+    call = functools.partial(indexer_logits, page_size=64, implementation="mosaic", kernel="prefill")
 
     def record(*a):
         static[:] = a[2:]  # num_seqs, num_keys, block_rows
@@ -89,7 +89,7 @@ def main():
         "peer entry (clean)": jax.jit(functools.partial(peer_entry, page_size=64)),
         "schedule given (clean)": schedule_given(x),
         "mosaic_prefill clean=False": jax.jit(functools.partial(indexer_logits, page_size=64,
-                                                                backend="mosaic_prefill", clean=False)),
+                                                                implementation="mosaic", kernel="prefill", clean=False)),
     }
     rounds = {name: [] for name in variants}
     for r in range(args.rounds):
