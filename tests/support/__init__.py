@@ -111,11 +111,12 @@ def lower_mosaic_kernel() -> str:
 
     import jax.numpy as jnp
 
+    from pallas_kernels.indexer_logits import indexer_logits
+
     from .cases import FP8
-    from .ops import indexer_logits
 
     sd = jax.ShapeDtypeStruct
     args = (sd((2, 64, 128), FP8), sd((2, 64), jnp.float32), sd((1024, 128), FP8), sd((1024,), jnp.float32),
             sd((2, 8), jnp.int32), sd((2,), jnp.int32), sd((2,), jnp.int32))
-    fn = jax.jit(functools.partial(indexer_logits, "mosaic_decode", page_size=64, interpret=False))
+    fn = jax.jit(functools.partial(indexer_logits, page_size=64, implementation="mosaic", kernel="decode"))
     return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
