@@ -1016,12 +1016,12 @@ def cond_plan(config: MLAConfig, num_tokens: int, num_seqs: int, pages_per_seq: 
     longer than index_topk (a masked row's), unless long prefills attend sparsely."""
     if not (dense or sparse):
         raise ValueError("a cond plan holds the dense call, the sparse stages or both")
+    keys = key_ladder(num_tokens)[-1]  # the dense call's largest key size
     return BatchPlan(num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=pages_per_seq, use_dense_mha=None,
-                     num_sparse_tokens=num_tokens if sparse else 0,
-                     num_dense_keys=key_ladder(num_tokens)[-1] if dense else 0,
+                     num_sparse_tokens=num_tokens if sparse else 0, num_dense_keys=keys if dense else 0,
                      skip_indexer=skip_indexer, num_pages=num_pages, config=PlanConfig.of(config),
                      masked="some" if (dense and sparse and prefill_route != "sparse"
-                                       and key_ladder(num_tokens)[-1] > config.index_topk) else "none",
+                                       and keys > config.index_topk) else "none",
                      tensor_parallel=tensor_parallel)
 
 

@@ -23,7 +23,6 @@ from .reference import indexer_logits_reference
 from .triton import indexer_logits_triton
 
 
-
 @dataclasses.dataclass(frozen=True)
 class TritonConfig:
     """Tuning of the Triton kernel (None: its choice, `triton.choose_tiling`); fp8_imprecise_acc:
