@@ -23,8 +23,10 @@ to the same module every time: pallas_kernels.compat): docs/design/dispatch.md (
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
+import os
 import time
 from typing import Callable, Sequence
 
@@ -35,6 +37,7 @@ from . import kernels as kernel_ops
 from . import policy
 from .cache import init_cache
 from .config import MLAConfig, check_config_type
+from .executables import ExecutableStore
 from .model import jit_forward
 from .params import init_params
 from .plan import (MASKED, BatchMeta, BatchPlan, BucketPolicy, Dispatch, PlanConfig, check_options, cond_plan,
@@ -288,8 +291,11 @@ def count_programs(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *,
 @dataclasses.dataclass(frozen=True)
 class PrecompileReport:
     """num_programs: plans compiled; compile_s: total wall time; per_route: programs per route;
-    seconds: each plan's compile time (same order as plans); cache_dir: the persistent
-    compilation cache used (None: none)."""
+    plans: the plans, in order; seconds: each plan's own time (tracing and lowering, then its
+    compile or load; with workers > 1 compiles overlap, so they add up to more than compile_s);
+    method: "call" or "aot"; executables: "aot": each plan's jax.stages.Compiled (same order as
+    plans), () for "call"; loaded: how many of them came from the store (the rest compiled);
+    cache_dir: the persistent compilation cache used (None: none)."""
 
     num_programs: int
     compile_s: float
@@ -297,11 +303,14 @@ class PrecompileReport:
     plans: tuple[BatchPlan, ...]
     seconds: tuple[float, ...]
     method: str
+    executables: tuple[jax.stages.Compiled, ...]
+    loaded: int
     cache_dir: str | None
 
     def __str__(self):
         routes = ", ".join(f"{k} {v}" for k, v in self.per_route.items())
-        return f"{self.num_programs} programs ({routes}) compiled in {self.compile_s:.1f} s ({self.method})"
+        loaded = f", {self.loaded} loaded from the store" if self.loaded else ""
+        return f"{self.num_programs} programs ({routes}) in {self.compile_s:.1f} s ({self.method}{loaded})"
 
 
 def enable_persistent_cache(cache_dir: str | None, *, min_compile_time_s: float = 0.0,
@@ -322,71 +331,130 @@ def _abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
+Program = tuple[Callable, tuple, dict]  # a jitted function, its positional arguments, its static keywords
+
+
+def _name(fn: Callable) -> str:
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
 def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num_pages: int, max_num_seqs: int,
                max_num_batched_tokens: int, max_model_len: int | None = None, dispatch: Dispatch = "static",
                kernels: kernel_ops.Kernels = "auto", skip_indexer: bool = True, force_sparse: bool = False,
                prefill_route: policy.PrefillRoute = "auto", params=None, hidden_dtype=None, method: str = "call",
-               cache_dir: str | None = None,
-               min_compile_time_s: float = 0.0, min_entry_size_bytes: int = 0, plans: Sequence[BatchPlan] | None = None,
-               call: Callable[[BatchPlan], object] | None = None,
-               lower: Callable[[BatchPlan], jax.stages.Lowered] | None = None,
+               cache_dir: str | None = None, min_compile_time_s: float = 0.0, min_entry_size_bytes: int = 0,
+               store: str | os.PathLike | None = None, workers: int | None = None,
+               plans: Sequence[BatchPlan] | None = None, program: Callable[[BatchPlan], Program] | None = None,
                progress: bool | None = None) -> PrecompileReport:
-    """Compiles jit_forward (or the caller's program: `call`, `lower`) for every plan of
-    enumerate_plans (or `plans`) ahead of time.
+    """Compiles jit_forward (or the caller's `program`) for every plan of enumerate_plans (or
+    `plans`) ahead of time.
 
     params: a param dict (arrays or ShapeDtypeStructs) whose shapes and dtypes the serving loop
       passes (default: init_params's). hidden_dtype: the dtype of hidden (default config's, as the
-      Engine feeds). method: "call" (runs each plan on zero-filled inputs: also fills jit's
-      dispatch cache; allocates params and a cache of num_pages pages, or runs call(plan) instead
-      when given, e.g. the Engine's layer stack on its own caches) or "aot" (lower(...).compile()
-      on ShapeDtypeStructs: allocates nothing, fills the compilation caches; the first call still
-      traces and lowers). lower: for "aot", lower(plan) returns the jax.stages.Lowered to compile
-      instead of jit_forward's (e.g. the Engine's one program over all its layers); give `call`
-      beside it for the "call" method.
+      Engine feeds).
+    method: "call" (jit_forward run once a plan on zero-filled inputs, which fills jit's dispatch
+      cache: the first real call neither traces nor compiles; allocates params and a cache of
+      num_pages pages) or "aot" (each plan's program lowered on ShapeDtypeStructs and compiled,
+      allocating nothing: report.executables holds the jax.stages.Compiled to call; calling
+      jit_forward instead would trace and lower again).
+    program: for "aot", program(plan) -> (jitted function, positional args, static keywords) to
+      compile instead of jit_forward's (e.g. the Engine's one program over all its layers).
+    store: for "aot", an executables.ExecutableStore directory: a plan's executable is loaded
+      from it when present (no tracing, lowering or compiling) and written to it when compiled,
+      so a restarted process loads every program.
+    workers: for "aot", threads compiling programs while the next plans are traced and lowered
+      (default: min(8, CPUs)); lowering is Python and runs one plan at a time.
     cache_dir: also write jax's persistent compilation cache there (enable_persistent_cache, with
-      min_compile_time_s / min_entry_size_bytes), so another process loads instead of compiling.
+      min_compile_time_s / min_entry_size_bytes), so another process loads instead of compiling
+      (after tracing and lowering: a store skips those too).
     progress: a bar over the plans (None: only when stderr is a terminal, progress.show_progress).
     """
     check_config_type(config)
     if method not in ("aot", "call"):
         raise ValueError(f"method must be 'call' or 'aot', got {method!r}")
+    if method == "call" and (store is not None or workers is not None or program is not None):
+        raise ValueError("store, workers and program are for method='aot' (a \"call\" runs jit_forward once a plan)")
+    workers = min(8, os.cpu_count() or 1) if workers is None else as_int(workers, "workers", 1)
     if plans is None:
         plans = enumerate_plans(config, buckets, num_pages=num_pages, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                 dispatch=dispatch, skip_indexer=skip_indexer, force_sparse=force_sparse,
                                 prefill_route=prefill_route)
+    plans = tuple(plans)
     if cache_dir is not None:
         enable_persistent_cache(cache_dir, min_compile_time_s=min_compile_time_s,
                                 min_entry_size_bytes=min_entry_size_bytes)
     hidden_dtype = config.jnp_dtype if hidden_dtype is None else jnp.dtype(hidden_dtype)
-    if (lower if method == "aot" else call) is None:  # jit_forward's arguments
+    if program is None:  # jit_forward's arguments
         if params is None:
             params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
         abstract_params = _abstract(params)
         abstract_cache = jax.eval_shape(lambda: init_cache(config, num_pages))
-    if method == "call" and call is None:
-        zeros = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), t)  # noqa: E731
-        params_zero, cache = zeros(abstract_params), zeros(abstract_cache)
-    seconds = []
     t_all = time.perf_counter()
-    for plan in progress_bar(plans, progress=progress, desc="precompile", unit="program"):
-        t0 = time.perf_counter()
-        if method == "aot" and lower is not None:
-            lower(plan).compile()
-        elif method == "aot":
-            meta = BatchMeta(**{k: jax.ShapeDtypeStruct(s, jnp.int32) for k, s in BatchMeta.shapes(plan).items()})
-            x = jax.ShapeDtypeStruct((plan.num_tokens, config.hidden_size), hidden_dtype)
-            jit_forward.lower(abstract_params, x, abstract_cache, meta, plan=plan, config=config,
-                              kernels=kernels).compile()
-        elif call is not None:
-            call(plan)
+    bar = progress_bar(total=len(plans), progress=progress, desc="precompile", unit="program")
+    try:
+        if method == "call":
+            zeros = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), t)  # noqa: E731
+            params_zero, cache = zeros(abstract_params), zeros(abstract_cache)
+            seconds = []
+            for plan in plans:
+                t0 = time.perf_counter()
+                meta = jax.tree.map(jnp.asarray, BatchMeta.empty(plan))  # every row padding: writes nowhere
+                x = jnp.zeros((plan.num_tokens, config.hidden_size), hidden_dtype)
+                out, cache = jit_forward(params_zero, x, cache, meta, plan=plan, config=config, kernels=kernels)
+                out.block_until_ready()
+                seconds.append(time.perf_counter() - t0)
+                bar.update(1)
+            executables, loaded = (), 0
         else:
-            meta = jax.tree.map(jnp.asarray, BatchMeta.empty(plan))  # every row padding: writes nowhere
-            x = jnp.zeros((plan.num_tokens, config.hidden_size), hidden_dtype)
-            out, cache = jit_forward(params_zero, x, cache, meta, plan=plan, config=config, kernels=kernels)
-            out.block_until_ready()
-        seconds.append(time.perf_counter() - t0)
+            if program is None:
+                def program(plan):
+                    meta = BatchMeta(**{k: jax.ShapeDtypeStruct(s, jnp.int32)
+                                        for k, s in BatchMeta.shapes(plan).items()})
+                    x = jax.ShapeDtypeStruct((plan.num_tokens, config.hidden_size), hidden_dtype)
+                    return jit_forward, (abstract_params, x, abstract_cache, meta), dict(plan=plan, config=config,
+                                                                                          kernels=kernels)
+            executables, seconds, loaded = _aot(plans, program, None if store is None else ExecutableStore(store),
+                                                workers, bar)
+    finally:
+        bar.close()
     counts = collections.Counter(p.route for p in plans)
     return PrecompileReport(num_programs=len(plans), compile_s=time.perf_counter() - t_all,
-                            per_route=dict(sorted(counts.items())), plans=tuple(plans), seconds=tuple(seconds),
-                            method=method, cache_dir=None if cache_dir is None else str(cache_dir))
+                            per_route=dict(sorted(counts.items())), plans=plans, seconds=tuple(seconds),
+                            method=method, executables=executables, loaded=loaded,
+                            cache_dir=None if cache_dir is None else str(cache_dir))
+
+
+def _aot(plans: tuple[BatchPlan, ...], program: Callable[[BatchPlan], Program], store: ExecutableStore | None,
+         workers: int, bar) -> tuple[tuple[jax.stages.Compiled, ...], list[float], int]:
+    """precompile's "aot": each plan's program loaded from the store, or traced and lowered here
+    (one at a time: Python) and compiled by a pool of `workers` threads (XLA and the Mosaic GPU
+    runtime compile outside the GIL), then written to the store. -> (executables, seconds, loaded)."""
+    executables: list = [None] * len(plans)
+    seconds = [0.0] * len(plans)
+    loaded = 0
+
+    def compile_(i: int, lowered: jax.stages.Lowered, key: str | None, lower_s: float) -> None:
+        t0 = time.perf_counter()
+        executables[i] = lowered.compile()
+        if store is not None:
+            store.save(key, executables[i])
+        seconds[i] = lower_s + time.perf_counter() - t0
+        bar.update(1)
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = []
+        for i, plan in enumerate(plans):
+            t0 = time.perf_counter()
+            fn, args, static = program(plan)
+            key = None if store is None else store.key(_name(fn), static, args)
+            if key is not None and (compiled := store.load(key)) is not None:
+                executables[i], seconds[i] = compiled, time.perf_counter() - t0
+                loaded += 1
+                bar.update(1)
+                continue
+            lowered = fn.lower(*args, **static)
+            futures.append(pool.submit(compile_, i, lowered, key, time.perf_counter() - t0))
+        for f in futures:
+            f.result()  # raises a compile's error here
+    return tuple(executables), seconds, loaded

@@ -1,32 +1,31 @@
 """Warm-up before serving, at real dimensions: the wall time of `Engine.precompile` (every program
-a run under the engine's limits can need) into an empty persistent compilation cache (cold), then
-in a restarted process over that cache (restart: the programs loaded, not compiled).
+a run under the engine's limits can need) into an empty executable store (cold: each program
+traced, lowered and compiled), then in a restarted process over that store (restart: each
+program loaded, nothing lowered or compiled).
 
     python scripts/bench_warmup.py [--kv bf16|fp8] [--dispatch cond|static] [--max-num-seqs 256]
         [--max-num-batched-tokens 8192] [--max-model-len 131072] [--num-pages 65536]
-        [--programs START:STOP] [--cache-dir DIR] [--out warmup.json]   # GPU, deepseek_v32
+        [--programs START:STOP] [--workers N] [--store DIR] [--out warmup.json]   # GPU, deepseek_v32
     python scripts/bench_warmup.py --smoke                     # CPU: tiny config, small limits
 
 Each phase is a fresh process (this script again, with an internal --phase flag): it builds
 Engine(config, num_layers=1, num_pages=..., max_num_seqs=..., max_num_batched_tokens=...,
-max_model_len=..., dispatch=...) and times engine.precompile(cache_dir=DIR). First, in this
-process (no device touched), the program set per route for the same options (enumerate_plans,
-as count_programs counts it): the program count before anything compiles. The defaults are a DeepSeek-V3.2 serving engine's limits (65536 pages,
-256 sequences, 8192 tokens a step, 131072-token requests) and the engine's default program set
-(dispatch cond under BucketPolicy.for_limits: 30 programs; static there would be 105,972).
---programs START:STOP: both phases warm up that slice of the set only (enumerate_plans' order):
-a cold warm-up longer than one run's time limit is measured in parts, whose seconds add up.
+max_model_len=..., dispatch=...) and times engine.precompile(store=DIR, workers=N). First, in
+this process (no device touched), the program set per route for the same options
+(enumerate_plans, as count_programs counts it): the program count before anything compiles.
+The defaults are a DeepSeek-V3.2 serving engine's limits (65536 pages, 256 sequences, 8192
+tokens a step, 131072-token requests) and the engine's default program set (dispatch cond under
+BucketPolicy.for_limits: 30 programs; static there would be 105,972). --programs START:STOP:
+both phases warm up that slice of the set only (enumerate_plans' order).
 
-Each program is warmed up by its own Engine.precompile call, and the child prints a line per
-program to stderr as it ends (a run cut by a time limit still shows how far it got and each
-program's seconds). Per phase: precompile_s (the precompile calls), process_s (the whole process: imports, engine
-init, precompile), the PrecompileReport's program count, routes and method (the default,
-"call"), each program's seconds (program_s; median, max), and the
-jax.monitoring events of the precompile call: persistent-cache hits and misses, and jax's
-backend-compile events (one per executable built: an XLA compile or a load from the persistent
-cache) and their seconds. A restart served by the cache has hits and no misses. Each phase's
-result is printed, and --out rewritten, as soon as it is measured (a run cut short keeps them).
---cache-dir must be empty or absent (default: a temporary directory, removed at the end).
+Per phase: precompile_s (the precompile call), process_s (the whole process: imports, engine
+init, precompile), the PrecompileReport's program count, routes, how many programs it loaded
+from the store, each program's seconds (program_s: its tracing and lowering plus its compile or
+load; compiles overlap in the worker threads, so these add up to more than precompile_s; median,
+max), and jax's backend-compile events (one per XLA compile) and their seconds: a restart
+served by the store has none. The precompile bar goes to stderr (a run cut by a time limit
+shows how far it got). Each phase's result is printed, and --out rewritten, as soon as it is
+measured. --store must be empty or absent (default: a temporary directory, removed at the end).
 """
 
 from __future__ import annotations
@@ -50,7 +49,6 @@ from jax_sparse_mla import MLAConfig  # noqa: E402
 LIMITS = dict(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=131072, num_pages=65536)
 SMOKE_LIMITS = dict(max_num_seqs=1, max_num_batched_tokens=32, max_model_len=32, num_pages=17)
 KV = {"bf16": "bfloat16", "fp8": "fp8"}
-HIT, MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
 COMPILE = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT: compile or load
 
 
@@ -63,7 +61,8 @@ def parse_args(argv=None):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                        help=f"default {LIMITS[name]} ({SMOKE_LIMITS[name]} with --smoke)")
     p.add_argument("--programs", default=":", help="START:STOP, a slice of the program set (default: all)")
-    p.add_argument("--cache-dir", default=None, help="persistent compilation cache, empty or absent")
+    p.add_argument("--workers", type=int, default=None, help="compiling threads (default: precompile's)")
+    p.add_argument("--store", default=None, help="executable store directory, empty or absent")
     p.add_argument("--out", default=None, help="write the counts and each phase's result as JSON here")
     p.add_argument("--phase", choices=("cold", "restart"), default=None, help=argparse.SUPPRESS)  # a child
     a = p.parse_args(argv)
@@ -92,13 +91,12 @@ def enumerate_set(args) -> list:
 
 
 def phase(args) -> dict:
-    """One phase in this process: the engine, then its precompile, timed and its events counted."""
+    """One phase in this process: the engine, then its precompile, timed and its compiles counted."""
     import jax
 
     from jax_sparse_mla.serving import Engine
 
     events, seconds = Counter(), defaultdict(float)
-    jax.monitoring.register_event_listener(lambda event, **kw: events.update([event]))
 
     def duration(event, secs, **kw):
         events[event] += 1
@@ -110,34 +108,32 @@ def phase(args) -> dict:
                     dispatch=args.dispatch)
     jax.block_until_ready((engine.params, engine.caches, engine.pool))
     t1 = time.perf_counter()
-    before, before_s = Counter(events), dict(seconds)  # the engine's own programs: outside the cache
-    program_s, per_route, method = [], Counter(), None
-    start = args.slice.start or 0
-    for i, plan in enumerate(enumerate_set(args)[args.slice], start):  # one call a program: a line as it ends
-        report = engine.precompile(cache_dir=args.cache_dir, progress=False, plans=[plan])
-        program_s += report.seconds
-        per_route.update(report.per_route)
-        method = report.method
-        stages = "+".join(s for s, n in (("dense", plan.num_dense_keys), ("sparse", plan.num_sparse_tokens)) if n)
-        print(f"  {args.phase} program {i}: {plan.num_tokens} rows, {stages or plan.route}: {report.seconds[0]:.1f} s",
-              file=sys.stderr, flush=True)
+    before, before_s = Counter(events), dict(seconds)  # the engine's own programs: outside the store
+    report = engine.precompile(store=args.store, workers=args.workers, progress=True,
+                               plans=enumerate_set(args)[args.slice])
     t2 = time.perf_counter()
     events.subtract(before)
+    start = args.slice.start or 0
+    for i, (plan, secs) in enumerate(zip(report.plans, report.seconds), start):
+        stages = "+".join(s for s, n in (("dense", plan.num_dense_keys), ("sparse", plan.num_sparse_tokens)) if n)
+        print(f"  {args.phase} program {i}: {plan.num_tokens} rows, {stages or plan.route}: {secs:.1f} s",
+              file=sys.stderr, flush=True)
+    program_s = list(report.seconds)
     return {"phase": args.phase, "precompile_s": t2 - t1, "engine_init_s": t1 - t0,
-            "num_programs": len(program_s), "per_route": dict(sorted(per_route.items())), "method": method,
+            "num_programs": report.num_programs, "per_route": report.per_route, "loaded": report.loaded,
             "program_s": program_s,
             "program_s_median": statistics.median(program_s) if program_s else 0.0,
             "program_s_max": max(program_s, default=0.0),
-            "cache_hits": events[HIT], "cache_misses": events[MISS], "executables": events[COMPILE],
-            "executables_s": seconds[COMPILE] - before_s.get(COMPILE, 0.0),
+            "compiles": events[COMPILE], "compiles_s": seconds[COMPILE] - before_s.get(COMPILE, 0.0),
             "device": jax.devices()[0].device_kind, "jax": jax.__version__}
 
 
-def run_phase(args, name: str, cache_dir: str) -> dict:
+def run_phase(args, name: str, store: str) -> dict:
     """Runs a phase in a fresh process (its stderr, precompile's progress bar, passes through) ->
     its result, with process_s; or {"error": ...}."""
-    argv = [os.path.abspath(__file__), "--phase", name, "--cache-dir", cache_dir, "--kv", args.kv,
-            "--dispatch", args.dispatch, f"--programs={args.programs}"] + [
+    argv = [os.path.abspath(__file__), "--phase", name, "--store", store, "--kv", args.kv,
+            "--dispatch", args.dispatch, f"--programs={args.programs}"] + (
+        [] if args.workers is None else ["--workers", str(args.workers)]) + [
         f"--{k.replace('_', '-')}={getattr(args, k)}" for k in LIMITS]
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, *argv, *(["--smoke"] if args.smoke else [])], stdout=subprocess.PIPE,
@@ -160,8 +156,8 @@ def main(argv=None) -> int:
     if args.phase:  # a child: one phase, its result on the last line
         print("RESULT " + json.dumps(phase(args)), flush=True)
         return 0
-    if args.cache_dir and os.path.isdir(args.cache_dir) and os.listdir(args.cache_dir):
-        sys.exit(f"--cache-dir {args.cache_dir} is not empty: the cold phase needs an empty persistent cache")
+    if args.store and os.path.isdir(args.store) and os.listdir(args.store):
+        sys.exit(f"--store {args.store} is not empty: the cold phase needs an empty executable store")
     plans = enumerate_set(args)
     counts = dict(Counter(p.route for p in plans), total=len(plans))
     chosen = len(plans[args.slice])
@@ -171,26 +167,25 @@ def main(argv=None) -> int:
     print(f"{result['config']}, kv {args.kv}, dispatch {args.dispatch}, {result['limits']}: count_programs {counts}; "
           f"warming up {chosen} of them ({args.programs})", flush=True)
     write(args.out, result)
-    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="bench_warmup_cache_")
+    store = args.store or tempfile.mkdtemp(prefix="bench_warmup_store_")
     try:
         for name in ("cold", "restart"):
-            r = result["phases"][name] = run_phase(args, name, cache_dir)
+            r = result["phases"][name] = run_phase(args, name, store)
             write(args.out, result)
             if "error" in r:
                 print(f"{name:<8} failed ({r['error']})", flush=True)
                 return 1
             routes = ", ".join(f"{k} {v}" for k, v in r["per_route"].items())
-            print(f"{name:<8} {r['num_programs']} programs ({routes}, {r['method']}) in {r['precompile_s']:.1f} s "
-                  f"(per program median {r['program_s_median']:.2f} s, max {r['program_s_max']:.2f}; process "
-                  f"{r['process_s']:.1f} s, engine init {r['engine_init_s']:.1f} s); persistent cache: "
-                  f"{r['cache_hits']} hits, {r['cache_misses']} misses; executables built {r['executables']} "
-                  f"({r['executables_s']:.1f} s compiling or loading); {r['device']}", flush=True)
+            print(f"{name:<8} {r['num_programs']} programs ({routes}) in {r['precompile_s']:.1f} s, {r['loaded']} "
+                  f"loaded from the store (per program median {r['program_s_median']:.2f} s, max "
+                  f"{r['program_s_max']:.2f}; process {r['process_s']:.1f} s, engine init {r['engine_init_s']:.1f} s); "
+                  f"XLA compiles {r['compiles']} ({r['compiles_s']:.1f} s); {r['device']}", flush=True)
         cold, restart = result["phases"]["cold"], result["phases"]["restart"]
         print(f"restart / cold: {restart['precompile_s'] / cold['precompile_s']:.3f} (precompile), "
               f"{restart['process_s'] / cold['process_s']:.3f} (process)", flush=True)
     finally:
-        if args.cache_dir is None:
-            shutil.rmtree(cache_dir, ignore_errors=True)
+        if args.store is None:
+            shutil.rmtree(store, ignore_errors=True)
     if args.out:
         print(f"wrote {args.out}")
     return 0

@@ -4,6 +4,7 @@ limits, and after precompile a serving run compiles nothing; the persistent cach
 import dataclasses
 import itertools
 import os
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -105,44 +106,92 @@ def test_count_programs_per_route():
     assert set(cond) == {"total", "cond"} and cond["total"] < counts["total"]
 
 
-def test_after_precompile_a_serving_run_compiles_nothing(tmp_path):
-    """Engine.precompile(method="aot") lowers and compiles the engine's step program for every
-    enumerated plan (one backend compile each, written to the persistent cache): the plans of a
-    run are among them and the run compiles nothing."""
+def test_after_precompile_a_serving_run_compiles_nothing_and_a_new_engine_loads_every_program(tmp_path):
+    """Engine.precompile lowers and compiles the engine's step program for every enumerated plan
+    (one backend compile each, written to the executable store): the plans of a run are among
+    them and the run compiles nothing. A second engine over the same store (a restarted server)
+    loads every program, compiling and lowering none, and its run gives the first run's outputs."""
     from jax_sparse_mla.serving import Engine, Workload
 
     # one sequence a step: 9 programs instead of LIMITS' 41 (an XLA compile on a CPU costs ~3 s),
     # masked and unmasked steps in the run; two-sequence batches: the Engine.precompile test below
     # and the serving tests
     limits = dict(LIMITS, max_num_seqs=1)
-    engine = Engine(TINY, num_layers=1, num_pages=limits["num_pages"], max_num_seqs=limits["max_num_seqs"],
-                    max_num_batched_tokens=limits["max_num_batched_tokens"], max_model_len=limits["max_model_len"],
-                    kernels="xla", dispatch="static")  # static: masked and unmasked programs
-    jax.block_until_ready((engine.params, engine.caches, engine.pool))
+
+    def engine():
+        e = Engine(TINY, num_layers=1, num_pages=limits["num_pages"], max_num_seqs=limits["max_num_seqs"],
+                   max_num_batched_tokens=limits["max_num_batched_tokens"], max_model_len=limits["max_model_len"],
+                   kernels="xla", dispatch="static")  # static: masked and unmasked programs
+        jax.block_until_ready((e.params, e.caches, e.pool))
+        return e
+
+    workload = Workload(num_requests=5, input_len=14, output_len=6, input_range_ratio=0.9, output_range_ratio=0.5,
+                        seed=3)
+    first = engine()
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, secs, **kw: compiles.append(kw.get("fun_name")) if event == COMPILE_EVENT else None)
-    saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
-             jax.config.jax_persistent_cache_min_entry_size_bytes)
-    try:
-        # kernels "xla": what is checked is that every plan's program is built ahead of the run, whatever
-        # its kernels (the interpreted Pallas ones would only make the CPU suite slower; the "call"
-        # warm-up below runs them)
-        report = engine.precompile(method="aot", cache_dir=str(tmp_path / "jax_cache"), progress=False)
-    finally:  # the persistent cache is process-wide: point it back for the rest of the session
-        enable_persistent_cache(saved[0], min_compile_time_s=saved[1], min_entry_size_bytes=saved[2])
+    # kernels "xla": what is checked is that every plan's program is built ahead of the run, whatever
+    # its kernels (the interpreted Pallas ones would only make the CPU suite slower)
+    report = first.precompile(store=tmp_path / "store", workers=2, progress=False)
     assert report.method == "aot" and report.num_programs == sum(report.per_route.values()) == len(report.plans)
-    kw = engine.options.plan_kwargs(TINY, limits["num_pages"])
+    assert report.loaded == 0 and len(report.executables) == report.num_programs
+    kw = first.options.plan_kwargs(TINY, limits["num_pages"])
     assert report.plans == tuple(enumerate_plans(TINY, kw.pop("buckets"), **limits, **kw))
     assert len(compiles) == report.num_programs and all("layer_stack" in f for f in compiles), compiles
-    assert any(os.scandir(tmp_path / "jax_cache"))  # the persistent cache got entries
+    assert len(list((tmp_path / "store").glob("*.executable"))) == report.num_programs
     before = len(compiles)
-    result = engine.run(Workload(num_requests=5, input_len=14, output_len=6, input_range_ratio=0.9,
-                                 output_range_ratio=0.5, seed=3), progress=False)
+    result = first.run(workload, progress=False, collect_outputs=True)
     assert len(result.steps) > 5
     assert {s.plan for s in result.steps} <= set(report.plans)
     assert {s.plan.masked for s in result.steps} >= {"none", "all"}  # masked MHA steps among them
     assert len(compiles) == before, compiles[before:]  # no backend compile during the run
+    assert all(s.new_programs == 0 for s in result.steps)
+
+    jax.clear_caches()  # nothing of the first engine's programs left in this process but its executables
+    second = engine()
+    before = len(compiles)
+    loaded = second.precompile(store=tmp_path / "store", progress=False)
+    assert loaded.loaded == loaded.num_programs == report.num_programs and len(compiles) == before, compiles[before:]
+    again = second.run(workload, progress=False, collect_outputs=True)
+    assert len(compiles) == before and [s.plan for s in again.steps] == [s.plan for s in result.steps]
+    for rid, out in result.outputs.items():
+        np.testing.assert_array_equal(again.outputs[rid], out)
+
+
+def test_executable_store_keys_follow_everything_that_decides_the_program(tmp_path):
+    """ExecutableStore.key changes with the function's name, any static argument, any argument's
+    shape or dtype, and the library's source (executables.source_digest); an entry that cannot be
+    loaded is a miss with a warning naming it, never an error."""
+    from jax_sparse_mla import executables
+    from jax_sparse_mla.executables import ExecutableStore
+
+    store = ExecutableStore(tmp_path / "store")
+    f32 = jax.ShapeDtypeStruct((4, 8), np.float32)
+    base = store.key("m.f", dict(plan=1, config="a"), (f32,))
+    assert base == store.key("m.f", dict(config="a", plan=1), (f32,))  # keyword order does not matter
+    assert len({base, store.key("m.g", dict(plan=1, config="a"), (f32,)),
+                store.key("m.f", dict(plan=2, config="a"), (f32,)),
+                store.key("m.f", dict(plan=1, config="b"), (f32,)),
+                store.key("m.f", dict(plan=1, config="a"), (jax.ShapeDtypeStruct((4, 9), np.float32),)),
+                store.key("m.f", dict(plan=1, config="a"), (jax.ShapeDtypeStruct((4, 8), np.int32),)),
+                store.key("m.f", dict(plan=1, config="a"), [f32])}) == 7
+    original = executables.source_digest()
+    executables.source_digest.cache_clear()
+    try:
+        with mock.patch.object(executables.pathlib.Path, "read_bytes", lambda self: b"other source"):
+            assert store.key("m.f", dict(plan=1, config="a"), (f32,)) != base
+    finally:
+        executables.source_digest.cache_clear()
+    assert executables.source_digest() == original
+    assert store.load(base) is None  # no entry
+    compiled = jax.jit(lambda x: x * 2).lower(f32).compile()
+    store.save(base, compiled)
+    x = np.arange(32, dtype=np.float32).reshape(4, 8)
+    np.testing.assert_array_equal(store.load(base)(x), x * 2)
+    (tmp_path / "store" / f"{base}.executable").write_bytes(b"truncated")
+    with pytest.warns(UserWarning, match=rf"executable store: cannot load {base}.executable"):
+        assert store.load(base) is None
 
 
 @pytest.mark.parametrize("kernels", ["xla", "pallas"])
@@ -192,16 +241,18 @@ def test_mosaic_gpu_kernels_lower_to_the_same_module_every_time(monkeypatch):
     assert texts[0] != texts[1] and normal[0] == normal[1]
 
 
-def test_precompile_runs_each_plan_by_default_and_refuses_an_unknown_method():
-    """method "call" (the default) runs call(plan) for each plan; any other method than "call" or
-    "aot" is a ValueError before anything runs."""
+def test_precompile_refuses_an_unknown_method_and_aot_options_for_call():
+    """Any other method than "call" or "aot", and store / workers / program with "call", are a
+    ValueError before anything compiles."""
     plan, _ = scored_plan(TINY)
     kw = dict(plans=[plan], num_pages=8, max_num_seqs=2, max_num_batched_tokens=16, progress=False)
-    called = []
     with pytest.raises(ValueError, match="method must be 'call' or 'aot', got 'auto'"):
-        precompile(TINY, **kw, method="auto", call=called.append)
-    assert called == []
-    assert precompile(TINY, **kw, call=called.append).method == "call" and called == [plan]
+        precompile(TINY, **kw, method="auto")
+    for option in (dict(store="somewhere"), dict(workers=2), dict(program=lambda p: None)):
+        with pytest.raises(ValueError, match="store, workers and program are for method='aot'"):
+            precompile(TINY, **kw, **option)
+    with pytest.raises(ValueError, match="workers must be"):
+        precompile(TINY, **kw, method="aot", workers=0)
 
 
 def test_aot_precompile_serves_the_plan_from_the_persistent_cache(tmp_path):
@@ -220,7 +271,7 @@ def test_aot_precompile_serves_the_plan_from_the_persistent_cache(tmp_path):
         jax.clear_caches()  # an earlier test of this process may have compiled the same program
         report = precompile(TINY, plans=[plan], num_pages=8, max_num_seqs=2, max_num_batched_tokens=16,
                             kernels=kernels, method="aot", cache_dir=str(tmp_path / "jax_cache"), progress=False)
-        assert report.method == "aot" and report.plans == (plan,)
+        assert report.method == "aot" and report.plans == (plan,) and len(report.executables) == 1
         assert events.count(_CACHE_MISS) == 1 and any(os.scandir(tmp_path / "jax_cache"))
         jax.clear_caches()  # the call below can only find the program in the persistent cache
         params, cache = init_params(TINY, jax.random.key(0)), init_cache(TINY, 8)
@@ -272,15 +323,50 @@ def test_precompile_with_mosaic_kernels_serves_a_restarted_process_from_the_pers
     assert runs[1]["warm"].count(_CACHE_HIT) >= 1 and _CACHE_MISS not in runs[1]["warm"], runs[1]  # loaded
 
 
-def test_engine_precompile_call_leaves_nothing_to_compile():
-    """Engine.precompile(method="call"): a run then compiles nothing at all (no backend compile of
-    any function, and no new dispatch entry of the engine's step: every StepRecord.new_programs is 0)."""
+_STORE_RESTART = """
+import hashlib, json, sys
+import jax, numpy as np
+from jax_sparse_mla import MLAConfig, init_cache, init_params
+from jax_sparse_mla.precompile import precompile
+from tests.support import COMPILE_EVENT, scored_plan
+config = MLAConfig.tiny()
+plan, meta = scored_plan(config)
+params, cache = init_params(config, jax.random.key(0)), init_cache(config, 8)
+x = jax.random.normal(jax.random.key(1), (plan.num_tokens, config.hidden_size), config.jnp_dtype)
+compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, secs, **kw: compiles.append(event) if event == COMPILE_EVENT else None)
+report = precompile(config, plans=[plan], num_pages=8, max_num_seqs=2, max_num_batched_tokens=16,
+                    kernels="pallas", method="aot", store=sys.argv[1], progress=False)
+out, _ = report.executables[0](params, x, cache, meta)
+out = np.asarray(out, np.float32)
+print("RESULT " + json.dumps(dict(loaded=report.loaded, compiles=len(compiles), finite=bool(np.isfinite(out).all()),
+                                  digest=hashlib.sha256(out.tobytes()).hexdigest())))
+"""
+
+
+@pytest.mark.gpu
+def test_a_restarted_process_loads_its_mosaic_kernel_program_from_the_store(tmp_path):
+    """Compiled Mosaic GPU and Triton kernels in an executable store: the first process compiles
+    the program and writes it, a second loads it (no backend compile, no lowering) and its output
+    is the first's, bit for bit."""
+    runs = [run_python(_STORE_RESTART, str(tmp_path / "store"), env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+                       timeout=600) for _ in range(2)]
+    assert runs[0]["loaded"] == 0 and runs[0]["compiles"] >= 1 and runs[0]["finite"], runs[0]
+    assert runs[1]["loaded"] == 1 and runs[1]["compiles"] == 0, runs[1]
+    assert runs[1]["digest"] == runs[0]["digest"]
+
+
+def test_engine_precompile_leaves_nothing_to_compile():
+    """Engine.precompile (the engine's cond programs, default kernels): a run then compiles nothing
+    at all (no backend compile of any function, and no new dispatch entry of the engine's step:
+    every StepRecord.new_programs is 0)."""
     from jax_sparse_mla.serving import Engine, Workload
 
     engine = Engine(TINY, num_layers=2, num_pages=LIMITS["num_pages"], max_num_seqs=LIMITS["max_num_seqs"],
                     max_num_batched_tokens=LIMITS["max_num_batched_tokens"], max_model_len=LIMITS["max_model_len"])
-    report = engine.precompile(method="call", progress=False)
-    assert report.per_route == {"cond": report.num_programs} and report.method == "call"
+    report = engine.precompile(progress=False)
+    assert report.per_route == {"cond": report.num_programs} and report.method == "aot"
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, secs, **kw: compiles.append(kw.get("fun_name")) if event == COMPILE_EVENT else None)

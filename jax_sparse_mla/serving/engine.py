@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections import deque
 from typing import Callable, Iterable, Mapping, Sequence
@@ -293,6 +294,8 @@ class Engine:
         self.params = list(params)
         self.block_params = list(block_params) if block_params is not None else None
         self.caches = [init_cache(config, num_pages) for _ in range(num_layers)]
+        # (plan, kernels) -> the step's jax.stages.Compiled (precompile)
+        self._executables: dict[tuple[BatchPlan, str], jax.stages.Compiled] = {}
         pool = jax.random.normal(jax.random.fold_in(key, 1 << 20), (pool_size, config.hidden_size), jnp.float32)
         self.pool = jnp.concatenate([pool, jnp.zeros((1, config.hidden_size))]).astype(config.jnp_dtype)
 
@@ -331,42 +334,40 @@ class Engine:
                 dict(plan=plan, config=self.config, kernels=kernels, moe=self.moe))
 
     def _forward(self, plan: BatchPlan, meta: BatchMeta, rows: np.ndarray | Sequence[int], kernels: str) -> jax.Array:
-        """One step through every layer: a single dispatch of jit_layer_stack (_step_call's
-        arguments: one transfer of the packed input), the caches donated and replaced. Returns x
+        """One step through every layer: a single dispatch of the plan's precompiled executable, or
+        of jit_layer_stack without one (_step_call's arguments: one transfer of the packed input),
+        the caches donated and replaced. Returns x
         [plan.num_tokens, hidden_size] config dtype after the last layer."""
         args, kwargs = self._step_call(plan, meta, rows, kernels)
-        x, self.caches = jit_layer_stack(*args, **kwargs)
+        executable = self._executables.get((plan, kernels))
+        x, self.caches = executable(*args) if executable is not None else jit_layer_stack(*args, **kwargs)
         return x
 
-    def _run_padding(self, plan: BatchPlan, kernels: str) -> None:
-        """Runs plan's step once on padding only (BatchMeta.empty: writes no cache slot), which
-        compiles its program, and waits for it."""
-        self._forward(plan, BatchMeta.empty(plan), (), kernels).block_until_ready()
-
     def compile_batches(self, batches: Iterable[Sequence[Request]], **overrides) -> int:
-        """Compiles the step program (jit_layer_stack: the row gather, every layer, the residual
-        adds) of each batch's plan, once per distinct plan, by running it on padding only (writes
-        no cache slot). Returns the number of executables jit_layer_stack compiled."""
+        """Compiles the step program of each batch's plan that has no executable yet (precompile's
+        plans=: ahead of time, kept for run). Returns the number of programs compiled."""
         opts = self.options.with_overrides(overrides)
-        before, seen = jit_layer_stack._cache_size(), set()
+        plans = {}  # distinct, in order
         for requests in batches:
             plan, _ = self._plan(check_batch, opts, list(requests))
-            if plan not in seen:
-                seen.add(plan)
-                self._run_padding(plan, opts.kernels)
-        return jit_layer_stack._cache_size() - before
+            if (plan, opts.kernels) not in self._executables:
+                plans[plan] = None
+        if plans:
+            self.precompile(plans=list(plans), progress=False, **overrides)
+        return len(plans)
 
-    def precompile(self, *, method: str = "call", cache_dir: str | None = None, progress: bool | None = None,
-                   plans: Sequence[BatchPlan] | None = None, **overrides):
+    def precompile(self, *, store: str | os.PathLike | None = None, workers: int | None = None,
+                   progress: bool | None = None, plans: Sequence[BatchPlan] | None = None, **overrides):
         """Compiles every step program a run under these options can need, whatever the workload:
         jit_layer_stack for the plans of EngineOptions.program_set for this engine's num_pages
-        (overrides: EngineOptions fields, as for run). method "call" (default): each plan's step
-        run once on padding-only metadata (writes no cache slot), after which a run compiles
-        nothing and adds no entry; "aot": each plan's step lowered (on this engine's pool, params
-        and caches) and compiled ahead of time (the first call of a plan still traces it and adds
-        a dispatch entry, which StepRecord.new_programs counts, but compiles nothing). cache_dir: jax's persistent compilation cache. progress: a bar over
-        the plans (None: only when stderr is a terminal). plans: these of the set only (default:
-        every one; a warm-up measured in parts, say). Returns the PrecompileReport."""
+        (overrides: EngineOptions fields, as for run), each lowered on this engine's pool, params
+        and caches and compiled ahead of time (precompile's "aot"). The engine keeps the
+        executables: a run's step with a precompiled plan calls its executable, so it neither
+        traces nor compiles. store: an ExecutableStore directory (load what it holds, write what
+        is compiled: a restarted engine loads its programs in seconds). workers: compiling
+        threads (precompile's). progress: a bar over the plans (None: only when stderr is a
+        terminal). plans: these of the set only (default: every one). Returns the
+        PrecompileReport."""
         from ..precompile import precompile
 
         opts = self.options.with_overrides(overrides)
@@ -374,14 +375,15 @@ class Engine:
         if plans is None:
             plans = opts.program_set(self.config, self.num_pages)
 
-        def lower(plan):
-            args, kwargs = self._step_call(plan, BatchMeta.empty(plan), (), opts.kernels)
-            return jit_layer_stack.lower(*args, **kwargs)
+        def program(plan):
+            args, static = self._step_call(plan, BatchMeta.empty(plan), (), opts.kernels)
+            return jit_layer_stack, args, static
 
-        return precompile(self.config, buckets, num_pages=self.num_pages, max_num_seqs=opts.max_num_seqs,
-                          max_num_batched_tokens=opts.max_num_batched_tokens, kernels=opts.kernels, method=method,
-                          cache_dir=cache_dir, plans=plans, call=lambda plan: self._run_padding(plan, opts.kernels),
-                          lower=lower, progress=progress)
+        report = precompile(self.config, buckets, num_pages=self.num_pages, max_num_seqs=opts.max_num_seqs,
+                            max_num_batched_tokens=opts.max_num_batched_tokens, kernels=opts.kernels, method="aot",
+                            store=store, workers=workers, plans=plans, program=program, progress=progress)
+        self._executables.update(((p, opts.kernels), e) for p, e in zip(report.plans, report.executables))
+        return report
 
     def forward_batch(self, requests: Sequence[Request], **overrides):
         """One batch through the layer stack outside the scheduler (benchmarks: time it, repeat it;
