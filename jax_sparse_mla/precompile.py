@@ -10,13 +10,15 @@ buckets only: under BucketPolicy.for_limits (the Engine's default) up to three p
 bucket (its stage sets: the dense call, the sparse stages, both).
 
 `precompile(method=...)`: "call" (the default) runs each program once on zero-filled inputs
-(nothing left for the first real call), "aot" lowers and compiles each plan on
-ShapeDtypeStructs (jax's compilation caches are filled; the first call still traces and
-lowers). A caller with its own program over the plans (the serving Engine's one program for all
-its layers) passes `call` and `lower`.
+(nothing left for the first real call of jit_forward), "aot" lowers and compiles each plan on
+ShapeDtypeStructs in worker threads and returns the compiled executables, loading them from and
+writing them to an executable store (`store=`, executables.ExecutableStore) when given. A caller
+with its own program over the plans (the serving Engine's one program for all its layers)
+passes `program`.
 
 Why: one program takes 6-15 s to compile at real dimensions on an H200, too long to meet in a
-serving step. How the enumeration bounds each size, and what AOT relies on (every kernel lowers
+serving step, and lowering its Mosaic GPU kernels is seconds of Python that only a store skips
+on a restart. How the enumeration bounds each size, and what AOT relies on (every kernel lowers
 to the same module every time: pallas_kernels.compat): docs/design/dispatch.md ("Warm-up").
 """
 
