@@ -4,6 +4,8 @@ so that no carriage-return refresh lands there; on where it is one, or when aske
 import io
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 from jax_sparse_mla import MLAConfig
@@ -32,8 +34,9 @@ def test_the_default_follows_whether_stderr_is_a_terminal(monkeypatch):
 
 def test_precompile_writes_no_bar_into_a_captured_stderr_by_default(capsys):
     plan, _ = scored_plan(TINY)
-    kw = dict(plans=[plan] * 3, num_pages=8, max_num_seqs=2, max_num_batched_tokens=16, method="call",
-              call=lambda plan: None)
+    identity = jax.jit(lambda x: x)  # a trivial program a plan: the bar is what is tested
+    kw = dict(plans=[plan] * 3, num_pages=8, max_num_seqs=2, max_num_batched_tokens=16, method="aot",
+              program=lambda plan: (identity, (np.zeros(2, np.float32),), {}))
     precompile(TINY, **kw)
     assert "\r" not in capsys.readouterr().err
     precompile(TINY, **kw, progress=True)  # asked for: the bar, with its refreshes
