@@ -228,8 +228,11 @@ def test_mosaic_gpu_kernels_lower_to_the_same_module_every_time(monkeypatch):
     jax stops stamping it, the second half fails and the workaround can go."""
     import re
 
+    from jax._src.pallas.mosaic_gpu import lowering
     from jax.experimental.mosaic.gpu import core
 
+    # each lowering lowers the kernel (not the memo's copy of the first: test_memoized_... below)
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_module", lowering.lower_jaxpr_to_module.wrapped)
     texts = _lower_mosaic_kernel_twice()
     assert texts[0] == texts[1] and "mosaic_gpu_v2" in texts[0] and "dump_basename" not in texts[0]
     monkeypatch.setattr(core, "_run_serde_pass", core._run_serde_pass.wrapped)  # jax's own lowering
@@ -239,6 +242,50 @@ def test_mosaic_gpu_kernels_lower_to_the_same_module_every_time(monkeypatch):
     normal = [re.sub(r'kernel_hash = "(?:[^"\\]|\\.)*"', "", re.sub(r"(dump_basename\\00\w+?_)\d+", r"\1", t))
               for t in texts]
     assert texts[0] != texts[1] and normal[0] == normal[1]
+
+
+def _lower_indexer_decode(keys: int, outer) -> str:
+    """The Mosaic GPU indexer decode kernel (fp8, 2 rows, `keys` keys) inside the program `outer`
+    (a function of the kernel's output), lowered for the GPU on any machine: the program's text."""
+    import functools
+
+    from pallas_kernels.indexer_logits import indexer_logits
+    from tests.support.cases import FP8
+
+    sd = jax.ShapeDtypeStruct
+    args = (sd((2, 64, 128), FP8), sd((2, 64), jnp.float32), sd((keys, 128), FP8), sd((keys,), jnp.float32),
+            sd((2, keys // 64), jnp.int32), sd((2,), jnp.int32), sd((2,), jnp.int32))
+    kernel = functools.partial(indexer_logits, page_size=64, implementation="mosaic", kernel="decode")
+    return jax.jit(lambda *a: outer(kernel(*a))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_memoized_mosaic_gpu_lowering_lowers_each_kernel_once_and_changes_nothing(monkeypatch):
+    """pallas_kernels.compat lowers a Mosaic GPU kernel once a process: the same kernel in a second
+    program (another program around it, jit's caches cleared) is the memo's copy, and each
+    program's text is the text of lowering it without the memo; a kernel of other shapes is a new
+    lowering (no false hit)."""
+    from jax._src.pallas.mosaic_gpu import lowering
+
+    memo = lowering.lower_jaxpr_to_module
+    jax_lower, jax_lowerings = memo.wrapped, []
+
+    def count(*args, **kwargs):
+        jax_lowerings.append(args[7])  # the kernel's jaxpr
+        return jax_lower(*args, **kwargs)
+
+    monkeypatch.setattr(memo, "wrapped", count)
+    memo.cache.clear()
+    programs = [(1024, lambda y: y), (1024, lambda y: y * 2.0), (2048, lambda y: y * 2.0)]
+    texts = []
+    for keys, outer in programs:
+        jax.clear_caches()
+        texts.append(_lower_indexer_decode(keys, outer))
+    assert len(jax_lowerings) == 2 and len(memo.cache) == 2  # 1024 keys once (two programs), 2048 once
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_module", jax_lower)  # jax's own lowering, every time
+    for (keys, outer), text in zip(programs, texts):
+        jax.clear_caches()
+        assert _lower_indexer_decode(keys, outer) == text
+    assert texts[0] != texts[1] != texts[2]
 
 
 def test_precompile_refuses_an_unknown_method_and_aot_options_for_call():
