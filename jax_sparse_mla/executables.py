@@ -18,6 +18,7 @@ import hashlib
 import os
 import pathlib
 import pickle
+import re
 import tempfile
 import warnings
 
@@ -40,13 +41,23 @@ def source_digest() -> str:
 
 
 def _environment() -> tuple:
-    """What besides the program decides its executable: jax and jaxlib, the backend and its
-    version (driver, CUDA), the devices, XLA's flags and this library's source."""
+    """What besides the program decides its executable: jax and jaxlib, jax's tracing
+    configuration (x64, matmul precision, ...), the backend and its version (driver, CUDA), the
+    devices, XLA's flags, the CPU threads (interpreted kernels' choices, kernels.resolve) and this
+    library's source."""
     import jaxlib
+    from jax._src import config
+
+    from .kernels import cpu_threads
 
     backend = jax.devices()[0].client
-    return (jax.__version__, jaxlib.__version__, backend.platform, backend.platform_version,
-            tuple(d.device_kind for d in jax.devices()), os.environ.get("XLA_FLAGS", ""), source_digest())
+    tracing = re.sub(r" at 0x[0-9a-f]+", "", str(config.trace_context()))  # no object addresses
+    return (jax.__version__, jaxlib.__version__, tracing, backend.platform, backend.platform_version,
+            tuple(d.device_kind for d in jax.devices()), os.environ.get("XLA_FLAGS", ""), cpu_threads(),
+            source_digest())
+
+
+source_digest()  # of the source this process imported, not of later edits
 
 
 def _signature(args) -> tuple:
@@ -57,7 +68,7 @@ def _signature(args) -> tuple:
 
 
 class ExecutableStore:
-    """Serialized executables in `directory` (created if absent), one file per key.
+    """Serialized executables in `directory` (created by the first save), one file per key.
 
     key(name, static, args): the entry's name for the program `name` (the jitted function, e.g.
       "serving.layer_stack") with static arguments `static` (a mapping whose values have stable
@@ -65,12 +76,12 @@ class ExecutableStore:
       ShapeDtypeStructs, any pytree), in this process's environment (_environment).
     load(key) -> jax.stages.Compiled, or None when there is no entry, or (with a warning) when
       the entry cannot be loaded (truncated, written by another jax): the caller compiles again.
-    save(key, compiled): writes the entry atomically (a temporary file renamed into place).
+    save(key, compiled): writes the entry atomically (a temporary file renamed into place), or
+      warns when it cannot (a full disk, an executable that does not serialize).
     """
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = pathlib.Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
 
     def key(self, name: str, static: dict, args) -> str:
         text = repr((name, sorted((k, repr(v)) for k, v in static.items()), _signature(args), _environment()))
@@ -92,8 +103,14 @@ class ExecutableStore:
             return None
 
     def save(self, key: str, compiled: jax.stages.Compiled) -> None:
-        data = pickle.dumps(serialize(compiled))
+        self.directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, self._path(key))
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(pickle.dumps(serialize(compiled)))
+            os.replace(tmp, self._path(key))
+        except Exception as e:  # noqa: BLE001 (a program that cannot be stored still runs: compiled again next time)
+            warnings.warn(f"executable store: cannot write {key}.executable ({type(e).__name__}: {e})", stacklevel=2)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)

@@ -29,6 +29,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import os
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -336,8 +337,19 @@ def _abstract(tree):
 Program = tuple[Callable, tuple, dict]  # a jitted function, its positional arguments, its static keywords
 
 
-def _name(fn: Callable) -> str:
-    return f"{fn.__module__}.{fn.__qualname__}"
+def _stored_name(fn: Callable) -> str:
+    """fn's module and name, the store key's name of its program: only a function defined at
+    module level in this library (its source digest covers it and the jit options written
+    beside it), never a lambda, closure or partial, whose name does not tell the program."""
+    import sys
+
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    defined = getattr(sys.modules.get(module), name, None) if module and name else None
+    if (defined is None or defined not in (fn, getattr(fn, "__wrapped__", None))
+            or module.split(".")[0] not in ("jax_sparse_mla", "pallas_kernels")):
+        raise ValueError(f"store= needs program functions defined at module level in jax_sparse_mla or pallas_kernels "
+                         f"(their name and the library's source key the store), got {fn!r}")
+    return f"{module}.{name}"
 
 
 def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num_pages: int, max_num_seqs: int,
@@ -363,7 +375,9 @@ def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num
       compile instead of jit_forward's (e.g. the Engine's one program over all its layers).
     store: for "aot", an executables.ExecutableStore directory: a plan's executable is loaded
       from it when present (no tracing, lowering or compiling) and written to it when compiled,
-      so a restarted process loads every program.
+      so a restarted process loads every program. The program's function must be one defined at
+      module level in this library (ValueError otherwise: a lambda's or closure's name does not
+      tell its program apart).
     workers: for "aot", threads compiling programs while the next plans are traced and lowered
       (default: min(8, CPUs)); lowering is Python and runs one plan at a time.
     cache_dir: also write jax's persistent compilation cache there (enable_persistent_cache, with
@@ -435,6 +449,11 @@ def _aot(plans: tuple[BatchPlan, ...], program: Callable[[BatchPlan], Program], 
     executables: list = [None] * len(plans)
     seconds = [0.0] * len(plans)
     loaded = 0
+    bar_lock = threading.Lock()  # tqdm's counter is not thread-safe
+
+    def done() -> None:
+        with bar_lock:
+            bar.update(1)
 
     def compile_(i: int, lowered: jax.stages.Lowered, key: str | None, lower_s: float) -> None:
         t0 = time.perf_counter()
@@ -442,21 +461,25 @@ def _aot(plans: tuple[BatchPlan, ...], program: Callable[[BatchPlan], Program], 
         if store is not None:
             store.save(key, executables[i])
         seconds[i] = lower_s + time.perf_counter() - t0
-        bar.update(1)
+        done()
 
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         futures = []
-        for i, plan in enumerate(plans):
-            t0 = time.perf_counter()
-            fn, args, static = program(plan)
-            key = None if store is None else store.key(_name(fn), static, args)
-            if key is not None and (compiled := store.load(key)) is not None:
-                executables[i], seconds[i] = compiled, time.perf_counter() - t0
-                loaded += 1
-                bar.update(1)
-                continue
-            lowered = fn.lower(*args, **static)
-            futures.append(pool.submit(compile_, i, lowered, key, time.perf_counter() - t0))
+        try:
+            for i, plan in enumerate(plans):
+                t0 = time.perf_counter()
+                fn, args, static = program(plan)
+                key = None if store is None else store.key(_stored_name(fn), static, args)
+                if key is not None and (compiled := store.load(key)) is not None:
+                    executables[i], seconds[i] = compiled, time.perf_counter() - t0
+                    loaded += 1
+                    done()
+                    continue
+                lowered = fn.lower(*args, **static)
+                futures.append(pool.submit(compile_, i, lowered, key, time.perf_counter() - t0))
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # a plan failed to lower: do not compile the rest first
+            raise
         for f in futures:
             f.result()  # raises a compile's error here
     return tuple(executables), seconds, loaded

@@ -29,10 +29,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import io
 import os
 import re
+import threading
+import types
 
 MIN_JAX = (0, 11, 2)  # inclusive
 MAX_JAX = (0, 12, 0)  # exclusive
@@ -92,23 +95,56 @@ def reproducible_mosaic_gpu_lowering() -> None:
     core._run_serde_pass = run_serde_pass
 
 
-def _kernel_key(jax_mesh, axis_names, grid, block, cluster, in_shapes, out_shapes, jaxpr, params, consts) -> str:
-    """sha256 of everything a kernel's lowering reads: the kernel's jaxpr (printed: every equation
-    with its parameters; a parameter that prints as an object address makes every lowering a
-    new key, never a shared one), where it was written, its grid / block / cluster / mesh, its
-    operands' shapes and dtypes, its compiler parameters and its constants' bytes."""
-    shapes = tuple((tuple(a.shape), str(a.dtype), bool(getattr(a, "weak_type", False)))
-                   for a in (*in_shapes, *out_shapes))
-    const_bytes = tuple(hashlib.sha256(memoryview(_np_array(c)).tobytes()).hexdigest() for c in consts)
-    text = repr((repr(jax_mesh), repr(axis_names), grid, block, cluster, len(in_shapes), shapes,
-                 str(jaxpr), repr(jaxpr.debug_info), repr(params), const_bytes))
-    return hashlib.sha256(text.encode()).hexdigest()
+def _unprinted(value, out: list, seen: set[int]) -> bool:
+    """What a kernel jaxpr's equation parameter `value` holds that the jaxpr's printed text does
+    not show, appended to `out`: nested jaxprs' constants (they print as names only): a tracer of
+    the enclosing program by its type, a concrete array by its bytes. False when `value` holds
+    something that cannot be told apart: a function defined inside another (a closure: its
+    captured values do not print, and jax prints any object address as 0xXXXX) or a callable
+    object printed by its address, at any depth (tuples, partials, sub-jaxprs; a jaxpr met again is not walked again)."""
+    from jax._src import core
+
+    if isinstance(value, (core.ClosedJaxpr, core.Jaxpr)):  # (in jax 0.11 a Jaxpr is also a ClosedJaxpr)
+        if id(value) in seen:
+            return True
+        seen.add(id(value))
+        for c in getattr(value, "consts", ()):
+            out.append(str(c.aval) if isinstance(c, core.Tracer) else _digest(c))
+        jaxpr = value if isinstance(value, core.Jaxpr) else value.jaxpr
+        return all(_unprinted(v, out, seen) for eqn in jaxpr.eqns for v in eqn.params.values())
+    if isinstance(value, (tuple, list)):
+        return all(_unprinted(v, out, seen) for v in value)
+    if isinstance(value, functools.partial):
+        return all(_unprinted(v, out, seen) for v in (value.func, value.args, tuple(value.keywords.values())))
+    if isinstance(value, types.FunctionType):
+        return "<locals>" not in value.__qualname__ and value.__closure__ is None
+    if isinstance(value, (types.BuiltinFunctionType, type)) or not callable(value):
+        return True
+    return re.search(r" at 0x[0-9a-fA-F]+", repr(value)) is None  # a callable object that prints its state
 
 
-def _np_array(x):
+def _digest(array) -> str:
     import numpy as np
 
-    return np.ascontiguousarray(np.asarray(x))
+    a = np.ascontiguousarray(np.asarray(array))
+    return f"{a.dtype}{a.shape}:" + hashlib.sha256(memoryview(a).tobytes()).hexdigest()
+
+
+def _kernel_key(jax_mesh, axis_names, grid, block, cluster, in_shapes, out_shapes, jaxpr, params,
+                consts) -> str | None:
+    """sha256 of everything a kernel's lowering reads: the kernel's jaxpr (printed: every equation
+    with its parameters, and what printing leaves out: _unprinted), where it was written, its
+    grid / block / cluster / mesh, its operands' shapes and dtypes, its compiler parameters and
+    its constants' bytes; None (lower it, keep nothing) when the jaxpr holds something that
+    cannot be told apart."""
+    unprinted: list = []
+    if not _unprinted(jaxpr, unprinted, set()):
+        return None
+    shapes = tuple((tuple(a.shape), str(a.dtype), bool(getattr(a, "weak_type", False)))
+                   for a in (*in_shapes, *out_shapes))
+    text = repr((repr(jax_mesh), repr(axis_names), grid, block, cluster, len(in_shapes), shapes, str(jaxpr),
+                 repr(jaxpr.debug_info), repr(params), tuple(map(_digest, consts)), tuple(unprinted)))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def memoized_mosaic_gpu_lowering(max_kernels: int = 512) -> None:
@@ -116,32 +152,38 @@ def memoized_mosaic_gpu_lowering(max_kernels: int = 512) -> None:
     wraps jax._src.pallas.mosaic_gpu.lowering.lower_jaxpr_to_module, which every Pallas Mosaic GPU
     kernel (pallas_call, plgpu.kernel) lowers through, with a cache of its results keyed by
     _kernel_key (the last max_kernels kernels; a module is stored as bytecode and parsed into the
-    asking lowering's MLIR context). Idempotent."""
-    from jax._src.pallas.mosaic_gpu import lowering
+    asking lowering's MLIR context). A kernel's module keeps the source locations of the first
+    call site that lowered it. Idempotent."""
     from jax._src.lib.mlir import ir
+    from jax._src.pallas.mosaic_gpu import lowering
 
-    lower = lowering.lower_jaxpr_to_module
-    if hasattr(lower, "wrapped"):  # already this wrapper
+    if hasattr(lowering.lower_jaxpr_to_module, "wrapped"):  # already this wrapper
         return
     cache: collections.OrderedDict[str, tuple[bytes, object]] = collections.OrderedDict()
+    lock = threading.Lock()
 
     def lower_jaxpr_to_module(jax_mesh, axis_names, grid, block, cluster, in_shapes, out_shapes, jaxpr, params,
                               consts=(), outer_traceback=None):
         key = _kernel_key(jax_mesh, axis_names, grid, block, cluster, in_shapes, out_shapes, jaxpr, params, consts)
-        if (hit := cache.get(key)) is not None:
-            cache.move_to_end(key)
+        with lock:
+            hit = None if key is None else cache.get(key)
+            if hit is not None:
+                cache.move_to_end(key)
+        if hit is not None:
             bytecode, result = hit
             return dataclasses.replace(result, module=ir.Module.parse(bytecode))
         result = lower_jaxpr_to_module.wrapped(jax_mesh, axis_names, grid, block, cluster, in_shapes, out_shapes,
                                                jaxpr, params, consts, outer_traceback=outer_traceback)
-        buffer = io.BytesIO()
-        result.module.operation.write_bytecode(buffer)  # before any later pass changes the module
-        cache[key] = (buffer.getvalue(), dataclasses.replace(result, module=None))
-        if len(cache) > max_kernels:
-            cache.popitem(last=False)
+        if key is not None:
+            buffer = io.BytesIO()
+            result.module.operation.write_bytecode(buffer)  # before any later pass changes the module
+            with lock:
+                cache[key] = (buffer.getvalue(), dataclasses.replace(result, module=None))
+                if len(cache) > max_kernels:
+                    cache.popitem(last=False)
         return result
 
-    lower_jaxpr_to_module.wrapped = lower  # jax's own
+    lower_jaxpr_to_module.wrapped = lowering.lower_jaxpr_to_module  # jax's own
     lower_jaxpr_to_module.cache = cache
     lowering.lower_jaxpr_to_module = lower_jaxpr_to_module
 

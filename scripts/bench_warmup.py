@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter, defaultdict
 
@@ -96,11 +97,12 @@ def phase(args) -> dict:
 
     from jax_sparse_mla.serving import Engine
 
-    events, seconds = Counter(), defaultdict(float)
+    events, seconds, lock = Counter(), defaultdict(float), threading.Lock()
 
-    def duration(event, secs, **kw):
-        events[event] += 1
-        seconds[event] += secs
+    def duration(event, secs, **kw):  # called from precompile's compiling threads
+        with lock:
+            events[event] += 1
+            seconds[event] += secs
     jax.monitoring.register_event_duration_secs_listener(duration)
     t0 = time.perf_counter()
     engine = Engine(config_of(args), num_layers=1, num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,

@@ -288,9 +288,36 @@ def test_memoized_mosaic_gpu_lowering_lowers_each_kernel_once_and_changes_nothin
     assert texts[0] != texts[1] != texts[2]
 
 
-def test_precompile_refuses_an_unknown_method_and_aot_options_for_call():
-    """Any other method than "call" or "aot", and store / workers / program with "call", are a
-    ValueError before anything compiles."""
+def _closure_kernel(barrier: int):
+    """A Mosaic GPU kernel whose inline PTX comes from a closure over `barrier`: two of them print
+    the same jaxpr (the closure is a parameter jax prints as an address it masks)."""
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def body(ctx, x, o):
+        mgpu_utils.inline_ptx(f"bar.sync {barrier}, 128;", has_side_effects=True, convergent=True)
+
+    def entry(x_ref, o_ref):
+        plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(body)(x_ref, o_ref)
+
+    kernel = plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct((128,), jnp.float32), grid=(1,), grid_names=("x",))
+    return jax.jit(kernel).trace(jax.ShapeDtypeStruct((128,), jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+
+def test_memoized_lowering_never_shares_a_kernel_its_jaxpr_does_not_tell_apart():
+    """Kernels that differ only in what a closure captured lower separately, each to its own PTX."""
+    texts = []
+    for barrier in (1, 2):
+        jax.clear_caches()
+        texts.append(_closure_kernel(barrier))
+    assert "bar.sync 1, 128" in texts[0] and "bar.sync 2, 128" in texts[1]
+
+
+def test_precompile_refuses_an_unknown_method_and_aot_options_for_call(tmp_path):
+    """Any other method than "call" or "aot", store / workers / program with "call", and a store
+    for a program that is not a module-level function of the library are a ValueError before
+    anything compiles."""
     plan, _ = scored_plan(TINY)
     kw = dict(plans=[plan], num_pages=8, max_num_seqs=2, max_num_batched_tokens=16, progress=False)
     with pytest.raises(ValueError, match="method must be 'call' or 'aot', got 'auto'"):
@@ -300,6 +327,11 @@ def test_precompile_refuses_an_unknown_method_and_aot_options_for_call():
             precompile(TINY, **kw, **option)
     with pytest.raises(ValueError, match="workers must be"):
         precompile(TINY, **kw, method="aot", workers=0)
+    # a store keys a program by its function's name: a lambda's does not tell two programs apart
+    program = lambda plan: (jax.jit(lambda x: x + 1.0), (np.zeros(2, np.float32),), {})  # noqa: E731
+    with pytest.raises(ValueError, match="store= needs program functions defined at module level"):
+        precompile(TINY, **kw, method="aot", store=tmp_path / "store", program=program)
+    assert not (tmp_path / "store").exists()  # refused before anything is written
 
 
 def test_aot_precompile_serves_the_plan_from_the_persistent_cache(tmp_path):

@@ -396,10 +396,10 @@ class Engine:
 
     def warmup(self, workload: Workload | Sequence[RequestSpec], **overrides) -> int:
         """Compiles every program a run of this workload will need: a dry run of the scheduler
-        (no device work, zero step times) collects the batches, then compile_batches runs each
-        distinct plan's step program (jit_layer_stack) once, so that the run compiles nothing at
-        all. Exact when arrivals do not depend on timing
-        (request_rate=inf); otherwise best effort."""
+        (no device work, zero step times) collects the batches, then compile_batches compiles
+        each distinct plan's step program ahead of time (kept: the run calls it), so that the run
+        compiles nothing at all. Returns the number of programs compiled. Exact when arrivals do
+        not depend on timing (request_rate=inf); otherwise best effort."""
         batches: list[list[Request]] = []
         self.run(workload, progress=False, _dry_run=batches, **overrides)
         return self.compile_batches(batches, **overrides)
