@@ -314,6 +314,24 @@ def test_memoized_lowering_never_shares_a_kernel_its_jaxpr_does_not_tell_apart()
     assert "bar.sync 1, 128" in texts[0] and "bar.sync 2, 128" in texts[1]
 
 
+def test_aot_precompile_raises_the_first_plan_that_fails_to_lower():
+    """A plan whose program fails to trace or lower stops precompile with that error (the plans
+    queued behind it are not compiled first)."""
+    plan, _ = scored_plan(TINY)
+    identity, calls = jax.jit(lambda x: x), []
+
+    def program(p):
+        calls.append(p)
+        if len(calls) == 2:
+            raise ValueError("plan 2 does not lower")
+        return identity, (np.zeros(2, np.float32),), {}
+
+    with pytest.raises(ValueError, match="plan 2 does not lower"):
+        precompile(TINY, plans=[plan] * 4, num_pages=8, max_num_seqs=2, max_num_batched_tokens=16, method="aot",
+                   program=program, workers=1, progress=False)
+    assert len(calls) == 2  # nothing traced past the failing plan
+
+
 def test_precompile_refuses_an_unknown_method_and_aot_options_for_call(tmp_path):
     """Any other method than "call" or "aot", store / workers / program with "call", and a store
     for a program that is not a module-level function of the library are a ValueError before
