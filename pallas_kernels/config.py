@@ -6,18 +6,23 @@ fields are tuning overrides, None meaning the kernel's own choice."""
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 
-def check_ints(config, *, zero_ok: tuple[str, ...] = ()) -> None:
-    """ValueError naming the field unless every field of `config` is None or a positive int (>= 0
-    for the fields in zero_ok; bools excluded): what every tuning knob of the kernels is (a tile
-    size, a count)."""
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
-        minimum = 0 if field.name in zero_ok else 1
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
-            raise ValueError(f"{type(config).__name__}.{field.name} must be None or an int >= {minimum}, "
-                             f"got {value!r}")
+class TuningConfig:
+    """Base of the ops' frozen config dataclasses: on construction, ValueError naming the field
+    unless every field is None or a positive int (>= 0 for the fields named in ZERO_OK; bools
+    excluded): what every tuning knob of the kernels is (a tile size, a count)."""
+
+    ZERO_OK: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            minimum = 0 if field.name in self.ZERO_OK else 1
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+                raise ValueError(f"{type(self).__name__}.{field.name} must be None or an int >= {minimum}, "
+                                 f"got {value!r}")
 
 
 def check_implementation(op: str, implementation, config, configs: dict) -> None:

@@ -12,7 +12,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from ..config import check_implementation, check_ints, overrides
+from ..config import TuningConfig, check_implementation, overrides
 from .mosaic import CONSUMER_WGS, dense_mha_mosaic
 from .reference import check_inputs, check_selection, dense_mha_reference
 
@@ -34,26 +34,20 @@ def unsupported_reason(dtype, d_qk: int, d_v: int) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class XlaConfig:
+class XlaConfig(TuningConfig):
     """Tuning of the jnp path: max_scores bounds the scores it holds at once (None: its default;
     see `reference.dense_mha_reference`)."""
 
     max_scores: int | None = None
 
-    def __post_init__(self):
-        check_ints(self)
-
 
 @dataclasses.dataclass(frozen=True)
-class MosaicConfig:
+class MosaicConfig(TuningConfig):
     """Tuning of the Mosaic GPU kernel (None: its choice; see `mosaic.dense_mha_mosaic`)."""
 
     block_kv: int | None = None
     num_stages: int | None = None
     num_programs: int | None = None
-
-    def __post_init__(self):
-        check_ints(self)
 
 
 CONFIGS = {"xla": XlaConfig, "mosaic": MosaicConfig}  # implementation -> its config class

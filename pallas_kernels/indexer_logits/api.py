@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import check_implementation, check_ints, overrides
+from ..config import TuningConfig, check_implementation, overrides
 from .mosaic_decode import indexer_logits_mosaic_decode
 from .mosaic_prefill import indexer_logits_mosaic_prefill
 from .reference import indexer_logits_reference
@@ -24,7 +24,7 @@ from .triton import indexer_logits_triton
 
 
 @dataclasses.dataclass(frozen=True)
-class TritonConfig:
+class TritonConfig(TuningConfig):
     """Tuning of the Triton kernel (None: its choice, `triton.choose_tiling`); fp8_imprecise_acc:
     see `triton.indexer_logits_triton` (0 allowed: exact f32 accumulation)."""
 
@@ -35,8 +35,7 @@ class TritonConfig:
     num_stages: int | None = None
     fp8_imprecise_acc: int | None = None
 
-    def __post_init__(self):
-        check_ints(self, zero_ok=("fp8_imprecise_acc",))
+    ZERO_OK = ("fp8_imprecise_acc",)
 
 
 PREFILL_FIELDS = ("group", "splits", "compute_wgs", "programs")  # the prefill kernel's alone
@@ -44,7 +43,7 @@ DECODE_FIELDS = ("chunk", "step_blocks", "num_sms")  # the decode kernel's alone
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicConfig:
+class MosaicConfig(TuningConfig):
     """Tuning of the Mosaic GPU kernels (None: their choice): block_rows and stages for either;
     PREFILL_FIELDS for the prefill kernel only (`mosaic_prefill.PrefillTiling`), DECODE_FIELDS for
     the decode kernel only (`mosaic_decode.choose_decode_tiling`); a field of the other kernel is
@@ -59,9 +58,6 @@ class MosaicConfig:
     chunk: int | None = None
     step_blocks: int | None = None
     num_sms: int | None = None
-
-    def __post_init__(self):
-        check_ints(self)
 
 
 CONFIGS = {"xla": None, "triton": TritonConfig, "mosaic": MosaicConfig}  # implementation -> its config class

@@ -26,7 +26,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from ..config import check_implementation, check_ints, overrides
+from ..config import TuningConfig, check_implementation, overrides
 from . import mosaic
 from .reference import dequantize_latent, sparse_mla_reference
 from .triton import sparse_mla_triton
@@ -36,7 +36,7 @@ DEQUANTIZE = ("kernel", "upfront")
 
 
 @dataclasses.dataclass(frozen=True)
-class TritonConfig:
+class TritonConfig(TuningConfig):
     """Tuning of the Triton kernel (None: its default; see `triton.sparse_mla_triton`)."""
 
     block_h: int | None = None
@@ -45,18 +45,12 @@ class TritonConfig:
     num_warps: int | None = None
     num_stages: int | None = None
 
-    def __post_init__(self):
-        check_ints(self)
-
 
 @dataclasses.dataclass(frozen=True)
-class MosaicConfig:
+class MosaicConfig(TuningConfig):
     """Tuning of the Mosaic GPU kernel (None: its choice; see `mosaic.sparse_mla_mosaic`)."""
 
     num_splits: int | None = None
-
-    def __post_init__(self):
-        check_ints(self)
 
 
 CONFIGS = {"xla": None, "triton": TritonConfig, "mosaic": MosaicConfig}  # implementation -> its config class

@@ -8,13 +8,13 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from ..config import check_implementation, check_ints
+from ..config import TuningConfig, check_implementation
 from .reference import topk_reference
 from .triton import topk_stages
 
 
 @dataclasses.dataclass(frozen=True)
-class TritonConfig:
+class TritonConfig(TuningConfig):
     """Tuning of the Pallas kernels, "triton" and "mosaic" alike (the Mosaic write sweep runs
     inside the Triton kernels' plan): None is the kernels' choice (see `triton.topk_stages`)."""
 
@@ -24,9 +24,6 @@ class TritonConfig:
     sample: int | None = None
     capacity: int | None = None
     slices: int | None = None
-
-    def __post_init__(self):
-        check_ints(self)
 
 
 CONFIGS = {"xla": None, "triton": TritonConfig, "mosaic": TritonConfig}  # implementation -> its config class
