@@ -19,6 +19,7 @@ import os
 import pathlib
 import pickle
 import re
+import sys
 import tempfile
 import warnings
 
@@ -38,6 +39,19 @@ def source_digest() -> str:
         for path in sorted((root / package).rglob("*.py")):
             h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
+
+
+def program_name(fn) -> str:
+    """fn's module and name, a store key's name for its program: only a function defined at
+    module level in this library's packages (the source digest covers it and the jit options
+    written beside it), never a lambda, closure or partial, whose name does not tell its program
+    apart (ValueError)."""
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    defined = getattr(sys.modules.get(module), name, None) if module and name else None
+    if defined is None or defined not in (fn, getattr(fn, "__wrapped__", None)) or module.split(".")[0] not in _PACKAGES:
+        raise ValueError(f"store= needs program functions defined at module level in {' or '.join(_PACKAGES)} "
+                         f"(their name and the library's source key the store), got {fn!r}")
+    return f"{module}.{name}"
 
 
 def _environment() -> tuple:

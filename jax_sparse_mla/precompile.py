@@ -40,7 +40,7 @@ from . import kernels as kernel_ops
 from . import policy
 from .cache import init_cache
 from .config import MLAConfig, check_config_type
-from .executables import ExecutableStore
+from .executables import ExecutableStore, program_name
 from .model import jit_forward
 from .params import init_params
 from .plan import (MASKED, BatchMeta, BatchPlan, BucketPolicy, Dispatch, PlanConfig, check_options, cond_plan,
@@ -337,21 +337,6 @@ def _abstract(tree):
 Program = tuple[Callable, tuple, dict]  # a jitted function, its positional arguments, its static keywords
 
 
-def _stored_name(fn: Callable) -> str:
-    """fn's module and name, the store key's name of its program: only a function defined at
-    module level in this library (its source digest covers it and the jit options written
-    beside it), never a lambda, closure or partial, whose name does not tell the program."""
-    import sys
-
-    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
-    defined = getattr(sys.modules.get(module), name, None) if module and name else None
-    if (defined is None or defined not in (fn, getattr(fn, "__wrapped__", None))
-            or module.split(".")[0] not in ("jax_sparse_mla", "pallas_kernels")):
-        raise ValueError(f"store= needs program functions defined at module level in jax_sparse_mla or pallas_kernels "
-                         f"(their name and the library's source key the store), got {fn!r}")
-    return f"{module}.{name}"
-
-
 def precompile(config: MLAConfig, buckets: BucketPolicy = BucketPolicy(), *, num_pages: int, max_num_seqs: int,
                max_num_batched_tokens: int, max_model_len: int | None = None, dispatch: Dispatch = "static",
                kernels: kernel_ops.Kernels = "auto", skip_indexer: bool = True, force_sparse: bool = False,
@@ -469,7 +454,7 @@ def _aot(plans: tuple[BatchPlan, ...], program: Callable[[BatchPlan], Program], 
             for i, plan in enumerate(plans):
                 t0 = time.perf_counter()
                 fn, args, static = program(plan)
-                key = None if store is None else store.key(_stored_name(fn), static, args)
+                key = None if store is None else store.key(program_name(fn), static, args)
                 if key is not None and (compiled := store.load(key)) is not None:
                     executables[i], seconds[i] = compiled, time.perf_counter() - t0
                     loaded += 1
