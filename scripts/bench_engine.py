@@ -7,9 +7,14 @@ while the device runs step N, so host time under the device's is hidden.
                                    [--dispatch cond|static] [--max-model-len N] [--out engine.json]  # GPU
     python scripts/bench_engine.py --smoke [--decodes 64]    # CPU: tiny config, 8 x 40 tokens, 2 layers
 
-Prints one line for the decode steps (every sequence decoding) and one for the prefill steps:
-medians of host_s, plan_s, device_s and duration_s, and host / duration. The run is warmed up
-first (Engine.warmup compiles every program it will need), so no step compiles.
+Every request has the same prompt and is sent at once; the scheduler puts decodes first, so the
+early requests decode while the later ones still prefill. Each request's output is long enough
+(--decodes plus the most steps the prefills can take) that at least --decodes steps have every
+sequence decoding; the run stops when the first request has its last token. Prints one line
+per kind of step, "decode" (every sequence decodes) and "prefill" (prefill chunks, with the
+decodes of the requests that have prefilled): medians of host_s, plan_s, launch_s, device_s and
+duration_s, and host / duration. The run is warmed up first (Engine.warmup compiles every program
+it will need), so no step compiles.
 """
 
 from __future__ import annotations
@@ -35,11 +40,12 @@ def main(argv=None) -> int:
                    help="tiny config on CPU; defaults 8 sequences of 40 tokens, 4 decode steps, 2 layers")
     p.add_argument("--seqs", type=int, default=None, help="sequences (default 256)")
     p.add_argument("--context", type=int, default=None, help="prompt tokens of each sequence (default 4096)")
-    p.add_argument("--decodes", type=int, default=None, help="decode steps after the prefills (default 32)")
+    p.add_argument("--decodes", type=int, default=None,
+                   help="steps in which every sequence decodes (default 32)")
     p.add_argument("--layers", type=int, default=None, help="default 4")
     p.add_argument("--dispatch", default="cond", choices=("static", "cond"), help="default: the engine's (cond)")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="the engine's max_model_len (default: the workload's, context + decodes + 1): under the "
+                   help="the engine's max_model_len (default: the workload's, context + output length): under the "
                         "default buckets it sets the block-table width every step transfers")
     p.add_argument("--out", default=None, help="write the step records and the medians as JSON here")
     a = p.parse_args(argv)
@@ -49,30 +55,38 @@ def main(argv=None) -> int:
         if getattr(a, name) is None:
             setattr(a, name, value)
     config = MLAConfig.tiny() if a.smoke else MLAConfig.deepseek_v32()
-    pages = a.seqs * -(-(a.context + a.decodes) // config.page_size)
+    budget = max(8192, 2 * a.seqs)
+    # the prefills' steps at most: every step's budget less one token per sequence decoding
+    prefill_steps = -(-a.seqs * a.context // (budget - a.seqs))
+    output_len = a.decodes + prefill_steps + 1  # the first request still decodes when the last has prefilled
+    pages = a.seqs * -(-(a.context + output_len) // config.page_size)
     engine = Engine(config, num_layers=a.layers, num_pages=pages, dispatch=a.dispatch,
-                    max_num_seqs=a.seqs, max_num_batched_tokens=max(8192, a.seqs),
-                    max_model_len=a.max_model_len or a.context + a.decodes + 1)
-    specs = [RequestSpec(i, a.context, a.decodes + 1) for i in range(a.seqs)]
+                    max_num_seqs=a.seqs, max_num_batched_tokens=budget,
+                    max_model_len=a.max_model_len or a.context + output_len)
+    specs = [RequestSpec(i, a.context, output_len) for i in range(a.seqs)]
     print(f"{jax.devices()[0].device_kind} ({jax.default_backend()}), {'tiny' if a.smoke else 'deepseek_v32'}, "
-          f"{a.layers} layers, {a.seqs} x {a.context} tokens then {a.decodes} decode steps, dispatch {a.dispatch}, "
+          f"{a.layers} layers, {a.seqs} x {a.context} tokens, {output_len} out each, dispatch {a.dispatch}, "
           f"jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     t0 = time.perf_counter()
-    compiled = engine.warmup(specs)
+    compiled = engine.warmup(specs, max_steps=output_len)
     print(f"warm-up: {compiled} programs in {time.perf_counter() - t0:.1f} s", flush=True)
-    result = engine.run(specs, progress=False)
+    result = engine.run(specs, max_steps=output_len, progress=False)
     rows = {}
-    for name, steps in (("decode", [s for s in result.steps if s.num_prefills == 0]),
-                        ("prefill", [s for s in result.steps if s.num_prefills > 0])):
+    every = [s for s in result.steps if s.num_prefills == 0 and s.num_decodes == a.seqs]
+    if len(every) < a.decodes:
+        raise RuntimeError(f"{len(every)} steps had every sequence decoding, fewer than --decodes {a.decodes} "
+                           "(this is a bug)")
+    for name, steps in (("decode", every), ("prefill", [s for s in result.steps if s.num_prefills > 0])):
         if not steps:
             continue
         med = {f: statistics.median(getattr(s, f) for s in steps) * 1e3
-               for f in ("host_s", "plan_s", "device_s", "duration_s")}
+               for f in ("host_s", "plan_s", "launch_s", "device_s", "duration_s")}
         rows[name] = {"steps": len(steps), **{k.replace("_s", "_ms"): v for k, v in med.items()},
                       "host_share": med["host_s"] / med["duration_s"],
                       "new_programs": sum(s.new_programs for s in steps)}
         r = rows[name]
-        print(f"{name:<8} steps {r['steps']:>4}  host {r['host_ms']:8.3f} ms (plan {r['plan_ms']:.3f})  device "
+        print(f"{name:<8} steps {r['steps']:>4}  host {r['host_ms']:8.3f} ms (plan {r['plan_ms']:.3f}, launch "
+              f"{r['launch_ms']:.3f})  device "
               f"{r['device_ms']:8.3f} ms  step {r['duration_ms']:8.3f} ms  host / step {r['host_share']:.3f}  "
               f"compiled {r['new_programs']}", flush=True)
     if a.out:

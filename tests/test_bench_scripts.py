@@ -182,3 +182,17 @@ def test_warmup_bench_restart_loads_every_program_from_the_store(tmp_path):
     assert cold["loaded"] == 0 and cold["compiles"] >= cold["num_programs"]
     assert restart["loaded"] == restart["num_programs"] and restart["compiles"] == 0, restart
     assert out.index("count_programs") < out.index("cold") < out.index("restart ") < out.index("restart / cold")
+
+
+def test_engine_bench_times_steps_with_every_sequence_decoding(tmp_path):
+    """--smoke --decodes 3: at least 3 steps have every sequence decoding (the requests' outputs
+    outlast the last prefill), none compiles (warmed up for the run's steps), and each row's host
+    time holds its planning and launch."""
+    out = _run("bench_engine.py", "--smoke", "--seqs", "6", "--decodes", "3", "--out", str(tmp_path / "engine.json"),
+               cwd=tmp_path)
+    medians = json.loads((tmp_path / "engine.json").read_text())["medians"]
+    assert set(medians) == {"decode", "prefill"} and medians["decode"]["steps"] >= 3, medians
+    for row in medians.values():
+        assert row["new_programs"] == 0
+        assert 0 < row["plan_ms"] + row["launch_ms"] <= row["host_ms"] and row["duration_ms"] > 0, row
+    assert out.count("compiled 0") == 2

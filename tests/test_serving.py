@@ -64,7 +64,8 @@ def test_short_workload_completes_with_sane_metrics():
     assert all(s.num_decodes + s.num_prefills <= 4 for s in steps)
     assert math.isclose(sum(s.duration_s for s in steps), result.duration_s)
     # pipelined steps: the host's time of a step (planning within it) and its GPU time
-    assert all(0 <= s.plan_s <= s.host_s and 0 < s.device_s <= s.duration_s + 1e-9 for s in steps)
+    assert all(0 <= s.plan_s <= s.host_s and 0 < s.launch_s <= s.host_s - s.plan_s
+               and 0 < s.device_s <= s.duration_s + 1e-9 for s in steps)
     assert all(b.start_s == pytest.approx(a.start_s + a.duration_s) for a, b in zip(steps, steps[1:]))
     total_in = sum(s.input_len for s in specs.values())
     total_cache = sum(s.input_len + s.output_len - 1 for s in specs.values())

@@ -394,14 +394,16 @@ class Engine:
         rows = np.arange(sum(r.query_len for r in requests)) % self.pool_size
         return self._forward(plan, meta, rows, opts.kernels), plan
 
-    def warmup(self, workload: Workload | Sequence[RequestSpec], **overrides) -> int:
-        """Compiles every program a run of this workload will need: a dry run of the scheduler
-        (no device work, zero step times) collects the batches, then compile_batches compiles
-        each distinct plan's step program ahead of time (kept: the run calls it), so that the run
-        compiles nothing at all. Returns the number of programs compiled. Exact when arrivals do
-        not depend on timing (request_rate=inf); otherwise best effort."""
+    def warmup(self, workload: Workload | Sequence[RequestSpec], *, max_steps: int | None = None,
+               **overrides) -> int:
+        """Compiles every program a run of this workload (stopped after max_steps, as run's) will
+        need: a dry run of the scheduler (no device work, zero step times) collects the batches,
+        then compile_batches compiles each distinct plan's step program ahead of time (kept: the
+        run calls it), so that the run compiles nothing at all. Returns the number of programs
+        compiled. Exact when arrivals do not depend on timing (request_rate=inf); otherwise best
+        effort."""
         batches: list[list[Request]] = []
-        self.run(workload, progress=False, _dry_run=batches, **overrides)
+        self.run(workload, max_steps=max_steps, progress=False, _dry_run=batches, **overrides)
         return self.compile_batches(batches, **overrides)
 
     # ---- the loop -------------------------------------------------------------------------
@@ -464,7 +466,8 @@ class Engine:
             steps.append(StepRecord(
                 index=len(steps), start_s=last_end, duration_s=end - last_end,
                 forward_s=end - step.dispatch_s, host_s=step.dispatched_s - step.begin_s,
-                plan_s=step.planned_s - step.begin_s, device_s=end - max(last_end, step.dispatch_s),
+                plan_s=step.planned_s - step.begin_s, launch_s=step.dispatched_s - step.dispatch_s,
+                device_s=end - max(last_end, step.dispatch_s),
                 route=plan.route, branch=_branch(plan, step.meta.branches),
                 has_indexer_scoring=bool(plan.has_indexer_scoring), num_scored_tokens=plan.num_scored_tokens,
                 num_tokens=sum(n for _, n in work), padded_tokens=plan.num_tokens, num_decodes=step.num_decodes,

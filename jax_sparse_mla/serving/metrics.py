@@ -56,7 +56,10 @@ class StepRecord:
     (or the arrival that ended an idle gap) to this step's output being ready; the steps tile the
     run. forward_s: from the step's dispatch to ready. host_s: the host's time for this step
     (scheduling, planning, the one dispatch of every layer), mostly hidden behind the previous step;
-    plan_s: its scheduling and planning part. device_s: from when the device could start the step
+    plan_s: its scheduling and planning part; launch_s: its dispatch part (packing the step's
+    input and the call of its executable: a program without conditionals returns once its kernels
+    are launched, one kernel launch at a time; XLA's GPU conditional makes the call wait until the
+    device reaches it). device_s: from when the device could start the step
     (its dispatch began and the previous step had ended) to ready, an estimate of its GPU time
     that is exact when the host keeps ahead of the device. route: plan.route
     ("dense" / "sparse" / "cond"); branch: the program that ran ("dense" / "sparse": for a cond
@@ -71,6 +74,7 @@ class StepRecord:
     forward_s: float
     host_s: float
     plan_s: float
+    launch_s: float
     device_s: float
     route: str
     branch: str
@@ -124,6 +128,7 @@ class ServeResult:
             **_stats_ms([r.ttft_s for r in done], "ttft"), **_stats_ms([r.tpot_s for r in done], "tpot"),
             **_stats_ms([s.duration_s for s in self.steps], "step"),
             **_stats_ms([s.host_s for s in self.steps], "host"), **_stats_ms([s.plan_s for s in self.steps], "plan"),
+            **_stats_ms([s.launch_s for s in self.steps], "launch"),
             **_stats_ms([s.device_s for s in self.steps], "device"),
             "host_share": (sum(s.host_s for s in self.steps) / dur) if self.steps else None,
             "steps_by_route": routes, "steps_with_scoring": sum(s.has_indexer_scoring for s in self.steps),
