@@ -116,11 +116,13 @@ class EngineOptions:
 class _InFlight:
     """A step dispatched to the device and not yet waited for (Engine.run): what recording it needs."""
 
-    work: list
+    work: tuple[list[int], list[int]] | None  # (request ids, their rows in order) with collect_outputs
     plan: BatchPlan
     meta: BatchMeta  # host (numpy) metadata
     x: jax.Array | None  # the last layer's output (None in a dry run)
     emitters: list[RequestMetrics]  # requests that output a token in this step
+    num_requests: int
+    num_tokens: int
     num_decodes: int
     prefill_tokens: int
     new_programs: int
@@ -130,21 +132,105 @@ class _InFlight:
     dispatched_s: float  # the step's dispatch returned
 
 
-@dataclasses.dataclass
-class _Running:
-    """A request admitted to the engine (holding its pages) until it finishes."""
+class _Slots:
+    """The running requests of Engine.run as arrays over slots [max_num_seqs]: a request holds a
+    slot from its admission to its last token, so that a step's batch (lengths, block tables, pool
+    rows) and its bookkeeping are array operations, not a pass over Python objects per request.
 
-    spec: RequestSpec
-    pages: list[int]
-    table: np.ndarray  # [len(pages)] int32: the pages as the plan's block-table row
-    token_rows: np.ndarray  # [cache_len] pool row of each token this request feeds
-    metrics: RequestMetrics
-    computed: int = 0  # tokens in the cache
-    emitted: int = 0  # output tokens of the steps dispatched so far
+    order: the running slots in admission order (the scheduler's order); computed: tokens in the
+    cache; emitted: output tokens of the steps dispatched so far; tables [S, W] int32: each slot's
+    pages (-1 past them); rows [S, R] int32: the pool row of each token a request feeds
+    (R: the workload's longest cache_len)."""
 
-    @property
-    def prefilling(self) -> bool:
-        return self.computed < self.spec.input_len
+    def __init__(self, max_num_seqs: int, max_pages: int, max_tokens: int):
+        self.order = np.zeros(0, np.int64)
+        self._free = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out slot 0 first
+        self.computed, self.emitted, self.input_len, self.output_len = (np.zeros(max_num_seqs, np.int64)
+                                                                        for _ in range(4))
+        self.num_pages = np.zeros(max_num_seqs, np.int64)
+        self.tables = np.full((max_num_seqs, max_pages), -1, np.int32)
+        self.rows = np.zeros((max_num_seqs, max_tokens), np.int32)
+        self.pages: list[list[int] | None] = [None] * max_num_seqs
+        self.spec: list[RequestSpec | None] = [None] * max_num_seqs
+        self.metrics: list[RequestMetrics | None] = [None] * max_num_seqs
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def admit(self, spec: RequestSpec, metrics: RequestMetrics, pages: list[int], rows: np.ndarray) -> int:
+        """A slot for a request with its pages and its tokens' pool rows [cache_len] -> the slot."""
+        slot = self._free.pop()
+        self.order = np.append(self.order, slot)
+        self.computed[slot] = self.emitted[slot] = 0
+        self.input_len[slot], self.output_len[slot] = spec.input_len, spec.output_len
+        self.num_pages[slot] = len(pages)
+        self.tables[slot] = -1
+        self.tables[slot, :len(pages)] = pages
+        self.rows[slot, :len(rows)] = rows
+        self.pages[slot], self.spec[slot], self.metrics[slot] = pages, spec, metrics
+        return slot
+
+    def schedule(self, waiting: deque[tuple[RequestSpec, RequestMetrics]], allocator: PageAllocator, *, budget: int,
+                 max_num_seqs: int, page_size: int, token_rows: Callable[[RequestSpec], np.ndarray]
+                 ) -> tuple[np.ndarray, np.ndarray, int]:
+        """vLLM's policy: one token per running decode, then prefill chunks of running requests
+        (admission order), then newly admitted requests, all within the token budget (`budget`
+        tokens; at most max_num_seqs running). Admitting a request moves it from `waiting` to a
+        slot with its pages from `allocator`. -> (slots [B], tokens this step [B], the number of
+        decodes: the first of them)."""
+        prefilling = self.computed[self.order] < self.input_len[self.order]
+        decodes = self.order[~prefilling][:budget]
+        budget -= len(decodes)
+        slots, counts = [decodes], [np.ones(len(decodes), np.int64)]
+        for slot in self.order[prefilling].tolist():  # a few: the chunked prefills
+            if budget <= 0:
+                break
+            n = min(int(self.input_len[slot] - self.computed[slot]), budget)
+            slots.append([slot])
+            counts.append([n])
+            budget -= n
+        while waiting and budget > 0 and len(self) < max_num_seqs:
+            spec, m = waiting[0]
+            pages = allocator.allocate(-(-spec.cache_len // page_size))
+            if pages is None:  # wait for a running request to free its pages
+                if not len(self):
+                    raise PoolTooSmallError(f"request {spec.id} does not fit an empty cache")  # unreachable
+                break
+            waiting.popleft()
+            n = min(spec.input_len, budget)
+            slots.append([self.admit(spec, m, pages, token_rows(spec))])
+            counts.append([n])
+            budget -= n
+        return np.concatenate(slots).astype(np.int64), np.concatenate(counts).astype(np.int64), len(decodes)
+
+    def batch(self, slots: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The step's batch as plan_arrays takes it and its pool rows: (context_lens [B],
+        query_lens [B], block_tables [B, W] (W: the batch's most pages), pool rows [sum(counts)]
+        in batch order)."""
+        context = self.computed[slots]
+        tables = self.tables[slots, :int(self.num_pages[slots].max())]
+        starts = np.cumsum(counts) - counts
+        cols = np.arange(int(counts.sum())) + np.repeat(context - starts, counts)
+        return context, counts, tables, self.rows[np.repeat(slots, counts), cols]
+
+    def advance(self, slots: np.ndarray, counts: np.ndarray, allocator: PageAllocator) -> list[RequestMetrics]:
+        """Books a dispatched step: its tokens are in the cache, a finished prefill or a decode
+        yields one output token, a request whose last token this step computes gives its pages
+        back to `allocator` (a later step that reuses them runs after this one) and its slot.
+        -> the metrics of the requests that output a token."""
+        self.computed[slots] += counts
+        emitting = slots[self.computed[slots] >= self.input_len[slots]]
+        self.emitted[emitting] += 1
+        metrics = self.metrics
+        emitters = [metrics[s] for s in emitting.tolist()]
+        done = emitting[self.emitted[emitting] == self.output_len[emitting]]
+        if len(done):
+            for s in done.tolist():
+                allocator.free(self.pages[s])
+                self.pages[s] = self.spec[s] = self.metrics[s] = None
+                self._free.append(s)
+            self.order = self.order[~np.isin(self.order, done)]
+        return emitters
 
 
 # ---- the step's program: every layer in one dispatch ------------------------------------------
@@ -437,7 +523,8 @@ class Engine:
         dry = _dry_run is not None
         pending = deque(sorted(specs, key=lambda s: (s.arrival_s, s.id)))
         waiting: deque[tuple[RequestSpec, RequestMetrics]] = deque()  # sent, not yet admitted
-        running: list[_Running] = []
+        slots = _Slots(opts.max_num_seqs, max(-(-s.cache_len // page) for s in specs) if specs else 1,
+                       max((s.cache_len for s in specs), default=1))
         allocator = PageAllocator(self.num_pages)
         metrics: list[RequestMetrics] = []
         steps: list[StepRecord] = []
@@ -457,12 +544,12 @@ class Engine:
             if collect_outputs and step.x is not None:
                 host = np.asarray(step.x).astype(np.float32)  # on the host: no cast program to compile
                 row = 0
-                for r, n in step.work:
-                    outputs.setdefault(r.spec.id, []).append(host[row:row + n])
+                for i, n in zip(*step.work):
+                    outputs.setdefault(i, []).append(host[row:row + n])
                     row += n
             for m in step.emitters:
                 m.token_times_s.append(end)
-            plan, work = step.plan, step.work
+            plan = step.plan
             steps.append(StepRecord(
                 index=len(steps), start_s=last_end, duration_s=end - last_end,
                 forward_s=end - step.dispatch_s, host_s=step.dispatched_s - step.begin_s,
@@ -470,29 +557,29 @@ class Engine:
                 device_s=end - max(last_end, step.dispatch_s),
                 route=plan.route, branch=_branch(plan, step.meta.branches),
                 has_indexer_scoring=bool(plan.has_indexer_scoring), num_scored_tokens=plan.num_scored_tokens,
-                num_tokens=sum(n for _, n in work), padded_tokens=plan.num_tokens, num_decodes=step.num_decodes,
-                num_prefills=len(work) - step.num_decodes, prefill_tokens=step.prefill_tokens,
+                num_tokens=step.num_tokens, padded_tokens=plan.num_tokens, num_decodes=step.num_decodes,
+                num_prefills=step.num_requests - step.num_decodes, prefill_tokens=step.prefill_tokens,
                 new_programs=step.new_programs, plan=plan))
             last_end = end
             bar.update(1)
             if len(steps) % 16 == 0:
-                bar.set_postfix(done=sum(m.finished for m in metrics), running=len(running), refresh=False)
+                bar.set_postfix(done=sum(m.finished for m in metrics), running=len(slots), refresh=False)
 
         inflight: _InFlight | None = None  # dispatched, not yet waited for
         bar = progress_bar(total=max_steps, progress=progress and not dry, desc=desc, unit="step", leave=False)
         try:
-            while pending or waiting or running:
+            while pending or waiting or len(slots):
                 if max_steps is not None and len(steps) + (inflight is not None) >= max_steps:
                     break
                 # client: send what has arrived, under the concurrency cap
-                if not waiting and not running and pending and pending[0].arrival_s > now():
+                if not waiting and not len(slots) and pending and pending[0].arrival_s > now():
                     if inflight is not None:
                         finish(inflight)
                         inflight = None
                     skipped += pending[0].arrival_s - now()  # idle: jump to the next arrival
                     last_end = now()
                 while pending and pending[0].arrival_s <= now() and (
-                        concurrency is None or len(waiting) + len(running) < concurrency):
+                        concurrency is None or len(waiting) + len(slots) < concurrency):
                     s = pending.popleft()
                     m = RequestMetrics(s.id, s.input_len, s.output_len, arrival_s=now())
                     metrics.append(m)
@@ -500,38 +587,30 @@ class Engine:
                 # step N + 1 is scheduled, planned and dispatched while step N runs on the device:
                 # what it needs of step N is host bookkeeping (token counts, pages), not its output
                 begin = now()
-                work = _schedule(running, waiting, allocator, budget=opts.max_num_batched_tokens,
-                                 max_num_seqs=opts.max_num_seqs, page_size=page, token_rows=self.token_rows)
-                if not work:
+                work, counts, num_decodes = slots.schedule(
+                    waiting, allocator, budget=opts.max_num_batched_tokens, max_num_seqs=opts.max_num_seqs,
+                    page_size=page, token_rows=self.token_rows)
+                if not len(work):
                     raise RuntimeError("scheduler made no progress (this is a bug)")
                 # the batch as arrays (plan_arrays's checks: vectorised, no Request objects)
-                tables = np.full((len(work), max(len(r.table) for r, _ in work)), -1, np.int32)
-                for i, (r, _) in enumerate(work):
-                    tables[i, :len(r.table)] = r.table
-                plan, meta = self._plan(check_arrays, opts, np.array([r.computed for r, _ in work]),
-                                        np.array([n for _, n in work]), tables)
+                context_lens, query_lens, tables, rows = slots.batch(work, counts)
+                plan, meta = self._plan(check_arrays, opts, context_lens, query_lens, tables)
                 planned = now()
-                rows = np.concatenate([r.token_rows[r.computed:r.computed + n] for r, n in work])
-                num_decodes = sum(1 for r, n in work if not r.prefilling)
-                prefill_tokens = sum(n for r, n in work if r.prefilling)
-                emitters = []
-                for r, n in work:  # advance; a finished prefill or a decode yields one output token
-                    r.computed += n
-                    if not r.prefilling:
-                        r.emitted += 1
-                        emitters.append(r.metrics)
-                    if r.emitted == r.spec.output_len:  # its last token is computed by this step
-                        allocator.free(r.pages)  # (a later step that reuses them runs after this one)
-                        running.remove(r)
+                prefill_tokens = int(counts[num_decodes:].sum())
+                ids = ([slots.spec[s].id for s in work.tolist()], counts.tolist()) if collect_outputs else None
+                if dry:
+                    _dry_run.append([Request(c, n, slots.pages[s]) for s, c, n in
+                                     zip(work.tolist(), context_lens.tolist(), counts.tolist())])
+                emitters = slots.advance(work, counts, allocator)
                 dispatch = now()
                 if dry:
-                    _dry_run.append([Request(r.computed - n, n, r.pages) for r, n in work])
                     x, new_programs = None, 0
                 else:
                     before = jit_layer_stack._cache_size()
                     x = self._forward(plan, meta, rows, opts.kernels)
                     new_programs = jit_layer_stack._cache_size() - before
-                step = _InFlight(work, plan, meta, x, emitters, num_decodes, prefill_tokens, new_programs,
+                step = _InFlight(ids, plan, meta, x, emitters, len(work), int(counts.sum()), num_decodes,
+                                 prefill_tokens, new_programs,
                                  begin_s=begin, planned_s=planned, dispatch_s=dispatch, dispatched_s=now())
                 if inflight is not None:
                     finish(inflight)
@@ -560,39 +639,6 @@ def _check_layers(layers, num_layers: int, what: str, check: Callable[[dict, str
             check_finite(arrays, what)
         except ValueError as e:
             raise ValueError(f"layer {layer}: {e}") from None
-
-
-def _schedule(running: list[_Running], waiting: deque[tuple[RequestSpec, RequestMetrics]],
-              allocator: PageAllocator, *, budget: int, max_num_seqs: int, page_size: int,
-              token_rows: Callable[[RequestSpec], np.ndarray]) -> list[tuple[_Running, int]]:
-    """vLLM's policy: one token per running decode, then prefill chunks of running requests
-    (admission order), then newly admitted requests, all within the token budget (`budget`
-    tokens; at most max_num_seqs running). Admitting a request moves it from `waiting` to
-    `running` with its pages from `allocator`. -> [(request, tokens this step)]."""
-    work = []
-    for r in running:
-        if not r.prefilling and budget > 0:
-            work.append((r, 1))
-            budget -= 1
-    for r in running:
-        if r.prefilling and budget > 0:
-            n = min(r.spec.input_len - r.computed, budget)
-            work.append((r, n))
-            budget -= n
-    while waiting and budget > 0 and len(running) < max_num_seqs:
-        spec, m = waiting[0]
-        pages = allocator.allocate(-(-spec.cache_len // page_size))
-        if pages is None:  # wait for a running request to free its pages
-            if not running:
-                raise PoolTooSmallError(f"request {spec.id} does not fit an empty cache")  # unreachable
-            break
-        waiting.popleft()
-        r = _Running(spec, pages, np.asarray(pages, np.int32), token_rows(spec), m)
-        running.append(r)
-        n = min(spec.input_len, budget)
-        work.append((r, n))
-        budget -= n
-    return work
 
 
 def _branch(plan: BatchPlan, branches) -> str:
