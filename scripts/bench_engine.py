@@ -6,6 +6,7 @@ while the device runs step N, so host time under the device's is hidden.
     python scripts/bench_engine.py [--seqs 256] [--context 4096] [--decodes 32] [--layers 4]
                                    [--dispatch cond|static] [--max-model-len N] [--out engine.json]  # GPU
     python scripts/bench_engine.py --smoke [--decodes 64]    # CPU: tiny config, 8 x 40 tokens, 2 layers
+    python scripts/bench_engine.py --host-only [--seqs 256 --context 4096]    # any machine: the host alone
 
 Every request has the same prompt and is sent at once; the scheduler puts decodes first, so the
 early requests decode while the later ones still prefill. Each request's output is long enough
@@ -14,7 +15,10 @@ sequence decoding; the run stops when the first request has its last token. Prin
 per kind of step, "decode" (every sequence decodes) and "prefill" (prefill chunks, with the
 decodes of the requests that have prefilled): medians of host_s, plan_s, launch_s, device_s and
 duration_s, and host / duration. The run is warmed up first (Engine.warmup compiles every program
-it will need), so no step compiles.
+it will need), so no step compiles. --host-only replaces the step's program call by the packing
+of its input (Engine._step_call; nothing compiles or runs on a device): the host's step alone,
+scheduling, planning, packing and bookkeeping, at the real dimensions on any machine (its
+launch_s is the packing).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the engine's max_model_len (default: the workload's, context + output length): under the "
                         "default buckets it sets the block-table width every step transfers")
+    p.add_argument("--host-only", action="store_true", help="no program runs: the host's step alone")
     p.add_argument("--out", default=None, help="write the step records and the medians as JSON here")
     a = p.parse_args(argv)
     defaults = dict(seqs=8, context=40, decodes=4, layers=2) if a.smoke else dict(seqs=256, context=4096, decodes=32,
@@ -65,11 +70,20 @@ def main(argv=None) -> int:
                     max_model_len=a.max_model_len or a.context + output_len)
     specs = [RequestSpec(i, a.context, output_len) for i in range(a.seqs)]
     print(f"{jax.devices()[0].device_kind} ({jax.default_backend()}), {'tiny' if a.smoke else 'deepseek_v32'}, "
-          f"{a.layers} layers, {a.seqs} x {a.context} tokens, {output_len} out each, dispatch {a.dispatch}, "
+          f"{a.layers} layers, {a.seqs} x {a.context} tokens, {output_len} out each, dispatch {a.dispatch}"
+          f"{', host only' if a.host_only else ''}, "
           f"jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
-    t0 = time.perf_counter()
-    compiled = engine.warmup(specs, max_steps=output_len)
-    print(f"warm-up: {compiled} programs in {time.perf_counter() - t0:.1f} s", flush=True)
+    if a.host_only:
+        done = jax.numpy.zeros(())
+
+        def pack_only(plan, meta, rows, kernels):  # the step's input packed, no program called
+            engine._step_call(plan, meta, rows, kernels)
+            return done
+        engine._forward = pack_only
+    else:
+        t0 = time.perf_counter()
+        compiled = engine.warmup(specs, max_steps=output_len)
+        print(f"warm-up: {compiled} programs in {time.perf_counter() - t0:.1f} s", flush=True)
     result = engine.run(specs, max_steps=output_len, progress=False)
     rows = {}
     every = [s for s in result.steps if s.num_prefills == 0 and s.num_decodes == a.seqs]

@@ -196,3 +196,14 @@ def test_engine_bench_times_steps_with_every_sequence_decoding(tmp_path):
         assert row["new_programs"] == 0
         assert 0 < row["plan_ms"] + row["launch_ms"] <= row["host_ms"] and row["duration_ms"] > 0, row
     assert out.count("compiled 0") == 2
+
+
+def test_engine_bench_host_only_packs_every_step_and_compiles_nothing(tmp_path):
+    """--host-only (the real config's dimensions, a few sequences): no program is compiled or
+    called, each step's input is still packed (its launch time is the packing), and every
+    sequence decodes in at least --decodes steps."""
+    out = _run("bench_engine.py", "--host-only", "--seqs", "4", "--context", "300", "--decodes", "2", "--layers", "1",
+               "--out", str(tmp_path / "engine.json"), cwd=tmp_path)
+    medians = json.loads((tmp_path / "engine.json").read_text())["medians"]
+    assert medians["decode"]["steps"] >= 2 and "warm-up" not in out and "host only" in out
+    assert all(r["new_programs"] == 0 and 0 < r["launch_ms"] <= r["host_ms"] for r in medians.values()), medians
