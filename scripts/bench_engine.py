@@ -19,11 +19,20 @@ it will need), so no step compiles. --host-only replaces the step's program call
 of its input (Engine._step_call; nothing compiles or runs on a device): the host's step alone,
 scheduling, planning, packing and bookkeeping, at the real dimensions on any machine (its
 launch_s is the packing).
+
+--profile DIR runs the workload once more under jax.profiler.trace(DIR) and prints, for the
+steps in which every sequence decodes, what the trace shows: the wall time a step (from one
+step's host part to the next's: each step's scheduling, planning and dispatch is an
+engine.STEP_ANNOTATION span), the device's busy time a step (the union of its stream events in
+that window; on a CPU, XLA's thunks) and the share of the window it is busy, and the host part's
+time a step. A device busy well under the step is a step that waits on the host.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import gzip
 import json
 import os
 import statistics
@@ -36,6 +45,40 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from jax_sparse_mla import MLAConfig  # noqa: E402
 from jax_sparse_mla.serving import Engine, RequestSpec  # noqa: E402
+from jax_sparse_mla.serving.engine import STEP_ANNOTATION  # noqa: E402
+
+
+def trace_shares(trace_dir: str, first: int, last: int) -> dict:
+    """Over the newest trace under trace_dir (*.trace.json.gz), the window from step `first`'s
+    host part (its STEP_ANNOTATION span) to step `last`'s: {"steps": last - first, "wall_ms",
+    "device_busy_ms" and "host_ms" a step, "busy_share"}. Device time: the union of the events on
+    a device's "Stream" lines, else (XLA:CPU) of the events with an hlo_op arg."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
+    if not files:
+        raise RuntimeError(f"no trace under {trace_dir}")
+    with gzip.open(files[-1]) as f:
+        trace = json.load(f).get("traceEvents", [])
+    lines = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "") for e in trace
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    devices = {e.get("pid") for e in trace if e.get("ph") == "M" and e.get("name") == "process_name"
+               and str(e.get("args", {}).get("name", "")).startswith("/device:")}
+    events = [e for e in trace if e.get("ph") == "X" and "ts" in e]
+    steps = {int(e["args"]["step"]): e for e in events if e.get("name") == STEP_ANNOTATION and "step" in e.get("args", {})}
+    if first not in steps or last not in steps or last <= first:
+        raise RuntimeError(f"steps {first} and {last} are not both in the trace (it has {len(steps)} step spans)")
+    lo, hi = steps[first]["ts"], steps[last]["ts"]
+    on_device = [e for e in events if (lines.get((e.get("pid"), e.get("tid")), "").startswith("Stream")
+                                       if e.get("pid") in devices else "hlo_op" in e.get("args", {}))]
+    spans = sorted((max(e["ts"], lo), min(e["ts"] + e.get("dur", 0), hi)) for e in on_device)
+    busy, end = 0.0, lo
+    for a, b in spans:  # the union of the spans, clipped to the window
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    n = last - first
+    host = sum(steps[i]["dur"] for i in range(first, last) if i in steps)
+    return {"steps": n, "wall_ms": (hi - lo) / 1e3 / n, "device_busy_ms": busy / 1e3 / n,
+            "busy_share": busy / (hi - lo) if hi > lo else 0.0, "host_ms": host / 1e3 / n}
 
 
 def main(argv=None) -> int:
@@ -52,6 +95,8 @@ def main(argv=None) -> int:
                    help="the engine's max_model_len (default: the workload's, context + output length): under the "
                         "default buckets it sets the block-table width every step transfers")
     p.add_argument("--host-only", action="store_true", help="no program runs: the host's step alone")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="run once more under a profiler trace; print the decode steps' device busy share")
     p.add_argument("--out", default=None, help="write the step records and the medians as JSON here")
     a = p.parse_args(argv)
     defaults = dict(seqs=8, context=40, decodes=4, layers=2) if a.smoke else dict(seqs=256, context=4096, decodes=32,
@@ -103,10 +148,19 @@ def main(argv=None) -> int:
               f"{r['launch_ms']:.3f})  device "
               f"{r['device_ms']:8.3f} ms  step {r['duration_ms']:8.3f} ms  host / step {r['host_share']:.3f}  "
               f"compiled {r['new_programs']}", flush=True)
+    traced = None
+    if a.profile:
+        with jax.profiler.trace(a.profile, create_perfetto_trace=True):
+            again = engine.run(specs, max_steps=output_len, progress=False)
+        decoding = [s.index for s in again.steps if s.num_prefills == 0 and s.num_decodes == a.seqs]
+        traced = trace_shares(a.profile, decoding[0], decoding[-1])
+        print(f"traced   steps {traced['steps']:>4}  wall {traced['wall_ms']:.3f} ms a step, device busy "
+              f"{traced['device_busy_ms']:.3f} ms ({traced['busy_share']:.1%}), host part {traced['host_ms']:.3f} ms",
+              flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d"),
-                       "medians": rows, "summary": result.summary()}, f, indent=1, default=str)
+                       "medians": rows, "traced": traced, "summary": result.summary()}, f, indent=1, default=str)
     return 0
 
 

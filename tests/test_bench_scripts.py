@@ -185,12 +185,17 @@ def test_warmup_bench_restart_loads_every_program_from_the_store(tmp_path):
 
 
 def test_engine_bench_times_steps_with_every_sequence_decoding(tmp_path):
-    """--smoke --decodes 3: at least 3 steps have every sequence decoding (the requests' outputs
-    outlast the last prefill), none compiles (warmed up for the run's steps), and each row's host
-    time holds its planning and launch."""
-    out = _run("bench_engine.py", "--smoke", "--seqs", "6", "--decodes", "3", "--out", str(tmp_path / "engine.json"),
-               cwd=tmp_path)
-    medians = json.loads((tmp_path / "engine.json").read_text())["medians"]
+    """--smoke --decodes 3 --profile: at least 3 steps have every sequence decoding (the requests'
+    outputs outlast the last prefill), none compiles (warmed up for the run's steps), each row's
+    host time holds its planning and launch; the traced run's decode steps are found by their
+    step spans, with the device busy for part of each."""
+    out = _run("bench_engine.py", "--smoke", "--seqs", "6", "--decodes", "3", "--profile", str(tmp_path / "trace"),
+               "--out", str(tmp_path / "engine.json"), cwd=tmp_path)
+    result = json.loads((tmp_path / "engine.json").read_text())
+    medians, traced = result["medians"], result["traced"]
+    assert traced["steps"] >= 2 and 0 < traced["busy_share"] <= 1, traced
+    assert 0 < traced["device_busy_ms"] <= traced["wall_ms"] and 0 < traced["host_ms"], traced
+    assert out.count("traced ") == 1
     assert set(medians) == {"decode", "prefill"} and medians["decode"]["steps"] >= 3, medians
     for row in medians.values():
         assert row["new_programs"] == 0

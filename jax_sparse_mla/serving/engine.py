@@ -112,6 +112,9 @@ class EngineOptions:
                                max_model_len=self.model_len(config), **kw)
 
 
+STEP_ANNOTATION = "Engine step"  # the name of each step's host part in a profiler trace (its arg: step)
+
+
 @dataclasses.dataclass
 class _InFlight:
     """A step dispatched to the device and not yet waited for (Engine.run): what recording it needs."""
@@ -586,29 +589,31 @@ class Engine:
                     waiting.append((s, m))
                 # step N + 1 is scheduled, planned and dispatched while step N runs on the device:
                 # what it needs of step N is host bookkeeping (token counts, pages), not its output
-                begin = now()
-                work, counts, num_decodes = slots.schedule(
-                    waiting, allocator, budget=opts.max_num_batched_tokens, max_num_seqs=opts.max_num_seqs,
-                    page_size=page, token_rows=self.token_rows)
-                if not len(work):
-                    raise RuntimeError("scheduler made no progress (this is a bug)")
-                # the batch as arrays (plan_arrays's checks: vectorised, no Request objects)
-                context_lens, query_lens, tables, rows = slots.batch(work, counts)
-                plan, meta = self._plan(check_arrays, opts, context_lens, query_lens, tables)
-                planned = now()
-                prefill_tokens = int(counts[num_decodes:].sum())
-                ids = ([slots.spec[s].id for s in work.tolist()], counts.tolist()) if collect_outputs else None
-                if dry:
-                    _dry_run.append([Request(c, n, slots.pages[s]) for s, c, n in
-                                     zip(work.tolist(), context_lens.tolist(), counts.tolist())])
-                emitters = slots.advance(work, counts, allocator)
-                dispatch = now()
-                if dry:
-                    x, new_programs = None, 0
-                else:
-                    before = jit_layer_stack._cache_size()
-                    x = self._forward(plan, meta, rows, opts.kernels)
-                    new_programs = jit_layer_stack._cache_size() - before
+                # a profiler trace shows each step's host part (scheduling, planning, dispatch) by index
+                with jax.profiler.TraceAnnotation(STEP_ANNOTATION, step=len(steps) + (inflight is not None)):
+                    begin = now()
+                    work, counts, num_decodes = slots.schedule(
+                        waiting, allocator, budget=opts.max_num_batched_tokens, max_num_seqs=opts.max_num_seqs,
+                        page_size=page, token_rows=self.token_rows)
+                    if not len(work):
+                        raise RuntimeError("scheduler made no progress (this is a bug)")
+                    # the batch as arrays (plan_arrays's checks: vectorised, no Request objects)
+                    context_lens, query_lens, tables, rows = slots.batch(work, counts)
+                    plan, meta = self._plan(check_arrays, opts, context_lens, query_lens, tables)
+                    planned = now()
+                    prefill_tokens = int(counts[num_decodes:].sum())
+                    ids = ([slots.spec[s].id for s in work.tolist()], counts.tolist()) if collect_outputs else None
+                    if dry:
+                        _dry_run.append([Request(c, n, slots.pages[s]) for s, c, n in
+                                         zip(work.tolist(), context_lens.tolist(), counts.tolist())])
+                    emitters = slots.advance(work, counts, allocator)
+                    dispatch = now()
+                    if dry:
+                        x, new_programs = None, 0
+                    else:
+                        before = jit_layer_stack._cache_size()
+                        x = self._forward(plan, meta, rows, opts.kernels)
+                        new_programs = jit_layer_stack._cache_size() - before
                 step = _InFlight(ids, plan, meta, x, emitters, len(work), int(counts.sum()), num_decodes,
                                  prefill_tokens, new_programs,
                                  begin_s=begin, planned_s=planned, dispatch_s=dispatch, dispatched_s=now())
