@@ -31,8 +31,6 @@ time a step. A device busy well under the step is a step that waits on the host.
 from __future__ import annotations
 
 import argparse
-import glob
-import gzip
 import json
 import os
 import statistics
@@ -42,10 +40,12 @@ import time
 import jax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from jax_sparse_mla import MLAConfig  # noqa: E402
 from jax_sparse_mla.serving import Engine, RequestSpec  # noqa: E402
 from jax_sparse_mla.serving.engine import STEP_ANNOTATION  # noqa: E402
+from traces import load_trace, on_stream  # noqa: E402
 
 
 def trace_shares(trace_dir: str, first: int, last: int) -> dict:
@@ -53,22 +53,16 @@ def trace_shares(trace_dir: str, first: int, last: int) -> dict:
     host part (its STEP_ANNOTATION span) to step `last`'s: {"steps": last - first, "wall_ms",
     "device_busy_ms" and "host_ms" a step, "busy_share"}. Device time: the union of the events on
     a device's "Stream" lines, else (XLA:CPU) of the events with an hlo_op arg."""
-    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
-    if not files:
+    loaded = load_trace(trace_dir)
+    if loaded is None:
         raise RuntimeError(f"no trace under {trace_dir}")
-    with gzip.open(files[-1]) as f:
-        trace = json.load(f).get("traceEvents", [])
-    lines = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "") for e in trace
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    devices = {e.get("pid") for e in trace if e.get("ph") == "M" and e.get("name") == "process_name"
-               and str(e.get("args", {}).get("name", "")).startswith("/device:")}
-    events = [e for e in trace if e.get("ph") == "X" and "ts" in e]
+    events, lines, devices = loaded
     steps = {int(e["args"]["step"]): e for e in events if e.get("name") == STEP_ANNOTATION and "step" in e.get("args", {})}
     if first not in steps or last not in steps or last <= first:
         raise RuntimeError(f"steps {first} and {last} are not both in the trace (it has {len(steps)} step spans)")
     lo, hi = steps[first]["ts"], steps[last]["ts"]
-    on_device = [e for e in events if (lines.get((e.get("pid"), e.get("tid")), "").startswith("Stream")
-                                       if e.get("pid") in devices else "hlo_op" in e.get("args", {}))]
+    on_device = [e for e in events if (on_stream(e, lines, devices) if e.get("pid") in devices
+                                       else "hlo_op" in e.get("args", {}))]
     spans = sorted((max(e["ts"], lo), min(e["ts"] + e.get("dur", 0), hi)) for e in on_device)
     busy, end = 0.0, lo
     for a, b in spans:  # the union of the spans, clipped to the window

@@ -47,8 +47,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import glob
-import gzip
 import json
 import os
 import re
@@ -62,9 +60,11 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (also when a test loads it by path)
 
 from jax_sparse_mla import MLAConfig, Request, init_cache, init_params, jit_forward, plan_batch  # noqa: E402
 from jax_sparse_mla.plan import BucketPolicy  # noqa: E402
+from traces import load_trace, on_stream  # noqa: E402
 
 KINDS = {  # name -> [(context_len, query_len)] per request
     "prefill_8x256": [(0, 256)] * 8, "prefill_4x1024": [(0, 1024)] * 4,
@@ -422,22 +422,16 @@ def trace_breakdown(trace_dir: str, scopes: HloScopes, steps: int) -> dict:
     cut at its first comma); else it is UNATTRIBUTED. named_share: the share of the traced time
     in LIBRARY_SCOPES; attributed_share: in any scope (named, or the function that emitted the
     op, or control flow)."""
-    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
-    if not files:
+    loaded = load_trace(trace_dir)
+    if loaded is None:
         return {"ms": {}, "traced_ms": 0.0, "named_share": 0.0, "attributed_share": 0.0, "note": "no trace file"}
-    with gzip.open(files[-1]) as f:
-        trace = json.load(f).get("traceEvents", [])
-    lines = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "") for e in trace
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    devices = {e.get("pid") for e in trace if e.get("ph") == "M" and e.get("name") == "process_name"
-               and str(e.get("args", {}).get("name", "")).startswith("/device:")}
-    events = [e for e in trace if e.get("ph") == "X" and "ts" in e]
+    events, lines, devices = loaded
     modules = {e.get("args", {}).get("hlo_module") for e in events}
 
     def counted(e):  # a device's stream events; elsewhere (XLA:CPU's threads) those with an hlo_op
         args = e.get("args", {})
         if e.get("pid") in devices:
-            if not lines.get((e.get("pid"), e.get("tid")), "").startswith("Stream"):
+            if not on_stream(e, lines, devices):
                 return False
         elif "hlo_op" not in args:
             return False
