@@ -21,11 +21,10 @@ scheduling, planning, packing and bookkeeping, at the real dimensions on any mac
 launch_s is the packing).
 
 --profile DIR runs the workload once more under jax.profiler.trace(DIR) and prints, for the
-steps in which every sequence decodes, what the trace shows: the wall time a step (from one
-step's host part to the next's: each step's scheduling, planning and dispatch is an
-engine.STEP_ANNOTATION span), the device's busy time a step (the union of its stream events in
-that window; on a CPU, XLA's thunks) and the share of the window it is busy, and the host part's
-time a step. A device busy well under the step is a step that waits on the host.
+steps in which every sequence decodes, what the trace shows (`trace_shares`; each step's
+scheduling, planning and dispatch is an engine.STEP_ANNOTATION span): the wall time a step, the
+device's busy time a step (the union of its stream events; on a CPU, XLA's thunks) and the share
+of the window it is busy, and the host part's time a step. A device busy well under the step is a step that waits on the host.
 """
 
 from __future__ import annotations
@@ -49,10 +48,13 @@ from traces import load_trace, on_stream  # noqa: E402
 
 
 def trace_shares(trace_dir: str, first: int, last: int) -> dict:
-    """Over the newest trace under trace_dir (*.trace.json.gz), the window from step `first`'s
-    host part (its STEP_ANNOTATION span) to step `last`'s: {"steps": last - first, "wall_ms",
-    "device_busy_ms" and "host_ms" a step, "busy_share"}. Device time: the union of the events on
-    a device's "Stream" lines, else (XLA:CPU) of the events with an hlo_op arg."""
+    """Over the newest trace under trace_dir (*.trace.json.gz), the window from step `first`'s host
+    part (its STEP_ANNOTATION span) to step `last`'s: {"steps", "wall_ms", "device_busy_ms" and
+    "host_ms" a step, "busy_share"}. Step k's host part begins once step k - 2 is done (the loop
+    dispatches k, then waits for k - 1), while k - 1 runs: the window holds the device time of
+    steps first - 1 .. last - 2, and host_ms is their host parts'. Device time: the union of the
+    events on a device's "Stream" lines; on a trace without devices (XLA:CPU), of the events with
+    an hlo_op arg."""
     loaded = load_trace(trace_dir)
     if loaded is None:
         raise RuntimeError(f"no trace under {trace_dir}")
@@ -61,16 +63,15 @@ def trace_shares(trace_dir: str, first: int, last: int) -> dict:
     if first not in steps or last not in steps or last <= first:
         raise RuntimeError(f"steps {first} and {last} are not both in the trace (it has {len(steps)} step spans)")
     lo, hi = steps[first]["ts"], steps[last]["ts"]
-    on_device = [e for e in events if (on_stream(e, lines, devices) if e.get("pid") in devices
-                                       else "hlo_op" in e.get("args", {}))]
+    on_device = [e for e in events if (on_stream(e, lines, devices) if devices else "hlo_op" in e.get("args", {}))]
     spans = sorted((max(e["ts"], lo), min(e["ts"] + e.get("dur", 0), hi)) for e in on_device)
     busy, end = 0.0, lo
-    for a, b in spans:  # the union of the spans, clipped to the window
-        if b > end:
+    for a, b in spans:  # the union of the spans clipped to the window (those outside it are empty)
+        if a < b and b > end:
             busy += b - max(a, end)
             end = b
     n = last - first
-    host = sum(steps[i]["dur"] for i in range(first, last) if i in steps)
+    host = sum(steps[i]["dur"] for i in range(first - 1, last - 1) if i in steps)
     return {"steps": n, "wall_ms": (hi - lo) / 1e3 / n, "device_busy_ms": busy / 1e3 / n,
             "busy_share": busy / (hi - lo) if hi > lo else 0.0, "host_ms": host / 1e3 / n}
 
@@ -147,7 +148,10 @@ def main(argv=None) -> int:
         with jax.profiler.trace(a.profile, create_perfetto_trace=True):
             again = engine.run(specs, max_steps=output_len, progress=False)
         decoding = [s.index for s in again.steps if s.num_prefills == 0 and s.num_decodes == a.seqs]
-        traced = trace_shares(a.profile, decoding[0], decoding[-1])
+        if len(decoding) < 3:
+            raise SystemExit(f"--profile needs --decodes >= 2 (the traced run had {len(decoding)} steps with every "
+                             "sequence decoding; the window starts at the second)")
+        traced = trace_shares(a.profile, decoding[1], decoding[-1])  # the device time of decoding[0] .. [-1] - 2
         print(f"traced   steps {traced['steps']:>4}  wall {traced['wall_ms']:.3f} ms a step, device busy "
               f"{traced['device_busy_ms']:.3f} ms ({traced['busy_share']:.1%}), host part {traced['host_ms']:.3f} ms",
               flush=True)
