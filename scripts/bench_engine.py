@@ -51,8 +51,8 @@ def trace_shares(trace_dir: str, first: int, last: int) -> dict:
     """Over the newest trace under trace_dir (*.trace.json.gz), the window from step `first`'s host
     part (its STEP_ANNOTATION span) to step `last`'s: {"steps", "wall_ms", "device_busy_ms" and
     "host_ms" a step, "busy_share"}. Step k's host part begins once step k - 2 is done (the loop
-    dispatches k, then waits for k - 1), while k - 1 runs: the window holds the device time of
-    steps first - 1 .. last - 2, and host_ms is their host parts'. Device time: the union of the
+    dispatches k, then waits for k - 1), while k - 1 runs: the window holds the device's busy time of
+    steps first - 1 .. last - 2, and host_ms is their host parts'. Device busy time: the union of the
     events on a device's "Stream" lines; on a trace without devices (XLA:CPU), of the events with
     an hlo_op arg."""
     loaded = load_trace(trace_dir)
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         if len(decoding) < 3:
             raise SystemExit(f"--profile needs --decodes >= 2 (the traced run had {len(decoding)} steps with every "
                              "sequence decoding; the window starts at the second)")
-        traced = trace_shares(a.profile, decoding[1], decoding[-1])  # the device time of decoding[0] .. [-1] - 2
+        traced = trace_shares(a.profile, decoding[1], decoding[-1])  # the device's time of decoding[0] .. [-1] - 2
         print(f"traced   steps {traced['steps']:>4}  wall {traced['wall_ms']:.3f} ms a step, device busy "
               f"{traced['device_busy_ms']:.3f} ms ({traced['busy_share']:.1%}), host part {traced['host_ms']:.3f} ms",
               flush=True)
