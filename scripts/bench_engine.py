@@ -24,7 +24,8 @@ launch_s is the packing).
 steps in which every sequence decodes, what the trace shows (`trace_shares`; each step's
 scheduling, planning and dispatch is an engine.STEP_ANNOTATION span): the wall time a step, the
 device's busy time a step (the union of its stream events; on a CPU, XLA's thunks) and the share
-of the window it is busy, and the host part's time a step. A device busy well under the step is a step that waits on the host.
+of the window it is busy, and the host part's time a step. A device busy well under the step
+is a step that waits on the host.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def trace_shares(trace_dir: str, first: int, last: int) -> dict:
     if loaded is None:
         raise RuntimeError(f"no trace under {trace_dir}")
     events, lines, devices = loaded
-    steps = {int(e["args"]["step"]): e for e in events if e.get("name") == STEP_ANNOTATION and "step" in e.get("args", {})}
+    steps = {int(e["args"]["step"]): e for e in events
+             if e.get("name") == STEP_ANNOTATION and "step" in e.get("args", {})}
     if first not in steps or last not in steps or last <= first:
         raise RuntimeError(f"steps {first} and {last} are not both in the trace (it has {len(steps)} step spans)")
     lo, hi = steps[first]["ts"], steps[last]["ts"]
