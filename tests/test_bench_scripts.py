@@ -212,3 +212,34 @@ def test_engine_bench_host_only_packs_every_step_and_compiles_nothing(tmp_path):
     medians = json.loads((tmp_path / "engine.json").read_text())["medians"]
     assert medians["decode"]["steps"] >= 2 and "warm-up" not in out and "host only" in out
     assert all(r["new_programs"] == 0 and 0 < r["launch_ms"] <= r["host_ms"] for r in medians.values()), medians
+
+
+def test_engine_trace_shares_counts_the_decode_steps_device_time(tmp_path):
+    """trace_shares on a GPU trace written by hand: step k's host span begins when step k - 2 ends
+    (the loop dispatches k, then waits for k - 1). Steps 0-2 run 6 us of kernels each (two of 3 us,
+    the second overlapping a host-side hlo_op event that must not count), step spans start at
+    0, 0, 10, 20, 30 us: the window of steps 2 .. 4 holds the device time of steps 1 and 2, 12 us of
+    20, and a kernel past the window (step 3's) adds nothing."""
+    spec = importlib.util.spec_from_file_location("bench_engine", SCRIPTS / "bench_engine.py")
+    bench_engine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_engine)
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 1, "tid": 14, "name": "thread_name", "args": {"name": "Stream #14(Compute)"}},
+            {"ph": "M", "pid": 1, "tid": 2, "name": "thread_name", "args": {"name": "XLA Ops"}},
+            {"ph": "M", "pid": 701, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 701, "tid": 1, "name": "thread_name", "args": {"name": "python3"}}]
+    events = [{"ph": "X", "pid": 701, "tid": 1, "ts": ts, "dur": 2, "name": bench_engine.STEP_ANNOTATION,
+               "args": {"step": str(k)}} for k, ts in enumerate((0, 0, 10, 20, 30))]
+    for start in (2, 12, 22, 32):  # steps 0, 1, 2, 3 on the device
+        for ts in (start, start + 4):  # two kernels of 3 us; each also on the derived line
+            events.append({"ph": "X", "pid": 1, "tid": 14, "ts": ts, "dur": 3, "name": "k", "args": {}})
+            events.append({"ph": "X", "pid": 1, "tid": 2, "ts": ts, "dur": 3, "name": "k", "args": {}})
+        events.append({"ph": "X", "pid": 701, "tid": 1, "ts": start, "dur": 9, "name": "h", "args": {"hlo_op": "x"}})
+    (tmp_path / "t").mkdir()
+    with gzip.open(tmp_path / "t" / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+    shares = bench_engine.trace_shares(str(tmp_path / "t"), 2, 4)
+    assert shares == pytest.approx({"steps": 2, "wall_ms": 0.010, "device_busy_ms": 0.006, "busy_share": 0.6,
+                                    "host_ms": 0.002})
+    with pytest.raises(RuntimeError, match="not both in the trace"):
+        bench_engine.trace_shares(str(tmp_path / "t"), 2, 7)
