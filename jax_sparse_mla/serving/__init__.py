@@ -19,7 +19,9 @@ Pieces (each usable alone; modules workload, allocator, engine, metrics, block, 
                 x = x + attn(RMSNorm(x)); x = x + moe(RMSNorm(x)) with a DeepSeek-V3.2 MoE FFN
                 stand-in (block="decoder", `block.MoEConfig`); a step is one dispatch of one
                 program over every layer (`engine.jit_layer_stack`), its input and metadata one
-                packed int32 transfer (`engine.pack_step`).
+                packed int32 transfer (`engine.pack_step`); the running requests are arrays over
+                slots, so a step's batch is gathered, not rebuilt request by request; each step's
+                host part is a profiler trace span (`engine.STEP_ANNOTATION`).
   `ServeResult` per-request metrics (TTFT, TPOT), per-step records, and a summary.
   `synthetic.Harness` one layer's sequences of known random hidden states, each step's work
                 chosen by the caller (no scheduler), its pages from a `PageAllocator`, every
