@@ -48,6 +48,11 @@ from jax_sparse_mla.serving.engine import STEP_ANNOTATION  # noqa: E402
 from traces import load_trace, on_stream  # noqa: E402
 
 
+def every_decoding(steps, seqs: int) -> list:
+    """The StepRecords of `steps` in which every one of the seqs sequences decodes."""
+    return [s for s in steps if s.num_prefills == 0 and s.num_decodes == seqs]
+
+
 def trace_shares(trace_dir: str, first: int, last: int) -> dict:
     """Over the newest trace under trace_dir (*.trace.json.gz), the window from step `first`'s host
     part (its STEP_ANNOTATION span) to step `last`'s: {"steps", "wall_ms", "device_busy_ms" and
@@ -128,7 +133,7 @@ def main(argv=None) -> int:
         print(f"warm-up: {compiled} programs in {time.perf_counter() - t0:.1f} s", flush=True)
     result = engine.run(specs, max_steps=output_len, progress=False)
     rows = {}
-    every = [s for s in result.steps if s.num_prefills == 0 and s.num_decodes == a.seqs]
+    every = every_decoding(result.steps, a.seqs)
     if len(every) < a.decodes:
         raise RuntimeError(f"{len(every)} steps had every sequence decoding, fewer than --decodes {a.decodes} "
                            "(this is a bug)")
@@ -149,7 +154,7 @@ def main(argv=None) -> int:
     if a.profile:
         with jax.profiler.trace(a.profile, create_perfetto_trace=True):
             again = engine.run(specs, max_steps=output_len, progress=False)
-        decoding = [s.index for s in again.steps if s.num_prefills == 0 and s.num_decodes == a.seqs]
+        decoding = [s.index for s in every_decoding(again.steps, a.seqs)]
         if len(decoding) < 3:
             raise SystemExit(f"--profile needs --decodes >= 2 (the traced run had {len(decoding)} steps with every "
                              "sequence decoding; the window starts at the second)")

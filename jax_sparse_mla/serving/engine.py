@@ -154,7 +154,6 @@ class _Slots:
         self.tables = np.full((max_num_seqs, max_pages), -1, np.int32)
         self.rows = np.zeros((max_num_seqs, max_tokens), np.int32)
         self.pages: list[list[int] | None] = [None] * max_num_seqs
-        self.spec: list[RequestSpec | None] = [None] * max_num_seqs
         self.metrics: list[RequestMetrics | None] = [None] * max_num_seqs
 
     def __len__(self) -> int:
@@ -170,7 +169,7 @@ class _Slots:
         self.tables[slot] = -1
         self.tables[slot, :len(pages)] = pages
         self.rows[slot, :len(rows)] = rows
-        self.pages[slot], self.spec[slot], self.metrics[slot] = pages, spec, metrics
+        self.pages[slot], self.metrics[slot] = pages, metrics
         return slot
 
     def schedule(self, waiting: deque[tuple[RequestSpec, RequestMetrics]], allocator: PageAllocator, *, budget: int,
@@ -230,7 +229,7 @@ class _Slots:
         if len(done):
             for s in done.tolist():
                 allocator.free(self.pages[s])
-                self.pages[s] = self.spec[s] = self.metrics[s] = None
+                self.pages[s] = self.metrics[s] = None
                 self._free.append(s)
             self.order = self.order[~np.isin(self.order, done)]
         return emitters
@@ -602,7 +601,7 @@ class Engine:
                     plan, meta = self._plan(check_arrays, opts, context_lens, query_lens, tables)
                     planned = now()
                     prefill_tokens = int(counts[num_decodes:].sum())
-                    ids = ([slots.spec[s].id for s in work.tolist()], counts.tolist()) if collect_outputs else None
+                    ids = ([slots.metrics[s].id for s in work.tolist()], counts.tolist()) if collect_outputs else None
                     if dry:
                         _dry_run.append([Request(c, n, slots.pages[s]) for s, c, n in
                                          zip(work.tolist(), context_lens.tolist(), counts.tolist())])
