@@ -218,8 +218,8 @@ def test_engine_trace_shares_counts_the_decode_steps_device_time(tmp_path):
     """trace_shares on a GPU trace written by hand: step k's host span begins when step k - 2 ends
     (the loop dispatches k, then waits for k - 1). Steps 0-2 run 6 us of kernels each (two of 3 us,
     the second overlapping a host-side hlo_op event that must not count), step spans start at
-    0, 0, 10, 20, 30 us: the window of steps 2 .. 4 holds the device time of steps 1 and 2, 12 us of
-    20, and a kernel past the window (step 3's) adds nothing."""
+    0, 0, 10, 20, 30 us: the window of steps 2 .. 4 holds the device's busy time of steps 1 and 2,
+    12 us of 20, and a kernel past the window (step 3's) adds nothing."""
     spec = importlib.util.spec_from_file_location("bench_engine", SCRIPTS / "bench_engine.py")
     bench_engine = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_engine)
