@@ -562,14 +562,45 @@ def forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib
     return out.astype(c_.jnp_dtype), cache
 
 
-# The compiler options of every jitted program that runs forward (jit_forward,
-# sharding.jit_sharded_forward, the serving engine's step): XLA's command buffers (CUDA graphs)
-# off. Around the conditionals of a dispatch="cond" program they cost 1.2-2.6x the static
-# program's step on an H100, against 1.09-1.17x without them, and the static programs run as fast
-# without them (docs/design/dispatch.md).
-COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
-_jitted_forward = jax.jit(forward, static_argnames=("plan", "config", "kernels"), donate_argnames=("cache",),
-                          compiler_options=COMPILER_OPTIONS)
+def compiler_options(plan: BatchPlan) -> dict[str, str]:
+    """The XLA compiler options of a program that runs forward on `plan` (PlanJit: jit_forward,
+    sharding.jit_sharded_forward, the serving engine's step). Where the program has conditionals
+    (plan.has_conditionals) XLA's command buffers (CUDA graphs) are off: around the conditionals
+    they cost 1.2-2.6x the static program's step on an H100, against 1.09-1.17x without them.
+    Elsewhere XLA's defaults: a step's runs of kernels launch as graphs, not one by one from the
+    host (docs/design/dispatch.md)."""
+    return {"xla_gpu_enable_command_buffer": ""} if plan.has_conditionals else {}
+
+
+class PlanJit:
+    """`fn` jitted with static_argnames (plan among them, passed by keyword) and donate_argnames,
+    each plan's program compiled with compiler_options(plan): one jax.jit per distinct options.
+    Called, `.lower(...)` and `._cache_size()` (the executables compiled so far) as a jax.jit."""
+
+    def __init__(self, fn, *, static_argnames: tuple[str, ...], donate_argnames: tuple[str, ...]):
+        functools.update_wrapper(self, fn)
+        self._static, self._donate = static_argnames, donate_argnames
+        self._jits: dict[tuple, jax.stages.Wrapped] = {}
+
+    def _jit(self, plan: BatchPlan):
+        options = compiler_options(plan)
+        key = tuple(sorted(options.items()))
+        if key not in self._jits:
+            self._jits[key] = jax.jit(self.__wrapped__, static_argnames=self._static, donate_argnames=self._donate,
+                                      compiler_options=options or None)
+        return self._jits[key]
+
+    def __call__(self, *args, plan: BatchPlan, **kwargs):
+        return self._jit(plan)(*args, plan=plan, **kwargs)
+
+    def lower(self, *args, plan: BatchPlan, **kwargs) -> jax.stages.Lowered:
+        return self._jit(plan).lower(*args, plan=plan, **kwargs)
+
+    def _cache_size(self) -> int:
+        return sum(jitted._cache_size() for jitted in self._jits.values())
+
+
+_jitted_forward = PlanJit(forward, static_argnames=("plan", "config", "kernels"), donate_argnames=("cache",))
 
 
 def check_cache_not_donated(cache) -> None:

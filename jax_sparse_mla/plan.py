@@ -370,6 +370,13 @@ class BatchPlan:
         masked = () if self.masked == "none" else tuple((k, True) for k in self.key_sizes if k > topk)
         return tuple((k, False) for k in self.key_sizes) + masked
 
+    @property
+    def has_conditionals(self) -> bool:
+        """Whether the plan's program picks a stage's size at run time: a cond plan with a stage
+        of several sizes (each is an XLA conditional, model._switch). A decode bucket's (fewer
+        than LADDER_MIN_TOKENS rows, no dense call) has none, nor has a static plan."""
+        return any(len(sizes) > 1 for sizes in (self.score_calls, self.dense_calls, self.attend_sizes, self.row_sizes))
+
     def dense_keys_picked(self, branch) -> int:
         """The keys of the dense MHA call that a cond plan's meta.branches[1] (`branch`) picks:
         0 where the step runs none (the plan has no dense call, or its size-0 branch)."""

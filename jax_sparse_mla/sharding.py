@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from .cache import PagedCache, init_cache
 from .config import MLAConfig
-from .model import COMPILER_OPTIONS, check_arguments, check_cache_not_donated, forward
+from .model import PlanJit, check_arguments, check_cache_not_donated, forward
 from .params import param_shapes
 from .plan import (BatchMeta, BatchPlan, BucketPolicy, Request, check_batch, pad_ids, padded_sizes, plan_host,
                    route_codes)
@@ -293,9 +293,9 @@ def sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh:
     return step(params, hidden, cache, meta)
 
 
-_jitted_sharded_forward = jax.jit(sharded_forward,
+_jitted_sharded_forward = PlanJit(sharded_forward,
                                   static_argnames=("mesh", "plan", "config", "kernels", "data_axis", "tensor_axis"),
-                                  donate_argnames=("cache",), compiler_options=COMPILER_OPTIONS)
+                                  donate_argnames=("cache",))
 
 
 def jit_sharded_forward(params, hidden, cache: PagedCache, meta: BatchMeta, *, mesh: Mesh, plan: BatchPlan,

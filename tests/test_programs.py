@@ -11,7 +11,7 @@ from flax import nnx
 from jax_sparse_mla import (BucketPolicy, MLAConfig, Request, SparseMLA, init_cache, init_params, jit_forward,
                             plan_batch)
 from jax_sparse_mla import plan as plan_lib
-from jax_sparse_mla.model import forward
+from jax_sparse_mla.model import compiler_options, forward
 from jax_sparse_mla.serving.synthetic import rel_err
 
 TINY = MLAConfig.tiny()
@@ -160,7 +160,8 @@ def test_nnx_module_under_jit_matches_functional_forward():
 def test_cond_programs_hold_the_stages_their_batches_need(monkeypatch):
     """A cond plan's program holds the stages of its batch: short prefills alone give a program
     with no scoring (and no conditional where the row stages have one size), decodes alone one
-    with no dense call and no conditional, and one executable of both stages serves a short
+    with no dense call and no conditional (compiled with XLA's command buffers, which the
+    programs with conditionals have off), and one executable of both stages serves a short
     prefill beside a decode as well as a long prefill (masked) beside one, picking the dense
     call's keys, the scored and the attending rows at run time."""
     policy = BucketPolicy(min_pages_per_seq=8)
@@ -169,11 +170,13 @@ def test_cond_programs_hold_the_stages_their_batches_need(monkeypatch):
     hlo = compiled_hlo(plan_p, meta_p)
     assert not plan_p.has_indexer_scoring and not any(scoring_ops(hlo).values())
     assert len(re.findall(r"\bconditional\(", hlo)) == 1  # the dense call's key sizes
+    assert plan_p.has_conditionals and compiler_options(plan_p) == {"xla_gpu_enable_command_buffer": ""}
     plan_d, meta_d = plan_batch(TINY, [Request(20, 1, list(range(6))), Request(9, 1, [6, 7, 8])], num_pages=16,
                                 dispatch="cond", buckets=policy)
     hlo = compiled_hlo(plan_d, meta_d)
     assert plan_d.num_dense_keys == 0 and scoring_ops(hlo)["indexer_logits"] > 0
     assert not re.search(r"\bconditional\(", hlo) and scope_ops(hlo, "dense_mha") == 0
+    assert not plan_d.has_conditionals and compiler_options(plan_d) == {}  # XLA's command buffers
 
     monkeypatch.setattr(plan_lib, "LADDER_MIN_TOKENS", 16)  # row stages of several sizes
     reqs_short = [Request(0, 10, [0, 1, 2]), Request(0, 10, [3, 4, 5]), Request(20, 1, list(range(6, 12)))]
@@ -187,3 +190,4 @@ def test_cond_programs_hold_the_stages_their_batches_need(monkeypatch):
     assert [plan_a.attend_sizes[m.branches[2]] for m in (meta_a, meta_b)] == [16, 16]
     hlo = compiled_hlo(plan_a, meta_a)
     assert scoring_ops(hlo)["indexer_logits"] > 0 and len(re.findall(r"\bconditional\(", hlo)) >= 3
+    assert plan_a.has_conditionals

@@ -18,7 +18,7 @@ import numpy as np
 from ..cache import init_cache
 from ..config import MLAConfig, check_config_type
 from ..kernels import check_kernels
-from ..model import COMPILER_OPTIONS, forward
+from ..model import PlanJit, forward
 from ..params import check_finite, check_params, init_params
 from ..plan import (DISPATCH_MODES, BatchMeta, BatchPlan, BucketPolicy, Request, check_arrays, check_batch,
                     check_slot_range, plan_host)
@@ -324,8 +324,7 @@ def layer_stack(pool, packed, params, block_params, caches, *, plan: BatchPlan, 
     return x, new_caches
 
 
-jit_layer_stack = jax.jit(layer_stack, static_argnames=("plan", "config", "kernels", "moe"),
-                          donate_argnames=("caches",), compiler_options=COMPILER_OPTIONS)
+jit_layer_stack = PlanJit(layer_stack, static_argnames=("plan", "config", "kernels", "moe"), donate_argnames=("caches",))
 
 
 class Engine:
