@@ -48,20 +48,22 @@ def per_head(spec: str, a, w, config: MLAConfig):
 def projection_matmuls(params, x, config: MLAConfig):
     """The projections' matmuls over rows, x [T, hidden] -> (qr [T, q_lora] (q_a_proj, normed),
     q [T, H * qk_head_dim] (q_b_proj), kv [T, R + rope] (kv_a_proj_with_mqa), k [T, D]
-    (indexer.wk)), float32: the part of the projections whose cost follows the rows (a cond plan
+    (indexer.wk)), float32 but q in config.dtype (rounded where DeepSeek's reference rounds it:
+    the largest row-wise tensor of the layer, at half the memory traffic): the part of the projections whose cost follows the rows (a cond plan
     runs it over about its real rows); `projections` finishes them row by row. q_b_proj stays one
     matmul: as two over slices of its weight, both dispatches' layer steps took 0.07-0.13 ms
     longer on an H100 (the slices copied every step)."""
     c_ = config
     qr = ops.rms_norm(linear(x, params["q_a_proj.weight"], c_), params["q_a_layernorm.weight"], c_.rms_norm_eps)
-    return (qr, linear(qr, params["q_b_proj.weight"], c_), linear(x, params["kv_a_proj_with_mqa.weight"], c_),
+    return (qr, linear(qr, params["q_b_proj.weight"], c_).astype(c_.jnp_dtype),
+            linear(x, params["kv_a_proj_with_mqa.weight"], c_),
             linear(x, params["indexer.wk.weight"], c_))
 
 
 def projections(params, matmuls, positions, config: MLAConfig):
     """Queries, latent and indexer key of each row from projection_matmuls' output and positions
-    [T] -> (qr, q_nope [T, H, nope], q_pe [T, H, rope] (rope applied), c [T, R], k_pe [T, rope]
-    (rope applied), k_index [T, D]), float32."""
+    [T] -> (qr, q_nope [T, H, nope] (config.dtype), q_pe [T, H, rope] (rope applied), c [T, R],
+    k_pe [T, rope] (rope applied), k_index [T, D]), float32 but q_nope."""
     c_ = config
     qr, q, kv, k = matmuls
     q = q.reshape(q.shape[0], c_.num_attention_heads, c_.qk_head_dim)
@@ -75,8 +77,8 @@ def projections(params, matmuls, positions, config: MLAConfig):
 def mla_projections(params, x, positions, config: MLAConfig):
     """Queries and the latent of each row.
 
-    x: [T, hidden], positions: [T] -> qr [T, q_lora], q_nope [T, H, nope], q_pe [T, H, rope]
-    (rope applied), c [T, R], k_pe [T, rope] (rope applied); all float32.
+    x: [T, hidden], positions: [T] -> qr [T, q_lora], q_nope [T, H, nope] (config.dtype), q_pe
+    [T, H, rope] (rope applied), c [T, R], k_pe [T, rope] (rope applied); float32 but q_nope.
     """
     return projections(params, projection_matmuls(params, x, config), positions, config)[:5]
 
@@ -550,16 +552,16 @@ def forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib
     else:
         out_heads = _sparse_program(score, attend, plan, meta, heads)
 
-    # a request's own non-finite input shows in its rows on every route (see _nonfinite_rows)
-    out_heads = jnp.where(_nonfinite_rows(x, meta, plan.num_seqs)[:, None, None], jnp.nan, out_heads)
-    def o_proj(n):  # the first n rows' output, zero past them
-        return _pad_rows(linear(out_heads[:n].reshape(n, H * c_.v_head_dim), params["o_proj.weight"], c_), T)
+    def o_proj(n):  # the first n rows' output, zero past them (in config.dtype, unless summed over shards)
+        out = linear(out_heads[:n].reshape(n, H * c_.v_head_dim), params["o_proj.weight"], c_)
+        return _pad_rows(out if tensor_axis is not None else out.astype(c_.jnp_dtype), T)
 
     with jax.named_scope("o_proj"):
         out = _over_rows(o_proj, plan, meta)
-        if tensor_axis is not None:  # o_proj's columns are split by head: partial sums
-            out = jax.lax.psum(out, tensor_axis)
-    return out.astype(c_.jnp_dtype), cache
+        if tensor_axis is not None:  # o_proj's columns are split by head: partial sums, in float32
+            out = jax.lax.psum(out, tensor_axis).astype(c_.jnp_dtype)
+    # a request's own non-finite input shows in its rows on every route (see _nonfinite_rows)
+    return jnp.where(_nonfinite_rows(x, meta, plan.num_seqs)[:, None], jnp.nan, out), cache
 
 
 def compiler_options(plan: BatchPlan) -> dict[str, str]:
