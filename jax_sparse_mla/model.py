@@ -564,6 +564,9 @@ def forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib
     return jnp.where(_nonfinite_rows(x, meta, plan.num_seqs)[:, None], jnp.nan, out), cache
 
 
+COMMAND_BUFFERS_OFF = {"xla_gpu_enable_command_buffer": ""}  # XLA's compiler option: no CUDA graphs
+
+
 def compiler_options(plan: BatchPlan) -> dict[str, str]:
     """The XLA compiler options of a program that runs forward on `plan` (PlanJit: jit_forward,
     sharding.jit_sharded_forward, the serving engine's step). Where the program has conditionals
@@ -571,7 +574,7 @@ def compiler_options(plan: BatchPlan) -> dict[str, str]:
     they cost 1.2-2.6x the static program's step on an H100, against 1.09-1.17x without them.
     Elsewhere XLA's defaults: a step's runs of kernels launch as graphs, not one by one from the
     host (docs/design/dispatch.md)."""
-    return {"xla_gpu_enable_command_buffer": ""} if plan.has_conditionals else {}
+    return COMMAND_BUFFERS_OFF if plan.has_conditionals else {}
 
 
 class PlanJit:

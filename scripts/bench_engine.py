@@ -7,6 +7,7 @@ while the device runs step N, so host time under the device's is hidden.
                                    [--dispatch cond|static] [--max-model-len N] [--out engine.json]  # GPU
     python scripts/bench_engine.py --smoke [--decodes 64]    # CPU: tiny config, 8 x 40 tokens, 2 layers
     python scripts/bench_engine.py --host-only [--seqs 256 --context 4096]    # any machine: the host alone
+    python scripts/bench_engine.py --compare-command-buffers [--rounds 3] [--profile DIR]    # GPU
 
 Every request has the same prompt and is sent at once; the scheduler puts decodes first, so the
 early requests decode while the later ones still prefill. Each request's output is long enough
@@ -19,6 +20,12 @@ it will need), so no step compiles. --host-only replaces the step's program call
 of its input (Engine._step_call; nothing compiles or runs on a device): the host's step alone,
 scheduling, planning, packing and bookkeeping, at the real dimensions on any machine (its
 launch_s is the packing).
+
+--compare-command-buffers times the engine's programs without conditionals (its decode
+steps') against the same programs compiled with XLA's command buffers off (as the programs with
+conditionals are: model.compiler_options), the two interleaved over --rounds runs of the
+workload, rows "decode" and "decode (command buffers off)" (and prefill rows, whose programs are
+the same in both), and traces both under --profile (the second into DIR_command_buffers_off).
 
 --profile DIR runs the workload once more under jax.profiler.trace(DIR) and prints, for the
 steps in which every sequence decodes, what the trace shows (`trace_shares`; each step's
@@ -42,9 +49,10 @@ import jax
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from jax_sparse_mla import MLAConfig  # noqa: E402
+from jax_sparse_mla import BatchMeta, MLAConfig  # noqa: E402
+from jax_sparse_mla.model import COMMAND_BUFFERS_OFF  # noqa: E402
 from jax_sparse_mla.serving import Engine, RequestSpec  # noqa: E402
-from jax_sparse_mla.serving.engine import STEP_ANNOTATION  # noqa: E402
+from jax_sparse_mla.serving.engine import STEP_ANNOTATION, jit_layer_stack  # noqa: E402
 from traces import load_trace, on_stream  # noqa: E402
 
 
@@ -83,6 +91,16 @@ def trace_shares(trace_dir: str, first: int, last: int) -> dict:
             "busy_share": busy / (hi - lo) if hi > lo else 0.0, "host_ms": host / 1e3 / n}
 
 
+def command_buffers_off(engine: Engine) -> dict:
+    """The engine's executables, those of its programs without conditionals (compiled with XLA's
+    command buffers) compiled again with them off."""
+    executables = dict(engine._executables)
+    for plan, kernels in [key for key in executables if not key[0].has_conditionals]:
+        args, static = engine._step_call(plan, BatchMeta.empty(plan), (), kernels)
+        executables[plan, kernels] = jit_layer_stack.lower(*args, **static).compile(compiler_options=COMMAND_BUFFERS_OFF)
+    return executables
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true",
@@ -99,8 +117,13 @@ def main(argv=None) -> int:
     p.add_argument("--host-only", action="store_true", help="no program runs: the host's step alone")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="run once more under a profiler trace; print the decode steps' device busy share")
+    p.add_argument("--compare-command-buffers", action="store_true",
+                   help="also time the programs without conditionals compiled with XLA's command buffers off")
+    p.add_argument("--rounds", type=int, default=3, help="runs of each variant with --compare-command-buffers")
     p.add_argument("--out", default=None, help="write the step records and the medians as JSON here")
     a = p.parse_args(argv)
+    if a.host_only and a.compare_command_buffers:
+        p.error("--host-only runs no program: nothing to compare")
     defaults = dict(seqs=8, context=40, decodes=4, layers=2) if a.smoke else dict(seqs=256, context=4096, decodes=32,
                                                                                  layers=4)
     for name, value in defaults.items():  # a size given on the command line wins
@@ -131,41 +154,54 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         compiled = engine.warmup(specs, max_steps=output_len)
         print(f"warm-up: {compiled} programs in {time.perf_counter() - t0:.1f} s", flush=True)
-    result = engine.run(specs, max_steps=output_len, progress=False)
+    variants = {"": None}  # a row name's suffix -> the executables the runs use (None: the engine's own)
+    if a.compare_command_buffers:
+        variants = {"": dict(engine._executables), " (command buffers off)": command_buffers_off(engine)}
+    results = {suffix: [] for suffix in variants}
+    for _ in range(a.rounds if a.compare_command_buffers else 1):  # the variants interleaved
+        for suffix, executables in variants.items():
+            if executables is not None:
+                engine._executables = executables
+            results[suffix].append(engine.run(specs, max_steps=output_len, progress=False))
     rows = {}
-    every = every_decoding(result.steps, a.seqs)
-    if len(every) < a.decodes:
-        raise RuntimeError(f"{len(every)} steps had every sequence decoding, fewer than --decodes {a.decodes} "
-                           "(this is a bug)")
-    for name, steps in (("decode", every), ("prefill", [s for s in result.steps if s.num_prefills > 0])):
-        if not steps:
-            continue
-        med = {f: statistics.median(getattr(s, f) for s in steps) * 1e3
-               for f in ("host_s", "plan_s", "launch_s", "device_s", "duration_s")}
-        rows[name] = {"steps": len(steps), **{k.replace("_s", "_ms"): v for k, v in med.items()},
-                      "host_share": med["host_s"] / med["duration_s"],
-                      "new_programs": sum(s.new_programs for s in steps)}
-        r = rows[name]
-        print(f"{name:<8} steps {r['steps']:>4}  host {r['host_ms']:8.3f} ms (plan {r['plan_ms']:.3f}, launch "
-              f"{r['launch_ms']:.3f})  device "
-              f"{r['device_ms']:8.3f} ms  step {r['duration_ms']:8.3f} ms  host / step {r['host_share']:.3f}  "
-              f"compiled {r['new_programs']}", flush=True)
-    traced = None
-    if a.profile:
-        with jax.profiler.trace(a.profile, create_perfetto_trace=True):
+    for suffix, runs in results.items():
+        every = [s for r in runs for s in every_decoding(r.steps, a.seqs)]
+        if len(every) < a.decodes * len(runs):
+            raise RuntimeError(f"{len(every)} steps in {len(runs)} runs had every sequence decoding, fewer than "
+                               f"--decodes {a.decodes} a run (this is a bug)")
+        prefills = [s for r in runs for s in r.steps if s.num_prefills > 0]
+        for name, steps in ((f"decode{suffix}", every), (f"prefill{suffix}", prefills)):
+            if not steps:
+                continue
+            med = {f: statistics.median(getattr(s, f) for s in steps) * 1e3
+                   for f in ("host_s", "plan_s", "launch_s", "device_s", "duration_s")}
+            rows[name] = {"steps": len(steps), **{k.replace("_s", "_ms"): v for k, v in med.items()},
+                          "host_share": med["host_s"] / med["duration_s"],
+                          "new_programs": sum(s.new_programs for s in steps)}
+            r = rows[name]
+            print(f"{name:<8} steps {r['steps']:>4}  host {r['host_ms']:8.3f} ms (plan {r['plan_ms']:.3f}, launch "
+                  f"{r['launch_ms']:.3f})  device "
+                  f"{r['device_ms']:8.3f} ms  step {r['duration_ms']:8.3f} ms  host / step {r['host_share']:.3f}  "
+                  f"compiled {r['new_programs']}", flush=True)
+    traced = {}
+    for suffix, executables in variants.items() if a.profile else ():
+        if executables is not None:
+            engine._executables = executables
+        trace_dir = f"{a.profile}_command_buffers_off" if suffix else a.profile
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             again = engine.run(specs, max_steps=output_len, progress=False)
         decoding = [s.index for s in every_decoding(again.steps, a.seqs)]
         if len(decoding) < 3:
             raise SystemExit(f"--profile needs --decodes >= 2 (the traced run had {len(decoding)} steps with every "
                              "sequence decoding; the window starts at the second)")
-        traced = trace_shares(a.profile, decoding[1], decoding[-1])  # the device's time of decoding[0] .. [-1] - 2
-        print(f"traced   steps {traced['steps']:>4}  wall {traced['wall_ms']:.3f} ms a step, device busy "
-              f"{traced['device_busy_ms']:.3f} ms ({traced['busy_share']:.1%}), host part {traced['host_ms']:.3f} ms",
-              flush=True)
+        t = traced[f"decode{suffix}"] = trace_shares(trace_dir, decoding[1], decoding[-1])  # steps [0] .. [-1] - 2
+        print(f"traced{suffix}  steps {t['steps']:>4}  wall {t['wall_ms']:.3f} ms a step, device busy "
+              f"{t['device_busy_ms']:.3f} ms ({t['busy_share']:.1%}), host part {t['host_ms']:.3f} ms", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d"),
-                       "medians": rows, "traced": traced, "summary": result.summary()}, f, indent=1, default=str)
+                       "medians": rows, "traced": traced, "summary": results[""][0].summary()}, f, indent=1,
+                      default=str)
     return 0
 
 

@@ -185,22 +185,28 @@ def test_warmup_bench_restart_loads_every_program_from_the_store(tmp_path):
 
 
 def test_engine_bench_times_steps_with_every_sequence_decoding(tmp_path):
-    """--smoke --decodes 3 --profile: at least 3 steps have every sequence decoding (the requests'
-    outputs outlast the last prefill), none compiles (warmed up for the run's steps), each row's
-    host time holds its planning and launch; the traced run's decode steps are found by their
-    step spans, with the device busy for part of each."""
-    out = _run("bench_engine.py", "--smoke", "--seqs", "6", "--decodes", "3", "--profile", str(tmp_path / "trace"),
-               "--out", str(tmp_path / "engine.json"), cwd=tmp_path)
+    """--smoke --decodes 3 --compare-command-buffers --rounds 2 --profile: in each of the 2 runs
+    of each variant at least 3 steps have every sequence decoding (the requests' outputs outlast
+    the last prefill), none compiles (warmed up for the run's steps; the variant's executables
+    compiled before the runs), each row's host time holds its planning and launch; each variant's
+    traced run has its decode steps found by their step spans, with the device busy for part of
+    each."""
+    out = _run("bench_engine.py", "--smoke", "--seqs", "6", "--decodes", "3", "--compare-command-buffers",
+               "--rounds", "2", "--profile", str(tmp_path / "trace"), "--out", str(tmp_path / "engine.json"), cwd=tmp_path)
     result = json.loads((tmp_path / "engine.json").read_text())
     medians, traced = result["medians"], result["traced"]
-    assert traced["steps"] >= 2 and 0 < traced["busy_share"] <= 1, traced
-    assert 0 < traced["device_busy_ms"] <= traced["wall_ms"] and 0 < traced["host_ms"], traced
-    assert out.count("traced ") == 1
-    assert set(medians) == {"decode", "prefill"} and medians["decode"]["steps"] >= 3, medians
+    off = " (command buffers off)"
+    assert set(traced) == {"decode", "decode" + off} and (tmp_path / "trace_command_buffers_off").is_dir()
+    for t in traced.values():
+        assert t["steps"] >= 2 and 0 < t["busy_share"] <= 1, t
+        assert 0 < t["device_busy_ms"] <= t["wall_ms"] and 0 < t["host_ms"], t
+    assert out.count("traced") == 2
+    assert set(medians) == {"decode", "prefill", "decode" + off, "prefill" + off}, medians
+    assert medians["decode"]["steps"] >= 6 and medians["decode" + off]["steps"] >= 6, medians
     for row in medians.values():
         assert row["new_programs"] == 0
         assert 0 < row["plan_ms"] + row["launch_ms"] <= row["host_ms"] and row["duration_ms"] > 0, row
-    assert out.count("compiled 0") == 2
+    assert out.count("compiled 0") == 4
 
 
 def test_engine_bench_host_only_packs_every_step_and_compiles_nothing(tmp_path):
