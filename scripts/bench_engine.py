@@ -31,13 +31,16 @@ the same in both), and traces both under --profile (the second into DIR_command_
 steps in which every sequence decodes, what the trace shows (`trace_shares`; each step's
 scheduling, planning and dispatch is an engine.STEP_ANNOTATION span): the wall time a step, the
 device's busy time a step (the union of its stream events; on a CPU, XLA's thunks) and the share
-of the window it is busy, and the host part's time a step. A device busy well under the step
-is a step that waits on the host.
+of the window it is busy, and the host part's time a step, then the events that take the most
+of the host part (where its planning and launch go). A device busy well under the step is a
+step that waits on the host.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import collections
 import json
 import os
 import statistics
@@ -61,10 +64,15 @@ def every_decoding(steps, seqs: int) -> list:
     return [s for s in steps if s.num_prefills == 0 and s.num_decodes == seqs]
 
 
+HOST_EVENTS = 12  # trace_shares' host_events_ms: the names that take the most time
+
+
 def trace_shares(trace_dir: str, first: int, last: int) -> dict:
     """Over the newest trace under trace_dir (*.trace.json.gz), the window from step `first`'s host
     part (its STEP_ANNOTATION span) to step `last`'s: {"steps", "wall_ms", "device_busy_ms" and
-    "host_ms" a step, "busy_share"}. Step k's host part begins once step k - 2 is done (the loop
+    "host_ms" a step, "busy_share", "host_events_ms"}. host_events_ms: the HOST_EVENTS event names
+    that take the most time inside those host parts (on their thread, starting within them, cut at
+    their end), ms a step each, inclusive of the events nested in them (where the launch goes). Step k's host part begins once step k - 2 is done (the loop
     dispatches k, then waits for k - 1), while k - 1 runs: the window holds the device's busy time of
     steps first - 1 .. last - 2, and host_ms is their host parts'. Device busy time: the union of the
     events on a device's "Stream" lines; on a trace without devices (XLA:CPU), of the events with
@@ -86,9 +94,19 @@ def trace_shares(trace_dir: str, first: int, last: int) -> dict:
             busy += b - max(a, end)
             end = b
     n = last - first
-    host = sum(steps[i]["dur"] for i in range(first - 1, last - 1) if i in steps)
+    parts = [steps[i] for i in range(first - 1, last - 1) if i in steps]
+    starts = [p["ts"] for p in parts]  # ascending, and the parts do not overlap (one loop)
+    inside = collections.Counter()  # what the host parts hold: event name -> its time, inclusive
+    for e in events:
+        k = bisect.bisect_right(starts, e["ts"]) - 1  # the last part to start at or before e
+        if k < 0 or e.get("pid") in devices or e.get("name") == STEP_ANNOTATION:
+            continue
+        p = parts[k]
+        if (p["pid"], p["tid"]) == (e.get("pid"), e.get("tid")) and e["ts"] < p["ts"] + p["dur"]:
+            inside[e.get("name", "")[:80]] += min(e["ts"] + e.get("dur", 0), p["ts"] + p["dur"]) - e["ts"]
     return {"steps": n, "wall_ms": (hi - lo) / 1e3 / n, "device_busy_ms": busy / 1e3 / n,
-            "busy_share": busy / (hi - lo) if hi > lo else 0.0, "host_ms": host / 1e3 / n}
+            "busy_share": busy / (hi - lo) if hi > lo else 0.0, "host_ms": sum(p["dur"] for p in parts) / 1e3 / n,
+            "host_events_ms": {name: us / 1e3 / n for name, us in inside.most_common(HOST_EVENTS)}}
 
 
 def command_buffers_off(engine: Engine) -> dict:
@@ -197,6 +215,8 @@ def main(argv=None) -> int:
         t = traced[f"decode{suffix}"] = trace_shares(trace_dir, decoding[1], decoding[-1])  # steps [0] .. [-1] - 2
         print(f"traced{suffix}  steps {t['steps']:>4}  wall {t['wall_ms']:.3f} ms a step, device busy "
               f"{t['device_busy_ms']:.3f} ms ({t['busy_share']:.1%}), host part {t['host_ms']:.3f} ms", flush=True)
+        for name, ms in t["host_events_ms"].items():
+            print(f"    {ms:8.3f} ms a step  {name}", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d"),

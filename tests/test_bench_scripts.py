@@ -225,7 +225,10 @@ def test_engine_trace_shares_counts_the_decode_steps_device_time(tmp_path):
     (the loop dispatches k, then waits for k - 1). Steps 0-2 run 6 us of kernels each (two of 3 us,
     the second overlapping a host-side hlo_op event that must not count), step spans start at
     0, 0, 10, 20, 30 us: the window of steps 2 .. 4 holds the device's busy time of steps 1 and 2,
-    12 us of 20, and a kernel past the window (step 3's) adds nothing."""
+    12 us of 20, and a kernel past the window (step 3's) adds nothing. Inside the host parts of
+    steps 1 and 2 (the window's): a 1.5 us launch with a 0.5 us packing nested in it each step,
+    counted inclusive, a wait that outlasts the part (counted to its end), and events on another
+    thread, not counted."""
     spec = importlib.util.spec_from_file_location("bench_engine", SCRIPTS / "bench_engine.py")
     bench_engine = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_engine)
@@ -241,11 +244,18 @@ def test_engine_trace_shares_counts_the_decode_steps_device_time(tmp_path):
             events.append({"ph": "X", "pid": 1, "tid": 14, "ts": ts, "dur": 3, "name": "k", "args": {}})
             events.append({"ph": "X", "pid": 1, "tid": 2, "ts": ts, "dur": 3, "name": "k", "args": {}})
         events.append({"ph": "X", "pid": 701, "tid": 1, "ts": start, "dur": 9, "name": "h", "args": {"hlo_op": "x"}})
+    for ts in (0, 10, 20, 30):  # inside the host parts of steps 1-4: a launch with a packing nested in it
+        events.append({"ph": "X", "pid": 701, "tid": 1, "ts": ts, "dur": 1.5, "name": "launch", "args": {}})
+        events.append({"ph": "X", "pid": 701, "tid": 1, "ts": ts + 0.5, "dur": 0.5, "name": "pack", "args": {}})
+        events.append({"ph": "X", "pid": 701, "tid": 5, "ts": ts, "dur": 1, "name": "other thread", "args": {}})
+        events.append({"ph": "X", "pid": 701, "tid": 1, "ts": ts + 1.5, "dur": 4, "name": "wait", "args": {}})
     (tmp_path / "t").mkdir()
     with gzip.open(tmp_path / "t" / "host.trace.json.gz", "wt") as f:
         json.dump({"traceEvents": meta + events}, f)
     shares = bench_engine.trace_shares(str(tmp_path / "t"), 2, 4)
+    host_events = shares.pop("host_events_ms")
     assert shares == pytest.approx({"steps": 2, "wall_ms": 0.010, "device_busy_ms": 0.006, "busy_share": 0.6,
                                     "host_ms": 0.002})
+    assert host_events == pytest.approx({"launch": 0.0015, "pack": 0.0005, "wait": 0.0005})
     with pytest.raises(RuntimeError, match="not both in the trace"):
         bench_engine.trace_shares(str(tmp_path / "t"), 2, 7)
