@@ -49,8 +49,9 @@ def projection_matmuls(params, x, config: MLAConfig):
     """The projections' matmuls over rows, x [T, hidden] -> (qr [T, q_lora] (q_a_proj, normed),
     q [T, H * qk_head_dim] (q_b_proj), kv [T, R + rope] (kv_a_proj_with_mqa), k [T, D]
     (indexer.wk)), float32 but q in config.dtype (rounded where DeepSeek's reference rounds it:
-    the largest row-wise tensor of the layer, at half the memory traffic): the part of the projections whose cost follows the rows (a cond plan
-    runs it over about its real rows); `projections` finishes them row by row. q_b_proj stays one
+    the layer's largest row-wise tensor, at half the memory traffic): the part of the
+    projections whose cost follows the rows (a cond plan runs it over about its real rows);
+    `projections` finishes them row by row. q_b_proj stays one
     matmul: as two over slices of its weight, both dispatches' layer steps took 0.07-0.13 ms
     longer on an H100 (the slices copied every step)."""
     c_ = config

@@ -115,7 +115,8 @@ def command_buffers_off(engine: Engine) -> dict:
     executables = dict(engine._executables)
     for plan, kernels in [key for key in executables if not key[0].has_conditionals]:
         args, static = engine._step_call(plan, BatchMeta.empty(plan), (), kernels)
-        executables[plan, kernels] = jit_layer_stack.lower(*args, **static).compile(compiler_options=COMMAND_BUFFERS_OFF)
+        lowered = jit_layer_stack.lower(*args, **static)
+        executables[plan, kernels] = lowered.compile(compiler_options=COMMAND_BUFFERS_OFF)
     return executables
 
 

@@ -324,7 +324,8 @@ def layer_stack(pool, packed, params, block_params, caches, *, plan: BatchPlan, 
     return x, new_caches
 
 
-jit_layer_stack = PlanJit(layer_stack, static_argnames=("plan", "config", "kernels", "moe"), donate_argnames=("caches",))
+jit_layer_stack = PlanJit(layer_stack, static_argnames=("plan", "config", "kernels", "moe"),
+                          donate_argnames=("caches",))
 
 
 class Engine:
