@@ -10,7 +10,9 @@ Variants: static (plan_batch's default, kernels="auto": the exact program), cond
 the serving program, with an engine's BucketPolicy.for_limits at 256 sequences of up to 128K
 tokens: one program per row bucket and stage set), no_skip
 (skip_indexer=False: every row scored), cond_2x (cond with the row bucket doubled:
-the same rows in a bucket of 2N, what padding rows cost the serving program), xla (static plan, kernels="xla"), masked and sparse
+the same rows in a bucket of 2N, what padding rows cost the serving program), static_graphs_off
+(the static program compiled with XLA's command buffers off, as programs with conditionals are:
+model.compiler_options), xla (static plan, kernels="xla"), masked and sparse
 (prefill_route forced: every prefill longer than index_topk as masked MHA, or sparse). Hidden states are
 random; every cache slot holds random values of the cache's dtypes (contents do not change the
 work). Each call takes the cache the previous call returned (it is donated). A round times every
@@ -63,6 +65,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (also when a test loads it by path)
 
 from jax_sparse_mla import MLAConfig, Request, init_cache, init_params, jit_forward, plan_batch  # noqa: E402
+from jax_sparse_mla.model import COMMAND_BUFFERS_OFF  # noqa: E402
 from jax_sparse_mla.plan import BucketPolicy  # noqa: E402
 from traces import load_trace, on_stream  # noqa: E402
 
@@ -79,7 +82,8 @@ KINDS = {  # name -> [(context_len, query_len)] per request
 SMOKE_KINDS = {"decode_4x40": [(40, 1)] * 4, "mixed_12_4x40": [(0, 12)] + [(40, 1)] * 4,  # tiny: sparse, dense,
                "prefill_40": [(0, 40)]}  # masked
 VARIANTS = {  # name -> (plan_batch options, kernels)
-    "static": ({}, "auto"), "cond": ({"dispatch": "cond"}, "auto"),
+    "static": ({}, "auto"), "static_graphs_off": ({}, "auto"),  # the static program, XLA's command buffers off
+    "cond": ({"dispatch": "cond"}, "auto"),
     "cond_2x": ({"dispatch": "cond"}, "auto"),  # the same rows in a row bucket twice cond's
     "no_skip": ({"skip_indexer": False}, "auto"), "xla": ({}, "xla"),
     "masked": ({"prefill_route": "masked"}, "auto"), "sparse": ({"prefill_route": "sparse"}, "auto"),
@@ -480,6 +484,19 @@ def variant_options(config, variant: str, smoke: bool, num_tokens: int) -> dict:
     return options
 
 
+def graphs_off_step(params, hidden, plan, meta, config):
+    """step(cache) -> (out, cache): jit_forward's program of `plan` compiled (at its first call)
+    with XLA's command buffers off (model.COMMAND_BUFFERS_OFF), the cache donated."""
+    compiled = []
+
+    def step(cache):
+        if not compiled:
+            lowered = jit_forward.lower(params, hidden, cache, meta, plan=plan, config=config, kernels="auto")
+            compiled.append(lowered.compile(compiler_options=COMMAND_BUFFERS_OFF))
+        return compiled[0](params, hidden, cache, meta)
+    return step
+
+
 def run_kind(config, kv, params, kind, specs, args, key):
     requests, num_pages = batch(config, specs)
     n = sum(q for _, q in specs)
@@ -494,9 +511,12 @@ def run_kind(config, kv, params, kind, specs, args, key):
     steps = {v: functools.partial(lambda c, h, p, m, k: jit_forward(params, h, c, m, plan=p, config=config,
                                                                      kernels=k), h=hidden[v], p=plans[v][0],
                                   m=plans[v][1], k=VARIANTS[v][1]) for v in args.variants}
+    if "static_graphs_off" in steps:
+        steps["static_graphs_off"] = graphs_off_step(params, hidden["static_graphs_off"], *plans["static_graphs_off"],
+                                                     config)
     ms, outs, errors, reps, first = defaultdict(list), {}, {}, {}, {}
-    same = {v for v in args.variants if v != "static" and "static" in plans and VARIANTS[v][1] == "auto"
-            and plans[v][0] == plans["static"][0]}  # e.g. no_skip on the sparse route: the static program
+    same = {v for v in args.variants if v not in ("static", "static_graphs_off") and "static" in plans
+            and VARIANTS[v][1] == "auto" and plans[v][0] == plans["static"][0]}  # e.g. no_skip on the sparse route
     for v, step in steps.items():  # compile, warm up, size the batches of calls
         if v in same:
             continue
@@ -534,8 +554,8 @@ def run_kind(config, kv, params, kind, specs, args, key):
             row = next(r for r in rows if r["variant"] == v)
             trace_dir = os.path.join(args.profile, f"{kind}-{kv}-{v}")
             p, m = plans[v]
-            text = jit_forward.lower(params, hidden[v], cache, m, plan=p, config=config,
-                                     kernels=VARIANTS[v][1]).compile().as_text()
+            lowered = jit_forward.lower(params, hidden[v], cache, m, plan=p, config=config, kernels=VARIANTS[v][1])
+            text = lowered.compile(COMMAND_BUFFERS_OFF if v == "static_graphs_off" else None).as_text()
             with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
                 _, _, cache = step_time(steps[v], cache, PROFILED_STEPS)
             profile = trace_breakdown(trace_dir, HloScopes(text), PROFILED_STEPS)
@@ -565,7 +585,7 @@ def print_profile(r) -> None:
           f"{100 * r['profile_attributed_share']:.1f}% attributed{note}")
 
 
-HEADER = (f"{'kv':<5}{'kind':<22}{'rows':>13} {'route':<7}{'variant':<9}{'ms':>10}{'min':>10}{'vs static':>10}"
+HEADER = (f"{'kv':<5}{'kind':<22}{'rows':>13} {'route':<7}{'variant':<18}{'ms':>10}{'min':>10}{'vs static':>10}"
           f"{'first':>8}{'rel_err':>10}{'vs xla':>10}")
 
 
@@ -573,7 +593,7 @@ def print_rows(rows):
     """One line per row (rows: one kind's, static first where timed), flushed."""
     static = {(r["kv"], r["kind"]): r.get("ms") for r in rows if r["variant"] == "static"}
     for r in rows:
-        head = f"{r['kv']:<5}{r['kind']:<22}{str(r['rows']) + '/' + str(r['bucket']):>13} {r['route']:<7}{r['variant']:<9}"
+        head = f"{r['kv']:<5}{r['kind']:<22}{str(r['rows']) + '/' + str(r['bucket']):>13} {r['route']:<7}{r['variant']:<18}"
         if "error" in r or "note" in r:
             print(head + (f"  failed: {r['error']}" if "error" in r else f"  {r['note']}"))
             continue
