@@ -21,6 +21,7 @@ and what choosing one costs: docs/design/dispatch.md.
 
 from __future__ import annotations
 
+import bisect
 import collections.abc
 import dataclasses
 import functools
@@ -932,7 +933,7 @@ def plan_host(config: MLAConfig, batch: Batch, *, num_pages: int | None, force_s
     ctx, q = batch.context_lens, batch.query_lens
     B, w = batch.block_tables.shape
     codes = route_codes(config, ctx, q, force_sparse, prefill_route)
-    if cond:  # dense and masked requests past the program's largest key size attend sparsely
+    if cond and (codes != SPARSE).any():  # dense and masked requests past the largest key size attend sparsely
         keys = key_ladder(buckets.round_up(int(q.sum()), buckets.min_tokens))
         over = np.flatnonzero(np.cumsum(np.where(codes != SPARSE, ctx + q, 0)) > keys[-1])
         if over.size:
@@ -1035,7 +1036,7 @@ def cond_plan(config: MLAConfig, num_tokens: int, num_seqs: int, pages_per_seq: 
 def _pick_size(sizes: tuple[int, ...], count: int) -> int:
     """A cond plan's branch for a stage of `count` items: the index of the smallest of `sizes`
     (ascending; stage_sizes) that holds them; 0 where the stage is not in the program."""
-    return int(np.searchsorted(sizes, count)) if sizes else 0
+    return bisect.bisect_left(sizes, count) if sizes else 0
 
 
 def cond_branches(plan: BatchPlan, num_scored: int, num_scored_seqs: int, num_keys: int, masked: bool,
