@@ -581,7 +581,9 @@ def compiler_options(plan: BatchPlan) -> dict[str, str]:
 class PlanJit:
     """`fn` jitted with static_argnames (plan among them, passed by keyword) and donate_argnames,
     each plan's program compiled with compiler_options(plan): one jax.jit per distinct options.
-    Called, `.lower(...)` and `._cache_size()` (the executables compiled so far) as a jax.jit."""
+    Called, `.lower(...)` and `._cache_size()` (the executables compiled so far) as a jax.jit; a
+    top-level program (compiler options are a whole program's: inside another jit, call the
+    function itself)."""
 
     def __init__(self, fn, *, static_argnames: tuple[str, ...], donate_argnames: tuple[str, ...]):
         functools.update_wrapper(self, fn)
@@ -591,10 +593,11 @@ class PlanJit:
     def _jit(self, plan: BatchPlan):
         options = compiler_options(plan)
         key = tuple(sorted(options.items()))
-        if key not in self._jits:
-            self._jits[key] = jax.jit(self.__wrapped__, static_argnames=self._static, donate_argnames=self._donate,
-                                      compiler_options=options or None)
-        return self._jits[key]
+        jitted = self._jits.get(key)
+        if jitted is None:  # (setdefault: two threads asking at once share the first one)
+            jitted = self._jits.setdefault(key, jax.jit(self.__wrapped__, static_argnames=self._static,
+                                                        donate_argnames=self._donate, compiler_options=options or None))
+        return jitted
 
     def __call__(self, *args, plan: BatchPlan, **kwargs):
         return self._jit(plan)(*args, plan=plan, **kwargs)

@@ -371,12 +371,14 @@ class BatchPlan:
         masked = () if self.masked == "none" else tuple((k, True) for k in self.key_sizes if k > topk)
         return tuple((k, False) for k in self.key_sizes) + masked
 
-    @property
+    @functools.cached_property
     def has_conditionals(self) -> bool:
         """Whether the plan's program picks a stage's size at run time: a cond plan with a stage
-        of several sizes (each is an XLA conditional, model._switch). A decode bucket's (fewer
-        than LADDER_MIN_TOKENS rows, no dense call) has none, nor has a static plan."""
-        return any(len(sizes) > 1 for sizes in (self.score_calls, self.dense_calls, self.attend_sizes, self.row_sizes))
+        of several sizes or calls (each is an XLA conditional, model._switch; score_calls has
+        several exactly where score_sizes has). A decode bucket's (fewer than LADDER_MIN_TOKENS
+        rows, no dense call) has none, nor has a static plan. Cached: the dispatch asks for it
+        every call (model.compiler_options)."""
+        return any(len(sizes) > 1 for sizes in (self.score_sizes, self.dense_calls, self.attend_sizes, self.row_sizes))
 
     def dense_keys_picked(self, branch) -> int:
         """The keys of the dense MHA call that a cond plan's meta.branches[1] (`branch`) picks:

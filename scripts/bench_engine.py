@@ -24,8 +24,9 @@ launch_s is the packing).
 --compare-command-buffers times the engine's programs without conditionals (its decode
 steps') against the same programs compiled with XLA's command buffers off (as the programs with
 conditionals are: model.compiler_options), the two interleaved over --rounds runs of the
-workload, rows "decode" and "decode (command buffers off)" (and prefill rows, whose programs are
-the same in both), and traces both under --profile (the second into DIR_command_buffers_off).
+workload, rows "decode" and "decode (command buffers off)" (and prefill rows: their programs
+differ only where they have no conditional), and traces both under --profile (the second into
+DIR_command_buffers_off).
 
 --profile DIR runs the workload once more under jax.profiler.trace(DIR) and prints, for the
 steps in which every sequence decodes, what the trace shows (`trace_shares`; each step's
@@ -70,11 +71,12 @@ HOST_EVENTS = 12  # trace_shares' host_events_ms: the names that take the most t
 def trace_shares(trace_dir: str, first: int, last: int) -> dict:
     """Over the newest trace under trace_dir (*.trace.json.gz), the window from step `first`'s host
     part (its STEP_ANNOTATION span) to step `last`'s: {"steps", "wall_ms", "device_busy_ms" and
-    "host_ms" a step, "busy_share", "host_events_ms"}. host_events_ms: the HOST_EVENTS event names
-    that take the most time inside those host parts (on their thread, starting within them, cut at
-    their end), ms a step each, inclusive of the events nested in them (where the launch goes). Step k's host part begins once step k - 2 is done (the loop
-    dispatches k, then waits for k - 1), while k - 1 runs: the window holds the device's busy time of
-    steps first - 1 .. last - 2, and host_ms is their host parts'. Device busy time: the union of the
+    "host_ms" a step, "busy_share", "host_events_ms"}. Step k's host part begins once step k - 2
+    is done (the loop dispatches k, then waits for k - 1), while k - 1 runs: the window holds the
+    device's busy time of steps first - 1 .. last - 2, and host_ms is their host parts'.
+    host_events_ms: the HOST_EVENTS event names that take the most time inside those host parts
+    (on their thread, starting within them, cut at their end), ms a step each, inclusive of the
+    events nested in them (where the launch goes). Device busy time: the union of the
     events on a device's "Stream" lines; on a trace without devices (XLA:CPU), of the events with
     an hlo_op arg."""
     loaded = load_trace(trace_dir)
@@ -143,6 +145,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.host_only and a.compare_command_buffers:
         p.error("--host-only runs no program: nothing to compare")
+    if a.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {a.rounds}")
     defaults = dict(seqs=8, context=40, decodes=4, layers=2) if a.smoke else dict(seqs=256, context=4096, decodes=32,
                                                                                  layers=4)
     for name, value in defaults.items():  # a size given on the command line wins

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_sparse_mla import MLAConfig, Request, init_cache, plan_batch, read_indexer_keys, read_latent
+from jax_sparse_mla import MLAConfig, Request, init_cache, init_params, plan_batch, read_indexer_keys, read_latent
 from jax_sparse_mla import kernels as kernel_ops
-from jax_sparse_mla.model import forward, jit_forward
+from jax_sparse_mla.model import forward, jit_forward, linear, mla_projections
 from jax_sparse_mla.serving.synthetic import Harness, rel_err
 
 TINY = MLAConfig.tiny()  # topk 16, page 4, float32 activations, bf16 latent cache, fp8 indexer
@@ -540,3 +540,18 @@ def test_cond_projects_about_its_real_rows(monkeypatch):
     _, cond_steps = _cond_against_static(TINY, 16, [(0, 19), (1, 5), (2, 22), (3, 32)], work)
     assert [(plan.num_tokens, plan.row_sizes[int(meta.branches[3])]) for plan, meta in cond_steps] == [
         (32, 20), (32, 22), (64, 36)]  # 20, 22 and 35 real rows
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_projections_round_q_where_deepseeks_reference_does(dtype):
+    """q leaves q_b_proj in config.dtype (bf16: DeepSeek's reference rounds it there), rope and the
+    other projections stay float32; a float32 config (the oracle's) keeps everything float32."""
+    config = MLAConfig.tiny(dtype=dtype)
+    params = init_params(config, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (5, config.hidden_size))
+    qr, q_nope, q_pe, c, k_pe = mla_projections(params, x, jnp.arange(5), config)
+    assert q_nope.dtype == jnp.dtype(dtype) and {a.dtype for a in (qr, q_pe, c, k_pe)} == {jnp.dtype(jnp.float32)}
+    q = linear(qr, params["q_b_proj.weight"], config).astype(dtype)
+    q = q.reshape(5, config.num_attention_heads, config.qk_head_dim)
+    want = q[..., :config.qk_nope_head_dim]
+    np.testing.assert_array_equal(np.asarray(q_nope, np.float32), np.asarray(want, np.float32))

@@ -10,6 +10,7 @@ from flax import nnx
 
 from jax_sparse_mla import (BucketPolicy, MLAConfig, Request, SparseMLA, init_cache, init_params, jit_forward,
                             plan_batch)
+from jax_sparse_mla import model
 from jax_sparse_mla import plan as plan_lib
 from jax_sparse_mla.model import compiler_options, forward
 from jax_sparse_mla.serving.synthetic import rel_err
@@ -177,6 +178,10 @@ def test_cond_programs_hold_the_stages_their_batches_need(monkeypatch):
     assert plan_d.num_dense_keys == 0 and scoring_ops(hlo)["indexer_logits"] > 0
     assert not re.search(r"\bconditional\(", hlo) and scope_ops(hlo, "dense_mha") == 0
     assert not plan_d.has_conditionals and compiler_options(plan_d) == {}  # XLA's command buffers
+    # jit_forward compiled each under its own options: one jax.jit each, both counted
+    jits = model._jitted_forward._jits
+    assert {(), (("xla_gpu_enable_command_buffer", ""),)} <= set(jits)
+    assert jit_forward._cache_size() == sum(j._cache_size() for j in jits.values())
 
     monkeypatch.setattr(plan_lib, "LADDER_MIN_TOKENS", 16)  # row stages of several sizes
     reqs_short = [Request(0, 10, [0, 1, 2]), Request(0, 10, [3, 4, 5]), Request(20, 1, list(range(6, 12)))]
