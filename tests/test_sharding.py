@@ -28,8 +28,10 @@ TOL = 1e-4
 _MESH_RUN = f"""
 import json
 from jax_sparse_mla import policy
-from tests.support.sharding import mesh_errors
+from tests.support.sharding import mesh_errors, poisoned_rows
 results = mesh_errors({[m for m, split in MESHES if not split]!r})
+results["nan 1x2"] = poisoned_rows(1, 2)
+results["nan cond 2x2"] = poisoned_rows(2, 2, "cond")
 results["cond 1x2"] = mesh_errors([(1, 2)], dispatch="cond")["1x2"]
 results["cond 2x2"] = mesh_errors([(2, 2)], dispatch="cond")["2x2"]
 policy.INDEXER_SPLIT_MIN_ROWS = 1
@@ -81,6 +83,16 @@ def test_cond_plan_mesh_matches_one_device(mesh_results, name, split_rows):
     r = mesh_results[name]
     assert r["routes"] == ROUTES and r["err"] < TOL, r
     assert (4 in r["indexer_shards"]) == split_rows, r["indexer_shards"]
+
+
+@pytest.mark.parametrize("name", ["nan 1x2", "nan cond 2x2"])
+def test_a_requests_nonfinite_input_shows_in_its_rows_on_a_mesh(mesh_results, name):
+    """A NaN in a long prefill's hidden row 5 (batch row 13) makes that request's rows from there
+    on NaN in every column after the tensor shards' sum, as on one device; the rows before it and
+    the other request's rows are the one-device forward's."""
+    r = mesh_results[name]
+    assert r["nan_rows"] == r["ref_nan_rows"] == list(range(13, 28)) and r["partial"] == 0, r
+    assert r["err"] < TOL, r
 
 
 def test_param_specs_split_heads():

@@ -111,6 +111,39 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16", dispatch="static"):
     return results
 
 
+def poisoned_rows(dp, tp, dispatch="static"):
+    """A short prefill (dense MHA) beside a long one (scored) whose hidden row 5 holds a NaN,
+    through sharded_forward on a (dp, tp) mesh (the output summed over the tensor shards before
+    the non-finite rows are set) and through the one-device forward: {"nan_rows", "ref_nan_rows":
+    the rows that are NaN in every column, "partial": rows NaN in some columns only, "err": the
+    other rows' largest relative difference}."""
+    config = TINY
+    params = init_params(config, jax.random.key(0))
+    mesh = make_mesh(dp, tp)
+    reqs = [Request(0, 8, [0, 1]), Request(0, 20, [2, 3, 4, 5, 6])]
+    x = np.random.default_rng(2).standard_normal((28, config.hidden_size)).astype(np.float32)
+    x[8 + 5, 3] = np.nan
+    if dispatch == "cond" and dp == 1:
+        plan, meta = plan_batch(config, reqs, num_pages=PAGES, dispatch="cond", tensor_parallel=tp)
+    else:
+        plan, meta = plan_data_parallel(config, [reqs] + [[]] * (dp - 1), pages_per_shard=PAGES, tensor_parallel=tp,
+                                        dispatch=dispatch)
+    hidden = np.zeros((dp * plan.num_tokens, config.hidden_size), np.float32)
+    hidden[:28] = x
+    out, _ = jit_sharded_forward(shard_params(params, mesh, config), jnp.asarray(hidden),
+                                 init_sharded_cache(config, mesh, PAGES), meta, mesh=mesh, plan=plan, config=config)
+    p1, m1 = plan_batch(config, reqs, num_pages=PAGES, dispatch=dispatch)
+    x1 = np.zeros((p1.num_tokens, config.hidden_size), np.float32)
+    x1[:28] = x
+    ref, _ = jit_forward(params, jnp.asarray(x1), init_cache(config, PAGES), m1, plan=p1, config=config)
+    out, ref = np.asarray(out)[:28], np.asarray(ref)[:28]
+    nan = np.isnan(out).all(-1)
+    healthy = ~nan & ~np.isnan(ref).any(-1)
+    return {"nan_rows": np.flatnonzero(nan).tolist(), "ref_nan_rows": np.flatnonzero(np.isnan(ref).all(-1)).tolist(),
+            "partial": int((np.isnan(out).any(-1) & ~nan).sum()),
+            "err": float(np.linalg.norm(out[healthy] - ref[healthy]) / np.linalg.norm(ref[healthy]))}
+
+
 # Steps per device for data_parallel: each device's own requests, routes differing by device.
 DEVICE_STEPS = [
     [[("a", 37, 37)], [("b", 11, 11), ("c", 5, 5)]],   # masked MHA (the dense program) | dense program
