@@ -401,13 +401,13 @@ class Engine:
         return np.asarray(self.pool[self.token_rows(spec)].astype(jnp.float32))
 
     # ---- one step -------------------------------------------------------------------------
-    def _plan(self, check: Callable, opts: EngineOptions, *batch) -> tuple[BatchPlan, BatchMeta]:
-        """A batch's plan and host (numpy) metadata under opts: check(config, *batch, num_pages=...,
-        **options) is plan.check_batch (batch: the Requests) or plan.check_arrays (batch:
+    def _plan(self, check: Callable, kw: dict, *batch) -> tuple[BatchPlan, BatchMeta]:
+        """A batch's plan and host (numpy) metadata under the planning options kw
+        (EngineOptions.plan_kwargs, resolved once a run): check(config, *batch, num_pages=...,
+        **kw) is plan.check_batch (batch: the Requests) or plan.check_arrays (batch:
         context_lens, query_lens, block_tables), every check plan_batch / plan_arrays make, then
         plan.plan_host. The metadata stays on the host: _forward packs it into the step's one
         transfer."""
-        kw = opts.plan_kwargs(self.config, self.num_pages)
         checked, num_pages = check(self.config, *batch, num_pages=self.num_pages, **kw)
         return plan_host(self.config, checked, num_pages=num_pages, **kw)
 
@@ -435,9 +435,10 @@ class Engine:
         """Compiles the step program of each batch's plan that has no executable yet (precompile's
         plans=: ahead of time, kept for run). Returns the number of programs compiled."""
         opts = self.options.with_overrides(overrides)
+        kw = opts.plan_kwargs(self.config, self.num_pages)
         plans = {}  # distinct, in order
         for requests in batches:
-            plan, _ = self._plan(check_batch, opts, list(requests))
+            plan, _ = self._plan(check_batch, kw, list(requests))
             if (plan, opts.kernels) not in self._executables:
                 plans[plan] = None
         if plans:
@@ -478,7 +479,7 @@ class Engine:
         a repeat rewrites the same slots with the same values). Token hidden states are pool rows
         picked by position. Returns (x [plan.num_tokens, hidden] after the last layer, plan)."""
         opts = self.options.with_overrides(overrides)
-        plan, meta = self._plan(check_batch, opts, list(requests))
+        plan, meta = self._plan(check_batch, opts.plan_kwargs(self.config, self.num_pages), list(requests))
         rows = np.arange(sum(r.query_len for r in requests)) % self.pool_size
         return self._forward(plan, meta, rows, opts.kernels), plan
 
@@ -514,6 +515,7 @@ class Engine:
         specs = specs_of(workload)
         page = self.config.page_size
         max_len = opts.model_len(self.config)
+        plan_kw = opts.plan_kwargs(self.config, self.num_pages)  # once: the same for every step
         for s in specs:  # fail before any work
             if s.cache_len > max_len:
                 raise ValueError(f"request {s.id}: input_len + output_len - 1 = {s.cache_len} tokens exceeds "
@@ -598,7 +600,7 @@ class Engine:
                         raise RuntimeError("scheduler made no progress (this is a bug)")
                     # the batch as arrays (plan_arrays's checks: vectorised, no Request objects)
                     context_lens, query_lens, tables, rows = slots.batch(work, counts)
-                    plan, meta = self._plan(check_arrays, opts, context_lens, query_lens, tables)
+                    plan, meta = self._plan(check_arrays, plan_kw, context_lens, query_lens, tables)
                     planned = now()
                     prefill_tokens = int(counts[num_decodes:].sum())
                     ids = ([slots.metrics[s].id for s in work.tolist()], counts.tolist()) if collect_outputs else None
