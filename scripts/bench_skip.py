@@ -14,10 +14,15 @@ side by side in one run, through the serving loop (jax_sparse_mla.serving) over 
     the same rows: the indexer's share of a step.
 --block attention,decoder runs each phase for each layer stack in turn: "attention" (x = x +
 attn(x), the default) and "decoder" (DeepSeek-V3.2 decoder blocks, x = x + attn(RMSNorm(x));
-x = x + moe(RMSNorm(x)) with serving.block's MoE stand-in: 256 experts, 8 active, one shared,
-intermediate 2048 at the real dims; 22.5 GB of bf16 experts a layer, so 4 layers take ~92 GB),
-so the skip's gain is read off a model's step as well as the attention stack's; every row and
-table line names its block, and --time-limit applies to each block.
+x = x + moe(RMSNorm(x)) with serving.block's MoE stand-in: DeepSeek-V3.2's 8 active experts of
+intermediate 2048 and one shared, but --moe-experts routed experts, default 64 of its 256 at the
+real dims: 256 take 22.5 GB of bf16 a layer, 4 layers ~92 GB, more than an 80 GB card holds;
+each token's experts and FLOPs are the model's, only the weights it picks from are fewer), so
+the skip's gain is read off a model's step as well as the attention stack's; every row and
+table line names its block, and --time-limit applies to each block. Before a block's engine is
+built, its weights and caches are checked to fit the device (stack_bytes against the device's
+memory, leaving room for XLA's scratch): a stack that does not fit is refused, naming the flags
+that shrink it.
 Every workload is warmed up first (a dry run of the scheduler collects its plans; each is
 compiled and run once), then timed; skip on/off runs alternate. Writes results.json, table.md
 and PNG plots to --out-dir and prints the markdown table. Sizes are flags; --quick trims;
@@ -43,14 +48,45 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (also when a test loads it by path)
 
 from jax_sparse_mla import BucketPolicy, MLAConfig, Request  # noqa: E402
 from jax_sparse_mla import kernels as kernel_ops  # noqa: E402
 from jax_sparse_mla.serving import Engine, Workload  # noqa: E402
-from jax_sparse_mla.serving.block import BLOCKS  # noqa: E402
+from jax_sparse_mla.cache import page_bytes  # noqa: E402
+from jax_sparse_mla.params import param_shapes  # noqa: E402
+from jax_sparse_mla.serving.block import BLOCKS, MoEConfig, block_param_shapes  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 SETTINGS = {"skip": True, "no_skip": False}  # name -> skip_indexer
+DECODER_EXPERTS = 64  # the MoE stand-in's routed experts at the real dims: 4 layers in ~23 GB, not ~92 GB
+FIT_SHARE = 0.7  # of the device's memory a stack's weights and caches may take (the rest: activations, scratch)
+
+
+def decoder_moe(config: MLAConfig, experts: int | None) -> MoEConfig:
+    """The decoder blocks' MoE stand-in: MoEConfig.for_config(config) with `experts` routed
+    experts (None: DECODER_EXPERTS at the real dims, the tiny MoE's own otherwise)."""
+    moe = MoEConfig.for_config(config)
+    if experts is None:
+        experts = DECODER_EXPERTS if moe.num_experts > DECODER_EXPERTS else moe.num_experts
+    return dataclasses.replace(moe, num_experts=experts)
+
+
+def stack_bytes(config: MLAConfig, layers: int, num_pages: int, moe: MoEConfig | None) -> int:
+    """Bytes of an Engine's layers: attention params, decoder block params (moe None: attention
+    layers, none) and one cache of num_pages pages each, in config.dtype."""
+    item = jnp.dtype(config.jnp_dtype).itemsize
+    shapes = list(param_shapes(config).values()) + (list(block_param_shapes(config, moe).values()) if moe else [])
+    return layers * (sum(int(np.prod(s)) for s in shapes) * item + num_pages * page_bytes(config))
+
+
+def check_fits(need: int, device, what: str) -> None:
+    """SystemExit naming what shrinks the stack when `need` bytes exceed FIT_SHARE of the
+    device's memory (its bytes_limit; not checked where the device reports none, e.g. a CPU)."""
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if limit and need > FIT_SHARE * limit:
+        raise SystemExit(f"{what} takes {need / 1e9:.1f} GB of weights and caches, more than {FIT_SHARE:.0%} of the "
+                         f"device's {limit / 1e9:.1f} GB: pass fewer --layers or (decoder) --moe-experts")
 
 
 def _ints(text: str) -> list[int]:
@@ -74,6 +110,9 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=None, help="layers in the stack (default 4; 2 with --smoke)")
     p.add_argument("--block", type=_blocks, default=["attention"],
                    help="layer stacks to run, comma-separated from attention,decoder (default attention)")
+    p.add_argument("--moe-experts", type=int, default=None,
+                   help=f"decoder: routed experts of the MoE stand-in (default {DECODER_EXPERTS} at the real dims, "
+                   "DeepSeek-V3.2 has 256; the tiny MoE's 8 otherwise)")
     p.add_argument("--ragged-dot-triton", action="store_true",
                    help="decoder: lower the MoE's ragged_dot through jax's Pallas Triton kernel on GPU "
                    "(jax_ragged_dot_use_gpu_pallas_triton_lowering) instead of XLA's default")
@@ -271,7 +310,8 @@ def markdown(results) -> str:
         e = m["moe"]
         lines[-1] += (f" Decoder block: RMSNorm, attention, RMSNorm, MoE ({e['num_experts']} experts, "
                       f"{e['num_experts_per_tok']} active, {e['num_shared_experts']} shared, intermediate "
-                      f"{e['intermediate_size']}, ragged_dot).")
+                      f"{e['intermediate_size']}, ragged_dot; DeepSeek-V3.2 routes over 256 experts: the tokens' "
+                      "experts and FLOPs are the model's, the weights they pick from fewer where this is less).")
     lines += ["",
              f"(a) short prefills: input {m['prefill_input_len']} (range ratio {m['prefill_range_ratio']}), output 1.",
              "", col + "| concurrency | requests | req/s skip | req/s no skip | gain | median TTFT ms skip | no skip |",
@@ -396,20 +436,22 @@ def main(argv=None) -> int:
     results["prefill"], results["decode"], results["breakdown"] = [], [], []
     for block in args.block:
         t_block = time.perf_counter()
+        moe = decoder_moe(config, args.moe_experts) if block == "decoder" else None
+        check_fits(stack_bytes(config, args.layers, num_pages, moe), dev, f"{args.layers} {block} layers")
         engine = Engine(config, num_layers=args.layers, num_pages=num_pages, seed=args.seed, kernels=args.kernels,
                         dispatch=args.dispatch, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_num_seqs=args.max_num_seqs, block=block,
+                        max_num_seqs=args.max_num_seqs, block=block, moe=moe,
                         buckets=BucketPolicy(min_pages_per_seq=args.min_pages_per_seq))
-        moe = f", MoE {engine.moe}" if engine.moe else ""
+        moe_note = f", MoE {engine.moe}" if engine.moe else ""
         print(f"{dev.device_kind} ({jax.default_backend()}), config {args.config}, {args.layers} {block} layers, "
-              f"{num_pages} pages/layer, kernels={args.kernels}, dispatch={args.dispatch}{moe}", flush=True)
+              f"{num_pages} pages/layer, kernels={args.kernels}, dispatch={args.dispatch}{moe_note}", flush=True)
         if engine.moe:
             results["meta"]["moe"] = dataclasses.asdict(engine.moe)
         results["prefill"] += [{"block": block, **row} for row in phase_prefill(engine, args, t_block)]
         results["decode"] += [{"block": block, **row} for row in phase_decode(engine, args, t_block)]
         results["breakdown"] += [{"block": block, **row} for row in phase_breakdown(engine, args)]
         results["meta"][f"{block}_s"] = time.perf_counter() - t_block
-        del engine  # (a decoder stack at the real dims holds ~23 GB of experts a layer)
+        del engine  # (a decoder stack at the real dims holds 5.6 GB of experts a layer, 22.5 GB with 256)
         gc.collect()
     results["meta"]["total_s"] = time.perf_counter() - t_start
     os.makedirs(args.out_dir, exist_ok=True)

@@ -262,3 +262,43 @@ def test_engine_trace_shares_counts_the_decode_steps_device_time(tmp_path):
     assert host_events == pytest.approx({"launch": 0.0015, "pack": 0.0005, "wait": 0.0005})
     with pytest.raises(RuntimeError, match="not both in the trace"):
         bench_engine.trace_shares(str(tmp_path / "t"), 2, 7)
+
+
+def test_skip_bench_sizes_the_decoder_stack_to_fit_the_device():
+    """bench_skip's decoder stand-in at the real dims: 64 routed experts by default (DeepSeek's 8
+    active and one shared kept), so 4 layers' weights and caches fit an 80 GB card, where 256
+    (the model's, ~92 GB) do not; stack_bytes adds up what Engine allocates (the MoE's experts
+    dominate), and a stack past the device's share is refused before anything is built, naming
+    the flags."""
+    spec = importlib.util.spec_from_file_location("bench_skip", SCRIPTS / "bench_skip.py")
+    skip = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(skip)
+    from jax_sparse_mla import MLAConfig
+    from jax_sparse_mla.serving.block import MoEConfig
+
+    real, tiny = MLAConfig.deepseek_v32(), MLAConfig.tiny()
+    moe = skip.decoder_moe(real, None)
+    assert moe == MoEConfig.deepseek_v32(num_experts=skip.DECODER_EXPERTS)
+    assert skip.decoder_moe(real, 256) == MoEConfig.deepseek_v32()
+    assert skip.decoder_moe(tiny, None) == MoEConfig.tiny()
+    with pytest.raises(ValueError, match="num_experts_per_tok = 8 exceeds num_experts = 4"):
+        skip.decoder_moe(real, 4)
+
+    experts = 3 * 7168 * 2048 * 2  # gate, up, down of one expert, bf16
+    attention = skip.stack_bytes(real, 4, 1000, None)
+    assert skip.stack_bytes(real, 4, 1000, moe) - attention > 4 * 64 * experts
+    assert skip.stack_bytes(real, 4, 1000, MoEConfig.deepseek_v32()) - skip.stack_bytes(real, 4, 1000, moe) == (
+        4 * (256 - 64) * (experts + 7168 * 2))  # the experts and the router's columns
+
+    class Device:  # an 80 GB card
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    card = Device({"bytes_limit": 80 * 10**9})
+    skip.check_fits(skip.stack_bytes(real, 4, 1000, moe), card, "4 decoder layers")
+    with pytest.raises(SystemExit, match=r"4 decoder layers takes 9\d\.\d GB .* --layers or \(decoder\) --moe-experts"):
+        skip.check_fits(skip.stack_bytes(real, 4, 1000, MoEConfig.deepseek_v32()), card, "4 decoder layers")
+    skip.check_fits(10**15, Device(None), "a CPU")  # no limit reported: not checked
