@@ -12,7 +12,11 @@ tokens: one program per row bucket and stage set), no_skip
 (skip_indexer=False: every row scored), cond_2x (cond with the row bucket doubled:
 the same rows in a bucket of 2N, what padding rows cost the serving program), static_graphs_off
 (the static program compiled with XLA's command buffers off, as programs with conditionals are:
-model.compiler_options), xla (static plan, kernels="xla"), masked and sparse
+model.compiler_options), static_update_skip (the static program with XLA's command-buffer update
+mode SKIP_PROFILED: buffers that keep their address over the first runs are remapped to fixed
+virtual addresses, so the graphs are not updated when they move), cond_graphs (the cond program
+with every command type in the graphs, its conditionals too, as CUDA conditional nodes, and
+SKIP_PROFILED: no host round trip at a conditional), xla (static plan, kernels="xla"), masked and sparse
 (prefill_route forced: every prefill longer than index_topk as masked MHA, or sparse). Hidden states are
 random; every cache slot holds random values of the cache's dtypes (contents do not change the
 work). Each call takes the cache the previous call returned (it is donated). A round times every
@@ -25,7 +29,9 @@ timed again.
 
 Columns: kv (latent cache format), kind (batch), rows (real rows / plan.num_tokens, the bucket),
 route (the static plan's: dense | masked | sparse; masked: its dense program has masked rows), variant, ms (median per step), min (fastest round),
-vs static (ms / the static variant's ms), first (s: the first call, compile included), rel_err (||out - out_static|| / ||out_static|| over
+vs static (ms / the static variant's ms), first (s: the first call, compile included), dispatch
+(ms: how long a call takes to return with the device idle, median of DISPATCH_CALLS: the
+host's launch, or more where the program waits on the host), rel_err (||out - out_static|| / ||out_static|| over
 the real rows, of the last call), vs xla (the same against the xla variant's output, when it ran:
 which of two variants that differ is off the reference).
 
@@ -65,7 +71,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (also when a test loads it by path)
 
 from jax_sparse_mla import MLAConfig, Request, init_cache, init_params, jit_forward, plan_batch  # noqa: E402
-from jax_sparse_mla.model import COMMAND_BUFFERS_OFF  # noqa: E402
+from jax_sparse_mla.model import COMMAND_BUFFERS_OFF, compiler_options  # noqa: E402
 from jax_sparse_mla.plan import BucketPolicy  # noqa: E402
 from traces import load_trace, on_stream  # noqa: E402
 
@@ -87,7 +93,14 @@ VARIANTS = {  # name -> (plan_batch options, kernels)
     "cond_2x": ({"dispatch": "cond"}, "auto"),  # the same rows in a row bucket twice cond's
     "no_skip": ({"skip_indexer": False}, "auto"), "xla": ({}, "xla"),
     "masked": ({"prefill_route": "masked"}, "auto"), "sparse": ({"prefill_route": "sparse"}, "auto"),
+    "static_update_skip": ({}, "auto"), "cond_graphs": ({"dispatch": "cond"}, "auto"),
 }
+UPDATE_SKIP = {"xla_gpu_command_buffer_update_mode": "SKIP_PROFILED"}
+OPTIONS = {  # variant -> the XLA compiler options its program is compiled with (others: jit_forward's)
+    "static_graphs_off": COMMAND_BUFFERS_OFF, "static_update_skip": UPDATE_SKIP,
+    "cond_graphs": {"xla_gpu_enable_command_buffer":
+                    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE", **UPDATE_SKIP}}
+DISPATCH_CALLS = 10
 KV = {"bf16": "bfloat16", "fp8": "fp8"}
 LIBRARY_SCOPES = ("projections", "cache_write", "indexer_queries", "indexer_logits", "indexer_topk",
                   "dense_kv_up", "dense_mha", "sparse_attention", "o_proj")  # jax_sparse_mla.model's scopes
@@ -484,15 +497,15 @@ def variant_options(config, variant: str, smoke: bool, num_tokens: int) -> dict:
     return options
 
 
-def graphs_off_step(params, hidden, plan, meta, config):
+def options_step(params, hidden, plan, meta, config, options: dict):
     """step(cache) -> (out, cache): jit_forward's program of `plan` compiled (at its first call)
-    with XLA's command buffers off (model.COMMAND_BUFFERS_OFF), the cache donated."""
+    with the XLA compiler options `options` (OPTIONS), the cache donated."""
     compiled = []
 
     def step(cache):
         if not compiled:
             lowered = jit_forward.lower(params, hidden, cache, meta, plan=plan, config=config, kernels="auto")
-            compiled.append(lowered.compile(compiler_options=COMMAND_BUFFERS_OFF))
+            compiled.append(lowered.compile(compiler_options=options))
         return compiled[0](params, hidden, cache, meta)
     return step
 
@@ -511,11 +524,10 @@ def run_kind(config, kv, params, kind, specs, args, key):
     steps = {v: functools.partial(lambda c, h, p, m, k: jit_forward(params, h, c, m, plan=p, config=config,
                                                                      kernels=k), h=hidden[v], p=plans[v][0],
                                   m=plans[v][1], k=VARIANTS[v][1]) for v in args.variants}
-    if "static_graphs_off" in steps:
-        steps["static_graphs_off"] = graphs_off_step(params, hidden["static_graphs_off"], *plans["static_graphs_off"],
-                                                     config)
+    for v in steps.keys() & OPTIONS.keys():
+        steps[v] = options_step(params, hidden[v], *plans[v], config, OPTIONS[v])
     ms, outs, errors, reps, first = defaultdict(list), {}, {}, {}, {}
-    same = {v for v in args.variants if v not in ("static", "static_graphs_off") and "static" in plans
+    same = {v for v in args.variants if v != "static" and v not in OPTIONS and "static" in plans
             and VARIANTS[v][1] == "auto" and plans[v][0] == plans["static"][0]}  # e.g. no_skip on the sparse route
     for v, step in steps.items():  # compile, warm up, size the batches of calls
         if v in same:
@@ -535,6 +547,14 @@ def run_kind(config, kv, params, kind, specs, args, key):
         for v in (live if r % 2 == 0 else live[::-1]):
             t, outs[v], cache = step_time(steps[v], cache, reps[v])
             ms[v].append(t)
+    dispatch = defaultdict(list)
+    for _ in range(DISPATCH_CALLS):  # each call with the device idle: how long it takes to return
+        for v in live:
+            jax.block_until_ready(cache)
+            t0 = time.perf_counter()
+            out, cache = steps[v](cache)
+            dispatch[v].append((time.perf_counter() - t0) * 1e3)
+            jax.block_until_ready(out)
     base, oracle = outs.get("static"), outs.get("xla")
     rows = []
     for v in args.variants:
@@ -543,7 +563,7 @@ def run_kind(config, kv, params, kind, specs, args, key):
             row["error" if v in errors else "note"] = errors.get(v, "the static program (not timed again)")
         else:
             row.update(ms=statistics.median(ms[v]), min_ms=min(ms[v]), reps=reps[v], rounds=len(ms[v]),
-                       first_s=first[v])
+                       first_s=first[v], dispatch_ms=statistics.median(dispatch[v]))
             for key, ref in (("rel_err", base), ("rel_err_xla", oracle)):
                 if ref is not None:
                     a, b = np.asarray(outs[v][:n], np.float32), np.asarray(ref[:n], np.float32)
@@ -555,7 +575,7 @@ def run_kind(config, kv, params, kind, specs, args, key):
             trace_dir = os.path.join(args.profile, f"{kind}-{kv}-{v}")
             p, m = plans[v]
             lowered = jit_forward.lower(params, hidden[v], cache, m, plan=p, config=config, kernels=VARIANTS[v][1])
-            text = lowered.compile(COMMAND_BUFFERS_OFF if v == "static_graphs_off" else None).as_text()
+            text = lowered.compile(OPTIONS.get(v, compiler_options(p))).as_text()
             with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
                 _, _, cache = step_time(steps[v], cache, PROFILED_STEPS)
             profile = trace_breakdown(trace_dir, HloScopes(text), PROFILED_STEPS)
@@ -586,21 +606,22 @@ def print_profile(r) -> None:
 
 
 HEADER = (f"{'kv':<5}{'kind':<22}{'rows':>13} {'route':<7}{'variant':<18}{'ms':>10}{'min':>10}{'vs static':>10}"
-          f"{'first':>8}{'rel_err':>10}{'vs xla':>10}")
+          f"{'first':>8}{'dispatch':>10}{'rel_err':>10}{'vs xla':>10}")
 
 
 def print_rows(rows):
     """One line per row (rows: one kind's, static first where timed), flushed."""
     static = {(r["kv"], r["kind"]): r.get("ms") for r in rows if r["variant"] == "static"}
     for r in rows:
-        head = f"{r['kv']:<5}{r['kind']:<22}{str(r['rows']) + '/' + str(r['bucket']):>13} {r['route']:<7}{r['variant']:<18}"
+        head = f"{r['kv']:<5}{r['kind']:<22}{str(r['rows']) + '/' + str(r['bucket']):>13} {r['route']:<7}{r['variant']:<19}"
         if "error" in r or "note" in r:
             print(head + (f"  failed: {r['error']}" if "error" in r else f"  {r['note']}"))
             continue
         s = static.get((r["kv"], r["kind"]))
         ratio = f"{r['ms'] / s:.3f}" if s else "-"
         err, err_xla = (f"{r[key]:.1e}" if key in r else "-" for key in ("rel_err", "rel_err_xla"))
-        print(head + f"{r['ms']:>10.3f}{r['min_ms']:>10.3f}{ratio:>10}{r['first_s']:>8.1f}{err:>10}{err_xla:>10}")
+        print(head + f"{r['ms']:>9.3f}{r['min_ms']:>10.3f}{ratio:>10}{r['first_s']:>8.1f}{r['dispatch_ms']:>10.3f}{err:>10}"
+                     f"{err_xla:>10}")
         print_profile(r)
     sys.stdout.flush()
 

@@ -37,24 +37,28 @@ def bench_layer():
 
 def test_layer_profile_attributes_a_cond_step_to_its_scopes(tmp_path):
     """--profile on the CPU: nearly all of the traced op time maps to an instruction and most of
-    it to the named scopes, in the static program (also compiled with command buffers off: the
-    same output) and in the cond one (whose work runs inside
-    the conditional's branches: spread over the scopes, dense_mha among them), and the table
-    prints each variant's scopes and coverage."""
+    it to the named scopes, in the static program (also compiled with command buffers off and
+    with the update mode: the same output) and in the cond one (whose work runs inside
+    the conditional's branches: spread over the scopes, dense_mha among them; also compiled with
+    its conditionals in the graphs: the same output), and the table prints each variant's scopes
+    and coverage, and every row its dispatch time."""
     out = _run("bench_layer.py", "--smoke", "--kv", "bf16", "--kinds", "mixed_12_4x40", "--variants",
-               "static,static_graphs_off,cond", "--profile", str(tmp_path / "profile"), "--out",
-               str(tmp_path / "rows.json"), cwd=tmp_path)
+               "static,static_graphs_off,static_update_skip,cond,cond_graphs", "--profile", str(tmp_path / "profile"),
+               "--out", str(tmp_path / "rows.json"), cwd=tmp_path)
     rows = {r["variant"]: r for r in json.loads((tmp_path / "rows.json").read_text())["rows"]}
-    assert set(rows) == {"static", "static_graphs_off", "cond"}
-    assert rows["static_graphs_off"]["rel_err"] == 0  # the static program, compiled with other options
+    assert set(rows) == {"static", "static_graphs_off", "static_update_skip", "cond", "cond_graphs"}
+    # the static and the cond program, each compiled with other options: the same outputs
+    assert rows["static_graphs_off"]["rel_err"] == rows["static_update_skip"]["rel_err"] == 0
+    assert rows["cond_graphs"]["rel_err"] == rows["cond"]["rel_err"]
     for r in rows.values():
+        assert r["dispatch_ms"] > 0
         ms, traced = r["profile_ms_per_step"], r["profile_traced_ms"]
         assert traced > 0 and sum(ms.values()) == pytest.approx(traced)
         assert r["profile_attributed_share"] > 0.95 and r["profile_named_share"] > 0.7, r
         # every stage's scope has time (the dense call runs inside a conditional's branch)
         assert {"projections", "cache_write", "indexer_logits", "dense_mha", "o_proj"} <= {s for s, t in ms.items() if t > 0}
-    assert out.count("traced op time") == 3 and out.count("% in named scopes") == 3
-    assert out.count("(unattributed)") == 3 and out.count("dense_mha") >= 3
+    assert out.count("traced op time") == 5 and out.count("% in named scopes") == 5
+    assert out.count("(unattributed)") == 5 and out.count("dense_mha") >= 5
 
 
 # A compiled module as XLA prints it: a cuBLAS GEMM, a scatter, a conditional whose branches run a
