@@ -34,7 +34,9 @@ scheduling, planning and dispatch is an engine.STEP_ANNOTATION span): the wall t
 device's busy time a step (the union of its stream events; on a CPU, XLA's thunks) and the share
 of the window it is busy, and the host part's time a step, then the events that take the most
 of the host part (where its planning and launch go). A device busy well under the step is a
-step that waits on the host.
+step that waits on the host. Where the run has three or more prefill steps, the same for them
+(their programs have conditionals, dispatched from the engine's dispatch thread: their busy
+share is what that thread leaves of the device's idle between them).
 """
 
 from __future__ import annotations
@@ -222,6 +224,11 @@ def main(argv=None) -> int:
               f"{t['device_busy_ms']:.3f} ms ({t['busy_share']:.1%}), host part {t['host_ms']:.3f} ms", flush=True)
         for name, ms in t["host_events_ms"].items():
             print(f"    {ms:8.3f} ms a step  {name}", flush=True)
+        prefilling = [s.index for s in again.steps if s.num_prefills > 0]  # the run's first steps
+        if len(prefilling) >= 3:  # the device's idle between prefill steps (their programs have conditionals)
+            t = traced[f"prefill{suffix}"] = trace_shares(trace_dir, prefilling[1], prefilling[-1])
+            print(f"traced{suffix} prefill steps {t['steps']:>4}  wall {t['wall_ms']:.3f} ms a step, device busy "
+                  f"{t['device_busy_ms']:.3f} ms ({t['busy_share']:.1%}), host part {t['host_ms']:.3f} ms", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d"),
