@@ -513,6 +513,8 @@ class Engine:
         the device. A step whose program has conditionals (BatchPlan.has_conditionals) is
         dispatched from the engine's dispatch thread, whose call returns only near the step's
         end on a GPU, so that the next step is planned meanwhile; the dispatches keep step order.
+        That thread sees jax's global configuration, not the calling thread's context managers
+        (jax.default_device and the like are thread-local).
 
         overrides: EngineOptions fields for this run (e.g. skip_indexer=False).
         progress: a bar over the steps, titled desc (None: only when stderr is a terminal).
