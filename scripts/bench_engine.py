@@ -35,8 +35,8 @@ device's busy time a step (the union of its stream events; on a CPU, XLA's thunk
 of the window it is busy, and the host part's time a step, then the events that take the most
 of the host part (where its planning and launch go). A device busy well under the step is a
 step that waits on the host. Where the run has three or more prefill steps, the same for them
-(their programs have conditionals, dispatched from the engine's dispatch thread: their busy
-share is what that thread leaves of the device's idle between them).
+(their programs have conditionals: a dispatch returns only near its step's end, so the device
+idles while the host plans the next step; their busy share is what that costs).
 """
 
 from __future__ import annotations

@@ -3,8 +3,6 @@ set of programs (nothing compiles after a warm-up that covers the bucket grid)."
 
 import itertools
 import math
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -103,46 +101,6 @@ def test_outputs_match_the_oracle_per_request():
     worst, decided = oracle_error(engine, result, w)
     assert decided > 100
     assert worst < 1e-4, worst
-
-
-def test_a_step_with_conditionals_is_dispatched_while_the_next_is_planned():
-    """A step whose program has conditionals returns from its dispatch only near its end on a
-    GPU (XLA's conditional waits on the host for its branch index; emulated here by a dispatch
-    that sleeps after launching): the engine dispatches it from its dispatch thread and plans
-    the next step meanwhile. Programs without conditionals are dispatched from the calling
-    thread. Dispatches never overlap and keep the steps' order, and every request's outputs are
-    the oracle's."""
-    engine = Engine(TINY, num_layers=2, num_pages=40, max_num_batched_tokens=12, max_num_seqs=3, seed=4)
-    w = Workload(5, input_len=14, output_len=4, input_range_ratio=0.5, output_range_ratio=0.5, concurrency=4, seed=2)
-    events = []
-    forward, plan = engine._forward, engine._plan
-
-    def slow_forward(p, meta, rows, kernels):
-        events.append(("dispatch", p.has_conditionals, threading.current_thread() is threading.main_thread()))
-        x = forward(p, meta, rows, kernels)
-        if p.has_conditionals:
-            time.sleep(0.2)
-        events.append(("returned",))
-        return x
-
-    def planning(*args):
-        events.append(("plan",))
-        return plan(*args)
-
-    engine._forward, engine._plan = slow_forward, planning
-    result = engine.run(w, progress=False, collect_outputs=True)
-    dispatches = [i for i, e in enumerate(events) if e[0] == "dispatch"]
-    assert len(dispatches) == len(result.steps)
-    assert [e[0] for e in events if e[0] != "plan"] == ["dispatch", "returned"] * len(dispatches)  # one at a time
-    conditional = [i for i in dispatches if events[i][1]]
-    assert conditional and len(conditional) < len(dispatches)  # both kinds of program ran
-    assert all(events[i][2] != events[i][1] for i in dispatches)  # conditionals: the dispatch thread
-    assert [s.plan.has_conditionals for s in result.steps] == [events[i][1] for i in dispatches]  # step order
-    for i in conditional:
-        if i != dispatches[-1]:  # the next step was planned before this dispatch returned
-            assert ("plan",) in events[i:events.index(("returned",), i)], events[i:]
-    worst, decided = oracle_error(engine, result, w)
-    assert decided > 50 and worst < 1e-4, (worst, decided)
 
 
 def test_pool_too_small_is_a_clear_error():

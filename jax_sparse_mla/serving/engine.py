@@ -9,7 +9,6 @@ import math
 import os
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Mapping, Sequence
 
 import jax
@@ -117,30 +116,23 @@ STEP_ANNOTATION = "Engine step"  # the name of each step's host part in a profil
 
 
 @dataclasses.dataclass
-class _Launched:
-    """A step's dispatch, returned (Engine.run)."""
-
-    x: jax.Array | None  # the last layer's output (None in a dry run)
-    new_programs: int  # programs compiled by it
-    dispatched_s: float  # the run's clock when it returned
-
-
-@dataclasses.dataclass
 class _InFlight:
     """A step dispatched to the device and not yet waited for (Engine.run): what recording it needs."""
 
     work: tuple[list[int], list[int]] | None  # (request ids, their rows in order) with collect_outputs
     plan: BatchPlan
     meta: BatchMeta  # host (numpy) metadata
-    launched: _Launched | Future  # its dispatch (a Future where the dispatch thread makes it)
+    x: jax.Array | None  # the last layer's output (None in a dry run)
     emitters: list[RequestMetrics]  # requests that output a token in this step
     num_requests: int
     num_tokens: int
     num_decodes: int
     prefill_tokens: int
+    new_programs: int
     begin_s: float  # the run's clock: scheduling began
     planned_s: float  # planned (plan_host returned)
     dispatch_s: float  # the step's dispatch (packing its input, the call of jit_layer_stack) began
+    dispatched_s: float  # the step's dispatch returned
 
 
 class _Slots:
@@ -509,13 +501,6 @@ class Engine:
             _dry_run: list | None = None, **overrides) -> ServeResult:
         """Serves a workload to completion (or max_steps) and returns its metrics.
 
-        Steps are pipelined: step N + 1 is scheduled, planned and dispatched while step N runs on
-        the device. A step whose program has conditionals (BatchPlan.has_conditionals) is
-        dispatched from the engine's dispatch thread, whose call returns only near the step's
-        end on a GPU, so that the next step is planned meanwhile; the dispatches keep step order.
-        That thread sees jax's global configuration, not the calling thread's context managers
-        (jax.default_device and the like are thread-local).
-
         overrides: EngineOptions fields for this run (e.g. skip_indexer=False).
         progress: a bar over the steps, titled desc (None: only when stderr is a terminal).
         collect_outputs: keep each request's last-layer x rows ([cache_len, hidden] float32 in
@@ -555,19 +540,13 @@ class Engine:
         def now() -> float:  # the run's clock (a dry run's stands still between arrivals)
             return skipped + (0.0 if dry else time.perf_counter() - wall0)
 
-        def launch(plan: BatchPlan, meta: BatchMeta, rows: np.ndarray) -> _Launched:  # a step's dispatch
-            before = jit_layer_stack._cache_size()
-            x = self._forward(plan, meta, rows, opts.kernels)
-            return _Launched(x, jit_layer_stack._cache_size() - before, now())
-
         def finish(step: _InFlight) -> None:  # waits for a dispatched step, then records it
             nonlocal last_end
-            launched = step.launched.result() if isinstance(step.launched, Future) else step.launched
-            if launched.x is not None:
-                launched.x.block_until_ready()
+            if step.x is not None:
+                step.x.block_until_ready()
             end = now()
-            if collect_outputs and launched.x is not None:
-                host = np.asarray(launched.x).astype(np.float32)  # on the host: no cast program to compile
+            if collect_outputs and step.x is not None:
+                host = np.asarray(step.x).astype(np.float32)  # on the host: no cast program to compile
                 row = 0
                 for i, n in zip(*step.work):
                     outputs.setdefault(i, []).append(host[row:row + n])
@@ -577,27 +556,20 @@ class Engine:
             plan = step.plan
             steps.append(StepRecord(
                 index=len(steps), start_s=last_end, duration_s=end - last_end,
-                forward_s=end - step.dispatch_s, host_s=launched.dispatched_s - step.begin_s,
-                plan_s=step.planned_s - step.begin_s, launch_s=launched.dispatched_s - step.dispatch_s,
+                forward_s=end - step.dispatch_s, host_s=step.dispatched_s - step.begin_s,
+                plan_s=step.planned_s - step.begin_s, launch_s=step.dispatched_s - step.dispatch_s,
                 device_s=end - max(last_end, step.dispatch_s),
                 route=plan.route, branch=_branch(plan, step.meta.branches),
                 has_indexer_scoring=bool(plan.has_indexer_scoring), num_scored_tokens=plan.num_scored_tokens,
                 num_tokens=step.num_tokens, padded_tokens=plan.num_tokens, num_decodes=step.num_decodes,
                 num_prefills=step.num_requests - step.num_decodes, prefill_tokens=step.prefill_tokens,
-                new_programs=launched.new_programs, plan=plan))
+                new_programs=step.new_programs, plan=plan))
             last_end = end
             bar.update(1)
             if len(steps) % 16 == 0:
                 bar.set_postfix(done=sum(m.finished for m in metrics), running=len(slots), refresh=False)
 
         inflight: _InFlight | None = None  # dispatched, not yet waited for
-        # A step whose program has conditionals returns from its dispatch only near its end (XLA's
-        # GPU conditional waits on the host for its branch index): this thread dispatches it, so
-        # that the next step is planned meanwhile. The dispatches stay in step order: the thread
-        # runs them one after another, and this one dispatches only once the thread's last
-        # dispatch has returned (the caches it donates come back with it).
-        dispatcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-dispatch")
-        launching: Future | None = None  # the dispatch thread's last dispatch
         bar = progress_bar(total=max_steps, progress=progress and not dry, desc=desc, unit="step", leave=False)
         try:
             while pending or waiting or len(slots):
@@ -638,22 +610,20 @@ class Engine:
                     emitters = slots.advance(work, counts, allocator)
                     dispatch = now()
                     if dry:
-                        launched = _Launched(None, 0, now())
-                    elif plan.has_conditionals:
-                        launched = launching = dispatcher.submit(launch, plan, meta, rows)
+                        x, new_programs = None, 0
                     else:
-                        if launching is not None:
-                            launching.result()
-                        launched = launch(plan, meta, rows)
-                step = _InFlight(ids, plan, meta, launched, emitters, len(work), int(counts.sum()), num_decodes,
-                                 prefill_tokens, begin_s=begin, planned_s=planned, dispatch_s=dispatch)
+                        before = jit_layer_stack._cache_size()
+                        x = self._forward(plan, meta, rows, opts.kernels)
+                        new_programs = jit_layer_stack._cache_size() - before
+                step = _InFlight(ids, plan, meta, x, emitters, len(work), int(counts.sum()), num_decodes,
+                                 prefill_tokens, new_programs,
+                                 begin_s=begin, planned_s=planned, dispatch_s=dispatch, dispatched_s=now())
                 if inflight is not None:
                     finish(inflight)
                 inflight = step
             if inflight is not None:
                 finish(inflight)
         finally:
-            dispatcher.shutdown()
             bar.close()
         clock = last_end
         if outputs is not None:

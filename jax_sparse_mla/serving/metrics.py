@@ -59,9 +59,7 @@ class StepRecord:
     plan_s: its scheduling and planning part; launch_s: its dispatch part (packing the step's
     input and the call of its executable: a program without conditionals returns once its kernels
     are launched, runs of them as CUDA graphs (model.compiler_options); XLA's GPU conditional
-    makes the call wait until the device reaches it, so the engine makes that call from its
-    dispatch thread and plans the next step meanwhile: host_s and launch_s then count the
-    dispatch thread's call, to its return). device_s: from when the device could start the step
+    makes the call wait until the device reaches it). device_s: from when the device could start the step
     (its dispatch began and the previous step had ended) to ready, an estimate of its GPU time
     that is exact when the host keeps ahead of the device. route: plan.route
     ("dense" / "sparse" / "cond"); branch: the program that ran ("dense" / "sparse": for a cond
