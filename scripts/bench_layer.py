@@ -1,5 +1,6 @@
-"""One layer at real dimensions: wall time of a `jit_forward` step (cache donated) per batch kind,
-latent cache format and variant, the variants interleaved in one run.
+"""One layer at real dimensions: wall time of a `jit_forward` step (its program compiled ahead of
+time with its plan's compiler options, as the serving engine calls its programs; cache donated)
+per batch kind, latent cache format and variant, the variants interleaved in one run.
 
     python scripts/bench_layer.py [--kinds a,b] [--variants static,cond,no_skip,xla,masked,sparse] [--kv bf16,fp8]
                                   [--repeats 7] [--out results.json] [--profile DIR]   # GPU, deepseek_v32
@@ -54,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import re
@@ -497,14 +497,16 @@ def variant_options(config, variant: str, smoke: bool, num_tokens: int) -> dict:
     return options
 
 
-def options_step(params, hidden, plan, meta, config, options: dict):
-    """step(cache) -> (out, cache): jit_forward's program of `plan` compiled (at its first call)
-    with the XLA compiler options `options` (OPTIONS), the cache donated."""
+def compiled_step(params, hidden, plan, meta, config, kernels: str, options: dict):
+    """step(cache) -> (out, cache): jit_forward's program of `plan` compiled ahead of time (at
+    its first call) with the XLA compiler options `options`, the cache donated. Every variant
+    is called this way (as the serving engine calls its programs), so that their dispatch
+    times differ only by their programs."""
     compiled = []
 
     def step(cache):
         if not compiled:
-            lowered = jit_forward.lower(params, hidden, cache, meta, plan=plan, config=config, kernels="auto")
+            lowered = jit_forward.lower(params, hidden, cache, meta, plan=plan, config=config, kernels=kernels)
             compiled.append(lowered.compile(compiler_options=options))
         return compiled[0](params, hidden, cache, meta)
     return step
@@ -521,11 +523,8 @@ def run_kind(config, kv, params, kind, specs, args, key):
     x = jax.random.normal(key, (widest, config.hidden_size), jnp.float32).astype(config.jnp_dtype)
     hidden = {v: x[:p.num_tokens] for v, (p, _) in plans.items()}  # the same rows, each variant's bucket
     cache = random_cache(config, num_pages, jax.random.fold_in(key, 1))
-    steps = {v: functools.partial(lambda c, h, p, m, k: jit_forward(params, h, c, m, plan=p, config=config,
-                                                                     kernels=k), h=hidden[v], p=plans[v][0],
-                                  m=plans[v][1], k=VARIANTS[v][1]) for v in args.variants}
-    for v in steps.keys() & OPTIONS.keys():
-        steps[v] = options_step(params, hidden[v], *plans[v], config, OPTIONS[v])
+    steps = {v: compiled_step(params, hidden[v], *plans[v], config, VARIANTS[v][1],
+                              OPTIONS.get(v, compiler_options(plans[v][0]))) for v in args.variants}
     ms, outs, errors, reps, first = defaultdict(list), {}, {}, {}, {}
     same = {v for v in args.variants if v != "static" and v not in OPTIONS and "static" in plans
             and VARIANTS[v][1] == "auto" and plans[v][0] == plans["static"][0]}  # e.g. no_skip on the sparse route

@@ -20,9 +20,9 @@ real dims: 256 take 22.5 GB of bf16 a layer, 4 layers ~92 GB, more than an 80 GB
 each token's experts and FLOPs are the model's, only the weights it picks from are fewer), so
 the skip's gain is read off a model's step as well as the attention stack's; every row and
 table line names its block, and --time-limit applies to each block. Before a block's engine is
-built, its weights and caches are checked to fit the device (stack_bytes against the device's
-memory, leaving room for XLA's scratch): a stack that does not fit is refused, naming the flags
-that shrink it.
+built, its weights and caches are checked to fit the device (stack_bytes against what jax may
+allocate there, leaving room for XLA's scratch): a stack that does not fit is refused, naming the
+flags that shrink it, before any block runs.
 Every workload is warmed up first (a dry run of the scheduler collects its plans; each is
 compiled and run once), then timed; skip on/off runs alternate. Writes results.json, table.md
 and PNG plots to --out-dir and prints the markdown table. Sizes are flags; --quick trims;
@@ -81,12 +81,14 @@ def stack_bytes(config: MLAConfig, layers: int, num_pages: int, moe: MoEConfig |
 
 
 def check_fits(need: int, device, what: str) -> None:
-    """SystemExit naming what shrinks the stack when `need` bytes exceed FIT_SHARE of the
-    device's memory (its bytes_limit; not checked where the device reports none, e.g. a CPU)."""
+    """SystemExit naming what shrinks the stack when `need` bytes exceed FIT_SHARE of what jax
+    may allocate on the device (its memory_stats' bytes_limit; not checked where the device
+    reports none, e.g. a CPU)."""
     limit = (device.memory_stats() or {}).get("bytes_limit")
     if limit and need > FIT_SHARE * limit:
         raise SystemExit(f"{what} takes {need / 1e9:.1f} GB of weights and caches, more than {FIT_SHARE:.0%} of the "
-                         f"device's {limit / 1e9:.1f} GB: pass fewer --layers or (decoder) --moe-experts")
+                         f"{limit / 1e9:.1f} GB jax may allocate on the device: pass fewer --layers or (decoder) "
+                         "--moe-experts")
 
 
 def _ints(text: str) -> list[int]:
@@ -434,10 +436,14 @@ def main(argv=None) -> int:
         "blocks": args.block, "ragged_dot_triton": args.ragged_dot_triton,
         "clock": "each step's wall time (scheduling + planning + all layers to block_until_ready)"}}
     results["prefill"], results["decode"], results["breakdown"] = [], [], []
-    for block in args.block:
-        t_block = time.perf_counter()
-        moe = decoder_moe(config, args.moe_experts) if block == "decoder" else None
+    try:
+        moes = {block: decoder_moe(config, args.moe_experts) if block == "decoder" else None for block in args.block}
+    except ValueError as e:  # e.g. fewer experts than a token is routed to
+        raise SystemExit(f"--moe-experts {args.moe_experts}: {e}") from None
+    for block, moe in moes.items():  # every stack checked before the first runs
         check_fits(stack_bytes(config, args.layers, num_pages, moe), dev, f"{args.layers} {block} layers")
+    for block, moe in moes.items():
+        t_block = time.perf_counter()
         engine = Engine(config, num_layers=args.layers, num_pages=num_pages, seed=args.seed, kernels=args.kernels,
                         dispatch=args.dispatch, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, block=block, moe=moe,

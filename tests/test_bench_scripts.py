@@ -212,7 +212,9 @@ def test_engine_bench_times_steps_with_every_sequence_decoding(tmp_path):
     assert medians["decode"]["steps"] >= 6 and medians["decode" + off]["steps"] >= 6, medians
     for row in medians.values():
         assert row["new_programs"] == 0
-        assert 0 < row["plan_ms"] + row["launch_ms"] <= row["host_ms"] and row["duration_ms"] > 0, row
+        # each step's host time holds its planning and launch, so each median is at most the host's
+        assert 0 < row["plan_ms"] <= row["host_ms"] and 0 < row["launch_ms"] <= row["host_ms"], row
+        assert row["duration_ms"] > 0, row
     assert out.count("compiled 0") == 4
 
 
