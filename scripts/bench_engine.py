@@ -219,16 +219,18 @@ def main(argv=None) -> int:
         if len(decoding) < 3:
             raise SystemExit(f"--profile needs --decodes >= 2 (the traced run had {len(decoding)} steps with every "
                              "sequence decoding; the window starts at the second)")
-        t = traced[f"decode{suffix}"] = trace_shares(trace_dir, decoding[1], decoding[-1])  # steps [0] .. [-1] - 2
-        print(f"traced{suffix}  steps {t['steps']:>4}  wall {t['wall_ms']:.3f} ms a step, device busy "
-              f"{t['device_busy_ms']:.3f} ms ({t['busy_share']:.1%}), host part {t['host_ms']:.3f} ms", flush=True)
+        def window(name: str, first: int, last: int) -> dict:  # trace_shares of steps first .. last, printed
+            t = traced[f"{name}{suffix}"] = trace_shares(trace_dir, first, last)
+            print(f"traced{suffix} {name}  steps {t['steps']:>4}  wall {t['wall_ms']:.3f} ms a step, device busy "
+                  f"{t['device_busy_ms']:.3f} ms ({t['busy_share']:.1%}), host part {t['host_ms']:.3f} ms", flush=True)
+            return t
+
+        t = window("decode", decoding[1], decoding[-1])  # steps [0] .. [-1] - 2
         for name, ms in t["host_events_ms"].items():
             print(f"    {ms:8.3f} ms a step  {name}", flush=True)
         prefilling = [s.index for s in again.steps if s.num_prefills > 0]  # the run's first steps
         if len(prefilling) >= 3:  # the device's idle between prefill steps (their programs have conditionals)
-            t = traced[f"prefill{suffix}"] = trace_shares(trace_dir, prefilling[1], prefilling[-1])
-            print(f"traced{suffix} prefill steps {t['steps']:>4}  wall {t['wall_ms']:.3f} ms a step, device busy "
-                  f"{t['device_busy_ms']:.3f} ms ({t['busy_share']:.1%}), host part {t['host_ms']:.3f} ms", flush=True)
+            window("prefill", prefilling[1], prefilling[-1])
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d"),

@@ -501,7 +501,8 @@ def compiled_step(params, hidden, plan, meta, config, kernels: str, options: dic
     """step(cache) -> (out, cache): jit_forward's program of `plan` compiled ahead of time (at
     its first call) with the XLA compiler options `options`, the cache donated. Every variant
     is called this way (as the serving engine calls its programs), so that their dispatch
-    times differ only by their programs."""
+    times differ only by their programs. step.compiled holds the executable once compiled (the
+    profile reads its module)."""
     compiled = []
 
     def step(cache):
@@ -509,6 +510,7 @@ def compiled_step(params, hidden, plan, meta, config, kernels: str, options: dic
             lowered = jit_forward.lower(params, hidden, cache, meta, plan=plan, config=config, kernels=kernels)
             compiled.append(lowered.compile(compiler_options=options))
         return compiled[0](params, hidden, cache, meta)
+    step.compiled = compiled
     return step
 
 
@@ -572,9 +574,7 @@ def run_kind(config, kv, params, kind, specs, args, key):
         for v in live:
             row = next(r for r in rows if r["variant"] == v)
             trace_dir = os.path.join(args.profile, f"{kind}-{kv}-{v}")
-            p, m = plans[v]
-            lowered = jit_forward.lower(params, hidden[v], cache, m, plan=p, config=config, kernels=VARIANTS[v][1])
-            text = lowered.compile(OPTIONS.get(v, compiler_options(p))).as_text()
+            text = steps[v].compiled[0].as_text()  # the module the step runs
             with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
                 _, _, cache = step_time(steps[v], cache, PROFILED_STEPS)
             profile = trace_breakdown(trace_dir, HloScopes(text), PROFILED_STEPS)

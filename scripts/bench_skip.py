@@ -312,8 +312,9 @@ def markdown(results) -> str:
         e = m["moe"]
         lines[-1] += (f" Decoder block: RMSNorm, attention, RMSNorm, MoE ({e['num_experts']} experts, "
                       f"{e['num_experts_per_tok']} active, {e['num_shared_experts']} shared, intermediate "
-                      f"{e['intermediate_size']}, ragged_dot; DeepSeek-V3.2 routes over 256 experts: the tokens' "
-                      "experts and FLOPs are the model's, the weights they pick from fewer where this is less).")
+                      f"{e['intermediate_size']}, ragged_dot; DeepSeek-V3.2 routes over "
+                      f"{MoEConfig.deepseek_v32().num_experts} experts: the tokens' experts and FLOPs are the model's, "
+                      "the weights they pick from fewer where this is less).")
     lines += ["",
              f"(a) short prefills: input {m['prefill_input_len']} (range ratio {m['prefill_range_ratio']}), output 1.",
              "", col + "| concurrency | requests | req/s skip | req/s no skip | gain | median TTFT ms skip | no skip |",
