@@ -322,10 +322,7 @@ def _kernel(*refs, scoped, rank, rope, width, tile, blocks_per_split, num_stages
     (q_smem, stage_mem, p_smem, x_smem, ids_smem), (q_bar, kv_free, ids_bar, p_ready, p_free) = scoped
     kv_smem, (o_smem, lse_smem) = stage_mem
     a_smem, l_smem = x_smem.at[0], x_smem.at[1]  # block i's rescale factor; 1 / l at the end
-    head_block, split = lax.axis_index("heads"), lax.axis_index("splits")
-    # rows last-first: a batch's empty rows (padding, last) start first, on every SM at once; run
-    # after the real ones, their zero writes queued on the few SMs those leave free
-    row = live_gmem.shape[0] - 1 - lax.axis_index("rows")
+    head_block, row, split = lax.axis_index("heads"), lax.axis_index("rows"), lax.axis_index("splits")
     wg = lax.axis_index("wg")
     h0 = head_block * block_heads
     heads = pl.ds(0, block_heads)  # the CTA's real heads among its 64 q / out rows (the rest unused)
@@ -560,7 +557,7 @@ def sparse_mla_mosaic(q, latent, latent_scale, k_pe, slots, *, scale, num_splits
         entry,
         out_type=(jax.ShapeDtypeStruct((num_splits, n_rows, padded_heads, rank), jnp.float32),
                   jax.ShapeDtypeStruct((num_splits, n_rows, padded_heads), jnp.float32)),
-        grid=(n_rows, num_splits, head_blocks),  # heads fastest: a row's CTAs run together (L2 hits); rows last-first
+        grid=(n_rows, num_splits, head_blocks),  # heads fastest: a row's CTAs run together (L2 hits)
         grid_names=("rows", "splits", "heads"),
         num_threads=3,
         thread_name="wg",
