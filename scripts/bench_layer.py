@@ -47,8 +47,9 @@ entry, cond branches, loop and fusion bodies) gets a scope from its op_name meta
 event is matched to its instruction (`trace_breakdown`), on the GPU by the event's `hlo_op` arg
 (the thunk's instruction) or, under XLA's command buffers (hlo_op "command_buffer_N"), by the
 kernel's name (HloScopes.event_instructions says which event fields it relies on). --out rows
-then carry profile_ms_per_step ({scope: ms}), profile_traced_ms, profile_named_share and
-profile_attributed_share.
+then carry profile_ms_per_step ({scope: ms}), profile_ops_ms_per_step ({scope: [[op, ms], ...]}:
+the scope's TOP_OPS ops by time, each "instruction opcode result-type", printed under its named
+scope), profile_traced_ms, profile_named_share and profile_attributed_share.
 """
 
 from __future__ import annotations
@@ -235,23 +236,30 @@ class _Instruction:
     frame: int | None  # metadata stack_frame_id
     dedup: str | None  # metadata deduplicated_name: the instruction whose kernel this one runs
     calls: tuple[str, ...]  # computations it calls (fusion body, branches, loop body, call)
+    shape: str  # its result type without layouts: "f32[128,128,512]", "(bf16[8], s32[])"
 
 
 _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
                     r"|\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 
 
+def _type_end(rest: str) -> int:
+    """Where the result type at the start of an instruction's right-hand side ends (a tuple type
+    in parentheses, else its first token)."""
+    if not rest.startswith("("):
+        return len(rest.split(None, 1)[0]) if rest.strip() else 0
+    depth = 0
+    for i, ch in enumerate(rest):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0:
+            return i + 1
+    return len(rest)
+
+
 def _operation(rest: str) -> tuple[str, tuple[str, ...]]:
     """(opcode, operand names) of an instruction's right-hand side: `type opcode(operands), attributes`
     (a tuple type in parentheses)."""
-    i = 0
-    if rest.startswith("("):
-        depth = 0
-        for i, ch in enumerate(rest):
-            depth += (ch == "(") - (ch == ")")
-            if depth == 0:
-                break
-        i += 1
+    i = _type_end(rest)
     m = re.compile(r"[^\s(]*\s+([\w\-]+)\(").match(rest, i)
     if not m:
         return "?", ()
@@ -261,6 +269,11 @@ def _operation(rest: str) -> tuple[str, tuple[str, ...]]:
         if depth == 0:
             break
     return m.group(1), tuple(re.findall(r"%([\w.\-]+)", rest[m.end():j]))
+
+
+def _result_shape(rest: str) -> str:
+    """An instruction's result type (the start of its right-hand side), layouts dropped."""
+    return re.sub(r"\{[^{}]*\}", "", rest[:_type_end(rest)])
 
 
 class HloScopes:
@@ -292,7 +305,8 @@ class HloScopes:
                 calls = tuple(c.strip().lstrip("%") for m in _CALLS.finditer(rest)
                               for c in (m.group(1) or m.group(2)).split(",") if c.strip())
                 self.instructions[name] = _Instruction(computation, *_operation(rest), op_name and op_name.group(1),
-                                                       frame and int(frame.group(1)), dedup and dedup.group(1), calls)
+                                                       frame and int(frame.group(1)), dedup and dedup.group(1), calls,
+                                                       _result_shape(rest))
         self._members, self._position, callers = defaultdict(list), {}, defaultdict(list)
         edges = {"users": defaultdict(list), "operands": defaultdict(list)}
         for name, ins in self.instructions.items():
@@ -467,16 +481,29 @@ def trace_breakdown(trace_dir: str, scopes: HloScopes, steps: int) -> dict:
                 before = next((next(iter(found[j])) for j in reversed(line[:k]) if len(found[j]) == 1), None)
                 after = next((next(iter(found[j])) for j in line[k + 1:] if len(found[j]) == 1), None)
                 guessed[i] = scopes.unmatched_around(before, after, matched)
-    totals = defaultdict(float)
+    totals, ops = defaultdict(float), defaultdict(lambda: defaultdict(float))
     for i, (e, t) in enumerate(zip(events, _self_times(events, scopes))):
         ins = found[i] or guessed.get(i, set())
         candidates = {scopes.scope[n] for n in ins}
-        scope = candidates.pop() if len(candidates) == 1 else _named(e.get("args", {}).get("name"))
-        totals[scope or UNATTRIBUTED] += t / 1e3 / steps
+        scope = (candidates.pop() if len(candidates) == 1 else _named(e.get("args", {}).get("name"))) or UNATTRIBUTED
+        totals[scope] += t / 1e3 / steps
+        ops[scope][_op_label(scopes, ins) if len(ins) == 1 else e.get("name", "?")] += t / 1e3 / steps
     traced = sum(totals.values())
     share = lambda keep: sum(t for s, t in totals.items() if keep(s)) / traced if traced else 0.0  # noqa: E731
     return {"ms": dict(sorted(totals.items(), key=lambda kv: -kv[1])), "traced_ms": traced,
+            "ops": {scope: sorted(((label, t) for label, t in by_op.items()), key=lambda lt: -lt[1])[:TOP_OPS]
+                    for scope, by_op in ops.items()},
             "named_share": share(lambda s: s in LIBRARY_SCOPES), "attributed_share": share(lambda s: s != UNATTRIBUTED)}
+
+
+TOP_OPS = 4  # the ops of a scope that --profile lists, by time
+
+
+def _op_label(scopes: HloScopes, instructions: set[str]) -> str:
+    """A trace event's one instruction as "name opcode result-type" ("fusion.3 fusion f32[64,512]")."""
+    name = next(iter(instructions))
+    ins = scopes.instructions[name]
+    return f"{name} {ins.opcode} {ins.shape}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -579,6 +606,7 @@ def run_kind(config, kv, params, kind, specs, args, key):
                 _, _, cache = step_time(steps[v], cache, PROFILED_STEPS)
             profile = trace_breakdown(trace_dir, HloScopes(text), PROFILED_STEPS)
             row["profile_ms_per_step"] = profile.pop("ms")
+            row["profile_ops_ms_per_step"] = profile.pop("ops")
             row.update({f"profile_{k}": x for k, x in profile.items()})
     del cache
     return rows
@@ -599,6 +627,9 @@ def print_profile(r) -> None:
             print(f"{'':<16}{title}")
         for scope, t in part.items():
             print(f"{'':<16}{scope:<40}{t:>10.3f} ms/step {100 * t / traced if traced else 0:>5.1f}%")
+            if scope in LIBRARY_SCOPES:
+                for label, op_t in r.get("profile_ops_ms_per_step", {}).get(scope, []):
+                    print(f"{'':<20}{label[:70]:<72}{op_t:>8.3f}")
     note = f" ({r['profile_note']})" if "profile_note" in r else ""
     print(f"{'':<16}traced op time {traced:.3f} ms/step: {100 * r['profile_named_share']:.1f}% in named scopes, "
           f"{100 * r['profile_attributed_share']:.1f}% attributed{note}")

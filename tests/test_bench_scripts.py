@@ -57,6 +57,12 @@ def test_layer_profile_attributes_a_cond_step_to_its_scopes(tmp_path):
         assert r["profile_attributed_share"] > 0.95 and r["profile_named_share"] > 0.7, r
         # every stage's scope has time (the dense call runs inside a conditional's branch)
         assert {"projections", "cache_write", "indexer_logits", "dense_mha", "o_proj"} <= {s for s, t in ms.items() if t > 0}
+        # its largest ops: at most TOP_OPS a scope, by time, together at most the scope's time
+        for scope, ops in r["profile_ops_ms_per_step"].items():
+            times = [t for _, t in ops]
+            assert 0 < len(ops) <= 4 and times == sorted(times, reverse=True)
+            assert sum(times) <= ms[scope] * (1 + 1e-9), (scope, ops)
+        assert r["profile_ops_ms_per_step"]["projections"][0][1] > 0
     assert out.count("traced op time") == 5 and out.count("% in named scopes") == 5
     assert out.count("(unattributed)") == 5 and out.count("dense_mha") >= 5
 
@@ -165,6 +171,11 @@ def test_layer_profile_matches_gpu_kernels_to_instructions(bench_layer, tmp_path
                                          "dense_mha": 0.021, "_nonfinite_rows": 0.001, "o_proj": 0.005,
                                          "(unattributed)": 0.0005})
     assert plain["traced_ms"] == pytest.approx(0.041) and plain["named_share"] == pytest.approx(39 / 41)
+    # each scope's ops by time, named by instruction, opcode and result type (layouts dropped)
+    assert plain["ops"]["projections"] == [("custom-call.1 custom-call (f32[4], s8[16])", pytest.approx(0.010)),
+                                           ("loop_neg_fusion fusion f32[4]", pytest.approx(0.002))]
+    assert plain["ops"]["dense_mha"] == [("pallas_call.2 custom-call f32[4]", pytest.approx(0.020)),
+                                         ("copy.3 copy f32[4]", pytest.approx(0.001))]
     assert plain["attributed_share"] == pytest.approx(40.5 / 41)
     _gpu_trace(tmp_path / "command_buffer", [(name, "command_buffer_1", us) for name, us in _COMMAND_BUFFER])
     buffered = bench_layer.trace_breakdown(str(tmp_path / "command_buffer"), scopes, steps=3)
@@ -172,6 +183,8 @@ def test_layer_profile_matches_gpu_kernels_to_instructions(bench_layer, tmp_path
                                             "sparse_attention": 0.033, "indexer_topk": 0.004, "_nonfinite_rows": 0.001,
                                             "o_proj": 0.005})
     assert buffered["attributed_share"] == 1.0
+    assert buffered["ops"]["sparse_attention"] == [("mpmd_map.1 custom-call f32[4]", pytest.approx(0.030)),
+                                                   ("loop_neg_fusion.2 fusion f32[4]", pytest.approx(0.003))]
 
 
 def test_warmup_bench_restart_loads_every_program_from_the_store(tmp_path):
