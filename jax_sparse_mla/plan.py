@@ -841,6 +841,8 @@ def route_codes(config: MLAConfig, context_lens, query_lens, force_sparse: bool,
     if force_sparse:
         return codes
     prefill = ~is_decode(ctx, q)
+    if not prefill.any():  # decodes only (most serving steps): every request sparse
+        return codes
     short = prefill & (ctx + q <= config.index_topk)
     codes[short] = DENSE
     long_ = np.flatnonzero(prefill & ~short)
@@ -872,11 +874,10 @@ def padded_sizes(config: MLAConfig, requests, routes, buckets: BucketPolicy) -> 
 
 def _padded_sizes(config, ctx, q, dense, buckets) -> tuple[int, int, int, int]:
     total = ctx + q
-    dense_keys = int(total[dense].sum())
     return (buckets.round_up(int(q.sum()), buckets.min_tokens),
             buckets.round_up(len(ctx), buckets.min_seqs),
             buckets.round_up(int(-(-total.max() // config.page_size)), buckets.min_pages_per_seq),
-            buckets.round_up(dense_keys, buckets.min_dense_keys) if dense.any() else 0)
+            buckets.round_up(int(total[dense].sum()), buckets.min_dense_keys) if dense.any() else 0)
 
 
 # ---- the plan ------------------------------------------------------------------------------------
