@@ -442,7 +442,9 @@ def _self_times(events, scopes: HloScopes) -> list[float]:
 
 def trace_breakdown(trace_dir: str, scopes: HloScopes, steps: int) -> dict:
     """ms per step by scope over the newest trace under trace_dir (the trace viewer's
-    *.trace.json.gz): {"ms": {scope: ms}, "traced_ms": ms, "named_share", "attributed_share"}.
+    *.trace.json.gz): {"ms": {scope: ms}, "ops": {scope: [(op, ms), ...]} (its TOP_OPS largest,
+    each "instruction opcode result-type" where the event is one instruction's, else the event's
+    name), "traced_ms": ms, "named_share", "attributed_share"}.
 
     Counted, each by its self time: the events on a device's "Stream" lines (XLA:GPU kernels and
     copies; not the derived lines, "XLA Ops" and such, which repeat them) and elsewhere those with
@@ -455,7 +457,8 @@ def trace_breakdown(trace_dir: str, scopes: HloScopes, steps: int) -> dict:
     op, or control flow)."""
     loaded = load_trace(trace_dir)
     if loaded is None:
-        return {"ms": {}, "traced_ms": 0.0, "named_share": 0.0, "attributed_share": 0.0, "note": "no trace file"}
+        return {"ms": {}, "ops": {}, "traced_ms": 0.0, "named_share": 0.0, "attributed_share": 0.0,
+                "note": "no trace file"}
     events, lines, devices = loaded
     modules = {e.get("args", {}).get("hlo_module") for e in events}
 
@@ -491,8 +494,7 @@ def trace_breakdown(trace_dir: str, scopes: HloScopes, steps: int) -> dict:
     traced = sum(totals.values())
     share = lambda keep: sum(t for s, t in totals.items() if keep(s)) / traced if traced else 0.0  # noqa: E731
     return {"ms": dict(sorted(totals.items(), key=lambda kv: -kv[1])), "traced_ms": traced,
-            "ops": {scope: sorted(((label, t) for label, t in by_op.items()), key=lambda lt: -lt[1])[:TOP_OPS]
-                    for scope, by_op in ops.items()},
+            "ops": {scope: sorted(by_op.items(), key=lambda lt: -lt[1])[:TOP_OPS] for scope, by_op in ops.items()},
             "named_share": share(lambda s: s in LIBRARY_SCOPES), "attributed_share": share(lambda s: s != UNATTRIBUTED)}
 
 

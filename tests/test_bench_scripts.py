@@ -183,6 +183,8 @@ def test_layer_profile_matches_gpu_kernels_to_instructions(bench_layer, tmp_path
                                             "sparse_attention": 0.033, "indexer_topk": 0.004, "_nonfinite_rows": 0.001,
                                             "o_proj": 0.005})
     assert buffered["attributed_share"] == 1.0
+    empty = bench_layer.trace_breakdown(str(tmp_path / "no_trace"), scopes, steps=3)  # a run that wrote no trace
+    assert empty["ms"] == empty["ops"] == {} and empty["note"] == "no trace file"
     assert buffered["ops"]["sparse_attention"] == [("mpmd_map.1 custom-call f32[4]", pytest.approx(0.030)),
                                                    ("loop_neg_fusion.2 fusion f32[4]", pytest.approx(0.003))]
 
