@@ -489,8 +489,9 @@ def trace_breakdown(trace_dir: str, scopes: HloScopes, steps: int) -> dict:
         ins = found[i] or guessed.get(i, set())
         candidates = {scopes.scope[n] for n in ins}
         scope = (candidates.pop() if len(candidates) == 1 else _named(e.get("args", {}).get("name"))) or UNATTRIBUTED
-        totals[scope] += t / 1e3 / steps
-        ops[scope][_op_label(scopes, ins) if len(ins) == 1 else e.get("name", "?")] += t / 1e3 / steps
+        ms = t / 1e3 / steps
+        totals[scope] += ms
+        ops[scope][_op_label(scopes, ins) if len(ins) == 1 else e.get("name", "?")] += ms
     traced = sum(totals.values())
     share = lambda keep: sum(t for s, t in totals.items() if keep(s)) / traced if traced else 0.0  # noqa: E731
     return {"ms": dict(sorted(totals.items(), key=lambda kv: -kv[1])), "traced_ms": traced,
