@@ -60,12 +60,16 @@ class OpImpl:
 
 @dataclasses.dataclass(frozen=True)
 class Implementations:
-    """One OpImpl per op (hashable: part of a jitted forward's static state)."""
+    """One OpImpl per op (hashable: part of a jitted forward's static state), and whether the
+    layer's per-head latent einsums (model.per_head) take their operands in the config's dtype
+    (f32 accumulation: the GPU) or in float32 (XLA's CPU backend has no batched bf16 x bf16 -> f32
+    dot, and a bf16-output one accumulates in bf16)."""
 
     indexer_logits: OpImpl
     topk: OpImpl
     sparse_mla: OpImpl
     dense_mha: OpImpl
+    per_head_in_f32: bool
 
 
 XLA = OpImpl("xla")
@@ -95,12 +99,12 @@ def resolve(kernels: str, config) -> Implementations:
         Mosaic GPU's interpreter: it runs the kernel's warpgroups as concurrent callbacks on
         that pool and deadlocks with fewer threads than warpgroups (tests/conftest.py sets
         PJRT_NPROC).
-    Off the GPU every Pallas backend interprets.
+    Off the GPU every Pallas backend interprets, and the per-head einsums run in float32.
     """
     check_kernels(kernels)
     interpret = interpret_mode()
     if kernels == "xla" or (kernels == "auto" and interpret):
-        return Implementations(XLA, XLA, XLA, XLA)
+        return Implementations(XLA, XLA, XLA, XLA, per_head_in_f32=interpret)
     hopper = not interpret and on_hopper()
     triton = OpImpl("triton", interpret=interpret)
     indexer = OpImpl("mosaic") if hopper and config.indexer_dtype in MOSAIC_INDEXER_DTYPES else triton
@@ -109,7 +113,8 @@ def resolve(kernels: str, config) -> Implementations:
     dense_unsupported = dense_mha_lib.unsupported_reason(config.jnp_dtype, config.qk_head_dim, config.v_head_dim)
     dense = XLA if too_few_threads or dense_unsupported else OpImpl("mosaic", interpret=interpret)
     topk = OpImpl("mosaic") if hopper else triton
-    return Implementations(indexer_logits=indexer, topk=topk, sparse_mla=sparse, dense_mha=dense)
+    return Implementations(indexer_logits=indexer, topk=topk, sparse_mla=sparse, dense_mha=dense,
+                           per_head_in_f32=interpret)
 
 
 def _sparse_mosaic_takes(config) -> bool:

@@ -39,10 +39,16 @@ def linear(x, weight, config: MLAConfig):
                       precision=_precision(config), preferred_element_type=jnp.float32)
 
 
-def per_head(spec: str, a, w, config: MLAConfig):
-    """A per-head einsum with W_UK / W_UV in float32 (TF32 on GPU for bf16 configs): XLA's CPU
-    backend has no batched bf16 x bf16 -> f32 dot."""
-    return jnp.einsum(spec, a.astype(jnp.float32), w.astype(jnp.float32), precision=_precision(config))
+def per_head(spec: str, a, w, config: MLAConfig, *, in_f32: bool, dtype=jnp.float32):
+    """A per-head einsum with W_UK / W_UV [H, d, R] -> dtype, accumulated in float32. The operands
+    keep their own (promoted) dtype: a GPU's TF32 reads bf16 values exactly, so a float32 copy of
+    bf16 rows and weights only costs bytes (its f32 rows were most of a decode step's padding
+    cost). in_f32 (Implementations.per_head_in_f32: XLA's CPU backend has no batched bf16 x bf16
+    -> f32 dot) casts them to float32 first."""
+    operands = jnp.dtype(jnp.float32 if in_f32 else jnp.promote_types(a.dtype, w.dtype))
+    out = jnp.einsum(spec, a.astype(operands), w.astype(operands), precision=_precision(config),
+                     preferred_element_type=jnp.float32 if operands == jnp.float32 else dtype)
+    return out.astype(dtype)
 
 
 def projection_matmuls(params, x, config: MLAConfig):
@@ -219,7 +225,7 @@ def _pick(a, rows):
 
 
 def _dense_prefill(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: BatchMeta, config: MLAConfig,
-                   impl: kernel_ops.OpImpl, num_keys: int | None = None, selection=None, max_kv_len=None):
+                   impl: kernel_ops.OpImpl, in_f32: bool, num_keys: int | None = None, selection=None, max_kv_len=None):
     """Dense causal MHA of the sequences routed dense or masked, packed (no padding to the longest).
 
     q_nope [T, H, nope], q_pe [T, H, rope]: every row's queries; w_uk [H, nope, R], w_uv [H, v, R];
@@ -227,23 +233,25 @@ def _dense_prefill(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: 
     caller knows the real keys fit). selection: None, or [T, K] key positions per row of
     meta.dense_rows (masked MHA: `_dense_selection`), with max_kv_len a bound on a sequence's keys.
     Returns (rows [T] = meta.dense_rows, out [T, H, v] in config.dtype of those rows; padding
-    rows 0).
+    rows 0). in_f32: per_head's.
     """
     c_ = config
+    dt = c_.jnp_dtype
     with jax.named_scope("dense_kv_up"):
         slots = meta.dense_key_slots[:num_keys]  # [K]: each dense sequence's context + new keys, packed
         scale = None if cache.latent_scale is None else take_rows(cache.flat("latent_scale"), slots)
         c = kernel_ops.dequantize_latent(take_rows(cache.flat("latent"), slots), scale)  # [K, R]
-        k_pe = take_rows(cache.flat("k_pe"), slots).astype(jnp.float32)  # [K, rope]
-        k_nope = per_head("kr,hnr->khn", c, w_uk, c_)
-        v = per_head("kr,hvr->khv", c, w_uv, c_)
+        if c_.kv_cache_dtype != "float32":  # exact in dt: bf16, or e4m3 times a power-of-two scale
+            c = c.astype(dt)
+        k_pe = take_rows(cache.flat("k_pe"), slots).astype(dt)  # [K, rope]
+        k_nope = per_head("kr,hnr->khn", c, w_uk, c_, in_f32=in_f32, dtype=dt)
+        v = per_head("kr,hvr->khv", c, w_uv, c_, in_f32=in_f32, dtype=dt)
         k_pe = jnp.broadcast_to(k_pe[:, None], (k_pe.shape[0], c_.num_attention_heads, k_pe.shape[-1]))
         k = jnp.concatenate([k_nope, k_pe], -1)  # [K, H, qk]
         rows = meta.dense_rows
         q = jnp.concatenate([take_rows(q_nope, rows), take_rows(q_pe, rows)], -1)  # [T, H, qk]
-    dt = c_.jnp_dtype
     with jax.named_scope("dense_mha"):
-        out = kernel_ops.dense_mha(q.astype(dt), k.astype(dt), v.astype(dt), meta.dense_query_start,
+        out = kernel_ops.dense_mha(q.astype(dt), k, v, meta.dense_query_start,
                                    meta.dense_key_start, scale=c_.softmax_scale, selection=selection,
                                    max_kv_len=max_kv_len, **impl.kwargs)
     return rows, out.astype(dt)
@@ -308,20 +316,21 @@ def _score_rows(params, x, qr, positions, cache: cache_lib.PagedCache, meta: Bat
 
 
 def _sparse_attention(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: BatchMeta, rows, top_positions,
-                      pages, group: RowGroup, *, config: MLAConfig, impl: kernel_ops.OpImpl):
+                      pages, group: RowGroup, *, config: MLAConfig, impl: kernel_ops.OpImpl, in_f32: bool):
     """Absorbed sparse attention of `rows` (as _pick's) over their top-k key positions [N, topk]
     (-1 padded), on `pages` (page ids, -1 ignored) -> [N, H, v] in config.dtype. q_nope, q_pe,
     w_uk, w_uv as in _dense_prefill; group: the plan's RowGroup of these rows (its fp8
-    dequantisation route)."""
+    dequantisation route); in_f32: per_head's."""
     c_ = config
+    dt = c_.jnp_dtype
     slots = positions_to_slots(top_positions, meta.block_tables, _pick(meta.row_seq, rows), c_.page_size)
     with jax.named_scope("sparse_attention"):
-        q_lat = per_head("thn,hnr->thr", _pick(q_nope, rows), w_uk, c_)
-        q_abs = jnp.concatenate([q_lat, _pick(q_pe, rows)], -1).astype(c_.jnp_dtype)
+        q_lat = per_head("thn,hnr->thr", _pick(q_nope, rows), w_uk, c_, in_f32=in_f32, dtype=dt)
+        q_abs = jnp.concatenate([q_lat, _pick(q_pe, rows).astype(dt)], -1)
         out_lat, _ = kernel_ops.sparse_mla(q_abs, cache.flat("latent"), cache.flat("latent_scale"),
                                            cache.flat("k_pe"), slots, scale=c_.softmax_scale, pages=pages,
                                            page_size=c_.page_size, dequantize=group.dequantize, **impl.kwargs)
-        return per_head("thr,hvr->thv", out_lat, w_uv, c_).astype(c_.jnp_dtype)
+        return per_head("thr,hvr->thv", out_lat, w_uv, c_, in_f32=in_f32, dtype=dt)
 
 
 def _sparse_groups(plan: BatchPlan, meta: BatchMeta, rows):
@@ -543,8 +552,9 @@ def forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib
     score = functools.partial(_topk_positions, params, x, qr, positions, cache, meta, config=c_, impl=impl,
                               tensor_axis=tensor_axis)
     attend = functools.partial(_sparse_attention, q_nope, q_pe, w_uk, w_uv, cache, meta, config=c_,
-                               impl=impl.sparse_mla)
-    dense = functools.partial(_dense_prefill, q_nope, q_pe, w_uk, w_uv, cache, meta, c_, impl.dense_mha)
+                               impl=impl.sparse_mla, in_f32=impl.per_head_in_f32)
+    dense = functools.partial(_dense_prefill, q_nope, q_pe, w_uk, w_uv, cache, meta, c_, impl.dense_mha,
+                              impl.per_head_in_f32)
     heads = jax.ShapeDtypeStruct((T, H, c_.v_head_dim), c_.jnp_dtype)  # (o_proj reads it in config.dtype)
     if plan.use_dense_mha is None:  # dispatch="cond": the serving program
         out_heads = _cond_program(score, attend, dense, plan, meta, heads, c_.index_topk)

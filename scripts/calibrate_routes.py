@@ -77,8 +77,9 @@ def measure(config: MLAConfig, context_len: int, query_len: int, repeats: int, s
         q, lat, None, pe, s, scale=c_.softmax_scale, pages=pages, page_size=c_.page_size, dequantize="kernel",
         **impl.sparse_mla.kwargs)[0])
     q_nope = normal(keys[6], (query_len, H, c_.qk_nope_head_dim))
-    absorb = jax.jit(lambda qn, lat_out: (per_head("thn,hnr->thr", qn, w_uk, c_),
-                                          per_head("thr,hvr->thv", lat_out, w_uv, c_)))
+    in_f32 = impl.per_head_in_f32
+    absorb = jax.jit(lambda qn, lat_out: (per_head("thn,hnr->thr", qn, w_uk, c_, in_f32=in_f32, dtype=dt),
+                                          per_head("thr,hvr->thv", lat_out, w_uv, c_, in_f32=in_f32, dtype=dt)))
     lat_out = jnp.zeros((query_len, H, c_.kv_lora_rank), jnp.float32)
 
     # masked: dense MHA with the top-k positions as the selection, and the keys' up-projection
@@ -90,13 +91,13 @@ def measure(config: MLAConfig, context_len: int, query_len: int, repeats: int, s
     masked = jax.jit(lambda q, k, v, sel: kernels.dense_mha(
         q, k, v, q_start, k_start, scale=c_.softmax_scale, selection=sel, **impl.dense_mha.kwargs,
         max_kv_len=num_keys))
-    c = jnp.zeros((num_keys, c_.kv_lora_rank), jnp.float32)
+    c = jnp.zeros((num_keys, c_.kv_lora_rank), dt)
 
     def up(c, pe):
-        k_nope = per_head("kr,hnr->khn", c, w_uk, c_)
-        v = per_head("kr,hvr->khv", c, w_uv, c_)
-        pe = jnp.broadcast_to(pe[:, None], (pe.shape[0], H, pe.shape[-1])).astype(jnp.float32)
-        return jnp.concatenate([k_nope, pe], -1).astype(dt), v.astype(dt)
+        k_nope = per_head("kr,hnr->khn", c, w_uk, c_, in_f32=in_f32, dtype=dt)
+        v = per_head("kr,hvr->khv", c, w_uv, c_, in_f32=in_f32, dtype=dt)
+        pe = jnp.broadcast_to(pe[:, None], (pe.shape[0], H, pe.shape[-1])).astype(dt)
+        return jnp.concatenate([k_nope, pe], -1), v
     up = jax.jit(up)
 
     out["sparse_kernel_ms"] = median_ms(sparse, q_abs, latent, k_pe, top, batches=repeats)

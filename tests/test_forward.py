@@ -555,3 +555,29 @@ def test_projections_round_q_where_deepseeks_reference_does(dtype):
     q = q.reshape(5, config.num_attention_heads, config.qk_head_dim)
     want = q[..., :config.qk_nope_head_dim]
     np.testing.assert_array_equal(np.asarray(q_nope, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("kernels", kernel_ops.CHOICES)
+def test_per_head_einsums_run_in_float32_off_the_gpu(kernels):
+    """XLA's CPU backend has no batched bf16 x bf16 -> f32 dot: resolve says so off the GPU."""
+    assert kernel_ops.resolve(kernels, MLAConfig.tiny(dtype="bfloat16")).per_head_in_f32 == (jax.default_backend() != "gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec, a_shape, a_dtype", [("thn,hnr->thr", (33, 8, 64), "bfloat16"),  # q_nope -> q_lat
+                                                     ("thr,hvr->thv", (33, 8, 128), "float32"),   # kernel out -> heads
+                                                     ("kr,hnr->khn", (70, 128), "bfloat16")])    # latent -> keys
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+def test_per_head_on_the_gpu_accumulates_in_float32(spec, a_shape, a_dtype, out_dtype):
+    """The per-head einsums in the operands' own dtype (bf16 rows and weights, float32 kernel
+    outputs) equal the float32 oracle to the output's rounding, as the float32 route does (TF32)."""
+    from jax_sparse_mla.model import per_head
+    config = MLAConfig.tiny(dtype="bfloat16")
+    ka, kw = jax.random.split(jax.random.key(3))
+    a = jax.random.normal(ka, a_shape, jnp.float32).astype(a_dtype)
+    w = jax.random.normal(kw, (8, 64, 128), jnp.float32).astype(jnp.bfloat16)  # [H, nope or v, R]
+    want = jnp.einsum(spec, a.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
+    for in_f32 in (False, True):
+        got = jax.jit(lambda a, w: per_head(spec, a, w, config, in_f32=in_f32, dtype=out_dtype))(a, w)
+        assert got.dtype == jnp.dtype(out_dtype)
+        assert rel_err(got.astype(jnp.float32), want) < (4e-3 if out_dtype == "bfloat16" else 1e-3), in_f32
