@@ -125,6 +125,19 @@ def positions_to_slots(key_positions, block_tables, row_seq, page_size: int):
     return jnp.where((key_positions >= 0) & (pages >= 0), pages * page_size + safe % page_size, -1)
 
 
+def advance_decodes(meta: BatchMeta, steps, page_size: int) -> BatchMeta:
+    """The metadata of a decode-only batch `steps` tokens later (earlier where negative; an int32
+    scalar, traced): each real row's position + steps and the cache slot it then writes
+    (positions_to_slots over the same block tables), the rest as it is. Why: a program that runs
+    several decode steps moves its batch on the device instead of the host planning every step.
+    Valid while every row is its sequence's only one and the tables hold the new position's page
+    (the caller's: the engine plans a run at its last step's lengths)."""
+    real = meta.positions >= 0
+    positions = jnp.where(real, meta.positions + steps, -1)
+    slots = positions_to_slots(positions[:, None], meta.block_tables, meta.row_seq, page_size)[:, 0]
+    return dataclasses.replace(meta, positions=positions, slot_mapping=slots)
+
+
 def take_rows(a, rows):
     """a[rows] with rows -1 padded: padding rows are zeros, selected (row 0, which they read, may
     hold another request's NaN, and 0 * NaN = NaN wherever a padding row is masked by a product)."""

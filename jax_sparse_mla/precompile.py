@@ -310,6 +310,21 @@ class PrecompileReport:
     loaded: int
     cache_dir: str | None
 
+    @staticmethod
+    def combine(reports: Sequence[PrecompileReport]) -> PrecompileReport:
+        """One report of several precompile calls of one method run one after the other (an
+        engine's step programs, then its decode runs'): counts and times added, plans,
+        seconds and executables in order."""
+        per_route = collections.Counter()
+        for r in reports:
+            per_route.update(r.per_route)
+        first = reports[0]
+        return PrecompileReport(num_programs=sum(r.num_programs for r in reports),
+                                compile_s=sum(r.compile_s for r in reports), per_route=dict(sorted(per_route.items())),
+                                plans=sum((r.plans for r in reports), ()), seconds=sum((r.seconds for r in reports), ()),
+                                method=first.method, executables=sum((r.executables for r in reports), ()),
+                                loaded=sum(r.loaded for r in reports), cache_dir=first.cache_dir)
+
     def __str__(self):
         routes = ", ".join(f"{k} {v}" for k, v in self.per_route.items())
         loaded = f", {self.loaded} loaded from the store" if self.loaded else ""

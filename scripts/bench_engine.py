@@ -51,6 +51,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -117,10 +118,10 @@ def command_buffers_off(engine: Engine) -> dict:
     """The engine's executables, those of its programs without conditionals (compiled with XLA's
     command buffers) compiled again with them off."""
     executables = dict(engine._executables)
-    for plan, kernels in [key for key in executables if not key[0].has_conditionals]:
-        args, static = engine._step_call(plan, BatchMeta.empty(plan), (), kernels)
+    for plan, kernels, steps in [key for key in executables if not key[0].has_conditionals]:
+        args, static = engine._step_call(plan, BatchMeta.empty(plan), np.zeros((steps, 0), np.int32), kernels, steps)
         lowered = jit_layer_stack.lower(*args, **static)
-        executables[plan, kernels] = lowered.compile(compiler_options=COMMAND_BUFFERS_OFF)
+        executables[plan, kernels, steps] = lowered.compile(compiler_options=COMMAND_BUFFERS_OFF)
     return executables
 
 
@@ -142,11 +143,21 @@ def main(argv=None) -> int:
                    help="run once more under a profiler trace; print the decode steps' device busy share")
     p.add_argument("--compare-command-buffers", action="store_true",
                    help="also time the programs without conditionals compiled with XLA's command buffers off")
-    p.add_argument("--rounds", type=int, default=3, help="runs of each variant with --compare-command-buffers")
+    p.add_argument("--decode-steps", type=lambda v: [int(x) for x in v.split(",")], default=[1],
+                   help="EngineOptions.decode_steps, one variant each (e.g. 1,8: rows 'decode' and 'decode (runs "
+                        "of 8)', interleaved over --rounds)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="runs of each variant with --compare-command-buffers or several --decode-steps")
     p.add_argument("--out", default=None, help="write the step records and the medians as JSON here")
     a = p.parse_args(argv)
     if a.host_only and a.compare_command_buffers:
         p.error("--host-only runs no program: nothing to compare")
+    if any(k < 1 for k in a.decode_steps) or len(set(a.decode_steps)) != len(a.decode_steps):
+        p.error(f"--decode-steps must be distinct positive integers, got {a.decode_steps}")
+    if a.compare_command_buffers and a.decode_steps != [1]:
+        p.error("--compare-command-buffers times single steps: leave --decode-steps out")
+    if a.profile and a.decode_steps != [1]:
+        p.error("--profile reads one trace span a step: leave --decode-steps out")
     if a.rounds < 1:
         p.error(f"--rounds must be at least 1, got {a.rounds}")
     defaults = dict(seqs=8, context=40, decodes=4, layers=2) if a.smoke else dict(seqs=256, context=4096, decodes=32,
@@ -171,23 +182,24 @@ def main(argv=None) -> int:
     if a.host_only:
         done = jax.numpy.zeros(())
 
-        def pack_only(plan, meta, rows, kernels):  # the step's input packed, no program called
-            engine._step_call(plan, meta, rows, kernels)
+        def pack_only(plan, meta, rows, kernels, steps=1):  # the step's input packed, no program called
+            engine._step_call(plan, meta, rows, kernels, steps)
             return done
         engine._forward = pack_only
     else:
         t0 = time.perf_counter()
-        compiled = engine.warmup(specs, max_steps=output_len)
+        compiled = sum(engine.warmup(specs, max_steps=output_len, decode_steps=k) for k in a.decode_steps)
         print(f"warm-up: {compiled} programs in {time.perf_counter() - t0:.1f} s", flush=True)
-    variants = {"": None}  # a row name's suffix -> the executables the runs use (None: the engine's own)
+    # a row name's suffix -> (the executables the runs use (None: the engine's own), decode_steps)
+    variants = {("" if k == 1 else f" (runs of {k})"): (None, k) for k in a.decode_steps}
     if a.compare_command_buffers:
-        variants = {"": dict(engine._executables), " (command buffers off)": command_buffers_off(engine)}
+        variants = {"": (dict(engine._executables), 1), " (command buffers off)": (command_buffers_off(engine), 1)}
     results = {suffix: [] for suffix in variants}
-    for _ in range(a.rounds if a.compare_command_buffers else 1):  # the variants interleaved
-        for suffix, executables in variants.items():
+    for _ in range(a.rounds if len(variants) > 1 else 1):  # the variants interleaved
+        for suffix, (executables, k) in variants.items():
             if executables is not None:
                 engine._executables = executables
-            results[suffix].append(engine.run(specs, max_steps=output_len, progress=False))
+            results[suffix].append(engine.run(specs, max_steps=output_len, progress=False, decode_steps=k))
     rows = {}
     for suffix, runs in results.items():
         every = [s for r in runs for s in every_decoding(r.steps, a.seqs)]
@@ -209,7 +221,7 @@ def main(argv=None) -> int:
                   f"{r['device_ms']:8.3f} ms  step {r['duration_ms']:8.3f} ms  host / step {r['host_share']:.3f}  "
                   f"compiled {r['new_programs']}", flush=True)
     traced = {}
-    for suffix, executables in variants.items() if a.profile else ():
+    for suffix, (executables, _) in variants.items() if a.profile else ():
         if executables is not None:
             engine._executables = executables
         trace_dir = f"{a.profile}_command_buffers_off" if suffix else a.profile

@@ -115,6 +115,18 @@ def test_packed_meta_round_trips_with_every_optional_field_present_or_absent(mon
     assert {"sparse_rows", "upfront_rows", "dense_key_slots"} <= empty  # and the empty ones pass too
 
 
+def test_a_decode_runs_packed_input_holds_each_steps_rows():
+    """A decode run's buffer (rows [steps, T]) unpacks to the same rows and metadata."""
+    plan, meta = host_plan(TINY, [Request(5, 1, [0, 1]), Request(9, 1, [2, 3, 4])], dispatch="cond")
+    rows = np.arange(3 * plan.num_tokens, dtype=np.int32).reshape(3, plan.num_tokens)
+    packed = pack_step(plan, meta, rows)
+    assert packed.shape == (packed_size(plan, 3),) == (packed_size(plan) + 2 * plan.num_tokens,)
+    got_rows, got = unpack_step(packed, plan, 3)
+    np.testing.assert_array_equal(got_rows, rows)
+    np.testing.assert_array_equal(got.block_tables, meta.block_tables)
+    np.testing.assert_array_equal(got.branches, meta.branches)
+
+
 def test_pack_step_refuses_metadata_of_another_plan():
     plan, meta = host_plan(TINY, PREFILLS)
     cond, cond_meta = host_plan(TINY, PREFILLS, dispatch="cond")
@@ -129,10 +141,12 @@ def test_pack_step_refuses_metadata_of_another_plan():
             pack_step(plan, bad, rows)
     with pytest.raises(ValueError, match="meta.branches is None, but BatchMeta.shapes"):
         pack_step(cond, dataclasses.replace(cond_meta, branches=None), rows)
-    with pytest.raises(ValueError, match=rf"rows must be int32 \[plan.num_tokens\] = \[{T}\], got int64"):
+    with pytest.raises(ValueError, match=rf"rows must be int32 \[plan.num_tokens\] = \[{T}\] \(or \[steps, {T}\]\), got int64"):
         pack_step(plan, meta, rows.astype(np.int64))
-    with pytest.raises(ValueError, match=r"packed has shape \(3,\), expected \[packed_size\(plan\)\]"):
+    with pytest.raises(ValueError, match=r"packed has shape \(3,\), expected \[packed_size\(plan, steps=1\)\]"):
         unpack_step(np.zeros(3, np.int32), plan)
+    with pytest.raises(ValueError, match=rf"rows must be int32 \[plan.num_tokens\] = \[{T}\] \(or \[steps, {T}\]\)"):
+        pack_step(plan, meta, np.zeros((2, T + 1), np.int32))
 
 
 def test_one_executable_per_plan_and_nothing_else_compiles():

@@ -304,6 +304,7 @@ def test_workload_fields_are_checked(kwargs, message):
     (dict(kernels="cuda"), "kernels must be one of"),
     (dict(buckets={}), "buckets must be a BucketPolicy or None, got dict"),
     (dict(max_model_len=0), "max_model_len must be >= 1, got 0"),
+    (dict(decode_steps=0), "decode_steps must be >= 1, got 0"),
     (dict(bogus=1), r"unknown engine option\(s\) \['bogus'\]"),
 ])
 def test_engine_options_are_checked_at_construction_and_per_run(kwargs, message):

@@ -18,7 +18,7 @@ import numpy as np
 from ..cache import init_cache
 from ..config import MLAConfig, check_config_type
 from ..kernels import check_kernels
-from ..model import PlanJit, forward
+from ..model import PlanJit, advance_decodes, forward
 from ..params import check_finite, check_params, init_params
 from ..plan import (DISPATCH_MODES, BatchMeta, BatchPlan, BucketPolicy, Request, check_arrays, check_batch,
                     check_slot_range, plan_host)
@@ -47,6 +47,13 @@ class EngineOptions:
       engine's max_num_seqs, max_model_len and num_pages (sequence count and table width fixed
       at the limits: with dispatch "cond", 30 programs at DeepSeek-V3.2 serving limits).
     kernels: the layers' (model.forward's).
+    decode_steps: decode steps one dispatch runs when every running request decodes, none waits
+      to be admitted and each has at least that many tokens left to output (a decode run: the
+      program advances the batch on the device, model.advance_decodes; vLLM's multi-step
+      scheduling). Why: a step's host part (scheduling, planning, the dispatch of a program of
+      dozens of arguments) is a fixed ~1 ms, a quarter of a 4-layer decode step; a run of
+      decode_steps pays it once. A request that arrives during a run waits for its end, and a
+      run's tokens reach the host together. 1 (the default): every step is planned and dispatched.
     """
 
     max_num_batched_tokens: int = 8192
@@ -58,12 +65,13 @@ class EngineOptions:
     kernels: str = "auto"
     buckets: BucketPolicy | None = None
     prefill_route: str = "auto"
+    decode_steps: int = 1
 
     def __post_init__(self):
         def put(name, value):
             object.__setattr__(self, name, value)
 
-        for name in ("max_num_batched_tokens", "max_num_seqs"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "decode_steps"):
             put(name, as_int(getattr(self, name), name, 1))
         if self.max_model_len is not None:
             put("max_model_len", as_int(self.max_model_len, "max_model_len", 1))
@@ -111,6 +119,31 @@ class EngineOptions:
                                max_num_batched_tokens=self.max_num_batched_tokens,
                                max_model_len=self.model_len(config), **kw)
 
+    def decode_run_plans(self, config: MLAConfig, num_pages: int) -> list[BatchPlan]:
+        """The plans of the decode runs (decode_steps > 1; none otherwise) a run under these
+        options can dispatch: the plan of n decodes at the longest length for each row bucket n.
+        Every decode run's plan under dispatch "cond" with the default buckets (a cond plan's
+        sizes follow the rows alone: sequence count and table width are fixed at the limits);
+        otherwise the widest table's only (a run with another compiles its program)."""
+        if self.decode_steps == 1:
+            return []
+        kw = self.plan_kwargs(config, num_pages)
+        buckets = kw["buckets"]
+        most = min(self.max_num_seqs, self.max_num_batched_tokens, num_pages)
+        counts = sorted({min(buckets.round_up(n, buckets.min_tokens), most) for n in range(1, most + 1)})
+        longest = self.model_len(config) - 1  # a decode's context: its pages cover the model length
+        width = -(-self.model_len(config) // config.page_size)
+        plans = {}
+        for n in counts:
+            if n * width > num_pages:  # n sequences of the longest length would not fit: shorter ones
+                width = num_pages // n
+                longest = width * config.page_size - 1
+            tables = np.arange(n * width, dtype=np.int32).reshape(n, width)
+            plan, _ = plan_host(config, check_arrays(config, np.full(n, longest), np.ones(n, np.int64), tables,
+                                                     num_pages=num_pages, **kw)[0], num_pages=num_pages, **kw)
+            plans[plan] = None
+        return list(plans)
+
 
 STEP_ANNOTATION = "Engine step"  # the name of each step's host part in a profiler trace (its arg: step)
 
@@ -121,9 +154,10 @@ class _InFlight:
 
     work: tuple[list[int], list[int]] | None  # (request ids, their rows in order) with collect_outputs
     plan: BatchPlan
-    meta: BatchMeta  # host (numpy) metadata
-    x: jax.Array | None  # the last layer's output (None in a dry run)
-    emitters: list[RequestMetrics]  # requests that output a token in this step
+    meta: BatchMeta  # host (numpy) metadata (a decode run's first step's)
+    x: jax.Array | None  # the last layer's output (None in a dry run; [steps, ...] for a decode run)
+    emitters: list[list[RequestMetrics]]  # of each step: the requests that output a token in it
+    steps: int  # 1, or a decode run's steps (EngineOptions.decode_steps)
     num_requests: int
     num_tokens: int
     num_decodes: int
@@ -215,6 +249,15 @@ class _Slots:
         cols = np.arange(int(counts.sum())) + np.repeat(context - starts, counts)
         return context, counts, tables, self.rows[np.repeat(slots, counts), cols]
 
+    def decode_run(self, slots: np.ndarray, steps: int) -> np.ndarray | None:
+        """The pool rows [steps, B] of a decode run of `steps` over these slots (all decoding), or
+        None where one of them has fewer than `steps` tokens left to output (its pages, allocated
+        for its whole length at admission, then cover every position the run writes)."""
+        if (self.output_len[slots] - self.emitted[slots]).min() < steps:
+            return None
+        cols = self.computed[slots][None, :] + np.arange(steps)[:, None]
+        return self.rows[slots[None, :], cols]
+
     def advance(self, slots: np.ndarray, counts: np.ndarray, allocator: PageAllocator) -> list[RequestMetrics]:
         """Books a dispatched step: its tokens are in the cache, a finished prefill or a decode
         yields one output token, a request whose last token this step computes gives its pages
@@ -244,22 +287,25 @@ def _layout(plan: BatchPlan) -> list[tuple[str, tuple[int, ...] | None]]:
     return [(f.name, shapes.get(f.name)) for f in dataclasses.fields(BatchMeta)]
 
 
-def packed_size(plan: BatchPlan) -> int:
-    """The length of pack_step's buffer for `plan`: num_tokens row ids plus every meta field's size."""
-    return plan.num_tokens + sum(math.prod(shape) for _, shape in _layout(plan) if shape is not None)
+def packed_size(plan: BatchPlan, steps: int = 1) -> int:
+    """The length of pack_step's buffer for `plan` and a program of `steps` decode steps:
+    steps x num_tokens row ids plus every meta field's size."""
+    return steps * plan.num_tokens + sum(math.prod(shape) for _, shape in _layout(plan) if shape is not None)
 
 
 def pack_step(plan: BatchPlan, meta: BatchMeta, rows: np.ndarray) -> np.ndarray:
-    """A step's host inputs as one int32 buffer [packed_size(plan)], so that they reach the device
-    in one transfer: rows (the pool row of each of the plan.num_tokens hidden rows, int32 [T]),
-    then every field of `meta` that is not None, in BatchMeta's field order, each flattened.
-    meta: host (numpy) metadata of the plan (plan_host); each field must be int32 of the shape
+    """A step's host inputs as one int32 buffer [packed_size(plan, steps)], so that they reach the
+    device in one transfer: rows (the pool row of each of the plan.num_tokens hidden rows, int32
+    [T], or [steps, T] for a decode run: each step's), then every field of `meta` that is not None,
+    in BatchMeta's field order, each flattened. meta: host (numpy) metadata of the plan
+    (plan_host; a decode run's first step); each field must be int32 of the shape
     BatchMeta.shapes(plan) gives it, and None exactly where that has no entry for it. ValueError
     naming the argument or field otherwise. unpack_step inverts it."""
     rows = np.asarray(rows)
-    if rows.shape != (plan.num_tokens,) or rows.dtype != np.int32:
-        raise ValueError(f"rows must be int32 [plan.num_tokens] = [{plan.num_tokens}], got {rows.dtype} {rows.shape}")
-    parts = [rows]
+    if rows.ndim not in (1, 2) or rows.shape[-1] != plan.num_tokens or rows.dtype != np.int32:
+        raise ValueError(f"rows must be int32 [plan.num_tokens] = [{plan.num_tokens}] (or [steps, "
+                         f"{plan.num_tokens}]), got {rows.dtype} {rows.shape}")
+    parts = [rows.ravel()]
     for name, shape in _layout(plan):
         value = getattr(meta, name)
         if shape is None or value is None:
@@ -275,14 +321,15 @@ def pack_step(plan: BatchPlan, meta: BatchMeta, rows: np.ndarray) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def unpack_step(packed, plan: BatchPlan) -> tuple[jax.Array, BatchMeta]:
-    """pack_step's buffer [packed_size(plan)] int32 (a device array under jit, or numpy) -> (rows
-    [plan.num_tokens], meta: a BatchMeta whose fields are views of it with the shapes of
-    BatchMeta.shapes(plan), None where the plan has none). Static offsets: slices and reshapes,
-    no gather."""
-    if packed.shape != (packed_size(plan),):
-        raise ValueError(f"packed has shape {packed.shape}, expected [packed_size(plan)] = [{packed_size(plan)}]")
-    offset = plan.num_tokens
+def unpack_step(packed, plan: BatchPlan, steps: int = 1) -> tuple[jax.Array, BatchMeta]:
+    """pack_step's buffer [packed_size(plan, steps)] int32 (a device array under jit, or numpy) ->
+    (rows [plan.num_tokens], or [steps, plan.num_tokens] when steps > 1; meta: a BatchMeta whose
+    fields are views of it with the shapes of BatchMeta.shapes(plan), None where the plan has
+    none). Static offsets: slices and reshapes, no gather."""
+    size = packed_size(plan, steps)
+    if packed.shape != (size,):
+        raise ValueError(f"packed has shape {packed.shape}, expected [packed_size(plan, steps={steps})] = [{size}]")
+    offset = steps * plan.num_tokens
     fields = {}
     for name, shape in _layout(plan):
         if shape is None:
@@ -291,40 +338,57 @@ def unpack_step(packed, plan: BatchPlan) -> tuple[jax.Array, BatchMeta]:
         size = math.prod(shape)
         fields[name] = packed[offset:offset + size].reshape(shape)
         offset += size
-    return packed[:plan.num_tokens], BatchMeta(**fields)
+    rows = packed[:steps * plan.num_tokens]
+    return (rows if steps == 1 else rows.reshape(steps, plan.num_tokens)), BatchMeta(**fields)
 
 
 def layer_stack(pool, packed, params, block_params, caches, *, plan: BatchPlan, config: MLAConfig, kernels: str,
-                moe: MoEConfig | None):
-    """One engine step through every layer (the Engine's program: jit_layer_stack).
+                moe: MoEConfig | None, steps: int = 1):
+    """One engine step through every layer (the Engine's program: jit_layer_stack), or a decode
+    run of `steps` of them.
 
     pool: [P + 1, hidden_size] config dtype, the token hidden states (last row zeros: padding);
-    packed: int32 [packed_size(plan)], pack_step's buffer of the step's pool row ids and its
+    packed: int32 [packed_size(plan, steps)], pack_step's buffer of the step's pool row ids and its
     BatchMeta; params: list of N layer param dicts; caches: list of N PagedCaches (donated under
     jit); block_params: None for attention layers, x = x + forward(x), or a list of N decoder
     block param dicts (serving.block), x = x + forward(attn_input(x)); x = ffn_residual(x) with
-    `moe`. plan, config, kernels, moe: static. Each layer is model.forward on the step's plan and
-    metadata. Returns (x [plan.num_tokens, hidden_size] config dtype after the last layer, the N
-    updated caches)."""
+    `moe`. plan, config, kernels, moe, steps: static. Each layer is model.forward on the step's
+    plan and metadata. steps > 1: a decode-only batch (EngineOptions.decode_steps) run `steps`
+    times in a loop; the packed meta is the run's last step's (planned at the run's final lengths,
+    so that its block tables hold, and its checks cover, every page the run writes), step k runs
+    on it moved by k - (steps - 1) tokens (model.advance_decodes) with the pool rows of its row k. Returns (x [plan.num_tokens, hidden_size] config dtype after the last layer, or
+    [steps, plan.num_tokens, hidden_size]: each step's; the N updated caches)."""
     if (block_params is None) != (moe is None):
         raise ValueError("block_params and moe go together: both for decoder blocks, neither for attention layers")
-    rows, meta = unpack_step(packed, plan)
-    x = pool[rows]
-    new_caches = []
-    for layer, (p, cache) in enumerate(zip(params, caches, strict=True)):
-        if block_params is None:
-            out, cache = forward(p, x, cache, meta, plan=plan, config=config, kernels=kernels)
-            x = x + out
-        else:
-            bp = block_params[layer]
-            out, cache = forward(p, _block.attn_input(bp, x, config=config), cache, meta, plan=plan, config=config,
-                                 kernels=kernels)
-            x = _block.ffn_residual(bp, x + out, config=config, moe=moe)
-        new_caches.append(cache)
-    return x, new_caches
+    rows, meta = unpack_step(packed, plan, steps)
+
+    def step(x, meta, caches):
+        new_caches = []
+        for layer, (p, cache) in enumerate(zip(params, caches, strict=True)):
+            if block_params is None:
+                out, cache = forward(p, x, cache, meta, plan=plan, config=config, kernels=kernels)
+                x = x + out
+            else:
+                bp = block_params[layer]
+                out, cache = forward(p, _block.attn_input(bp, x, config=config), cache, meta, plan=plan,
+                                     config=config, kernels=kernels)
+                x = _block.ffn_residual(bp, x + out, config=config, moe=moe)
+            new_caches.append(cache)
+        return x, new_caches
+
+    if steps == 1:
+        return step(pool[rows], meta, caches)
+
+    def body(k, carry):
+        xs, caches = carry
+        x, caches = step(pool[rows[k]], advance_decodes(meta, k - (steps - 1), config.page_size), caches)
+        return jax.lax.dynamic_update_index_in_dim(xs, x, k, 0), caches
+
+    xs = jnp.zeros((steps, plan.num_tokens, config.hidden_size), config.jnp_dtype)
+    return jax.lax.fori_loop(0, steps, body, (xs, list(caches)))
 
 
-jit_layer_stack = PlanJit(layer_stack, static_argnames=("plan", "config", "kernels", "moe"),
+jit_layer_stack = PlanJit(layer_stack, static_argnames=("plan", "config", "kernels", "moe", "steps"),
                           donate_argnames=("caches",))
 
 
@@ -411,23 +475,26 @@ class Engine:
         checked, num_pages = check(self.config, *batch, num_pages=self.num_pages, **kw)
         return plan_host(self.config, checked, num_pages=num_pages, **kw)
 
-    def _step_call(self, plan: BatchPlan, meta: BatchMeta, rows: np.ndarray | Sequence[int], kernels: str
-                   ) -> tuple[tuple, dict]:
-        """The (args, kwargs) of jit_layer_stack for one step: this engine's pool, params and
-        caches; the step's input packed (pack_step) from `meta` (host, of `plan`) and the pool rows
-        `rows` (host ints, at most plan.num_tokens) followed by padding rows (the pool's zero row)."""
-        ids = np.full(plan.num_tokens, self.pool_size, np.int32)
-        ids[:len(rows)] = rows
-        return ((self.pool, pack_step(plan, meta, ids), self.params, self.block_params, self.caches),
-                dict(plan=plan, config=self.config, kernels=kernels, moe=self.moe))
+    def _step_call(self, plan: BatchPlan, meta: BatchMeta, rows: np.ndarray | Sequence, kernels: str,
+                   steps: int = 1) -> tuple[tuple, dict]:
+        """The (args, kwargs) of jit_layer_stack for one step (or a decode run of `steps`): this
+        engine's pool, params and caches; the step's input packed (pack_step) from `meta` (host, of
+        `plan`) and the pool rows `rows` (host ints, at most plan.num_tokens; [steps, B] for a
+        run) followed by padding rows (the pool's zero row)."""
+        rows = np.asarray(rows, np.int32).reshape(steps, -1)
+        ids = np.full((steps, plan.num_tokens), self.pool_size, np.int32)
+        ids[:, :rows.shape[1]] = rows
+        return ((self.pool, pack_step(plan, meta, ids if steps > 1 else ids[0]), self.params, self.block_params,
+                 self.caches), dict(plan=plan, config=self.config, kernels=kernels, moe=self.moe, steps=steps))
 
-    def _forward(self, plan: BatchPlan, meta: BatchMeta, rows: np.ndarray | Sequence[int], kernels: str) -> jax.Array:
-        """One step through every layer: a single dispatch of the plan's precompiled executable, or
-        of jit_layer_stack without one (_step_call's arguments: one transfer of the packed input),
-        the caches donated and replaced. Returns x
-        [plan.num_tokens, hidden_size] config dtype after the last layer."""
-        args, kwargs = self._step_call(plan, meta, rows, kernels)
-        executable = self._executables.get((plan, kernels))
+    def _forward(self, plan: BatchPlan, meta: BatchMeta, rows: np.ndarray | Sequence, kernels: str,
+                 steps: int = 1) -> jax.Array:
+        """One step through every layer (or a decode run of `steps`): a single dispatch of the
+        plan's precompiled executable, or of jit_layer_stack without one (_step_call's arguments:
+        one transfer of the packed input), the caches donated and replaced. Returns x
+        [plan.num_tokens, hidden_size] config dtype after the last layer ([steps, ...] for a run)."""
+        args, kwargs = self._step_call(plan, meta, rows, kernels, steps)
+        executable = self._executables.get((plan, kernels, steps))
         x, self.caches = executable(*args) if executable is not None else jit_layer_stack(*args, **kwargs)
         return x
 
@@ -436,43 +503,56 @@ class Engine:
         plans=: ahead of time, kept for run). Returns the number of programs compiled."""
         opts = self.options.with_overrides(overrides)
         kw = opts.plan_kwargs(self.config, self.num_pages)
-        plans = {}  # distinct, in order
+        plans, decode_plans = {}, {}  # distinct, in order
         for requests in batches:
             plan, _ = self._plan(check_batch, kw, list(requests))
-            if (plan, opts.kernels) not in self._executables:
+            if (plan, opts.kernels, 1) not in self._executables:
                 plans[plan] = None
-        if plans:
-            self.precompile(plans=list(plans), progress=False, **overrides)
-        return len(plans)
+            if (opts.decode_steps > 1 and all(r.query_len == 1 for r in requests)
+                    and (plan, opts.kernels, opts.decode_steps) not in self._executables):
+                decode_plans[plan] = None  # (its batch may run as a decode run)
+        if plans or decode_plans:
+            self.precompile(plans=list(plans), decode_plans=list(decode_plans), progress=False, **overrides)
+        return len(plans) + len(decode_plans)
 
     def precompile(self, *, store: str | os.PathLike | None = None, workers: int | None = None,
-                   progress: bool | None = None, plans: Sequence[BatchPlan] | None = None, **overrides):
+                   progress: bool | None = None, plans: Sequence[BatchPlan] | None = None,
+                   decode_plans: Sequence[BatchPlan] | None = None, **overrides):
         """Compiles every step program a run under these options can need, whatever the workload:
         jit_layer_stack for the plans of EngineOptions.program_set for this engine's num_pages
-        (overrides: EngineOptions fields, as for run), each lowered on this engine's pool, params
-        and caches and compiled ahead of time (precompile's "aot"). The engine keeps the
+        (overrides: EngineOptions fields, as for run), and with decode_steps > 1 its decode-run
+        program for those of EngineOptions.decode_run_plans, each lowered on this engine's pool,
+        params and caches and compiled ahead of time (precompile's "aot"). The engine keeps the
         executables: a run's step with a precompiled plan calls its executable, so it neither
         traces nor compiles. store: an ExecutableStore directory (load what it holds, write what
         is compiled: a restarted engine loads its programs in seconds). workers: compiling
         threads (precompile's). progress: a bar over the plans (None: only when stderr is a
-        terminal). plans: these of the set only (default: every one). Returns the
-        PrecompileReport."""
-        from ..precompile import precompile
+        terminal). plans, decode_plans: these only (default: with plans None, every one of both
+        sets; with plans given, decode_plans None is none). Returns the PrecompileReport (its
+        plans: the step programs', then the decode runs')."""
+        from ..precompile import PrecompileReport, precompile
 
         opts = self.options.with_overrides(overrides)
         buckets = opts.plan_kwargs(self.config, self.num_pages)["buckets"]
         if plans is None:
             plans = opts.program_set(self.config, self.num_pages)
+            if decode_plans is None:
+                decode_plans = opts.decode_run_plans(self.config, self.num_pages)
+        programs = [(list(plans), 1)] + ([(list(decode_plans), opts.decode_steps)] if decode_plans else [])
+        reports = []
+        for group, steps in programs:
+            def program(plan, steps=steps):
+                rows = np.zeros((steps, 0), np.int32)  # every row padding
+                args, static = self._step_call(plan, BatchMeta.empty(plan), rows, opts.kernels, steps)
+                return jit_layer_stack, args, static
 
-        def program(plan):
-            args, static = self._step_call(plan, BatchMeta.empty(plan), (), opts.kernels)
-            return jit_layer_stack, args, static
-
-        report = precompile(self.config, buckets, num_pages=self.num_pages, max_num_seqs=opts.max_num_seqs,
-                            max_num_batched_tokens=opts.max_num_batched_tokens, kernels=opts.kernels, method="aot",
-                            store=store, workers=workers, plans=plans, program=program, progress=progress)
-        self._executables.update(((p, opts.kernels), e) for p, e in zip(report.plans, report.executables))
-        return report
+            report = precompile(self.config, buckets, num_pages=self.num_pages, max_num_seqs=opts.max_num_seqs,
+                                max_num_batched_tokens=opts.max_num_batched_tokens, kernels=opts.kernels,
+                                method="aot", store=store, workers=workers, plans=group, program=program,
+                                progress=progress)
+            self._executables.update(((p, opts.kernels, steps), e) for p, e in zip(report.plans, report.executables))
+            reports.append(report)
+        return PrecompileReport.combine(reports)
 
     def forward_batch(self, requests: Sequence[Request], **overrides):
         """One batch through the layer stack outside the scheduler (benchmarks: time it, repeat it;
@@ -540,40 +620,45 @@ class Engine:
         def now() -> float:  # the run's clock (a dry run's stands still between arrivals)
             return skipped + (0.0 if dry else time.perf_counter() - wall0)
 
-        def finish(step: _InFlight) -> None:  # waits for a dispatched step, then records it
+        def finish(step: _InFlight) -> None:  # waits for a dispatched step (or run), then records it
             nonlocal last_end
             if step.x is not None:
                 step.x.block_until_ready()
             end = now()
+            k = step.steps  # a decode run's times are shared evenly by its steps
             if collect_outputs and step.x is not None:
-                host = np.asarray(step.x).astype(np.float32)  # on the host: no cast program to compile
-                row = 0
-                for i, n in zip(*step.work):
-                    outputs.setdefault(i, []).append(host[row:row + n])
-                    row += n
-            for m in step.emitters:
-                m.token_times_s.append(end)
+                host = np.asarray(step.x).astype(np.float32).reshape(k, -1, step.x.shape[-1])  # (no cast program)
+                for out in host:
+                    row = 0
+                    for i, n in zip(*step.work):
+                        outputs.setdefault(i, []).append(out[row:row + n])
+                        row += n
+            for emitters in step.emitters:
+                for m in emitters:
+                    m.token_times_s.append(end)
             plan = step.plan
-            steps.append(StepRecord(
-                index=len(steps), start_s=last_end, duration_s=end - last_end,
-                forward_s=end - step.dispatch_s, host_s=step.dispatched_s - step.begin_s,
-                plan_s=step.planned_s - step.begin_s, launch_s=step.dispatched_s - step.dispatch_s,
-                device_s=end - max(last_end, step.dispatch_s),
-                route=plan.route, branch=_branch(plan, step.meta.branches),
-                has_indexer_scoring=bool(plan.has_indexer_scoring), num_scored_tokens=plan.num_scored_tokens,
-                num_tokens=step.num_tokens, padded_tokens=plan.num_tokens, num_decodes=step.num_decodes,
-                num_prefills=step.num_requests - step.num_decodes, prefill_tokens=step.prefill_tokens,
-                new_programs=step.new_programs, plan=plan))
+            for j in range(k):
+                steps.append(StepRecord(
+                    index=len(steps), start_s=last_end + j * (end - last_end) / k, duration_s=(end - last_end) / k,
+                    forward_s=(end - step.dispatch_s) / k, host_s=(step.dispatched_s - step.begin_s) / k,
+                    plan_s=(step.planned_s - step.begin_s) / k, launch_s=(step.dispatched_s - step.dispatch_s) / k,
+                    device_s=(end - max(last_end, step.dispatch_s)) / k,
+                    route=plan.route, branch=_branch(plan, step.meta.branches),
+                    has_indexer_scoring=bool(plan.has_indexer_scoring), num_scored_tokens=plan.num_scored_tokens,
+                    num_tokens=step.num_tokens, padded_tokens=plan.num_tokens, num_decodes=step.num_decodes,
+                    num_prefills=step.num_requests - step.num_decodes, prefill_tokens=step.prefill_tokens,
+                    new_programs=step.new_programs if j == 0 else 0, plan=plan, dispatch_steps=k))
             last_end = end
-            bar.update(1)
-            if len(steps) % 16 == 0:
+            bar.update(k)
+            if len(steps) % 16 < k:
                 bar.set_postfix(done=sum(m.finished for m in metrics), running=len(slots), refresh=False)
 
         inflight: _InFlight | None = None  # dispatched, not yet waited for
         bar = progress_bar(total=max_steps, progress=progress and not dry, desc=desc, unit="step", leave=False)
         try:
             while pending or waiting or len(slots):
-                if max_steps is not None and len(steps) + (inflight is not None) >= max_steps:
+                dispatched = len(steps) + (inflight.steps if inflight is not None else 0)
+                if max_steps is not None and dispatched >= max_steps:
                     break
                 # client: send what has arrived, under the concurrency cap
                 if not waiting and not len(slots) and pending and pending[0].arrival_s > now():
@@ -591,7 +676,7 @@ class Engine:
                 # step N + 1 is scheduled, planned and dispatched while step N runs on the device:
                 # what it needs of step N is host bookkeeping (token counts, pages), not its output
                 # a profiler trace shows each step's host part (scheduling, planning, dispatch) by index
-                with jax.profiler.TraceAnnotation(STEP_ANNOTATION, step=len(steps) + (inflight is not None)):
+                with jax.profiler.TraceAnnotation(STEP_ANNOTATION, step=dispatched):
                     begin = now()
                     work, counts, num_decodes = slots.schedule(
                         waiting, allocator, budget=opts.max_num_batched_tokens, max_num_seqs=opts.max_num_seqs,
@@ -600,22 +685,30 @@ class Engine:
                         raise RuntimeError("scheduler made no progress (this is a bug)")
                     # the batch as arrays (plan_arrays's checks: vectorised, no Request objects)
                     context_lens, query_lens, tables, rows = slots.batch(work, counts)
-                    plan, meta = self._plan(check_arrays, plan_kw, context_lens, query_lens, tables)
+                    run = opts.decode_steps
+                    if (run > 1 and num_decodes == len(work) and not waiting  # a decode run: see EngineOptions
+                            and (max_steps is None or dispatched + run <= max_steps)
+                            and (run_rows := slots.decode_run(work, run)) is not None):
+                        rows = run_rows
+                    else:
+                        run = 1
+                    # a run is planned as its last step: the pages it writes are in that batch's tables and checks
+                    plan, meta = self._plan(check_arrays, plan_kw, context_lens + (run - 1), query_lens, tables)
                     planned = now()
                     prefill_tokens = int(counts[num_decodes:].sum())
                     ids = ([slots.metrics[s].id for s in work.tolist()], counts.tolist()) if collect_outputs else None
                     if dry:
-                        _dry_run.append([Request(c, n, slots.pages[s]) for s, c, n in
+                        _dry_run.append([Request(c + run - 1, n, slots.pages[s]) for s, c, n in
                                          zip(work.tolist(), context_lens.tolist(), counts.tolist())])
-                    emitters = slots.advance(work, counts, allocator)
+                    emitters = [slots.advance(work, counts, allocator) for _ in range(run)]
                     dispatch = now()
                     if dry:
                         x, new_programs = None, 0
                     else:
                         before = jit_layer_stack._cache_size()
-                        x = self._forward(plan, meta, rows, opts.kernels)
+                        x = self._forward(plan, meta, rows, opts.kernels, run)
                         new_programs = jit_layer_stack._cache_size() - before
-                step = _InFlight(ids, plan, meta, x, emitters, len(work), int(counts.sum()), num_decodes,
+                step = _InFlight(ids, plan, meta, x, emitters, run, len(work), int(counts.sum()), num_decodes,
                                  prefill_tokens, new_programs,
                                  begin_s=begin, planned_s=planned, dispatch_s=dispatch, dispatched_s=now())
                 if inflight is not None:

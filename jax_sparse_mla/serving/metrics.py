@@ -66,6 +66,9 @@ class StepRecord:
     plan, whether meta.branches ran its dense MHA call). num_tokens: real rows; padded_tokens: plan.num_tokens.
     new_programs: executables of the engine's step program (serving.engine.jit_layer_stack) added
     during this step (0 after a warm-up that covered its plan). plan: the step's BatchPlan.
+    dispatch_steps: 1, or the steps of the decode run this step is one of (EngineOptions.decode_steps):
+    the run's times (from its scheduling to its output) divided evenly among its steps, its
+    new_programs on its first.
     """
 
     index: int
@@ -87,6 +90,7 @@ class StepRecord:
     prefill_tokens: int
     new_programs: int
     plan: object = None
+    dispatch_steps: int = 1
 
 
 def _nan_none(x: float):
