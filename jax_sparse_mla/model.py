@@ -69,23 +69,25 @@ def projection_matmuls(params, x, config: MLAConfig):
 
 def projections(params, matmuls, positions, config: MLAConfig):
     """Queries, latent and indexer key of each row from projection_matmuls' output and positions
-    [T] -> (qr, q_nope [T, H, nope] (config.dtype), q_pe [T, H, rope] (rope applied), c [T, R],
-    k_pe [T, rope] (rope applied), k_index [T, D]), float32 but q_nope."""
+    [T] -> (qr, q_nope [T, H, nope], q_pe [T, H, rope] (rope applied), c [T, R], k_pe [T, rope]
+    (rope applied), k_index [T, D]), float32 but q_nope and q_pe: config.dtype (DeepSeek's
+    reference rounds q's rope there too, and every reader rounds it there: the [T, H, rope]
+    float32 copy was the largest of a bucket's row-wise tensors)."""
     c_ = config
     qr, q, kv, k = matmuls
     q = q.reshape(q.shape[0], c_.num_attention_heads, c_.qk_head_dim)
     q_nope, q_pe = q[..., : c_.qk_nope_head_dim], q[..., c_.qk_nope_head_dim:]
     c = ops.rms_norm(kv[:, : c_.kv_lora_rank], params["kv_a_layernorm.weight"], c_.rms_norm_eps)
     k_pe = ops.rope_interleaved(kv[:, c_.kv_lora_rank:], positions, c_)
-    return (qr, q_nope, ops.rope_interleaved(q_pe, positions, c_), c, k_pe,
+    return (qr, q_nope, ops.rope_interleaved(q_pe, positions, c_).astype(c_.jnp_dtype), c, k_pe,
             _indexer_key(params, k, positions, c_))
 
 
 def mla_projections(params, x, positions, config: MLAConfig):
     """Queries and the latent of each row.
 
-    x: [T, hidden], positions: [T] -> qr [T, q_lora], q_nope [T, H, nope] (config.dtype), q_pe
-    [T, H, rope] (rope applied), c [T, R], k_pe [T, rope] (rope applied); float32 but q_nope.
+    x: [T, hidden], positions: [T] -> qr [T, q_lora], q_nope [T, H, nope], q_pe [T, H, rope] (rope
+    applied), c [T, R], k_pe [T, rope] (rope applied); float32 but q_nope and q_pe (config.dtype).
     """
     return projections(params, projection_matmuls(params, x, config), positions, config)[:5]
 

@@ -544,13 +544,15 @@ def test_cond_projects_about_its_real_rows(monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_projections_round_q_where_deepseeks_reference_does(dtype):
-    """q leaves q_b_proj in config.dtype (bf16: DeepSeek's reference rounds it there), rope and the
-    other projections stay float32; a float32 config (the oracle's) keeps everything float32."""
+    """q leaves q_b_proj in config.dtype (bf16: DeepSeek's reference rounds it there), its rope
+    half is rounded there again after the rope (as the reference's), the other projections stay
+    float32; a float32 config (the oracle's) keeps everything float32."""
     config = MLAConfig.tiny(dtype=dtype)
     params = init_params(config, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (5, config.hidden_size))
     qr, q_nope, q_pe, c, k_pe = mla_projections(params, x, jnp.arange(5), config)
-    assert q_nope.dtype == jnp.dtype(dtype) and {a.dtype for a in (qr, q_pe, c, k_pe)} == {jnp.dtype(jnp.float32)}
+    assert q_nope.dtype == q_pe.dtype == jnp.dtype(dtype)
+    assert {a.dtype for a in (qr, c, k_pe)} == {jnp.dtype(jnp.float32)}
     q = linear(qr, params["q_b_proj.weight"], config).astype(dtype)
     q = q.reshape(5, config.num_attention_heads, config.qk_head_dim)
     want = q[..., :config.qk_nope_head_dim]
