@@ -240,20 +240,23 @@ def _pick(a, rows):
 
 
 def _dense_prefill(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: BatchMeta, config: MLAConfig,
-                   impl: kernel_ops.OpImpl, in_f32: bool, num_keys: int | None = None, selection=None, max_kv_len=None):
+                   impl: kernel_ops.OpImpl, in_f32: bool, num_keys: int | None = None, select=None, max_kv_len=None):
     """Dense causal MHA of the sequences routed dense or masked, packed (no padding to the longest).
 
     q_nope [T, H, nope], q_pe [T, H, rope]: every row's queries; w_uk [H, nope, R], w_uv [H, v, R];
     keys from the cache slots meta.dense_key_slots (their first num_keys only, when given: the
-    caller knows the real keys fit). selection: None, or [T, K] key positions per row of
-    meta.dense_rows (masked MHA: `_dense_selection`), with max_kv_len a bound on a sequence's keys.
-    Returns (rows [T] = meta.dense_rows, out [T, H, v] in config.dtype of those rows; padding
-    rows 0). in_f32: per_head's.
+    caller knows the real keys fit), K of them; queries of the first K rows of meta.dense_rows
+    (a sequence's rows are at most its keys, so those hold every real one: the call's query side
+    follows its keys, not the bucket). select: None, or rows [N] -> [N, topk] key positions per
+    row (masked MHA: `_dense_selection`), with max_kv_len a bound on a sequence's keys. Returns
+    (rows [N] = meta.dense_rows[:K], out [N, H, v] in config.dtype of those rows; padding rows 0).
+    in_f32: per_head's.
     """
     c_ = config
     dt = c_.jnp_dtype
     with jax.named_scope("dense_kv_up"):
         slots = meta.dense_key_slots[:num_keys]  # [K]: each dense sequence's context + new keys, packed
+        rows = meta.dense_rows[:slots.shape[0]]
         scale = None if cache.latent_scale is None else take_rows(cache.flat("latent_scale"), slots)
         c = kernel_ops.dequantize_latent(take_rows(cache.flat("latent"), slots), scale)  # [K, R]
         if c_.kv_cache_dtype != "float32":  # exact in dt: bf16, or e4m3 times a power-of-two scale
@@ -263,27 +266,26 @@ def _dense_prefill(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: 
         v = per_head("kr,hvr->khv", c, w_uv, c_, in_f32=in_f32, dtype=dt)
         k_pe = jnp.broadcast_to(k_pe[:, None], (k_pe.shape[0], c_.num_attention_heads, k_pe.shape[-1]))
         k = jnp.concatenate([k_nope, k_pe], -1)  # [K, H, qk]
-        rows = meta.dense_rows
-        q = jnp.concatenate([take_rows(q_nope, rows), take_rows(q_pe, rows)], -1)  # [T, H, qk]
+        q = jnp.concatenate([take_rows(q_nope, rows), take_rows(q_pe, rows)], -1)  # [N, H, qk]
     with jax.named_scope("dense_mha"):
-        out = kernel_ops.dense_mha(q.astype(dt), k, v, meta.dense_query_start,
-                                   meta.dense_key_start, scale=c_.softmax_scale, selection=selection,
+        out = kernel_ops.dense_mha(q.astype(dt), k, v, meta.dense_query_start, meta.dense_key_start,
+                                   scale=c_.softmax_scale, selection=None if select is None else select(rows),
                                    max_kv_len=max_kv_len, **impl.kwargs)
     return rows, out.astype(dt)
 
 
-def _dense_selection(meta: BatchMeta, top_positions, scored_index, topk: int):
-    """[T, topk] key positions for each row of meta.dense_rows (-1 padded): a masked row's top-k
-    (top_positions [num_sparse_tokens, topk], of meta.sparse_rows; scored_index [T]: a row's
-    index there, -1 if not scored), every causal position of a dense row's (its sequence has
-    <= topk tokens). Gathers of whole rows only (no [T, topk] scatter)."""
-    rows = jnp.maximum(meta.dense_rows, 0)
+def _dense_selection(meta: BatchMeta, top_positions, scored_index, topk: int, dense_rows):
+    """[N, topk] key positions for each of dense_rows [N] (a prefix of meta.dense_rows; -1
+    padded): a masked row's top-k (top_positions [num_sparse_tokens, topk], of meta.sparse_rows;
+    scored_index [T]: a row's index there, -1 if not scored), every causal position of a dense
+    row's (its sequence has <= topk tokens). Gathers of whole rows only (no [N, topk] scatter)."""
+    rows = jnp.maximum(dense_rows, 0)
     idx = scored_index[rows]
-    masked = (meta.dense_rows >= 0) & (idx >= 0) & (meta.masked_flags[jnp.maximum(idx, 0)] > 0)
+    masked = (dense_rows >= 0) & (idx >= 0) & (meta.masked_flags[jnp.maximum(idx, 0)] > 0)
     k = jnp.arange(topk, dtype=jnp.int32)
     every = jnp.where(k[None, :] <= meta.positions[rows][:, None], k[None, :], -1)
     chosen = jnp.where(masked[:, None], top_positions[jnp.maximum(idx, 0)], every)
-    return jnp.where(meta.dense_rows[:, None] >= 0, chosen, -1)
+    return jnp.where(dense_rows[:, None] >= 0, chosen, -1)
 
 
 def _topk_positions(params, x, qr, positions, cache: cache_lib.PagedCache, meta: BatchMeta, rows, group: RowGroup,
@@ -407,7 +409,8 @@ def _dense_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out: 
             top = _pick(all_positions, meta.sparse_rows)
         # a sequence's keys fit its block table (pages_per_seq pages) and the dense keys
         max_kv_len = min(plan.num_dense_keys, plan.pages_per_seq * plan.config.page_size)
-        rows, dense_out = dense(selection=_dense_selection(meta, top, scored_index, topk), max_kv_len=max_kv_len)
+        rows, dense_out = dense(select=functools.partial(_dense_selection, meta, top, scored_index, topk),
+                                max_kv_len=max_kv_len)
         attending = jnp.where(meta.masked_flags > 0, -1, meta.sparse_rows)
     else:
         rows, dense_out = dense()
@@ -499,7 +502,7 @@ def _cond_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out: j
                     return zeros
                 if masked:
                     rows, dense_out = dense(num_keys=num_keys, max_kv_len=min(num_keys, longest),
-                                            selection=_dense_selection(meta, top, scored_index, topk))
+                                            select=functools.partial(_dense_selection, meta, top, scored_index, topk))
                 else:
                     rows, dense_out = dense(num_keys=num_keys)
                 return _put_rows(zeros, rows, dense_out)

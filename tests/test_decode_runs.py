@@ -4,7 +4,6 @@ are safe (every request decoding, none waiting, enough tokens left, max_steps), 
 set and warm-up cover them."""
 
 import dataclasses
-import types
 
 import jax
 import numpy as np
@@ -14,8 +13,7 @@ from jax_sparse_mla import MLAConfig
 from jax_sparse_mla.model import advance_decodes
 from jax_sparse_mla.plan import check_arrays, plan_host
 from jax_sparse_mla.serving import Engine, EngineOptions, RequestSpec, Workload
-from tests.support import compiled_functions
-from tests.test_serving import oracle_error
+from tests.support import compiled_functions, oracle_error
 
 TINY = MLAConfig.tiny()  # page 4, index_topk 16
 KW = dict(num_layers=2, num_pages=40, max_num_batched_tokens=32, max_num_seqs=3, seed=4)
@@ -46,7 +44,7 @@ def test_decode_runs_give_every_token_of_the_step_by_step_run(kv_cache_dtype):
     for spec in specs:
         np.testing.assert_array_equal(results[4].outputs[spec.id], results[1].outputs[spec.id])
     engine = Engine(config, **KW)
-    worst, decided = oracle_error(engine, results[4], types.SimpleNamespace(requests=lambda: specs))
+    worst, decided = oracle_error(engine, results[4], specs)
     assert decided > 50 and worst < 1e-4, worst
 
 

@@ -8,26 +8,13 @@ import numpy as np
 import pytest
 
 from jax_sparse_mla import BucketPolicy, MLAConfig, Request, plan_batch
-from jax_sparse_mla.serving import (Engine, PageAllocator, PoolTooSmallError, RequestSpec, Workload,
-                                    reference_outputs)
+from jax_sparse_mla.serving import Engine, PageAllocator, PoolTooSmallError, RequestSpec, Workload
 from jax_sparse_mla.serving.engine import jit_layer_stack
+from tests.support import oracle_error
 
 TINY = MLAConfig.tiny()  # index_topk 16, page 4: prefills longer than 16 tokens are sparse
 
 
-def oracle_error(engine, result, workload):
-    """(the largest error of any request's rows against `reference_outputs` (the request served
-    alone), relative to the reference's largest value; the number of rows compared). Rows whose
-    reference top-k hinges on a near-tie are left out."""
-    worst, decided = 0.0, 0
-    for spec in workload.requests():
-        ref, ambiguous = reference_outputs(engine, spec)
-        out = result.outputs[spec.id]
-        assert out.shape == ref.shape, (spec.id, out.shape, ref.shape)
-        keep = ~ambiguous
-        decided += int(keep.sum())
-        worst = max(worst, float(np.abs(out[keep] - ref[keep]).max() / np.abs(ref).max()))
-    return worst, decided
 
 
 def test_workload_lengths_follow_the_random_dataset():
@@ -98,7 +85,7 @@ def test_outputs_match_the_oracle_per_request():
     assert any(s.num_decodes and s.num_prefills for s in result.steps)
     for spec in w.requests():
         assert result.outputs[spec.id].shape == (spec.input_len + spec.output_len - 1, TINY.hidden_size)
-    worst, decided = oracle_error(engine, result, w)
+    worst, decided = oracle_error(engine, result, w.requests())
     assert decided > 100
     assert worst < 1e-4, worst
 
@@ -434,7 +421,7 @@ def test_decoder_block_engine_matches_its_oracle_and_differs_from_the_attention_
         assert out.shape == (spec.cache_len, TINY.hidden_size) and np.isfinite(out).all()
         assert np.abs(out - attention.outputs[spec.id]).min(axis=1).max() > 0 and \
             np.abs(out - attention.outputs[spec.id]).max() > 0.1
-    worst, decided = oracle_error(decoder, result, w)
+    worst, decided = oracle_error(decoder, result, w.requests())
     assert decided > 50
     assert worst < 3e-4, worst
 

@@ -1,7 +1,8 @@
 """Shared test helpers (not a test module: pytest collects nothing here).
 
 `tests.support` holds the facts about where the suite runs and the helpers several test modules
-share (subprocess runs of the checkout, a scored plan, fp8 quantisation); `tests.support.ops` the
+share (subprocess runs of the checkout, a scored plan, fp8 quantisation, an engine run against
+its oracle); `tests.support.ops` the
 implementations each op's suite runs and their limits; `tests.support.cases` the input builders
 more than one op's suite uses.
 """
@@ -20,6 +21,8 @@ os.environ.setdefault("PJRT_NPROC", "4")
 import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
+
+from jax_sparse_mla.serving import reference_outputs  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -120,3 +123,19 @@ def lower_mosaic_kernel() -> str:
             sd((2, 8), jnp.int32), sd((2,), jnp.int32), sd((2,), jnp.int32))
     fn = jax.jit(functools.partial(indexer_logits, page_size=64, implementation="mosaic", kernel="decode"))
     return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def oracle_error(engine, result, specs):
+    """Over the RequestSpecs `specs` of an Engine run with collect_outputs: (the largest error of
+    any request's rows against `reference_outputs` (the request served alone), relative to the
+    reference's largest value; the number of rows compared). Rows whose reference top-k hinges on
+    a near-tie are left out."""
+    worst, decided = 0.0, 0
+    for spec in specs:
+        ref, ambiguous = reference_outputs(engine, spec)
+        out = result.outputs[spec.id]
+        assert out.shape == ref.shape, (spec.id, out.shape, ref.shape)
+        keep = ~ambiguous
+        decided += int(keep.sum())
+        worst = max(worst, float(np.abs(out[keep] - ref[keep]).max() / np.abs(ref).max()))
+    return worst, decided
