@@ -154,7 +154,7 @@ class _InFlight:
 
     work: tuple[list[int], list[int]] | None  # (request ids, their rows in order) with collect_outputs
     plan: BatchPlan
-    meta: BatchMeta  # host (numpy) metadata (a decode run's first step's)
+    meta: BatchMeta  # host (numpy) metadata (a decode run's last step's: layer_stack)
     x: jax.Array | None  # the last layer's output (None in a dry run; [steps, ...] for a decode run)
     emitters: list[list[RequestMetrics]]  # of each step: the requests that output a token in it
     steps: int  # 1, or a decode run's steps (EngineOptions.decode_steps)
@@ -298,7 +298,7 @@ def pack_step(plan: BatchPlan, meta: BatchMeta, rows: np.ndarray) -> np.ndarray:
     device in one transfer: rows (the pool row of each of the plan.num_tokens hidden rows, int32
     [T], or [steps, T] for a decode run: each step's), then every field of `meta` that is not None,
     in BatchMeta's field order, each flattened. meta: host (numpy) metadata of the plan
-    (plan_host; a decode run's first step); each field must be int32 of the shape
+    (plan_host; a decode run's last step: layer_stack); each field must be int32 of the shape
     BatchMeta.shapes(plan) gives it, and None exactly where that has no entry for it. ValueError
     naming the argument or field otherwise. unpack_step inverts it."""
     rows = np.asarray(rows)
