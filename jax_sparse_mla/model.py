@@ -268,7 +268,7 @@ def _dense_prefill(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: 
         k = jnp.concatenate([k_nope, k_pe], -1)  # [K, H, qk]
         q = jnp.concatenate([take_rows(q_nope, rows), take_rows(q_pe, rows)], -1)  # [N, H, qk]
     with jax.named_scope("dense_mha"):
-        out = kernel_ops.dense_mha(q.astype(dt), k, v, meta.dense_query_start, meta.dense_key_start,
+        out = kernel_ops.dense_mha(q, k, v, meta.dense_query_start, meta.dense_key_start,
                                    scale=c_.softmax_scale, selection=None if select is None else select(rows),
                                    max_kv_len=max_kv_len, **impl.kwargs)
     return rows, out.astype(dt)
@@ -343,7 +343,7 @@ def _sparse_attention(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, met
     slots = positions_to_slots(top_positions, meta.block_tables, _pick(meta.row_seq, rows), c_.page_size)
     with jax.named_scope("sparse_attention"):
         q_lat = per_head("thn,hnr->thr", _pick(q_nope, rows), w_uk, c_, in_f32=in_f32, dtype=dt)
-        q_abs = jnp.concatenate([q_lat, _pick(q_pe, rows).astype(dt)], -1)
+        q_abs = jnp.concatenate([q_lat, _pick(q_pe, rows)], -1)  # (q_pe is in config.dtype)
         out_lat, _ = kernel_ops.sparse_mla(q_abs, cache.flat("latent"), cache.flat("latent_scale"),
                                            cache.flat("k_pe"), slots, scale=c_.softmax_scale, pages=pages,
                                            page_size=c_.page_size, dequantize=group.dequantize, **impl.kwargs)

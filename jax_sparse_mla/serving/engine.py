@@ -356,8 +356,9 @@ def layer_stack(pool, packed, params, block_params, caches, *, plan: BatchPlan, 
     plan and metadata. steps > 1: a decode-only batch (EngineOptions.decode_steps) run `steps`
     times in a loop; the packed meta is the run's last step's (planned at the run's final lengths,
     so that its block tables hold, and its checks cover, every page the run writes), step k runs
-    on it moved by k - (steps - 1) tokens (model.advance_decodes) with the pool rows of its row k. Returns (x [plan.num_tokens, hidden_size] config dtype after the last layer, or
-    [steps, plan.num_tokens, hidden_size]: each step's; the N updated caches)."""
+    on it moved by k - (steps - 1) tokens (model.advance_decodes) with the pool rows of its row k.
+    Returns (x [plan.num_tokens, hidden_size] config dtype after the last layer, or [steps,
+    plan.num_tokens, hidden_size]: each step's; the N updated caches)."""
     if (block_params is None) != (moe is None):
         raise ValueError("block_params and moe go together: both for decoder blocks, neither for attention layers")
     rows, meta = unpack_step(packed, plan, steps)
