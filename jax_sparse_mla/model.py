@@ -249,7 +249,8 @@ def _dense_prefill(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: 
     (a sequence's rows are at most its keys, so those hold every real one: the call's query side
     follows its keys, not the bucket). select: None, or rows [N] -> [N, topk] key positions per
     row (masked MHA: `_dense_selection`), with max_kv_len a bound on a sequence's keys. Returns
-    (rows [N] = meta.dense_rows[:K], out [N, H, v] in config.dtype of those rows; padding rows 0).
+    (rows [N] = meta.dense_rows[:K], N = min(K, T), out [N, H, v] in config.dtype of those rows;
+    padding rows 0).
     in_f32: per_head's.
     """
     c_ = config

@@ -125,6 +125,14 @@ def command_buffers_off(engine: Engine) -> dict:
     return executables
 
 
+def step_counts(value: str) -> list[int]:
+    """--decode-steps: comma-separated integers."""
+    try:
+        return [int(x) for x in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated integers expected (e.g. 1,8), got {value!r}") from None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true",
@@ -143,7 +151,7 @@ def main(argv=None) -> int:
                    help="run once more under a profiler trace; print the decode steps' device busy share")
     p.add_argument("--compare-command-buffers", action="store_true",
                    help="also time the programs without conditionals compiled with XLA's command buffers off")
-    p.add_argument("--decode-steps", type=lambda v: [int(x) for x in v.split(",")], default=[1],
+    p.add_argument("--decode-steps", type=step_counts, default=[1],
                    help="EngineOptions.decode_steps, one variant each (e.g. 1,8: rows 'decode' and 'decode (runs "
                         "of 8)', interleaved over --rounds)")
     p.add_argument("--rounds", type=int, default=3,

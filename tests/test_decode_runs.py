@@ -41,6 +41,9 @@ def test_decode_runs_give_every_token_of_the_step_by_step_run(kv_cache_dtype):
     assert runs and all(k == 4 for _, k in runs)
     assert len(results[4].steps) == len(results[1].steps)
     assert sum(len(m.token_times_s) for m in results[4].requests) == sum(s.output_len for s in specs)
+    run_ends = [results[4].steps[i + k - 1] for i, k in runs]
+    assert any(m.token_times_s[-1] == pytest.approx(s.start_s + s.duration_s, abs=1e-9)
+               for m in results[4].requests for s in run_ends)  # a request's last token: a run's last step
     for spec in specs:
         np.testing.assert_array_equal(results[4].outputs[spec.id], results[1].outputs[spec.id])
     engine = Engine(config, **KW)
@@ -99,13 +102,24 @@ def test_warmup_and_precompile_cover_the_decode_runs():
     EngineOptions.decode_run_plans is the plan of every decode batch of the set (cond: one a row
     bucket), each a plan of the program set."""
     jax.clear_caches()
-    engine = Engine(TINY, **KW)
-    w = Workload(3, input_len=8, output_len=10, input_range_ratio=0.5, concurrency=3, seed=1)
-    assert engine.warmup(w, decode_steps=4) > 0
-    with compiled_functions() as compiled:
-        result = engine.run(w, progress=False, decode_steps=4)
-    assert compiled == [], compiled
-    assert _runs(result) and sum(s.new_programs for s in result.steps) == 0
+    # (one-token prompts: a batch of them has query lengths 1 and is no decode batch)
+    for w in (Workload(3, input_len=8, output_len=10, input_range_ratio=0.5, concurrency=3, seed=1),
+              [RequestSpec(0, 1, 9), RequestSpec(1, 1, 9)]):
+        engine = Engine(TINY, **KW)
+        assert engine.warmup(w, decode_steps=4) == len(engine._executables) > 0
+        used = set()
+        forward = engine._forward
+
+        def recording(plan, meta, rows, kernels, steps=1, forward=forward, used=used):
+            used.add((plan, kernels, steps))
+            return forward(plan, meta, rows, kernels, steps)
+
+        engine._forward = recording
+        with compiled_functions() as compiled:
+            result = engine.run(w, progress=False, decode_steps=4)
+        assert compiled == [], compiled
+        assert _runs(result) and sum(s.new_programs for s in result.steps) == 0
+        assert used == set(engine._executables)  # and it compiled only what the run calls
 
     opts = EngineOptions(max_num_seqs=3, max_num_batched_tokens=32, max_model_len=40, decode_steps=4)
     decode_plans = opts.decode_run_plans(TINY, 40)
@@ -120,3 +134,26 @@ def test_warmup_and_precompile_cover_the_decode_runs():
                             num_pages=40, **kw)
         assert plan in decode_plans
     assert EngineOptions().decode_run_plans(TINY, 40) == []
+
+
+def test_a_request_arriving_during_a_run_waits_in_its_ttft():
+    """A request's arrival is its spec's time, not the moment the loop gets back to it after the
+    run in flight: that wait is in its time to first token."""
+    specs = [RequestSpec(0, 5, 30), RequestSpec(1, 5, 3, arrival_s=1e-4), RequestSpec(2, 6, 3, arrival_s=2e-4)]
+    result = Engine(TINY, **KW).run(specs, progress=False, decode_steps=8)
+    assert [m.arrival_s for m in result.requests] == [s.arrival_s for s in specs]
+    assert all(m.ttft_s > 0 for m in result.requests)
+
+
+def test_decode_run_options_that_could_never_apply_are_refused():
+    """decode_steps past what a request of max_model_len can output, and decode-run programs asked
+    for with decode_steps 1, are refused before anything compiles."""
+    engine = Engine(TINY, **{**KW, "max_model_len": 12})
+    with pytest.raises(ValueError, match="decode_steps = 12: a decode run needs .* at most 11"):
+        engine.run([RequestSpec(0, 4, 4)], progress=False, decode_steps=12)
+    plan = EngineOptions(max_model_len=12, decode_steps=2).decode_run_plans(TINY, 40)[0]
+    with pytest.raises(ValueError, match="decode_plans needs decode_steps > 1"):
+        engine.precompile(plans=[], decode_plans=[plan])
+    with pytest.raises(ValueError, match="decode_runs needs decode_steps > 1"):
+        engine.compile_batches([], decode_runs=[[]])
+    assert engine._executables == {}

@@ -15,8 +15,6 @@ from tests.support import oracle_error
 TINY = MLAConfig.tiny()  # index_topk 16, page 4: prefills longer than 16 tokens are sparse
 
 
-
-
 def test_workload_lengths_follow_the_random_dataset():
     w = Workload(200, input_len=100, output_len=10, input_range_ratio=0.25, output_range_ratio=0.5, seed=3)
     specs = w.requests()

@@ -47,8 +47,8 @@ class EngineOptions:
       engine's max_num_seqs, max_model_len and num_pages (sequence count and table width fixed
       at the limits: with dispatch "cond", 30 programs at DeepSeek-V3.2 serving limits).
     kernels: the layers' (model.forward's).
-    decode_steps: decode steps one dispatch runs when every running request decodes, none waits
-      to be admitted and each has at least that many tokens left to output (a decode run: the
+    decode_steps: decode steps one dispatch runs when every request a step schedules decodes,
+      none waits to be admitted and each has at least that many tokens left to output (a decode run: the
       program advances the batch on the device, model.advance_decodes; vLLM's multi-step
       scheduling). Why: a step's host part (scheduling, planning, the dispatch of a program of
       dozens of arguments) is a fixed ~1 ms, a quarter of a 4-layer decode step; a run of
@@ -93,13 +93,17 @@ class EngineOptions:
         return dataclasses.replace(self, **overrides)
 
     def model_len(self, config: MLAConfig) -> int:
-        """max_model_len, or the config's max_position_embeddings (ValueError if it exceeds them)."""
-        if self.max_model_len is None:
-            return config.max_position_embeddings
-        if self.max_model_len > config.max_position_embeddings:
+        """max_model_len, or the config's max_position_embeddings. ValueError if it exceeds them,
+        or if no decode run could ever be taken: a run of decode_steps needs that many tokens left
+        to output after the prefill's, at most model_len - 1."""
+        model_len = config.max_position_embeddings if self.max_model_len is None else self.max_model_len
+        if model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len = {self.max_model_len} exceeds the config's max_position_embeddings = "
                              f"{config.max_position_embeddings}")
-        return self.max_model_len
+        if self.decode_steps > max(model_len - 1, 1):
+            raise ValueError(f"decode_steps = {self.decode_steps}: a decode run needs that many tokens left to "
+                             f"output, and a request of max_model_len = {model_len} has at most {model_len - 1}")
+        return model_len
 
     def plan_kwargs(self, config: MLAConfig, num_pages: int | None) -> dict:
         """plan_batch's options for an engine of this config and cache size (buckets resolved;
@@ -447,8 +451,8 @@ class Engine:
         self.params = list(params)
         self.block_params = list(block_params) if block_params is not None else None
         self.caches = [init_cache(config, num_pages) for _ in range(num_layers)]
-        # (plan, kernels) -> the step's jax.stages.Compiled (precompile)
-        self._executables: dict[tuple[BatchPlan, str], jax.stages.Compiled] = {}
+        # (plan, kernels, steps) -> the step's (steps 1) or decode run's jax.stages.Compiled (precompile)
+        self._executables: dict[tuple[BatchPlan, str, int], jax.stages.Compiled] = {}
         pool = jax.random.normal(jax.random.fold_in(key, 1 << 20), (pool_size, config.hidden_size), jnp.float32)
         self.pool = jnp.concatenate([pool, jnp.zeros((1, config.hidden_size))]).astype(config.jnp_dtype)
 
@@ -499,22 +503,28 @@ class Engine:
         x, self.caches = executable(*args) if executable is not None else jit_layer_stack(*args, **kwargs)
         return x
 
-    def compile_batches(self, batches: Iterable[Sequence[Request]], **overrides) -> int:
-        """Compiles the step program of each batch's plan that has no executable yet (precompile's
-        plans=: ahead of time, kept for run). Returns the number of programs compiled."""
+    def compile_batches(self, batches: Iterable[Sequence[Request]], *,
+                        decode_runs: Iterable[Sequence[Request]] = (), **overrides) -> int:
+        """Compiles the program of each batch's plan that has no executable yet (precompile's
+        plans= and decode_plans=: ahead of time, kept for run). batches: each a step's Requests,
+        compiled as one step; decode_runs: each a decode run's batch as run plans it (its last
+        step's lengths), compiled as a run of decode_steps (ValueError with decode_steps 1).
+        Returns the number of programs compiled."""
         opts = self.options.with_overrides(overrides)
         kw = opts.plan_kwargs(self.config, self.num_pages)
-        plans, decode_plans = {}, {}  # distinct, in order
-        for requests in batches:
-            plan, _ = self._plan(check_batch, kw, list(requests))
-            if (plan, opts.kernels, 1) not in self._executables:
-                plans[plan] = None
-            if (opts.decode_steps > 1 and all(r.query_len == 1 for r in requests)
-                    and (plan, opts.kernels, opts.decode_steps) not in self._executables):
-                decode_plans[plan] = None  # (its batch may run as a decode run)
-        if plans or decode_plans:
-            self.precompile(plans=list(plans), decode_plans=list(decode_plans), progress=False, **overrides)
-        return len(plans) + len(decode_plans)
+        decode_runs = list(decode_runs)
+        if decode_runs and opts.decode_steps == 1:
+            raise ValueError("decode_runs needs decode_steps > 1 (EngineOptions.decode_steps)")
+        programs = {}  # (plan, steps) -> None: distinct, in order
+        for group, steps in ((batches, 1), (decode_runs, opts.decode_steps)):
+            for requests in group:
+                plan, _ = self._plan(check_batch, kw, list(requests))
+                if (plan, opts.kernels, steps) not in self._executables:
+                    programs[plan, steps] = None
+        if programs:
+            self.precompile(plans=[p for p, k in programs if k == 1],
+                            decode_plans=[p for p, k in programs if k > 1], progress=False, **overrides)
+        return len(programs)
 
     def precompile(self, *, store: str | os.PathLike | None = None, workers: int | None = None,
                    progress: bool | None = None, plans: Sequence[BatchPlan] | None = None,
@@ -529,11 +539,15 @@ class Engine:
         is compiled: a restarted engine loads its programs in seconds). workers: compiling
         threads (precompile's). progress: a bar over the plans (None: only when stderr is a
         terminal). plans, decode_plans: these only (default: with plans None, every one of both
-        sets; with plans given, decode_plans None is none). Returns the PrecompileReport (its
-        plans: the step programs', then the decode runs')."""
+        sets; with plans given, decode_plans None is none; decode_plans with decode_steps 1:
+        ValueError). Returns the PrecompileReport (its plans: the step programs', then the
+        decode runs')."""
         from ..precompile import PrecompileReport, precompile
 
         opts = self.options.with_overrides(overrides)
+        if decode_plans and opts.decode_steps == 1:
+            raise ValueError("decode_plans needs decode_steps > 1 (EngineOptions.decode_steps): with 1 there are "
+                             "no decode runs")
         buckets = opts.plan_kwargs(self.config, self.num_pages)["buckets"]
         if plans is None:
             plans = opts.program_set(self.config, self.num_pages)
@@ -572,9 +586,10 @@ class Engine:
         run calls it), so that the run compiles nothing at all. Returns the number of programs
         compiled. Exact when arrivals do not depend on timing (request_rate=inf); otherwise best
         effort."""
-        batches: list[list[Request]] = []
+        batches: list[tuple[list[Request], int]] = []  # (a step's or decode run's batch, its steps)
         self.run(workload, max_steps=max_steps, progress=False, _dry_run=batches, **overrides)
-        return self.compile_batches(batches, **overrides)
+        return self.compile_batches([b for b, k in batches if k == 1], decode_runs=[b for b, k in batches if k > 1],
+                                    **overrides)
 
     # ---- the loop -------------------------------------------------------------------------
     def run(self, workload: Workload | Sequence[RequestSpec], *, max_steps: int | None = None,
@@ -671,7 +686,10 @@ class Engine:
                 while pending and pending[0].arrival_s <= now() and (
                         concurrency is None or len(waiting) + len(slots) < concurrency):
                     s = pending.popleft()
-                    m = RequestMetrics(s.id, s.input_len, s.output_len, arrival_s=now())
+                    # arrival: the spec's time (the loop reaches it only after the step or decode run in
+                    # flight, a wait its TTFT includes); under a concurrency cap, when it is sent
+                    m = RequestMetrics(s.id, s.input_len, s.output_len,
+                                       arrival_s=s.arrival_s if concurrency is None else now())
                     metrics.append(m)
                     waiting.append((s, m))
                 # step N + 1 is scheduled, planned and dispatched while step N runs on the device:
@@ -699,8 +717,8 @@ class Engine:
                     prefill_tokens = int(counts[num_decodes:].sum())
                     ids = ([slots.metrics[s].id for s in work.tolist()], counts.tolist()) if collect_outputs else None
                     if dry:
-                        _dry_run.append([Request(c + run - 1, n, slots.pages[s]) for s, c, n in
-                                         zip(work.tolist(), context_lens.tolist(), counts.tolist())])
+                        _dry_run.append(([Request(c + run - 1, n, slots.pages[s]) for s, c, n in
+                                          zip(work.tolist(), context_lens.tolist(), counts.tolist())], run))
                     emitters = [slots.advance(work, counts, allocator) for _ in range(run)]
                     dispatch = now()
                     if dry:
