@@ -5,7 +5,8 @@ program loaded, nothing lowered or compiled).
 
     python scripts/bench_warmup.py [--kv bf16|fp8] [--dispatch cond|static] [--max-num-seqs 256]
         [--max-num-batched-tokens 8192] [--max-model-len 131072] [--num-pages 65536]
-        [--programs START:STOP] [--workers N] [--store DIR] [--out warmup.json]   # GPU, deepseek_v32
+        [--programs START:STOP] [--decode-steps K] [--workers N] [--store DIR] [--out warmup.json]
+                                                                                   # GPU, deepseek_v32
     python scripts/bench_warmup.py --smoke                     # CPU: tiny config, small limits
 
 Each phase is a fresh process (this script again, with an internal --phase flag): it builds
@@ -16,7 +17,9 @@ this process (no device touched), the program set per route for the same options
 The defaults are a DeepSeek-V3.2 serving engine's limits (65536 pages, 256 sequences, 8192
 tokens a step, 131072-token requests) and the engine's default program set (dispatch cond under
 BucketPolicy.for_limits: 30 programs; static there would be 105,972). --programs START:STOP:
-both phases warm up that slice of the set only (enumerate_plans' order).
+both phases warm up that slice of the set only (enumerate_plans' order). --decode-steps K > 1:
+the engine's decode_steps, and the decode runs' programs (EngineOptions.decode_run_plans, one a
+decode row bucket) are warmed up after the slice.
 
 Per phase: precompile_s (the precompile call), process_s (the whole process: imports, engine
 init, precompile), the PrecompileReport's program count, routes, how many programs it loaded
@@ -62,6 +65,8 @@ def parse_args(argv=None):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                        help=f"default {LIMITS[name]} ({SMOKE_LIMITS[name]} with --smoke)")
     p.add_argument("--programs", default=":", help="START:STOP, a slice of the program set (default: all)")
+    p.add_argument("--decode-steps", type=int, default=1,
+                   help="EngineOptions.decode_steps; > 1: the decode runs' programs are warmed up too")
     p.add_argument("--workers", type=int, default=None, help="compiling threads (default: precompile's)")
     p.add_argument("--store", default=None, help="executable store directory, empty or absent")
     p.add_argument("--out", default=None, help="write the counts and each phase's result as JSON here")
@@ -71,6 +76,8 @@ def parse_args(argv=None):
         a.slice = slice(*[int(v) if v else None for v in a.programs.split(":")])
     except (TypeError, ValueError):
         p.error(f"--programs must be START:STOP (integers, either may be empty), got {a.programs!r}")
+    if a.decode_steps < 1:
+        p.error(f"--decode-steps must be at least 1, got {a.decode_steps}")
     for name, default in (SMOKE_LIMITS if a.smoke else LIMITS).items():
         if getattr(a, name) is None:
             setattr(a, name, default)
@@ -82,13 +89,18 @@ def config_of(args) -> MLAConfig:
     return dataclasses.replace(base, kv_cache_dtype=KV[args.kv])
 
 
-def enumerate_set(args) -> list:
-    """The engine's program set for these options (EngineOptions.program_set; enumerate_plans' order)."""
+def options_of(args):
     from jax_sparse_mla.serving.engine import EngineOptions
 
     return EngineOptions(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         max_model_len=args.max_model_len, dispatch=args.dispatch).program_set(config_of(args),
-                                                                                               args.num_pages)
+                         max_model_len=args.max_model_len, dispatch=args.dispatch, decode_steps=args.decode_steps)
+
+
+def enumerate_set(args) -> tuple[list, list]:
+    """The engine's program set for these options (EngineOptions.program_set; enumerate_plans'
+    order) and its decode runs' plans (EngineOptions.decode_run_plans: none with decode_steps 1)."""
+    opts, config = options_of(args), config_of(args)
+    return opts.program_set(config, args.num_pages), opts.decode_run_plans(config, args.num_pages)
 
 
 def phase(args) -> dict:
@@ -107,12 +119,13 @@ def phase(args) -> dict:
     t0 = time.perf_counter()
     engine = Engine(config_of(args), num_layers=1, num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                    dispatch=args.dispatch)
+                    dispatch=args.dispatch, decode_steps=args.decode_steps)
     jax.block_until_ready((engine.params, engine.caches, engine.pool))
     t1 = time.perf_counter()
     before, before_s = Counter(events), dict(seconds)  # the engine's own programs: outside the store
-    report = engine.precompile(store=args.store, workers=args.workers, progress=True,
-                               plans=enumerate_set(args)[args.slice])
+    plans, decode_plans = enumerate_set(args)
+    report = engine.precompile(store=args.store, workers=args.workers, progress=True, plans=plans[args.slice],
+                               decode_plans=decode_plans)
     t2 = time.perf_counter()
     events.subtract(before)
     start = args.slice.start or 0
@@ -134,7 +147,7 @@ def run_phase(args, name: str, store: str) -> dict:
     """Runs a phase in a fresh process (its stderr, precompile's progress bar, passes through) ->
     its result, with process_s; or {"error": ...}."""
     argv = [os.path.abspath(__file__), "--phase", name, "--store", store, "--kv", args.kv,
-            "--dispatch", args.dispatch, f"--programs={args.programs}"] + (
+            "--dispatch", args.dispatch, f"--programs={args.programs}", f"--decode-steps={args.decode_steps}"] + (
         [] if args.workers is None else ["--workers", str(args.workers)]) + [
         f"--{k.replace('_', '-')}={getattr(args, k)}" for k in LIMITS]
     t0 = time.perf_counter()
@@ -160,14 +173,14 @@ def main(argv=None) -> int:
         return 0
     if args.store and os.path.isdir(args.store) and os.listdir(args.store):
         sys.exit(f"--store {args.store} is not empty: the cold phase needs an empty executable store")
-    plans = enumerate_set(args)
-    counts = dict(Counter(p.route for p in plans), total=len(plans))
-    chosen = len(plans[args.slice])
+    plans, decode_plans = enumerate_set(args)
+    counts = dict(Counter(p.route for p in plans), total=len(plans), decode_runs=len(decode_plans))
+    chosen = len(plans[args.slice]) + len(decode_plans)
     result = {"config": "tiny" if args.smoke else "deepseek_v32", "kv": args.kv, "dispatch": args.dispatch,
               "limits": {k: getattr(args, k) for k in LIMITS}, "count_programs": counts, "programs": args.programs,
-              "date": time.strftime("%Y-%m-%d %H:%M"), "phases": {}}
+              "decode_steps": args.decode_steps, "date": time.strftime("%Y-%m-%d %H:%M"), "phases": {}}
     print(f"{result['config']}, kv {args.kv}, dispatch {args.dispatch}, {result['limits']}: count_programs {counts}; "
-          f"warming up {chosen} of them ({args.programs})", flush=True)
+          f"warming up {chosen} of them ({args.programs}, and the decode runs')", flush=True)
     write(args.out, result)
     store = args.store or tempfile.mkdtemp(prefix="bench_warmup_store_")
     try:

@@ -190,16 +190,17 @@ def test_layer_profile_matches_gpu_kernels_to_instructions(bench_layer, tmp_path
 
 
 def test_warmup_bench_restart_loads_every_program_from_the_store(tmp_path):
-    """--smoke --programs 1: (the set but its first program): the counts come before any compile,
-    and each phase's precompile covered the slice; the cold process compiles every program into
-    the empty store, the restarted one loads them all from it (no XLA compile); the JSON holds
-    both phases."""
-    out = _run("bench_warmup.py", "--smoke", "--programs", "1:", "--workers", "2", "--out",
+    """--smoke --programs 1: --decode-steps 2 (the set but its first program, and the decode runs'
+    programs): the counts come before any compile, and each phase's precompile covered the slice
+    and the runs; the cold process compiles every program into the empty store, the restarted one
+    loads them all from it (no XLA compile); the JSON holds both phases."""
+    out = _run("bench_warmup.py", "--smoke", "--programs", "1:", "--decode-steps", "2", "--workers", "2", "--out",
                str(tmp_path / "warmup.json"), cwd=tmp_path)
     result = json.loads((tmp_path / "warmup.json").read_text())
     counts, cold, restart = result["count_programs"], result["phases"]["cold"], result["phases"]["restart"]
-    assert counts["total"] - 1 == cold["num_programs"] == restart["num_programs"] > 0
-    assert cold["per_route"] == restart["per_route"] == {"cond": counts["total"] - 1}
+    assert counts["decode_runs"] > 0
+    assert counts["total"] - 1 + counts["decode_runs"] == cold["num_programs"] == restart["num_programs"]
+    assert cold["per_route"] == restart["per_route"] == {"cond": cold["num_programs"]}
     assert len(cold["program_s"]) == len(restart["program_s"]) == cold["num_programs"]  # a time per program
     assert cold["loaded"] == 0 and cold["compiles"] >= cold["num_programs"]
     assert restart["loaded"] == restart["num_programs"] and restart["compiles"] == 0, restart
