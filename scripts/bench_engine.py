@@ -8,6 +8,7 @@ while the device runs step N, so host time under the device's is hidden.
     python scripts/bench_engine.py --smoke [--decodes 64]    # CPU: tiny config, 8 x 40 tokens, 2 layers
     python scripts/bench_engine.py --host-only [--seqs 256 --context 4096]    # any machine: the host alone
     python scripts/bench_engine.py --compare-command-buffers [--rounds 3] [--profile DIR]    # GPU
+    python scripts/bench_engine.py --decode-steps 1,8 --loop-in-graphs [--rounds 2]    # GPU
 
 Every request has the same prompt and is sent at once; the scheduler puts decodes first, so the
 early requests decode while the later ones still prefill. Each request's output is long enough
@@ -27,6 +28,11 @@ conditionals are: model.compiler_options), the two interleaved over --rounds run
 workload, rows "decode" and "decode (command buffers off)" (and prefill rows: their programs
 differ only where they have no conditional), and traces both under --profile (the second into
 DIR_command_buffers_off).
+
+--loop-in-graphs (with --decode-steps K > 1) also times each decode run's program compiled with
+WHILE among XLA's command-buffer types (the default types hold none, so the host walks the
+run's loop and launches each step's graphs), interleaved with the others: rows "decode (runs of
+K, loop in graphs)".
 
 --profile DIR runs the workload once more under jax.profiler.trace(DIR) and prints, for the
 steps in which every sequence decodes, what the trace shows (`trace_shares`; each step's
@@ -114,14 +120,18 @@ def trace_shares(trace_dir: str, first: int, last: int) -> dict:
             "host_events_ms": {name: us / 1e3 / n for name, us in inside.most_common(HOST_EVENTS)}}
 
 
-def command_buffers_off(engine: Engine) -> dict:
-    """The engine's executables, those of its programs without conditionals (compiled with XLA's
-    command buffers) compiled again with them off."""
+# XLA's default command-buffer types (jax 0.11.2) and WHILE: a decode run's loop inside the graphs
+LOOP_IN_GRAPHS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE"}
+
+
+def recompiled(engine: Engine, options: dict, which) -> dict:
+    """The engine's executables, those whose key (plan, kernels, steps) `which` takes compiled
+    again with the XLA compiler options `options`."""
     executables = dict(engine._executables)
-    for plan, kernels, steps in [key for key in executables if not key[0].has_conditionals]:
+    for plan, kernels, steps in [key for key in executables if which(*key)]:
         args, static = engine._step_call(plan, BatchMeta.empty(plan), np.zeros((steps, 0), np.int32), kernels, steps)
         lowered = jit_layer_stack.lower(*args, **static)
-        executables[plan, kernels, steps] = lowered.compile(compiler_options=COMMAND_BUFFERS_OFF)
+        executables[plan, kernels, steps] = lowered.compile(compiler_options=options)
     return executables
 
 
@@ -154,6 +164,9 @@ def main(argv=None) -> int:
     p.add_argument("--decode-steps", type=step_counts, default=[1],
                    help="EngineOptions.decode_steps, one variant each (e.g. 1,8: rows 'decode' and 'decode (runs "
                         "of 8)', interleaved over --rounds)")
+    p.add_argument("--loop-in-graphs", action="store_true",
+                   help="also time each decode run (--decode-steps K > 1) with its loop inside XLA's command "
+                        "buffers (WHILE among their types): rows 'decode (runs of K, loop in graphs)'")
     p.add_argument("--rounds", type=int, default=3,
                    help="runs of each variant with --compare-command-buffers or several --decode-steps")
     p.add_argument("--out", default=None, help="write the step records and the medians as JSON here")
@@ -164,6 +177,10 @@ def main(argv=None) -> int:
         p.error(f"--decode-steps must be distinct positive integers, got {a.decode_steps}")
     if a.compare_command_buffers and a.decode_steps != [1]:
         p.error("--compare-command-buffers times single steps: leave --decode-steps out")
+    if a.loop_in_graphs and max(a.decode_steps) == 1:
+        p.error("--loop-in-graphs times decode runs: give --decode-steps with a K > 1")
+    if a.loop_in_graphs and a.host_only:
+        p.error("--host-only runs no program: nothing to compare")
     if a.profile and a.decode_steps != [1]:
         p.error("--profile reads one trace span a step: leave --decode-steps out")
     if a.rounds < 1:
@@ -200,13 +217,18 @@ def main(argv=None) -> int:
         print(f"warm-up: {compiled} programs in {time.perf_counter() - t0:.1f} s", flush=True)
     # a row name's suffix -> (the executables the runs use (None: the engine's own), decode_steps)
     variants = {("" if k == 1 else f" (runs of {k})"): (None, k) for k in a.decode_steps}
+    if a.loop_in_graphs:
+        variants.update({f" (runs of {k}, loop in graphs)": (
+            recompiled(engine, LOOP_IN_GRAPHS, lambda plan, kernels, steps, k=k: steps == k), k)
+            for k in a.decode_steps if k > 1})
     if a.compare_command_buffers:
-        variants = {"": (dict(engine._executables), 1), " (command buffers off)": (command_buffers_off(engine), 1)}
+        variants = {"": (None, 1), " (command buffers off)": (
+            recompiled(engine, COMMAND_BUFFERS_OFF, lambda plan, kernels, steps: not plan.has_conditionals), 1)}
+    own = dict(engine._executables)  # the variants' None
     results = {suffix: [] for suffix in variants}
     for _ in range(a.rounds if len(variants) > 1 else 1):  # the variants interleaved
         for suffix, (executables, k) in variants.items():
-            if executables is not None:
-                engine._executables = executables
+            engine._executables = own if executables is None else executables
             results[suffix].append(engine.run(specs, max_steps=output_len, progress=False, decode_steps=k))
     rows = {}
     for suffix, runs in results.items():
@@ -230,8 +252,7 @@ def main(argv=None) -> int:
                   f"compiled {r['new_programs']}", flush=True)
     traced = {}
     for suffix, (executables, _) in variants.items() if a.profile else ():
-        if executables is not None:
-            engine._executables = executables
+        engine._executables = own if executables is None else executables
         trace_dir = f"{a.profile}_command_buffers_off" if suffix else a.profile
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             again = engine.run(specs, max_steps=output_len, progress=False)

@@ -247,15 +247,17 @@ def test_engine_bench_host_only_packs_every_step_and_compiles_nothing(tmp_path):
     assert all(r["new_programs"] == 0 and 0 < r["launch_ms"] <= r["host_ms"] for r in medians.values()), medians
 
 
-def test_engine_bench_times_decode_runs_alone(tmp_path):
-    """--smoke --decode-steps 4 (no single-step variant): the decode rows are the runs' steps, none
-    compiles, and the JSON is written."""
-    _run("bench_engine.py", "--smoke", "--seqs", "4", "--decodes", "4", "--decode-steps", "4", "--out",
-         str(tmp_path / "engine.json"), cwd=tmp_path)
+def test_engine_bench_times_decode_runs_alone_and_with_their_loop_in_graphs(tmp_path):
+    """--smoke --decode-steps 4 --loop-in-graphs (no single-step variant): both variants' decode
+    rows are the runs' steps, none compiles, and the JSON is written."""
+    _run("bench_engine.py", "--smoke", "--seqs", "4", "--decodes", "4", "--decode-steps", "4", "--loop-in-graphs",
+         "--rounds", "1", "--out", str(tmp_path / "engine.json"), cwd=tmp_path)
     result = json.loads((tmp_path / "engine.json").read_text())
-    runs = result["medians"]["decode (runs of 4)"]
-    assert set(result["medians"]) <= {"decode (runs of 4)", "prefill (runs of 4)"}
-    assert runs["steps"] >= 4 and runs["new_programs"] == 0 and 0 < runs["host_share"]
+    names = {"decode (runs of 4)", "decode (runs of 4, loop in graphs)"}
+    assert names <= set(result["medians"]) <= names | {"prefill (runs of 4)", "prefill (runs of 4, loop in graphs)"}
+    for name in names:
+        runs = result["medians"][name]
+        assert runs["steps"] >= 4 and runs["new_programs"] == 0 and 0 < runs["host_share"]
     assert result["summary"]["num_requests"] == 4
 
 
