@@ -61,15 +61,16 @@ class OpImpl:
 @dataclasses.dataclass(frozen=True)
 class Implementations:
     """One OpImpl per op (hashable: part of a jitted forward's static state), and whether the
-    layer's per-head latent einsums (model.per_head) take their operands in the config's dtype
-    (f32 accumulation: the GPU) or in float32 (XLA's CPU backend has no batched bf16 x bf16 -> f32
-    dot, and a bf16-output one accumulates in bf16)."""
+    layer's dots with config-dtype operands or results (model.per_head, model.linear) run in
+    float32 and round after (XLA's CPU backend: it has no batched bf16 x bf16 -> f32 dot, and a
+    bf16-output one accumulates in bf16) or take and write the config's dtype with float32
+    accumulation inside the dot (the GPU: no float32 copies, no convert kernels)."""
 
     indexer_logits: OpImpl
     topk: OpImpl
     sparse_mla: OpImpl
     dense_mha: OpImpl
-    per_head_in_f32: bool
+    dots_in_f32: bool
 
 
 XLA = OpImpl("xla")
@@ -104,7 +105,7 @@ def resolve(kernels: str, config) -> Implementations:
     check_kernels(kernels)
     interpret = interpret_mode()
     if kernels == "xla" or (kernels == "auto" and interpret):
-        return Implementations(XLA, XLA, XLA, XLA, per_head_in_f32=interpret)
+        return Implementations(XLA, XLA, XLA, XLA, dots_in_f32=interpret)
     hopper = not interpret and on_hopper()
     triton = OpImpl("triton", interpret=interpret)
     indexer = OpImpl("mosaic") if hopper and config.indexer_dtype in MOSAIC_INDEXER_DTYPES else triton
@@ -114,7 +115,7 @@ def resolve(kernels: str, config) -> Implementations:
     dense = XLA if too_few_threads or dense_unsupported else OpImpl("mosaic", interpret=interpret)
     topk = OpImpl("mosaic") if hopper else triton
     return Implementations(indexer_logits=indexer, topk=topk, sparse_mla=sparse, dense_mha=dense,
-                           per_head_in_f32=interpret)
+                           dots_in_f32=interpret)
 
 
 def _sparse_mosaic_takes(config) -> bool:

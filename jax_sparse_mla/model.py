@@ -33,17 +33,22 @@ def _precision(config: MLAConfig):
     return ops.matmul_precision(config.jnp_dtype)
 
 
-def linear(x, weight, config: MLAConfig):
-    """x: [..., in] @ weight[out, in]^T -> [..., out] float32 (operands in config.dtype)."""
-    return jnp.einsum("...i,oi->...o", x.astype(config.jnp_dtype), weight.astype(config.jnp_dtype),
-                      precision=_precision(config), preferred_element_type=jnp.float32)
+def linear(x, weight, config: MLAConfig, *, dtype=jnp.float32, in_f32: bool = True):
+    """x: [..., in] @ weight[out, in]^T -> [..., out] in dtype, accumulated in float32 (operands
+    in config.dtype). in_f32 (Implementations.dots_in_f32): the product in float32, then rounded
+    to dtype; else the dot writes dtype itself (a GPU's accumulates in float32 whatever it
+    writes: no float32 product and no convert kernel, 0.2 ms for q_b_proj's at 4096 rows on an
+    H100). The same rounding either way."""
+    out = jnp.einsum("...i,oi->...o", x.astype(config.jnp_dtype), weight.astype(config.jnp_dtype),
+                     precision=_precision(config), preferred_element_type=jnp.float32 if in_f32 else dtype)
+    return out.astype(dtype)
 
 
 def per_head(spec: str, a, w, config: MLAConfig, *, in_f32: bool, dtype=jnp.float32):
     """A per-head einsum with W_UK / W_UV [H, d, R] -> dtype, accumulated in float32. The operands
     keep their own (promoted) dtype: a GPU's TF32 reads bf16 values exactly, so a float32 copy of
     bf16 rows and weights only costs bytes (its f32 rows were most of a decode step's padding
-    cost). in_f32 (Implementations.per_head_in_f32: XLA's CPU backend has no batched bf16 x bf16
+    cost). in_f32 (Implementations.dots_in_f32: XLA's CPU backend has no batched bf16 x bf16
     -> f32 dot) casts them to float32 first."""
     operands = jnp.dtype(jnp.float32 if in_f32 else jnp.promote_types(a.dtype, w.dtype))
     out = jnp.einsum(spec, a.astype(operands), w.astype(operands), precision=_precision(config),
@@ -51,7 +56,7 @@ def per_head(spec: str, a, w, config: MLAConfig, *, in_f32: bool, dtype=jnp.floa
     return out.astype(dtype)
 
 
-def projection_matmuls(params, x, config: MLAConfig):
+def projection_matmuls(params, x, config: MLAConfig, *, in_f32: bool = True):
     """The projections' matmuls over rows, x [T, hidden] -> (qr [T, q_lora] (q_a_proj, normed),
     q [T, H * qk_head_dim] (q_b_proj), kv [T, R + rope] (kv_a_proj_with_mqa), k [T, D]
     (indexer.wk)), float32 but q in config.dtype (rounded where DeepSeek's reference rounds it:
@@ -59,10 +64,10 @@ def projection_matmuls(params, x, config: MLAConfig):
     projections whose cost follows the rows (a cond plan runs it over about its real rows);
     `projections` finishes them row by row. q_b_proj stays one
     matmul: as two over slices of its weight, both dispatches' layer steps took 0.07-0.13 ms
-    longer on an H100 (the slices copied every step)."""
+    longer on an H100 (the slices copied every step). in_f32: linear's, for q."""
     c_ = config
     qr = ops.rms_norm(linear(x, params["q_a_proj.weight"], c_), params["q_a_layernorm.weight"], c_.rms_norm_eps)
-    return (qr, linear(qr, params["q_b_proj.weight"], c_).astype(c_.jnp_dtype),
+    return (qr, linear(qr, params["q_b_proj.weight"], c_, dtype=c_.jnp_dtype, in_f32=in_f32),
             linear(x, params["kv_a_proj_with_mqa.weight"], c_),
             linear(x, params["indexer.wk.weight"], c_))
 
@@ -568,7 +573,7 @@ def forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib
     positions = jnp.maximum(meta.positions, 0)
 
     def project(n):  # the first n rows' matmuls, zero past them
-        return _pad_rows(projection_matmuls(params, x[:n], c_), T)
+        return _pad_rows(projection_matmuls(params, x[:n], c_, in_f32=impl.dots_in_f32), T)
 
     with jax.named_scope("projections"):  # row-wise work outside the conditional, fused into its readers
         qr, q_nope, q_pe, c, k_pe, k_index = projections(params, _over_rows(project, plan, meta), positions, c_)
@@ -584,9 +589,9 @@ def forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib
     score = functools.partial(_topk_positions, params, x, qr, positions, cache, meta, config=c_, impl=impl,
                               tensor_axis=tensor_axis)
     attend = functools.partial(_sparse_attention, q_nope, q_pe, w_uk, w_uv, cache, meta, config=c_,
-                               impl=impl.sparse_mla, in_f32=impl.per_head_in_f32)
+                               impl=impl.sparse_mla, in_f32=impl.dots_in_f32)
     dense = functools.partial(_dense_prefill, q_nope, q_pe, w_uk, w_uv, cache, meta, c_, impl.dense_mha,
-                              impl.per_head_in_f32)
+                              impl.dots_in_f32)
     heads = jax.ShapeDtypeStruct((T, H, c_.v_head_dim), c_.jnp_dtype)  # (o_proj reads it in config.dtype)
     if plan.use_dense_mha is None:  # dispatch="cond": the serving program
         out_heads = _cond_program(score, attend, dense, plan, meta, heads, c_.index_topk)
@@ -596,8 +601,9 @@ def forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib
         out_heads = _sparse_program(score, attend, plan, meta, heads)
 
     def o_proj(n):  # the first n rows' output, zero past them (in config.dtype, unless summed over shards)
-        out = linear(out_heads[:n].reshape(n, H * c_.v_head_dim), params["o_proj.weight"], c_)
-        return _pad_rows(out if tensor_axis is not None else out.astype(c_.jnp_dtype), T)
+        out = linear(out_heads[:n].reshape(n, H * c_.v_head_dim), params["o_proj.weight"], c_,
+                     dtype=jnp.float32 if tensor_axis is not None else c_.jnp_dtype, in_f32=impl.dots_in_f32)
+        return _pad_rows(out, T)
 
     with jax.named_scope("o_proj"):
         out = _over_rows(o_proj, plan, meta)

@@ -77,7 +77,7 @@ def measure(config: MLAConfig, context_len: int, query_len: int, repeats: int, s
         q, lat, None, pe, s, scale=c_.softmax_scale, pages=pages, page_size=c_.page_size, dequantize="kernel",
         **impl.sparse_mla.kwargs)[0])
     q_nope = normal(keys[6], (query_len, H, c_.qk_nope_head_dim))
-    in_f32 = impl.per_head_in_f32
+    in_f32 = impl.dots_in_f32
     absorb = jax.jit(lambda qn, lat_out: (per_head("thn,hnr->thr", qn, w_uk, c_, in_f32=in_f32, dtype=dt),
                                           per_head("thr,hvr->thv", lat_out, w_uv, c_, in_f32=in_f32, dtype=dt)))
     lat_out = jnp.zeros((query_len, H, c_.kv_lora_rank), jnp.float32)

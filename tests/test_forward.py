@@ -559,10 +559,27 @@ def test_projections_round_q_where_deepseeks_reference_does(dtype):
     np.testing.assert_array_equal(np.asarray(q_nope, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("in_f32", [True, pytest.param(False, marks=pytest.mark.gpu)])
+def test_linear_rounds_its_float32_accumulation_once(in_f32):
+    """linear into bf16 equals the float32 product rounded to bf16: in float32 then rounded (the
+    CPU's way) or written in bf16 by the dot itself (the GPU's: f32 accumulation inside it), to
+    one bf16 rounding step (the two products may sum in another order)."""
+    config = MLAConfig.tiny(dtype="bfloat16")
+    kx, kw = jax.random.split(jax.random.key(4))
+    x = jax.random.normal(kx, (300, 96), jnp.float32)
+    w = jax.random.normal(kw, (200, 96), jnp.float32)
+    got = jax.jit(lambda x, w: linear(x, w, config, dtype=jnp.bfloat16, in_f32=in_f32))(x, w)
+    assert got.dtype == jnp.bfloat16
+    want = linear(x, w, config)  # float32
+    assert want.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2 ** -7, atol=1e-6)
+    assert rel_err(got.astype(jnp.float32), want) < 4e-3
+
+
 @pytest.mark.parametrize("kernels", kernel_ops.CHOICES)
 def test_per_head_einsums_run_in_float32_off_the_gpu(kernels):
     """XLA's CPU backend has no batched bf16 x bf16 -> f32 dot: resolve says so off the GPU."""
-    assert kernel_ops.resolve(kernels, MLAConfig.tiny(dtype="bfloat16")).per_head_in_f32 == (jax.default_backend() != "gpu")
+    assert kernel_ops.resolve(kernels, MLAConfig.tiny(dtype="bfloat16")).dots_in_f32 == (jax.default_backend() != "gpu")
 
 
 @pytest.mark.gpu
