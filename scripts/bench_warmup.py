@@ -180,7 +180,8 @@ def main(argv=None) -> int:
               "limits": {k: getattr(args, k) for k in LIMITS}, "count_programs": counts, "programs": args.programs,
               "decode_steps": args.decode_steps, "date": time.strftime("%Y-%m-%d %H:%M"), "phases": {}}
     print(f"{result['config']}, kv {args.kv}, dispatch {args.dispatch}, {result['limits']}: count_programs {counts}; "
-          f"warming up {chosen} of them ({args.programs}, and the decode runs')", flush=True)
+          f"warming up {chosen} of them ({args.programs}{', and the decode runs' if decode_plans else ''})",
+          flush=True)
     write(args.out, result)
     store = args.store or tempfile.mkdtemp(prefix="bench_warmup_store_")
     try:
