@@ -307,7 +307,8 @@ class HloScopes:
                 self.instructions[name] = _Instruction(computation, *_operation(rest), op_name and op_name.group(1),
                                                        frame and int(frame.group(1)), dedup and dedup.group(1), calls,
                                                        _result_shape(rest))
-        self._members, self._position, callers = defaultdict(list), {}, defaultdict(list)
+        self._members, self._position, self._callers = defaultdict(list), {}, defaultdict(list)
+        callers = self._callers
         edges = {"users": defaultdict(list), "operands": defaultdict(list)}
         for name, ins in self.instructions.items():
             self._position[name] = len(self._members[ins.computation])
@@ -380,8 +381,9 @@ class HloScopes:
         instruction whose thunk it is (XLA:GPU kernels and copies, XLA:CPU thunks). Where hlo_op
         names a call or no instruction of the module (XLA:GPU command buffers launch their kernels
         under the buffer's name, "command_buffer_1"), by the kernel's name (the event's name):
-        the fusions of that name (within the call's computations) or the Pallas custom calls
-        (Mosaic GPU's "<name>_mosaic_gpu_kernel", Triton's "<name>" or "<name>__<n>")."""
+        the fusions of that name (within the call's computations where any is, else in the module:
+        a loop's kernels under a graph's WHILE node are named by the loop's fusions) or the Pallas
+        custom calls (Mosaic GPU's "<name>_mosaic_gpu_kernel", Triton's "<name>" or "<name>__<n>")."""
         op = args.get("hlo_op")
         if op in self.instructions and self.instructions[op].opcode != "call":
             return {op}
@@ -389,7 +391,7 @@ class HloScopes:
         found = self._kernels.get(re.sub(r"[.\-]", "_", kernel), set())
         if op in self.instructions:
             within = self.reachable(op)
-            found = {i for i in found if self.instructions[i].computation in within}
+            found = {i for i in found if self.instructions[i].computation in within} or found
         return found
 
     def unmatched_around(self, before: str | None, after: str | None, matched: set[str]) -> set[str]:
@@ -398,12 +400,15 @@ class HloScopes:
         work scheduled right after `before` and right before `after` in their computations (the
         text's order is the schedule) that no event's name matched, up to a matched or control-flow
         instruction; that control-flow instruction where there is no such work (a command buffer's
-        set_case_condition kernel: its conditional)."""
-        out = set()
+        set_case_condition kernel: its conditional). Where neither side finds any, the control-flow
+        instructions calling the computation a scan left (`before`'s first: a graph's
+        set_while_condition and predicate copy after a loop's condition: its while)."""
+        out, left = set(), []
         for name, step in ((before, 1), (after, -1)):
             if name is None:
                 continue
-            members, run = self._members[self.instructions[name].computation], []
+            computation = self.instructions[name].computation
+            members, run = self._members[computation], []
             k = self._position[name] + step
             while 0 <= k < len(members) and members[k] not in matched:
                 if self.instructions[members[k]].opcode in CONTROL_FLOW:
@@ -412,8 +417,10 @@ class HloScopes:
                 if self.instructions[members[k]].opcode not in NO_KERNEL:
                     run.append(members[k])
                 k += step
+            if not run and not 0 <= k < len(members):
+                left.append({c for c in self._callers[computation] if self.instructions[c].opcode in CONTROL_FLOW})
             out.update(run)
-        return out
+        return out or next((c for c in left if c), set())
 
 
 def _self_times(events, scopes: HloScopes) -> list[float]:
@@ -491,7 +498,7 @@ def trace_breakdown(trace_dir: str, scopes: HloScopes, steps: int) -> dict:
         scope = (candidates.pop() if len(candidates) == 1 else _named(e.get("args", {}).get("name"))) or UNATTRIBUTED
         ms = t / 1e3 / steps
         totals[scope] += ms
-        ops[scope][_op_label(scopes, ins) if len(ins) == 1 else e.get("name", "?")] += ms
+        ops[scope][_op_label(scopes, ins) if len(ins) == 1 else _event_label(e)] += ms
     traced = sum(totals.values())
     share = lambda keep: sum(t for s, t in totals.items() if keep(s)) / traced if traced else 0.0  # noqa: E731
     return {"ms": dict(sorted(totals.items(), key=lambda kv: -kv[1])), "traced_ms": traced,
@@ -500,6 +507,12 @@ def trace_breakdown(trace_dir: str, scopes: HloScopes, steps: int) -> dict:
 
 
 TOP_OPS = 4  # the ops of a scope that --profile lists, by time
+
+
+def _event_label(e) -> str:
+    """A trace event of no one instruction: its name, and its hlo_op where it has one."""
+    op = e.get("args", {}).get("hlo_op")
+    return e.get("name", "?") + (f" (hlo_op {op})" if op else "")
 
 
 def _op_label(scopes: HloScopes, instructions: set[str]) -> str:

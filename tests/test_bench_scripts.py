@@ -191,6 +191,76 @@ def test_layer_profile_matches_gpu_kernels_to_instructions(bench_layer, tmp_path
                                                    ("loop_neg_fusion.2 fusion f32[4]", pytest.approx(0.003))]
 
 
+# A loop in a command buffer (XLA:GPU with WHILE among the command types): the graph runs the
+# condition's fusion, then its own set_while_condition kernel and predicate copy, then the body.
+_LOOP_HLO = """HloModule jit_forward, is_scheduled=true
+
+%fused_lt (p.0: s32[]) -> pred[] {
+  %p.0 = s32[] parameter(0)
+  %c.0 = s32[] constant(4)
+  ROOT %lt.0 = pred[] compare(%p.0, %c.0), direction=LT, metadata={op_name="jit(forward)/indexer_logits/while/cond/lt"}
+}
+
+%fused_add (p.1: s32[]) -> s32[] {
+  %p.1 = s32[] parameter(0)
+  %c.1 = s32[] constant(1)
+  ROOT %add.0 = s32[] add(%p.1, %c.1), metadata={op_name="jit(forward)/indexer_logits/while/body/add"}
+}
+
+%fused_neg (p.2: f32[4]) -> f32[4] {
+  %p.2 = f32[4]{0} parameter(0)
+  ROOT %neg.0 = f32[4]{0} negate(%p.2), metadata={op_name="jit(forward)/indexer_logits/while/body/neg"}
+}
+
+%condition (s.0: (s32[], f32[4])) -> pred[] {
+  %s.0 = (s32[], f32[4]{0}) parameter(0)
+  %i.0 = s32[] get-tuple-element(%s.0), index=0
+  ROOT %loop_compare_fusion = pred[] fusion(%i.0), kind=kLoop, calls=%fused_lt
+}
+
+%body (s.1: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %s.1 = (s32[], f32[4]{0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%s.1), index=0
+  %v.1 = f32[4]{0} get-tuple-element(%s.1), index=1
+  %loop_neg_fusion = f32[4]{0} fusion(%v.1), kind=kLoop, calls=%fused_neg
+  %loop_add_fusion = s32[] fusion(%i.1), kind=kLoop, calls=%fused_add
+  ROOT %tuple.1 = (s32[], f32[4]{0}) tuple(%loop_add_fusion, %loop_neg_fusion)
+}
+
+%command_buffer (s.2: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %s.2 = (s32[], f32[4]{0}) parameter(0)
+  ROOT %while.1 = (s32[], f32[4]{0}) while(%s.2), condition=%condition, body=%body, metadata={op_name="jit(forward)/indexer_logits/while"}
+}
+
+%command_buffer.1 (x.3: f32[4]) -> f32[4] {
+  %x.3 = f32[4]{0} parameter(0)
+  ROOT %copy.1 = f32[4]{0} copy(%x.3), metadata={op_name="jit(forward)/o_proj/copy"}
+}
+
+ENTRY %main.2 (s.3: (s32[], f32[4])) -> f32[4] {
+  %s.3 = (s32[], f32[4]{0}) parameter(0)
+  %call.1 = (s32[], f32[4]{0}) call(%s.3), to_apply=%command_buffer
+  %v.3 = f32[4]{0} get-tuple-element(%call.1), index=1
+  ROOT %call.2 = f32[4]{0} call(%v.3), to_apply=%command_buffer.1
+}
+"""
+
+
+def test_layer_profile_attributes_a_loop_inside_a_command_buffer(bench_layer, tmp_path):
+    """A loop captured in a graph: its fusions by name (also where the event's hlo_op names
+    another command buffer's call, whose computations do not hold them), the graph's own
+    set_while_condition and predicate copy by the loop between the condition and the body: all
+    of it the while's scope, nothing unattributed."""
+    scopes = bench_layer.HloScopes(_LOOP_HLO)
+    iteration = [("loop_compare_fusion", "call.1", 1), ("set_while_condition", "call.1", 0.5),
+                 ("memcpy32_post", "call.1", 0.5), ("loop_neg_fusion", "call.2", 2), ("loop_add_fusion", "call.1", 1)]
+    _gpu_trace(tmp_path / "loop", iteration * 4 + iteration[:3] + [("copy_1", "call.2", 3)], steps=1)
+    loop = bench_layer.trace_breakdown(str(tmp_path / "loop"), scopes, steps=1)
+    assert loop["ms"] == pytest.approx({"indexer_logits": (4 * 5 + 2) / 1e3, "o_proj": 0.003})
+    assert loop["attributed_share"] == 1.0
+    assert dict(loop["ops"]["indexer_logits"])["loop_neg_fusion fusion f32[4]"] == pytest.approx(0.008)
+
+
 def test_warmup_bench_restart_loads_every_program_from_the_store(tmp_path):
     """--smoke --programs 1: --decode-steps 2 (the set but its first program, and the decode runs'
     programs): the counts come before any compile, and each phase's precompile covered the slice
