@@ -220,7 +220,8 @@ def _function_scope(frames) -> str:
     below forward and the program dispatchers on its stack: mla_projections, _dense_prefill,
     _put_rows, ...; "linear" called by forward itself is o_proj; none: "forward (other)"."""
     ours = [fn for f, fn in reversed(frames) if "jax_sparse_mla" in f]  # outermost first
-    while ours and (ours[0] in DISPATCHERS + ("<module>",) or ours[0].endswith("<lambda>")):
+    ours = ours[max((i + 1 for i, fn in enumerate(ours) if fn in DISPATCHERS), default=0):]  # (PlanJit.lower is above)
+    while ours and (ours[0] == "<module>" or ours[0].endswith("<lambda>")):
         ours = ours[1:]
     if not ours:
         return "forward (other)"

@@ -80,14 +80,17 @@ FileNames
 FunctionNames
 1 "forward"
 2 "_nonfinite_rows"
+3 "PlanJit.lower"
 
 FileLocations
 1 {file_name_id=1 function_name_id=1 line=1 end_line=1 column=1 end_column=2}
 2 {file_name_id=1 function_name_id=2 line=2 end_line=2 column=1 end_column=2}
+3 {file_name_id=1 function_name_id=3 line=3 end_line=3 column=1 end_column=2}
 
 StackFrames
-1 {file_location_id=1 parent_frame_id=0}
+1 {file_location_id=1 parent_frame_id=4}
 2 {file_location_id=2 parent_frame_id=2}
+3 {file_location_id=3 parent_frame_id=0}
 
 %fused_neg (p.0: f32[4]) -> f32[4] {
   %p.0 = f32[4]{0} parameter(0)
