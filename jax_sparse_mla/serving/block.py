@@ -17,10 +17,13 @@ arithmetic, random (seeded) weights in the config dtype:
 
 An expert is SwiGLU: down(silu(gate(x)) * up(x)). The routed experts run as grouped matmuls:
 the T * k (token, expert) pairs are sorted by expert, each expert's rows are one group, and
-`jax.lax.ragged_dot` computes gate, up and down over the groups; the rows are then unsorted and
-summed per token with the routing weights.
+`grouped_matmul` computes gate, up and down over the groups (each group's rows padded to whole
+tiles, each tile times its expert's weights, in chunks of tiles: the real rows' FLOPs plus under a
+tile a group; not `jax.lax.ragged_dot`, which XLA expands on the GPU to a dense dot over every
+expert, E times the FLOPs, whose autotuner scratch did not fit an 80 GB card); the rows are then
+unsorted and summed per token with the routing weights.
 
-Weight layout (ragged_dot's [group, in, out]; Hugging Face stores each expert's Linear as [out, in]):
+Weight layout (grouped_matmul's [group, in, out]; Hugging Face stores each expert's Linear as [out, in]):
   "attn_norm.weight" [hidden], "ffn_norm.weight" [hidden], "router.weight" [hidden, E],
   "experts.gate" [E, hidden, I], "experts.up" [E, hidden, I], "experts.down" [E, I, hidden],
   "shared.gate" [hidden, S], "shared.up" [hidden, S], "shared.down" [S, hidden].
@@ -137,9 +140,73 @@ def _swiglu(x, gate, up, down, dtype):
     return jnp.dot((jax.nn.silu(g) * u).astype(dtype), down, **kw)
 
 
+GATHERED_WEIGHT_BYTES = 1 << 29  # grouped_matmul's default bound on a chunk's gathered weights (512 MiB)
+
+
+def grouped_tiling(m: int, g: int, weight_bytes: int) -> tuple[int, int]:
+    """grouped_matmul's default (tile, chunk) for m rows in g groups whose [K, N] weights take
+    weight_bytes each. tile: the power of two at most m / g, clamped to [8, 256] (a group pads
+    under one tile, so the padding adds at most m rows, or 8 * g below 8 rows a group; 256 rows
+    already fill a matmul). chunk: as many tiles as keep their gathered weights within
+    GATHERED_WEIGHT_BYTES, at least 1."""
+    tile = int(np.clip(1 << (max(m // g, 1).bit_length() - 1), 8, 256))
+    return tile, max(1, GATHERED_WEIGHT_BYTES // weight_bytes)
+
+
+def grouped_matmul(x, w, group_sizes, *, tile: int | None = None, chunk: int | None = None,
+                   precision=None, preferred_element_type=None):
+    """x [M, K] rows sorted by group, w [G, K, N], group_sizes [G] int32 (non-negative, summing to
+    M; traced, not checked) -> [M, N] in preferred_element_type (None: x's dtype): row i is
+    x[i] @ w[group of i], what jax.lax.ragged_dot computes. Why not ragged_dot: XLA lowers it to a
+    dense [M, G * K] x [G * K, N] dot (each row expanded over every group), G times the FLOPs, and
+    on an 80 GB GPU its autotuner's scratch for the MoE stand-in did not fit.
+
+    How: each group's rows are laid out from a multiple of `tile` rows, in a padded layout of
+    ceil(M / tile) + G tiles (an upper bound: a group pads under one tile); positions past a
+    group's rows hold zeros (selected, never another row's values times 0), and each tile is
+    tagged with its group (tiles past the last used one: group G - 1, all zeros, never read
+    back). lax.map computes the tiles `chunk` at a time (the tiles split evenly over the fewest
+    chunks): it gathers the chunk's rows and weights w[tile group] [chunk, K, N] and runs one
+    batched matmul [chunk, tile, K] x [chunk, K, N]; each row's result is then gathered from its
+    padded position. Cost: the FLOPs of at most M + G * tile rows, and a [K, N] weight gather a
+    tile (about M / tile + G of them); memory: a chunk's rows and weights, and the padded
+    [tiles * tile, N] result. tile (rows a tile) / chunk (tiles a lax.map step, at most) None:
+    grouped_tiling's; ValueError naming tile or chunk if not a positive integer."""
+    m, k = x.shape
+    g, _, n = w.shape
+    default_tile, default_chunk = grouped_tiling(m, g, k * n * w.dtype.itemsize)
+    tile = default_tile if tile is None else as_int(tile, "tile", 1)
+    chunk = default_chunk if chunk is None else as_int(chunk, "chunk", 1)
+    n_tiles = -(-m // tile) + g
+    n_chunks = -(-n_tiles // chunk)
+    chunk = -(-n_tiles // n_chunks)
+    n_tiles = n_chunks * chunk
+    sizes = group_sizes.astype(jnp.int32)
+    row_start = jnp.cumsum(sizes) - sizes                        # [G] each group's first row in x
+    group_tiles = -(-sizes // tile)
+    tile_start = jnp.cumsum(group_tiles) - group_tiles           # [G] each group's first tile
+    tile_group = jnp.minimum(jnp.searchsorted(tile_start + group_tiles, jnp.arange(n_tiles), side="right"),
+                             g - 1)                              # [n_tiles]
+    pos = jnp.arange(n_tiles * tile)                             # padded position -> its row of x
+    pos_group = tile_group[pos // tile]
+    j = pos - tile_start[pos_group] * tile                       # its row within the group
+    real = j < sizes[pos_group]
+    src = jnp.where(real, row_start[pos_group] + j, 0)
+
+    def one(args):
+        src, real, groups = args                                 # [chunk * tile], [chunk * tile], [chunk]
+        xs = jnp.where(real[:, None], x[src], jnp.zeros((), x.dtype)).reshape(chunk, tile, k)
+        return jnp.matmul(xs, w[groups], precision=precision, preferred_element_type=preferred_element_type)
+
+    y = jax.lax.map(one, (src.reshape(n_chunks, -1), real.reshape(n_chunks, -1), tile_group.reshape(n_chunks, -1)))
+    rows = jnp.arange(m)
+    row_group = jnp.searchsorted(row_start + sizes, rows, side="right")
+    return y.reshape(-1, n)[tile_start[row_group] * tile + rows - row_start[row_group]]
+
+
 def moe_ffn(params, x, moe: MoEConfig):
     """The MoE FFN on x [T, hidden] (config dtype) -> [T, hidden] float32: routed experts through
-    ragged_dot grouped matmuls plus the shared expert."""
+    grouped_matmul plus the shared expert."""
     dtype = x.dtype
     T, k, E = x.shape[0], moe.num_experts_per_tok, moe.num_experts
     weights, experts = route(params, x, moe)
@@ -148,10 +215,10 @@ def moe_ffn(params, x, moe: MoEConfig):
     group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     xs = x[order // k]                               # [T * k, hidden] each pair's token
     kw = dict(precision=ops.matmul_precision(dtype), preferred_element_type=jnp.float32)
-    g = jax.lax.ragged_dot(xs, params["experts.gate"], group_sizes, **kw)
-    u = jax.lax.ragged_dot(xs, params["experts.up"], group_sizes, **kw)
+    g = grouped_matmul(xs, params["experts.gate"], group_sizes, **kw)
+    u = grouped_matmul(xs, params["experts.up"], group_sizes, **kw)
     h = (jax.nn.silu(g) * u).astype(dtype)
-    y = jax.lax.ragged_dot(h, params["experts.down"], group_sizes, **kw)
+    y = grouped_matmul(h, params["experts.down"], group_sizes, **kw)
     y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # unsort: back to (token, slot) order
     out = jnp.einsum("tkh,tk->th", y.reshape(T, k, -1), weights, precision=kw["precision"])
     if moe.shared_size:

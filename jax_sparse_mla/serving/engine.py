@@ -402,7 +402,7 @@ class Engine:
 
     block: "attention" (default): each layer is x = x + attn(x); "decoder": each layer is a
       DeepSeek-V3.2 decoder block, x = x + attn(RMSNorm(x)); x = x + moe(RMSNorm(x)), with the
-      MoE FFN stand-in of serving.block (random routing and experts through ragged_dot).
+      MoE FFN stand-in of serving.block (random routing and experts through grouped_matmul).
     moe: the decoder block's MoEConfig (default MoEConfig.for_config(config): DeepSeek-V3.2's 256
       experts, 8 active, intermediate 2048, one shared expert at hidden 7168; 8/2/32 otherwise).
     params: list of N per-layer param dicts (default: init_params with keys fold_in(seed, layer)).
