@@ -73,19 +73,26 @@ def projection_matmuls(params, x, config: MLAConfig, *, in_f32: bool = True):
 
 
 def projections(params, matmuls, positions, config: MLAConfig):
-    """Queries, latent and indexer key of each row from projection_matmuls' output and positions
-    [T] -> (qr, q_nope [T, H, nope], q_pe [T, H, rope] (rope applied), c [T, R], k_pe [T, rope]
-    (rope applied), k_index [T, D]), float32 but q_nope and q_pe: config.dtype (DeepSeek's
-    reference rounds q's rope there too, and every reader rounds it there: the [T, H, rope]
-    float32 copy was the largest of a bucket's row-wise tensors)."""
+    """Latent and indexer key of each row from projection_matmuls' output and positions [T] ->
+    (qr, q [T, H, qk_head] (q_b_proj's output: `query_parts` of the rows a stage reads), c [T, R],
+    k_pe [T, rope] (rope applied), k_index [T, D]), float32 but q (config.dtype)."""
     c_ = config
     qr, q, kv, k = matmuls
-    q = q.reshape(q.shape[0], c_.num_attention_heads, c_.qk_head_dim)
-    q_nope, q_pe = q[..., : c_.qk_nope_head_dim], q[..., c_.qk_nope_head_dim:]
     c = ops.rms_norm(kv[:, : c_.kv_lora_rank], params["kv_a_layernorm.weight"], c_.rms_norm_eps)
     k_pe = ops.rope_interleaved(kv[:, c_.kv_lora_rank:], positions, c_)
-    return (qr, q_nope, ops.rope_interleaved(q_pe, positions, c_).astype(c_.jnp_dtype), c, k_pe,
+    return (qr, q.reshape(q.shape[0], c_.num_attention_heads, c_.qk_head_dim), c, k_pe,
             _indexer_key(params, k, positions, c_))
+
+
+def query_parts(q, positions, config: MLAConfig):
+    """q [N, H, qk_head] (q_b_proj's output, config.dtype) of rows at positions [N] -> (q_nope [N,
+    H, nope], q_pe [N, H, rope] (rope applied)), config.dtype (DeepSeek's reference rounds q's
+    rope there too). Each stage computes its own rows' where it reads them: in a cond program a
+    split outside the stages' conditionals is written out for their branches (0.17 ms a step at
+    4096 rows, H100)."""
+    c_ = config
+    q_pe = ops.rope_interleaved(q[..., c_.qk_nope_head_dim:], positions, c_)
+    return q[..., : c_.qk_nope_head_dim], q_pe.astype(c_.jnp_dtype)
 
 
 def mla_projections(params, x, positions, config: MLAConfig):
@@ -94,7 +101,8 @@ def mla_projections(params, x, positions, config: MLAConfig):
     x: [T, hidden], positions: [T] -> qr [T, q_lora], q_nope [T, H, nope], q_pe [T, H, rope] (rope
     applied), c [T, R], k_pe [T, rope] (rope applied); float32 but q_nope and q_pe (config.dtype).
     """
-    return projections(params, projection_matmuls(params, x, config), positions, config)[:5]
+    qr, q, c, k_pe, _ = projections(params, projection_matmuls(params, x, config), positions, config)
+    return (qr, *query_parts(q, positions, config), c, k_pe)
 
 
 def _indexer_key(params, k, positions, config: MLAConfig):
@@ -185,9 +193,11 @@ def _nonfinite_rows(x, meta: BatchMeta, num_seqs: int):
     on every route, so that a corrupted request never looks healthy; other requests' rows are
     untouched (the flag follows meta.row_seq)."""
     real = meta.positions >= 0
-    bad = real & ~jnp.all(jnp.isfinite(x), axis=-1)
+    # the row flags written out first: fused into the scatter's indices, each row's reduction over
+    # its hidden values ran in one thread (the scatter fusion took 0.17 ms at 8192 rows, H100)
+    bad = jax.lax.optimization_barrier(real & ~jnp.all(jnp.isfinite(x), axis=-1))
     # only the bad rows reach the scatter (the others are dropped): a scatter-min of every row
-    # into its sequence's entry serialises on one entry per sequence (0.17 ms at 8192 rows, H100)
+    # into its sequence's entry serialises on one entry per sequence
     first_bad = jnp.full((num_seqs,), INT32_MAX, jnp.int32).at[jnp.where(bad, meta.row_seq, num_seqs)].min(
         meta.positions, mode="drop")
     return real & (meta.positions >= first_bad[meta.row_seq])
@@ -257,11 +267,12 @@ def _pick(a, rows):
     return a[:rows] if isinstance(rows, int) else take_rows(a, rows)
 
 
-def _dense_prefill(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: BatchMeta, config: MLAConfig,
+def _dense_prefill(q, positions, w_uk, w_uv, cache: cache_lib.PagedCache, meta: BatchMeta, config: MLAConfig,
                    impl: kernel_ops.OpImpl, in_f32: bool, num_keys: int | None = None, select=None, max_kv_len=None):
     """Dense causal MHA of the sequences routed dense or masked, packed (no padding to the longest).
 
-    q_nope [T, H, nope], q_pe [T, H, rope]: every row's queries; w_uk [H, nope, R], w_uv [H, v, R];
+    q [T, H, qk_head], positions [T]: every row's queries (`query_parts`) and positions; w_uk [H,
+    nope, R], w_uv [H, v, R];
     keys from the cache slots meta.dense_key_slots (their first num_keys only, when given: the
     caller knows the real keys fit), K of them; queries of the first K rows of meta.dense_rows
     (a sequence's rows are at most its keys, so those hold every real one: the call's query side
@@ -285,7 +296,7 @@ def _dense_prefill(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: 
         v = per_head("kr,hvr->khv", c, w_uv, c_, in_f32=in_f32, dtype=dt)
         k_pe = jnp.broadcast_to(k_pe[:, None], (k_pe.shape[0], c_.num_attention_heads, k_pe.shape[-1]))
         k = jnp.concatenate([k_nope, k_pe], -1)  # [K, H, qk]
-        q = jnp.concatenate([take_rows(q_nope, rows), take_rows(q_pe, rows)], -1)  # [N, H, qk]
+        q = jnp.concatenate(query_parts(take_rows(q, rows), take_rows(positions, rows), c_), -1)  # [N, H, qk]
     with jax.named_scope("dense_mha"):
         out = kernel_ops.dense_mha(q, k, v, meta.dense_query_start, meta.dense_key_start,
                                    scale=c_.softmax_scale, selection=None if select is None else select(rows),
@@ -351,18 +362,19 @@ def _score_rows(params, x, qr, positions, cache: cache_lib.PagedCache, meta: Bat
         return kernel_ops.topk(logits, c_.index_topk, lengths=row_end, **impl.topk.kwargs)  # a row reads its causal keys
 
 
-def _sparse_attention(q_nope, q_pe, w_uk, w_uv, cache: cache_lib.PagedCache, meta: BatchMeta, rows, top_positions,
+def _sparse_attention(q, positions, w_uk, w_uv, cache: cache_lib.PagedCache, meta: BatchMeta, rows, top_positions,
                       pages, group: RowGroup, *, config: MLAConfig, impl: kernel_ops.OpImpl, in_f32: bool):
     """Absorbed sparse attention of `rows` (as _pick's) over their top-k key positions [N, topk]
-    (-1 padded), on `pages` (page ids, -1 ignored) -> [N, H, v] in config.dtype. q_nope, q_pe,
+    (-1 padded), on `pages` (page ids, -1 ignored) -> [N, H, v] in config.dtype. q, positions,
     w_uk, w_uv as in _dense_prefill; group: the plan's RowGroup of these rows (its fp8
     dequantisation route); in_f32: per_head's."""
     c_ = config
     dt = c_.jnp_dtype
     slots = positions_to_slots(top_positions, meta.block_tables, _pick(meta.row_seq, rows), c_.page_size)
     with jax.named_scope("sparse_attention"):
-        q_lat = per_head("thn,hnr->thr", _pick(q_nope, rows), w_uk, c_, in_f32=in_f32, dtype=dt)
-        q_abs = jnp.concatenate([q_lat, _pick(q_pe, rows)], -1)  # (q_pe is in config.dtype)
+        q_nope, q_pe = query_parts(_pick(q, rows), _pick(positions, rows), c_)
+        q_lat = per_head("thn,hnr->thr", q_nope, w_uk, c_, in_f32=in_f32, dtype=dt)
+        q_abs = jnp.concatenate([q_lat, q_pe], -1)  # (q_pe is in config.dtype)
         out_lat, _ = kernel_ops.sparse_mla(q_abs, cache.flat("latent"), cache.flat("latent_scale"),
                                            cache.flat("k_pe"), slots, scale=c_.softmax_scale, pages=pages,
                                            page_size=c_.page_size, dequantize=group.dequantize, **impl.kwargs)
@@ -576,7 +588,7 @@ def forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib
         return _pad_rows(projection_matmuls(params, x[:n], c_, in_f32=impl.dots_in_f32), T)
 
     with jax.named_scope("projections"):  # row-wise work outside the conditional, fused into its readers
-        qr, q_nope, q_pe, c, k_pe, k_index = projections(params, _over_rows(project, plan, meta), positions, c_)
+        qr, q, c, k_pe, k_index = projections(params, _over_rows(project, plan, meta), positions, c_)
     # Both caches are written first: the dense program still fills the indexer key cache,
     # or later decode steps would score against stale keys.
     with jax.named_scope("cache_write"):
@@ -588,9 +600,9 @@ def forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib
     # The stages over this step's rows and written cache: what each reads is in its arguments.
     score = functools.partial(_topk_positions, params, x, qr, positions, cache, meta, config=c_, impl=impl,
                               tensor_axis=tensor_axis)
-    attend = functools.partial(_sparse_attention, q_nope, q_pe, w_uk, w_uv, cache, meta, config=c_,
+    attend = functools.partial(_sparse_attention, q, positions, w_uk, w_uv, cache, meta, config=c_,
                                impl=impl.sparse_mla, in_f32=impl.dots_in_f32)
-    dense = functools.partial(_dense_prefill, q_nope, q_pe, w_uk, w_uv, cache, meta, c_, impl.dense_mha,
+    dense = functools.partial(_dense_prefill, q, positions, w_uk, w_uv, cache, meta, c_, impl.dense_mha,
                               impl.dots_in_f32)
     heads = jax.ShapeDtypeStruct((T, H, c_.v_head_dim), c_.jnp_dtype)  # (o_proj reads it in config.dtype)
     if plan.use_dense_mha is None:  # dispatch="cond": the serving program

@@ -8,7 +8,7 @@ while the device runs step N, so host time under the device's is hidden.
     python scripts/bench_engine.py --smoke [--decodes 64]    # CPU: tiny config, 8 x 40 tokens, 2 layers
     python scripts/bench_engine.py --host-only [--seqs 256 --context 4096]    # any machine: the host alone
     python scripts/bench_engine.py --compare-command-buffers [--rounds 3] [--profile DIR]    # GPU
-    python scripts/bench_engine.py --decode-steps 1,8 --loop-in-graphs [--rounds 2]    # GPU
+    python scripts/bench_engine.py --decode-steps 1,8 --loop-in-graphs [--rounds 2] [--profile DIR]    # GPU
 
 Every request has the same prompt and is sent at once; the scheduler puts decodes first, so the
 early requests decode while the later ones still prefill. Each request's output is long enough
@@ -34,15 +34,18 @@ WHILE among XLA's command-buffer types (the default types hold none, so the host
 run's loop and launches each step's graphs), interleaved with the others: rows "decode (runs of
 K, loop in graphs)".
 
---profile DIR runs the workload once more under jax.profiler.trace(DIR) and prints, for the
-steps in which every sequence decodes, what the trace shows (`trace_shares`; each step's
-scheduling, planning and dispatch is an engine.STEP_ANNOTATION span): the wall time a step, the
-device's busy time a step (the union of its stream events; on a CPU, XLA's thunks) and the share
-of the window it is busy, and the host part's time a step, then the events that take the most
-of the host part (where its planning and launch go). A device busy well under the step is a
-step that waits on the host. Where the run has three or more prefill steps, the same for them
-(their programs have conditionals: a dispatch returns only near its step's end, so the device
-idles while the host plans the next step; their busy share is what that costs).
+--profile DIR runs each variant once more under jax.profiler.trace (the first into DIR, each other
+into DIR and its row's suffix: DIR_command_buffers_off, DIR_runs_of_8, ...) and prints, for the
+dispatches in which every sequence decodes (the variant's single steps, or its decode runs of K),
+what the trace shows (`trace_shares`; each dispatch's scheduling, planning and launch is an
+engine.STEP_ANNOTATION span, a run's one for its K steps): the wall time, the device's busy time
+(the union of its stream events; on a CPU, XLA's thunks) and the share of the window it is busy,
+and the host part's time, each a dispatch and a step (a dispatch's / K), then the events that
+take the most of the host part (where its planning and launch go), a dispatch and a step. A
+device busy well under the wall time is a device that waits on the host. Where the run has three
+or more prefill steps, the same for them (their programs have conditionals: a dispatch returns
+only near its step's end, so the device idles while the host plans the next step; their busy
+share is what that costs).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ import bisect
 import collections
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -74,38 +78,57 @@ def every_decoding(steps, seqs: int) -> list:
     return [s for s in steps if s.num_prefills == 0 and s.num_decodes == seqs]
 
 
+def dispatches(steps) -> list:
+    """The first StepRecord of each dispatch in a run's `steps` (a decode run's dispatch_steps
+    records follow each other): the steps whose index a trace's STEP_ANNOTATION span names."""
+    firsts, i = [], 0
+    while i < len(steps):
+        firsts.append(steps[i])
+        i += steps[i].dispatch_steps
+    return firsts
+
+
 HOST_EVENTS = 12  # trace_shares' host_events_ms: the names that take the most time
 
 
 def trace_shares(trace_dir: str, first: int, last: int) -> dict:
-    """Over the newest trace under trace_dir (*.trace.json.gz), the window from step `first`'s host
-    part (its STEP_ANNOTATION span) to step `last`'s: {"steps", "wall_ms", "device_busy_ms" and
-    "host_ms" a step, "busy_share", "host_events_ms"}. Step k's host part begins once step k - 2
-    is done (the loop dispatches k, then waits for k - 1), while k - 1 runs: the window holds the
-    device's busy time of steps first - 1 .. last - 2, and host_ms is their host parts'.
-    host_events_ms: the HOST_EVENTS event names that take the most time inside those host parts
-    (on their thread, starting within them, cut at their end), ms a step each, inclusive of the
-    events nested in them (where the launch goes). Device busy time: the union of the
-    events on a device's "Stream" lines; on a trace without devices (XLA:CPU), of the events with
-    an hlo_op arg."""
+    """Over the newest trace under trace_dir (*.trace.json.gz), the window from the host part of
+    the dispatch that starts at step `first` (its STEP_ANNOTATION span, arg step: the dispatch's
+    first step; a dispatch is one step or a decode run of K, one span for all K) to that of the one
+    starting at step `last`. Dispatch d's host part begins once dispatch d - 2 is done (the loop
+    dispatches d, then waits for d - 1), while d - 1 runs: from dispatch a's host part to b's, the
+    window holds the device's busy time of dispatches a - 1 .. b - 2 (b - a of them; with single
+    steps, steps first - 1 .. last - 2), and host_ms is their host parts'. Their steps: from
+    dispatch a - 1's first step to b - 1's (K a dispatch for runs of K). Returns {"dispatches",
+    "steps", "wall_ms", "device_busy_ms" and "host_ms" a dispatch, "step_wall_ms",
+    "step_device_busy_ms" and "step_host_ms" a step (the window's over its steps), "busy_share",
+    "host_events_ms"}. host_events_ms: the HOST_EVENTS event names that take the most time inside
+    those host parts (on their thread, starting within them, cut at their end), ms a dispatch
+    each, inclusive of the events nested in them (where the launch goes). Device busy time: the
+    union of the events on a device's "Stream" lines; on a trace without devices (XLA:CPU), of
+    the events with an hlo_op arg."""
     loaded = load_trace(trace_dir)
     if loaded is None:
         raise RuntimeError(f"no trace under {trace_dir}")
     events, lines, devices = loaded
-    steps = {int(e["args"]["step"]): e for e in events
+    spans = {int(e["args"]["step"]): e for e in events
              if e.get("name") == STEP_ANNOTATION and "step" in e.get("args", {})}
-    if first not in steps or last not in steps or last <= first:
-        raise RuntimeError(f"steps {first} and {last} are not both in the trace (it has {len(steps)} step spans)")
-    lo, hi = steps[first]["ts"], steps[last]["ts"]
+    if first not in spans or last not in spans:
+        raise RuntimeError(f"steps {first} and {last} are not both in the trace (it has {len(spans)} dispatch spans)")
+    order = sorted(spans)  # each dispatch's first step, in dispatch order
+    i, j = order.index(first), order.index(last)
+    if not 0 < i < j:
+        raise RuntimeError(f"first = {first} must start a dispatch after the trace's first and before last = {last}'s "
+                           "(the window holds the device time of the dispatches before them)")
+    lo, hi = spans[first]["ts"], spans[last]["ts"]
     on_device = [e for e in events if (on_stream(e, lines, devices) if devices else "hlo_op" in e.get("args", {}))]
-    spans = sorted((max(e["ts"], lo), min(e["ts"] + e.get("dur", 0), hi)) for e in on_device)
+    clipped = sorted((max(e["ts"], lo), min(e["ts"] + e.get("dur", 0), hi)) for e in on_device)
     busy, end = 0.0, lo
-    for a, b in spans:  # the union of the spans clipped to the window (those outside it are empty)
+    for a, b in clipped:  # the union of the spans clipped to the window (those outside it are empty)
         if a < b and b > end:
             busy += b - max(a, end)
             end = b
-    n = last - first
-    parts = [steps[i] for i in range(first - 1, last - 1) if i in steps]
+    parts = [spans[k] for k in order[i - 1:j - 1]]  # the host parts of the dispatches whose device time it holds
     starts = [p["ts"] for p in parts]  # ascending, and the parts do not overlap (one loop)
     inside = collections.Counter()  # what the host parts hold: event name -> its time, inclusive
     for e in events:
@@ -115,9 +138,12 @@ def trace_shares(trace_dir: str, first: int, last: int) -> dict:
         p = parts[k]
         if (p["pid"], p["tid"]) == (e.get("pid"), e.get("tid")) and e["ts"] < p["ts"] + p["dur"]:
             inside[e.get("name", "")[:80]] += min(e["ts"] + e.get("dur", 0), p["ts"] + p["dur"]) - e["ts"]
-    return {"steps": n, "wall_ms": (hi - lo) / 1e3 / n, "device_busy_ms": busy / 1e3 / n,
-            "busy_share": busy / (hi - lo) if hi > lo else 0.0, "host_ms": sum(p["dur"] for p in parts) / 1e3 / n,
-            "host_events_ms": {name: us / 1e3 / n for name, us in inside.most_common(HOST_EVENTS)}}
+    n, steps = j - i, order[j - 1] - order[i - 1]
+    us = {"wall_ms": hi - lo, "device_busy_ms": busy, "host_ms": sum(p["dur"] for p in parts)}  # the window's
+    return {"dispatches": n, "steps": steps, **{name: t / 1e3 / n for name, t in us.items()},
+            **{f"step_{name}": t / 1e3 / steps for name, t in us.items()},
+            "busy_share": busy / (hi - lo) if hi > lo else 0.0,
+            "host_events_ms": {name: t / 1e3 / n for name, t in inside.most_common(HOST_EVENTS)}}
 
 
 # XLA's default command-buffer types (jax 0.11.2) and WHILE: a decode run's loop inside the graphs
@@ -158,7 +184,9 @@ def main(argv=None) -> int:
                         "default buckets it sets the block-table width every step transfers")
     p.add_argument("--host-only", action="store_true", help="no program runs: the host's step alone")
     p.add_argument("--profile", default=None, metavar="DIR",
-                   help="run once more under a profiler trace; print the decode steps' device busy share")
+                   help="run each variant once more under a profiler trace (the first into DIR, the others into DIR "
+                        "and their row's suffix, e.g. DIR_runs_of_8); print its decode dispatches' device busy share, "
+                        "a dispatch and a step")
     p.add_argument("--compare-command-buffers", action="store_true",
                    help="also time the programs without conditionals compiled with XLA's command buffers off")
     p.add_argument("--decode-steps", type=step_counts, default=[1],
@@ -181,8 +209,6 @@ def main(argv=None) -> int:
         p.error("--loop-in-graphs times decode runs: give --decode-steps with a K > 1")
     if a.loop_in_graphs and a.host_only:
         p.error("--host-only runs no program: nothing to compare")
-    if a.profile and a.decode_steps != [1]:
-        p.error("--profile reads one trace span a step: leave --decode-steps out")
     if a.rounds < 1:
         p.error(f"--rounds must be at least 1, got {a.rounds}")
     defaults = dict(seqs=8, context=40, decodes=4, layers=2) if a.smoke else dict(seqs=256, context=4096, decodes=32,
@@ -251,25 +277,30 @@ def main(argv=None) -> int:
                   f"{r['device_ms']:8.3f} ms  step {r['duration_ms']:8.3f} ms  host / step {r['host_share']:.3f}  "
                   f"compiled {r['new_programs']}", flush=True)
     traced = {}
-    for suffix, (executables, _) in variants.items() if a.profile else ():
+    for n, (suffix, (executables, k)) in enumerate(variants.items() if a.profile else ()):
         engine._executables = own if executables is None else executables
-        trace_dir = f"{a.profile}_command_buffers_off" if suffix else a.profile
+        words = re.findall(r"\w+", suffix) if n else []  # the first into DIR, " (runs of 8)" into DIR_runs_of_8
+        trace_dir = "_".join([a.profile, *words])
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            again = engine.run(specs, max_steps=output_len, progress=False)
-        decoding = [s.index for s in every_decoding(again.steps, a.seqs)]
+            again = engine.run(specs, max_steps=output_len, progress=False, decode_steps=k)
+        firsts = dispatches(again.steps)
+        decoding = [s.index for s in every_decoding(firsts, a.seqs) if s.dispatch_steps == k]  # single steps or runs
         if len(decoding) < 3:
-            raise SystemExit(f"--profile needs --decodes >= 2 (the traced run had {len(decoding)} steps with every "
-                             "sequence decoding; the window starts at the second)")
-        def window(name: str, first: int, last: int) -> dict:  # trace_shares of steps first .. last, printed
+            raise SystemExit(f"--profile needs more --decodes (the traced run had {len(decoding)} dispatches of {k} "
+                             "steps with every sequence decoding, fewer than 3; the window starts at the second)")
+
+        def window(name: str, first: int, last: int) -> dict:  # trace_shares of dispatches first .. last, printed
             t = traced[f"{name}{suffix}"] = trace_shares(trace_dir, first, last)
-            print(f"traced{suffix} {name}  steps {t['steps']:>4}  wall {t['wall_ms']:.3f} ms a step, device busy "
-                  f"{t['device_busy_ms']:.3f} ms ({t['busy_share']:.1%}), host part {t['host_ms']:.3f} ms", flush=True)
+            print(f"traced{suffix} {name}  dispatches {t['dispatches']:>4} ({t['steps']} steps)  wall "
+                  f"{t['wall_ms']:.3f} ms a dispatch ({t['step_wall_ms']:.3f} a step), device busy "
+                  f"{t['device_busy_ms']:.3f} ms ({t['step_device_busy_ms']:.3f} a step, {t['busy_share']:.1%}), "
+                  f"host part {t['host_ms']:.3f} ms ({t['step_host_ms']:.3f} a step)", flush=True)
             return t
 
-        t = window("decode", decoding[1], decoding[-1])  # steps [0] .. [-1] - 2
+        t = window("decode", decoding[1], decoding[-1])  # dispatches [0] .. [-1] - 2
         for name, ms in t["host_events_ms"].items():
-            print(f"    {ms:8.3f} ms a step  {name}", flush=True)
-        prefilling = [s.index for s in again.steps if s.num_prefills > 0]  # the run's first steps
+            print(f"    {ms:8.3f} ms a dispatch {ms * t['dispatches'] / t['steps']:8.3f} ms a step  {name}", flush=True)
+        prefilling = [s.index for s in firsts if s.num_prefills > 0]  # the run's first dispatches, single steps
         if len(prefilling) >= 3:  # the device's idle between prefill steps (their programs have conditionals)
             window("prefill", prefilling[1], prefilling[-1])
     if a.out:

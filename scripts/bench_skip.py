@@ -115,9 +115,6 @@ def parse_args(argv=None):
     p.add_argument("--moe-experts", type=int, default=None,
                    help=f"decoder: routed experts of the MoE stand-in (default {DECODER_EXPERTS} at the real dims, "
                    "DeepSeek-V3.2 has 256; the tiny MoE's 8 otherwise)")
-    p.add_argument("--ragged-dot-triton", action="store_true",
-                   help="decoder: lower the MoE's ragged_dot through jax's Pallas Triton kernel on GPU "
-                   "(jax_ragged_dot_use_gpu_pallas_triton_lowering) instead of XLA's default")
     p.add_argument("--kernels", default="auto", choices=("auto", "xla", "pallas"))
     p.add_argument("--dispatch", default="static", choices=("static", "cond"))
     p.add_argument("--out-dir", default="docs/skip")
@@ -164,7 +161,9 @@ def parse_args(argv=None):
 def run_pair(engine: Engine, workload: Workload, args, label: str, level: int) -> dict:
     """Warm up both settings, then `repeats` timed runs of each, alternating; which setting runs
     first also alternates with the sweep's `level` (with one repeat, not always the same one).
-    -> {setting: summary}."""
+    -> {setting: its runs' medians, "spread": the lowest and highest over the repeats (run i of each
+    setting against run i of the other) of the request-throughput gain (%) and the TPOT ratio,
+    "warmup_s"}."""
     t0 = time.perf_counter()
     compiled = {name: engine.warmup(workload, skip_indexer=skip) for name, skip in SETTINGS.items()}
     warm_s = time.perf_counter() - t0
@@ -194,8 +193,20 @@ def run_pair(engine: Engine, workload: Workload, args, label: str, level: int) -
         merged["steps_with_scoring"] = summaries[0]["steps_with_scoring"]
         merged["programs_compiled_in_warmup"] = compiled[name]
         out[name] = merged
+    out["spread"] = spread(runs["skip"], runs["no_skip"])
     out["warmup_s"] = warm_s
     return out
+
+
+def spread(skip: list[dict], no_skip: list[dict]) -> dict:
+    """The range over the repeats of the two settings' run summaries (run i against run i):
+    {"throughput_gain_pct": [lowest, highest] of the skip's request-throughput gain (%),
+    "tpot_ratio": [lowest, highest] of skip / no-skip median TPOT (None: no run decoded)}."""
+    pairs = list(zip(skip, no_skip, strict=True))
+    gains = [100 * (on["request_throughput"] / off["request_throughput"] - 1) for on, off in pairs]
+    ratios = [on["median_tpot_ms"] / off["median_tpot_ms"] for on, off in pairs
+              if on["median_tpot_ms"] and off["median_tpot_ms"]]
+    return {"throughput_gain_pct": [min(gains), max(gains)], "tpot_ratio": [min(ratios), max(ratios)] if ratios else None}
 
 
 def phase_prefill(engine, args, t_start) -> list[dict]:
@@ -211,9 +222,12 @@ def phase_prefill(engine, args, t_start) -> list[dict]:
         row = {"concurrency": c, "num_requests": w.num_requests, **r,
                "throughput_gain_pct": 100 * (on["request_throughput"] / off["request_throughput"] - 1)}
         rows.append(row)
+        lo, hi = r["spread"]["throughput_gain_pct"]
         print(f"  (a) c={c:>3}: req/s {on['request_throughput']:.2f} vs {off['request_throughput']:.2f} "
-              f"({row['throughput_gain_pct']:+.2f}%), median TTFT ms {on['median_ttft_ms']:.1f} vs "
-              f"{off['median_ttft_ms']:.1f}  [warm-up {r['warmup_s']:.0f}s]", flush=True)
+              f"({row['throughput_gain_pct']:+.2f}%, runs {lo:+.1f}..{hi:+.1f}%), median TTFT ms "
+              f"{on['median_ttft_ms']:.1f} vs {off['median_ttft_ms']:.1f}, host / device ms a step "
+              f"{on['median_host_ms']:.2f} / {on['median_device_ms']:.2f} vs {off['median_host_ms']:.2f} / "
+              f"{off['median_device_ms']:.2f}  [warm-up {r['warmup_s']:.0f}s]", flush=True)
     return rows
 
 
@@ -312,24 +326,32 @@ def markdown(results) -> str:
         e = m["moe"]
         lines[-1] += (f" Decoder block: RMSNorm, attention, RMSNorm, MoE ({e['num_experts']} experts, "
                       f"{e['num_experts_per_tok']} active, {e['num_shared_experts']} shared, intermediate "
-                      f"{e['intermediate_size']}, ragged_dot; DeepSeek-V3.2 routes over "
+                      f"{e['intermediate_size']}, grouped matmuls over tiles of each expert's rows; "
+                      "DeepSeek-V3.2 routes over "
                       f"{MoEConfig.deepseek_v32().num_experts} experts: the tokens' experts and FLOPs are the model's, "
                       "the weights they pick from fewer where this is less).")
     lines += ["",
              f"(a) short prefills: input {m['prefill_input_len']} (range ratio {m['prefill_range_ratio']}), output 1.",
-             "", col + "| concurrency | requests | req/s skip | req/s no skip | gain | median TTFT ms skip | no skip |",
-             sep + "|---|---|---|---|---|---|---|"]
+             f"Medians of {m['repeats']} runs a setting; the runs' range: the lowest and highest gain of run i "
+             "against run i; host / device: the median step's host part (planning, launch) and device time.",
+             "", col + "| concurrency | requests | req/s skip | req/s no skip | gain | runs' range | median TTFT ms "
+             "skip | no skip | host / device ms skip | no skip |",
+             sep + "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["prefill"]:
+        lo, hi = r["spread"]["throughput_gain_pct"]
         lines.append(cell(r) + f"| {r['concurrency']} | {r['num_requests']} | {r['skip']['request_throughput']:.2f} | "
                      f"{r['no_skip']['request_throughput']:.2f} | {r['throughput_gain_pct']:+.2f}% | "
-                     f"{r['skip']['median_ttft_ms']:.1f} | {r['no_skip']['median_ttft_ms']:.1f} |")
+                     f"{lo:+.1f}..{hi:+.1f}% | {r['skip']['median_ttft_ms']:.1f} | {r['no_skip']['median_ttft_ms']:.1f} | "
+                     + " | ".join(f"{r[k]['median_host_ms']:.2f} / {r[k]['median_device_ms']:.2f}"
+                                  for k in ("skip", "no_skip")) + " |")
     lines += ["", f"(b) decode-heavy: input 1, output {m['decode_output_len']}.", "",
-              col + "| concurrency | median TPOT ms skip | no skip | ratio | output tok/s skip | no skip |",
-              sep + "|---|---|---|---|---|---|"]
+              col + "| concurrency | median TPOT ms skip | no skip | ratio | runs' range | output tok/s skip | no skip |",
+              sep + "|---|---|---|---|---|---|---|"]
     for r in results["decode"]:
+        lo, hi = r["spread"]["tpot_ratio"] or (float("nan"), float("nan"))
         lines.append(cell(r) + f"| {r['concurrency']} | {r['skip']['median_tpot_ms']:.3f} | "
                      f"{r['no_skip']['median_tpot_ms']:.3f} | "
-                     f"{r['tpot_ratio']:.3f}{_regression_note(r['regressed'])} | "
+                     f"{r['tpot_ratio']:.3f}{_regression_note(r['regressed'])} | {lo:.3f}..{hi:.3f} | "
                      f"{r['skip']['output_throughput']:.0f} | {r['no_skip']['output_throughput']:.0f} |")
     lines += ["", f"(c) one step through {m['layers']} layers (median ms) and the indexer scoring alone "
               "(logits + top-k, per layer, same rows).", "",
@@ -422,8 +444,6 @@ def main(argv=None) -> int:
                max(args.decode_concurrency) * -(-args.decode_output_len // page),
                max(args.breakdown_prefills) * -(-args.prefill_input_len // page))
     num_pages = need + 16
-    if args.ragged_dot_triton:
-        jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
     t_start = time.perf_counter()
     dev = jax.devices()[0]
     results = {"meta": {
@@ -434,7 +454,7 @@ def main(argv=None) -> int:
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
         "prefill_input_len": args.prefill_input_len, "prefill_range_ratio": args.prefill_range_ratio,
         "decode_output_len": args.decode_output_len, "repeats": args.repeats,
-        "blocks": args.block, "ragged_dot_triton": args.ragged_dot_triton,
+        "blocks": args.block,
         "clock": "each step's wall time (scheduling + planning + all layers to block_until_ready)"}}
     results["prefill"], results["decode"], results["breakdown"] = [], [], []
     try:

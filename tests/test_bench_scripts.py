@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -282,6 +283,27 @@ def test_warmup_bench_restart_loads_every_program_from_the_store(tmp_path):
     assert out.index("count_programs") < out.index("cold") < out.index("restart ") < out.index("restart / cold")
 
 
+@pytest.fixture(scope="module")
+def bench_engine():
+    spec = importlib.util.spec_from_file_location("bench_engine", SCRIPTS / "bench_engine.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _engine_trace(directory: pathlib.Path, events: list) -> None:
+    """A trace viewer file of a GPU (pid 1: its stream 14 and the derived "XLA Ops" line 2) and the
+    host (pid 701, the engine's thread 1) holding `events`."""
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 1, "tid": 14, "name": "thread_name", "args": {"name": "Stream #14(Compute)"}},
+            {"ph": "M", "pid": 1, "tid": 2, "name": "thread_name", "args": {"name": "XLA Ops"}},
+            {"ph": "M", "pid": 701, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 701, "tid": 1, "name": "thread_name", "args": {"name": "python3"}}]
+    directory.mkdir()
+    with gzip.open(directory / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+
+
 def test_engine_bench_times_steps_with_every_sequence_decoding(tmp_path):
     """--smoke --decodes 3 --compare-command-buffers --rounds 2 --profile: in each of the 2 runs
     of each variant at least 3 steps have every sequence decoding (the requests' outputs outlast
@@ -309,6 +331,27 @@ def test_engine_bench_times_steps_with_every_sequence_decoding(tmp_path):
     assert out.count("compiled 0") == 4
 
 
+def test_engine_bench_profiles_single_steps_and_decode_runs(tmp_path):
+    """--smoke --decode-steps 1,2 --profile DIR: each variant is traced into its own directory (DIR,
+    DIR_runs_of_2) and prints its traced decode line and host events; the runs' window counts
+    dispatches of 2 steps, a step's figures half a dispatch's."""
+    out = _run("bench_engine.py", "--smoke", "--seqs", "4", "--decodes", "8", "--decode-steps", "1,2", "--rounds", "1",
+               "--profile", str(tmp_path / "trace"), "--out", str(tmp_path / "engine.json"), cwd=tmp_path)
+    traced = json.loads((tmp_path / "engine.json").read_text())["traced"]
+    assert set(traced) == {"decode", "decode (runs of 2)"}, traced
+    assert (tmp_path / "trace").is_dir() and (tmp_path / "trace_runs_of_2").is_dir()
+    lines = [line for line in out.splitlines() if line.startswith("traced")]
+    assert [line.split("  ")[0] for line in lines] == ["traced decode", "traced (runs of 2) decode"], out
+    assert out.count("ms a dispatch") >= 2 + 2 * 2, out  # each variant's line and at least two host events
+    for name, k in (("decode", 1), ("decode (runs of 2)", 2)):
+        t = traced[name]
+        assert t["dispatches"] >= 1 and t["steps"] == k * t["dispatches"], t
+        assert 0 < t["wall_ms"] and 0 <= t["device_busy_ms"] <= t["wall_ms"] and 0 < t["host_ms"], t
+        assert 0 <= t["busy_share"] <= 1 and t["host_events_ms"], t
+        for field in ("wall_ms", "device_busy_ms", "host_ms"):
+            assert t[f"step_{field}"] == pytest.approx(t[field] / k), (field, t)
+
+
 def test_engine_bench_host_only_packs_every_step_and_compiles_nothing(tmp_path):
     """--host-only (the real config's dimensions, a few sequences): no program is compiled or
     called, each step's input is still packed (its launch time is the packing), and every
@@ -334,7 +377,7 @@ def test_engine_bench_times_decode_runs_alone_and_with_their_loop_in_graphs(tmp_
     assert result["summary"]["num_requests"] == 4
 
 
-def test_engine_trace_shares_counts_the_decode_steps_device_time(tmp_path):
+def test_engine_trace_shares_counts_the_decode_steps_device_time(tmp_path, bench_engine):
     """trace_shares on a GPU trace written by hand: step k's host span begins when step k - 2 ends
     (the loop dispatches k, then waits for k - 1). Steps 0-2 run 6 us of kernels each (two of 3 us,
     the second overlapping a host-side hlo_op event that must not count), step spans start at
@@ -343,14 +386,6 @@ def test_engine_trace_shares_counts_the_decode_steps_device_time(tmp_path):
     steps 1 and 2 (the window's): a 1.5 us launch with a 0.5 us packing nested in it each step,
     counted inclusive, a wait that outlasts the part (counted to its end), and events on another
     thread, not counted."""
-    spec = importlib.util.spec_from_file_location("bench_engine", SCRIPTS / "bench_engine.py")
-    bench_engine = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_engine)
-    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
-            {"ph": "M", "pid": 1, "tid": 14, "name": "thread_name", "args": {"name": "Stream #14(Compute)"}},
-            {"ph": "M", "pid": 1, "tid": 2, "name": "thread_name", "args": {"name": "XLA Ops"}},
-            {"ph": "M", "pid": 701, "name": "process_name", "args": {"name": "/host:CPU"}},
-            {"ph": "M", "pid": 701, "tid": 1, "name": "thread_name", "args": {"name": "python3"}}]
     events = [{"ph": "X", "pid": 701, "tid": 1, "ts": ts, "dur": 2, "name": bench_engine.STEP_ANNOTATION,
                "args": {"step": str(k)}} for k, ts in enumerate((0, 0, 10, 20, 30))]
     for start in (2, 12, 22, 32):  # steps 0, 1, 2, 3 on the device
@@ -363,16 +398,85 @@ def test_engine_trace_shares_counts_the_decode_steps_device_time(tmp_path):
         events.append({"ph": "X", "pid": 701, "tid": 1, "ts": ts + 0.5, "dur": 0.5, "name": "pack", "args": {}})
         events.append({"ph": "X", "pid": 701, "tid": 5, "ts": ts, "dur": 1, "name": "other thread", "args": {}})
         events.append({"ph": "X", "pid": 701, "tid": 1, "ts": ts + 1.5, "dur": 4, "name": "wait", "args": {}})
-    (tmp_path / "t").mkdir()
-    with gzip.open(tmp_path / "t" / "host.trace.json.gz", "wt") as f:
-        json.dump({"traceEvents": meta + events}, f)
+    _engine_trace(tmp_path / "t", events)
     shares = bench_engine.trace_shares(str(tmp_path / "t"), 2, 4)
     host_events = shares.pop("host_events_ms")
-    assert shares == pytest.approx({"steps": 2, "wall_ms": 0.010, "device_busy_ms": 0.006, "busy_share": 0.6,
-                                    "host_ms": 0.002})
+    assert shares == pytest.approx({"dispatches": 2, "steps": 2, "wall_ms": 0.010, "device_busy_ms": 0.006,
+                                    "host_ms": 0.002, "step_wall_ms": 0.010, "step_device_busy_ms": 0.006,
+                                    "step_host_ms": 0.002, "busy_share": 0.6})
     assert host_events == pytest.approx({"launch": 0.0015, "pack": 0.0005, "wait": 0.0005})
     with pytest.raises(RuntimeError, match="not both in the trace"):
         bench_engine.trace_shares(str(tmp_path / "t"), 2, 7)
+
+
+def test_engine_trace_shares_counts_a_decode_run_as_one_dispatch_of_its_steps(tmp_path, bench_engine):
+    """trace_shares over decode runs of 4 (one span each, named by its first step): dispatches at
+    steps 0, 1 (single steps), 2, 6, 10, 14 (runs), their spans at 0, 5, 10, 40, 70, 100 us. The
+    window of 6 .. 14 (60 us) holds the device time of the runs at 2 and 6, 8 steps: four 5 us
+    kernels each, the first run's first cut off before the window, 15 + 20 us, and 5 us of the run
+    at 10 before the window ends: 40 us, 20 a dispatch, 5 a step. Host parts (3 us) and their
+    launches (2 us, a 0.5 us packing nested) are those of the runs at 2 and 6, not of those at 10
+    and 14. A step inside a run names no span; the trace's first dispatch has none before it."""
+    events = [{"ph": "X", "pid": 701, "tid": 1, "ts": ts, "dur": 3, "name": bench_engine.STEP_ANNOTATION,
+               "args": {"step": str(k)}} for k, ts in ((0, 0), (1, 5), (2, 10), (6, 40), (10, 70), (14, 100))]
+    for start in (35, 65, 95):  # the runs at steps 2, 6 and 10 on the device
+        for ts in range(start, start + 24, 6):  # four kernels of 5 us; each also on the derived line
+            events.append({"ph": "X", "pid": 1, "tid": 14, "ts": ts, "dur": 5, "name": "k", "args": {}})
+            events.append({"ph": "X", "pid": 1, "tid": 2, "ts": ts, "dur": 5, "name": "k", "args": {}})
+    for ts in (10, 40, 70, 100):  # inside the runs' host parts: a launch with a packing nested in it
+        events.append({"ph": "X", "pid": 701, "tid": 1, "ts": ts + 0.5, "dur": 2, "name": "launch", "args": {}})
+        events.append({"ph": "X", "pid": 701, "tid": 1, "ts": ts + 1, "dur": 0.5, "name": "pack", "args": {}})
+    _engine_trace(tmp_path / "t", events)
+    shares = bench_engine.trace_shares(str(tmp_path / "t"), 6, 14)
+    host_events = shares.pop("host_events_ms")
+    assert shares == pytest.approx({"dispatches": 2, "steps": 8, "wall_ms": 0.030, "device_busy_ms": 0.020,
+                                    "host_ms": 0.003, "step_wall_ms": 0.0075, "step_device_busy_ms": 0.005,
+                                    "step_host_ms": 0.00075, "busy_share": 2 / 3})
+    assert host_events == pytest.approx({"launch": 0.002, "pack": 0.0005})  # ms a dispatch
+    with pytest.raises(RuntimeError, match="not both in the trace"):
+        bench_engine.trace_shares(str(tmp_path / "t"), 3, 14)
+    with pytest.raises(RuntimeError, match="first = 0 must start a dispatch after the trace's first"):
+        bench_engine.trace_shares(str(tmp_path / "t"), 0, 6)
+
+
+def test_skip_bench_reports_each_comparison_with_its_runs_range_and_host_against_device():
+    """bench_skip's repeats: the gain and the TPOT ratio of run i against run i, lowest and highest
+    (with two runs the gain of the medians lies between them: a mediant), printed in the tables
+    beside each setting's median step host and device time."""
+    spec = importlib.util.spec_from_file_location("bench_skip", SCRIPTS / "bench_skip.py")
+    skip = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(skip)
+    rng = np.random.default_rng(0)
+
+    def runs(n):
+        return [{"request_throughput": float(rng.uniform(50, 100)), "median_tpot_ms": float(rng.uniform(1, 2)),
+                 "median_host_ms": float(rng.uniform(0.1, 1)), "median_device_ms": float(rng.uniform(1, 3))}
+                for _ in range(n)]
+    on, off = runs(2), runs(2)
+    got = skip.spread(on, off)
+    gains = [100 * (a["request_throughput"] / b["request_throughput"] - 1) for a, b in zip(on, off)]
+    ratios = [a["median_tpot_ms"] / b["median_tpot_ms"] for a, b in zip(on, off)]
+    assert got == {"throughput_gain_pct": [min(gains), max(gains)], "tpot_ratio": [min(ratios), max(ratios)]}
+    # the medians' gain (of two runs: their means)
+    gain = 100 * (sum(r["request_throughput"] for r in on) / sum(r["request_throughput"] for r in off) - 1)
+    assert min(gains) <= gain <= max(gains)
+    assert skip.spread(on, [dict(r, median_tpot_ms=None) for r in off])["tpot_ratio"] is None
+    with pytest.raises(ValueError):
+        skip.spread(on, off[:1])  # the settings ran as many times
+
+    meta = {"device": "card", "config": "tiny", "layers": 2, "kernels": "auto", "dispatch": "static",
+            "max_num_batched_tokens": 64, "date": "today", "argv": "", "blocks": ["attention"],
+            "prefill_input_len": 8, "prefill_range_ratio": 0.125, "decode_output_len": 24, "repeats": 2}
+    summary = lambda r: dict(r, median_ttft_ms=5.0, output_throughput=100.0)  # noqa: E731
+    results = {"meta": meta, "breakdown": [],
+               "prefill": [{"concurrency": 1, "num_requests": 8, "skip": summary(on[0]), "no_skip": summary(off[0]),
+                            "throughput_gain_pct": gain, "spread": got}],
+               "decode": [{"concurrency": 1, "skip": summary(on[0]), "no_skip": summary(off[0]), "tpot_ratio": 1.0,
+                           "regressed": False, "spread": got}]}
+    table = skip.markdown(results)
+    assert f"{min(gains):+.1f}..{max(gains):+.1f}%" in table and f"{min(ratios):.3f}..{max(ratios):.3f}" in table
+    assert (f"{on[0]['median_host_ms']:.2f} / {on[0]['median_device_ms']:.2f} | "
+            f"{off[0]['median_host_ms']:.2f} / {off[0]['median_device_ms']:.2f} |") in table
 
 
 def test_skip_bench_sizes_the_decoder_stack_to_fit_the_device():
