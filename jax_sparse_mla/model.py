@@ -193,8 +193,8 @@ def _nonfinite_rows(x, meta: BatchMeta, num_seqs: int):
     on every route, so that a corrupted request never looks healthy; other requests' rows are
     untouched (the flag follows meta.row_seq)."""
     real = meta.positions >= 0
-    # the row flags written out first: fused into the scatter's indices, each row's reduction over
-    # its hidden values ran in one thread (the scatter fusion took 0.17 ms at 8192 rows, H100)
+    # the row flags written out first: at 8192 rows the scatter's fusion took 0.17 ms (H100), likely
+    # each row's reduction over its hidden values fused into the scatter's indices (not yet timed apart)
     bad = jax.lax.optimization_barrier(real & ~jnp.all(jnp.isfinite(x), axis=-1))
     # only the bad rows reach the scatter (the others are dropped): a scatter-min of every row
     # into its sequence's entry serialises on one entry per sequence
@@ -271,8 +271,8 @@ def _dense_prefill(q, positions, w_uk, w_uv, cache: cache_lib.PagedCache, meta: 
                    impl: kernel_ops.OpImpl, in_f32: bool, num_keys: int | None = None, select=None, max_kv_len=None):
     """Dense causal MHA of the sequences routed dense or masked, packed (no padding to the longest).
 
-    q [T, H, qk_head], positions [T]: every row's queries (`query_parts`) and positions; w_uk [H,
-    nope, R], w_uv [H, v, R];
+    q [T, H, qk_head], positions [T] (>= 0): every row's q_b_proj output, not yet split or roped
+    (`query_parts` does that for the call's rows), and position; w_uk [H, nope, R], w_uv [H, v, R];
     keys from the cache slots meta.dense_key_slots (their first num_keys only, when given: the
     caller knows the real keys fit), K of them; queries of the first K rows of meta.dense_rows
     (a sequence's rows are at most its keys, so those hold every real one: the call's query side
@@ -397,7 +397,7 @@ def _sparse_groups(plan: BatchPlan, meta: BatchMeta, rows):
 def _attend_sparsely(score, attend, plan: BatchPlan, meta: BatchMeta, out_heads, *, rows, all_positions=None):
     """out_heads [T, H, v] with `rows` (None: every row) attended sparsely, group by group
     (`_sparse_groups`). score(rows, group) -> top-k positions [N, topk] (_topk_positions over
-    the step's rows and cache); attend(rows, positions, pages, group) -> [N, H, v]
+    the step's rows and cache); attend(rows, top_positions, pages, group) -> [N, H, v]
     (_sparse_attention likewise); positions from all_positions [T, topk] when given (every row
     scored), else scored per group."""
     for group, group_rows, pages in _sparse_groups(plan, meta, rows):

@@ -34,8 +34,8 @@ WHILE among XLA's command-buffer types (the default types hold none, so the host
 run's loop and launches each step's graphs), interleaved with the others: rows "decode (runs of
 K, loop in graphs)".
 
---profile DIR runs each variant once more under jax.profiler.trace (the first into DIR, each other
-into DIR and its row's suffix: DIR_command_buffers_off, DIR_runs_of_8, ...) and prints, for the
+--profile DIR runs each variant once more under jax.profiler.trace (into DIR and its row's
+suffix: DIR for single steps, DIR_command_buffers_off, DIR_runs_of_8, ...) and prints, for the
 dispatches in which every sequence decodes (the variant's single steps, or its decode runs of K),
 what the trace shows (`trace_shares`; each dispatch's scheduling, planning and launch is an
 engine.STEP_ANNOTATION span, a run's one for its K steps): the wall time, the device's busy time
@@ -184,8 +184,8 @@ def main(argv=None) -> int:
                         "default buckets it sets the block-table width every step transfers")
     p.add_argument("--host-only", action="store_true", help="no program runs: the host's step alone")
     p.add_argument("--profile", default=None, metavar="DIR",
-                   help="run each variant once more under a profiler trace (the first into DIR, the others into DIR "
-                        "and their row's suffix, e.g. DIR_runs_of_8); print its decode dispatches' device busy share, "
+                   help="run each variant once more under a profiler trace (into DIR and its row's suffix: DIR, "
+                        "DIR_runs_of_8, ...); print its decode dispatches' device busy share, "
                         "a dispatch and a step")
     p.add_argument("--compare-command-buffers", action="store_true",
                    help="also time the programs without conditionals compiled with XLA's command buffers off")
@@ -277,10 +277,9 @@ def main(argv=None) -> int:
                   f"{r['device_ms']:8.3f} ms  step {r['duration_ms']:8.3f} ms  host / step {r['host_share']:.3f}  "
                   f"compiled {r['new_programs']}", flush=True)
     traced = {}
-    for n, (suffix, (executables, k)) in enumerate(variants.items() if a.profile else ()):
+    for suffix, (executables, k) in variants.items() if a.profile else ():
         engine._executables = own if executables is None else executables
-        words = re.findall(r"\w+", suffix) if n else []  # the first into DIR, " (runs of 8)" into DIR_runs_of_8
-        trace_dir = "_".join([a.profile, *words])
+        trace_dir = "_".join([a.profile, *re.findall(r"\w+", suffix)])  # " (runs of 8)" into DIR_runs_of_8
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             again = engine.run(specs, max_steps=output_len, progress=False, decode_steps=k)
         firsts = dispatches(again.steps)

@@ -201,7 +201,8 @@ def _frames(tables, frame_id: int) -> list[tuple[str, str]]:
     return out
 
 
-DISPATCHERS = ("forward", "_dense_program", "_sparse_program", "_attend_sparsely")  # and lax.cond's lambdas
+DISPATCHERS = ("forward", "_dense_program", "_sparse_program", "_attend_sparsely", "_cond_program", "_switch",
+               "_over_rows")  # and the branches' closures (lambdas, "<locals>.run")
 UNATTRIBUTED = "(unattributed)"
 CONTROL_FLOW = ("conditional", "while", "call")
 NO_KERNEL = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")  # no work of their own
@@ -221,7 +222,7 @@ def _function_scope(frames) -> str:
     _put_rows, ...; "linear" called by forward itself is o_proj; none: "forward (other)"."""
     ours = [fn for f, fn in reversed(frames) if "jax_sparse_mla" in f]  # outermost first
     ours = ours[max((i + 1 for i, fn in enumerate(ours) if fn in DISPATCHERS), default=0):]  # (PlanJit.lower is above)
-    while ours and (ours[0] == "<module>" or ours[0].endswith("<lambda>")):
+    while ours and (ours[0] == "<module>" or ours[0].endswith("<lambda>") or ".<locals>." in ours[0]):
         ours = ours[1:]
     if not ours:
         return "forward (other)"
@@ -392,6 +393,8 @@ class HloScopes:
         found = self._kernels.get(re.sub(r"[.\-]", "_", kernel), set())
         if op in self.instructions:
             within = self.reachable(op)
+            # else the module's: a kernel name held by several computations then has several
+            # instructions, and the caller takes a scope only where they agree on one
             found = {i for i in found if self.instructions[i].computation in within} or found
         return found
 

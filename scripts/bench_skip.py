@@ -249,9 +249,10 @@ def phase_decode(engine, args, t_start) -> list[dict]:
         row = {"concurrency": c, "num_requests": w.num_requests, **r, "tpot_ratio": ratio,
                "regressed": ratio > 1.03 if args.repeats > 1 else None}
         rows.append(row)
+        lo, hi = r["spread"]["tpot_ratio"] or (float("nan"), float("nan"))
         print(f"  (b) c={c:>3}: median TPOT ms {on['median_tpot_ms']:.3f} vs {off['median_tpot_ms']:.3f} "
-              f"(ratio {ratio:.3f}{_regression_note(row['regressed'])})  [warm-up {r['warmup_s']:.0f}s]",
-              flush=True)
+              f"(ratio {ratio:.3f}{_regression_note(row['regressed'])}, runs {lo:.3f}..{hi:.3f})  "
+              f"[warm-up {r['warmup_s']:.0f}s]", flush=True)
     return rows
 
 

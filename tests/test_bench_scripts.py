@@ -195,6 +195,19 @@ def test_layer_profile_matches_gpu_kernels_to_instructions(bench_layer, tmp_path
                                                    ("loop_neg_fusion.2 fusion f32[4]", pytest.approx(0.003))]
 
 
+def test_layer_profile_names_an_op_outside_the_scopes_by_the_layer_function_that_made_it(bench_layer):
+    """An op outside the named scopes takes the layer's function below its entry, the program
+    dispatchers and their branch closures (the jit's caller above them does not count)."""
+    model = "/src/jax_sparse_mla/model.py"
+    stack = lambda *fns: [(model, fn) for fn in reversed(fns)] + [("/src/scripts/bench_layer.py", "run")]  # noqa: E731
+    name = bench_layer._function_scope
+    assert name(stack("PlanJit.lower", "forward", "_cond_program", "_switch",
+                      "_cond_program.<locals>.dense_call.<locals>.run", "_put_rows")) == "_put_rows"
+    assert name(stack("PlanJit.lower", "forward", "_over_rows", "_switch", "forward.<locals>.o_proj", "linear")) == "o_proj"
+    assert name(stack("PlanJit.lower", "forward", "_nonfinite_rows")) == "_nonfinite_rows"
+    assert name(stack("PlanJit.lower", "forward")) == "forward (other)"
+
+
 # A loop in a command buffer (XLA:GPU with WHILE among the command types): the graph runs the
 # condition's fusion, then its own set_while_condition kernel and predicate copy, then the body.
 _LOOP_HLO = """HloModule jit_forward, is_scheduled=true

@@ -466,6 +466,10 @@ def test_grouped_matmul_rows_are_independent():
         grouped_matmul(x, w, group_sizes, tile=0)
     with pytest.raises(ValueError, match="chunk must be an integer"):
         grouped_matmul(x, w, group_sizes, chunk=2.0)
+    with pytest.raises(ValueError, match="w must hold at least one group"):
+        grouped_matmul(x, w[:0], group_sizes[:0])
+    empty = grouped_matmul(x[:0], w, jnp.zeros_like(group_sizes))  # no rows: an empty result, as ragged_dot's
+    assert empty.shape == (0, w.shape[-1]) and empty.dtype == x.dtype
 
 
 def test_grouped_matmul_has_no_dense_expansion():
@@ -492,6 +496,11 @@ def test_grouped_matmul_has_no_dense_expansion():
     assert dots and not any(str(g * k) in line for line in dots) and temp < dense / 8
     small, _ = compiled(lambda *a: block.grouped_matmul(*a, chunk=16))
     assert small < temp / 2
+    # a decode's few rows take tiles for the groups that can hold them, not one for every group
+    few = jax.make_jaxpr(block.grouped_matmul)(jnp.zeros((8, k)), jnp.zeros((g, k, n)), jnp.zeros((g,), jnp.int32))
+    (scan,) = [e for e in few.eqns if e.primitive.name == "scan"]
+    positions = int(np.prod(scan.invars[-3].aval.shape))  # the padded layout's rows (its source rows, chunked)
+    assert positions <= (1 + 8) * 8  # ceil(8 / tile 8) + 8 non-empty groups at most, 8 rows each
     for m, g, weight_bytes in ((m, g, k * n * 4), (32768, 64, 7168 * 2048 * 2), (8, 64, 7168 * 2048 * 2),
                                (10**6, 8, 4)):
         tile, chunk = block.grouped_tiling(m, g, weight_bytes)

@@ -156,28 +156,34 @@ def grouped_tiling(m: int, g: int, weight_bytes: int) -> tuple[int, int]:
 def grouped_matmul(x, w, group_sizes, *, tile: int | None = None, chunk: int | None = None,
                    precision=None, preferred_element_type=None):
     """x [M, K] rows sorted by group, w [G, K, N], group_sizes [G] int32 (non-negative, summing to
-    M; traced, not checked) -> [M, N] in preferred_element_type (None: x's dtype): row i is
+    M; traced, not checked) -> [M, N] in preferred_element_type (None: jnp.result_type(x, w)): row i is
     x[i] @ w[group of i], what jax.lax.ragged_dot computes. Why not ragged_dot: XLA lowers it to a
     dense [M, G * K] x [G * K, N] dot (each row expanded over every group), G times the FLOPs, and
     on an 80 GB GPU its autotuner's scratch for the MoE stand-in did not fit.
 
     How: each group's rows are laid out from a multiple of `tile` rows, in a padded layout of
-    ceil(M / tile) + G tiles (an upper bound: a group pads under one tile); positions past a
+    ceil(M / tile) + min(G, M) tiles (an upper bound: at most min(G, M) groups hold rows, each
+    pads under one tile; a decode's few rows take few tiles, not G); positions past a
     group's rows hold zeros (selected, never another row's values times 0), and each tile is
     tagged with its group (tiles past the last used one: group G - 1, all zeros, never read
     back). lax.map computes the tiles `chunk` at a time (the tiles split evenly over the fewest
     chunks): it gathers the chunk's rows and weights w[tile group] [chunk, K, N] and runs one
     batched matmul [chunk, tile, K] x [chunk, K, N]; each row's result is then gathered from its
-    padded position. Cost: the FLOPs of at most M + G * tile rows, and a [K, N] weight gather a
-    tile (about M / tile + G of them); memory: a chunk's rows and weights, and the padded
-    [tiles * tile, N] result. tile (rows a tile) / chunk (tiles a lax.map step, at most) None:
-    grouped_tiling's; ValueError naming tile or chunk if not a positive integer."""
+    padded position. Cost: the FLOPs of the layout's rows (its tiles rounded up to whole chunks,
+    times tile) and a [K, N] weight gather a tile; memory: a chunk's rows and weights, and the
+    padded [tiles * tile, N] result. tile (rows a tile) / chunk (tiles a lax.map step, at most)
+    None: grouped_tiling's; ValueError naming tile or chunk if not a positive integer, or w if it
+    has no group."""
     m, k = x.shape
     g, _, n = w.shape
+    if g == 0:
+        raise ValueError(f"grouped_matmul: w must hold at least one group, got shape {w.shape}")
+    if m == 0:
+        return jnp.zeros((0, n), preferred_element_type or jnp.result_type(x, w))
     default_tile, default_chunk = grouped_tiling(m, g, k * n * w.dtype.itemsize)
     tile = default_tile if tile is None else as_int(tile, "tile", 1)
     chunk = default_chunk if chunk is None else as_int(chunk, "chunk", 1)
-    n_tiles = -(-m // tile) + g
+    n_tiles = -(-m // tile) + min(g, m)
     n_chunks = -(-n_tiles // chunk)
     chunk = -(-n_tiles // n_chunks)
     n_tiles = n_chunks * chunk
