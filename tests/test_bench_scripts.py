@@ -317,6 +317,16 @@ def _engine_trace(directory: pathlib.Path, events: list) -> None:
         json.dump({"traceEvents": meta + events}, f)
 
 
+def _kernel(ts: float, dur: float) -> list:
+    """A kernel on _engine_trace's device stream and its copy on the derived line."""
+    return [{"ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": "k", "args": {}} for tid in (14, 2)]
+
+
+def _host_event(ts: float, dur: float, name: str, tid: int = 1) -> dict:
+    """An event on _engine_trace's host (the engine's thread 1, or `tid`)."""
+    return {"ph": "X", "pid": 701, "tid": tid, "ts": ts, "dur": dur, "name": name, "args": {}}
+
+
 def test_engine_bench_times_steps_with_every_sequence_decoding(tmp_path):
     """--smoke --decodes 3 --compare-command-buffers --rounds 2 --profile: in each of the 2 runs
     of each variant at least 3 steps have every sequence decoding (the requests' outputs outlast
@@ -403,14 +413,11 @@ def test_engine_trace_shares_counts_the_decode_steps_device_time(tmp_path, bench
                "args": {"step": str(k)}} for k, ts in enumerate((0, 0, 10, 20, 30))]
     for start in (2, 12, 22, 32):  # steps 0, 1, 2, 3 on the device
         for ts in (start, start + 4):  # two kernels of 3 us; each also on the derived line
-            events.append({"ph": "X", "pid": 1, "tid": 14, "ts": ts, "dur": 3, "name": "k", "args": {}})
-            events.append({"ph": "X", "pid": 1, "tid": 2, "ts": ts, "dur": 3, "name": "k", "args": {}})
+            events += _kernel(ts, 3)
         events.append({"ph": "X", "pid": 701, "tid": 1, "ts": start, "dur": 9, "name": "h", "args": {"hlo_op": "x"}})
     for ts in (0, 10, 20, 30):  # inside the host parts of steps 1-4: a launch with a packing nested in it
-        events.append({"ph": "X", "pid": 701, "tid": 1, "ts": ts, "dur": 1.5, "name": "launch", "args": {}})
-        events.append({"ph": "X", "pid": 701, "tid": 1, "ts": ts + 0.5, "dur": 0.5, "name": "pack", "args": {}})
-        events.append({"ph": "X", "pid": 701, "tid": 5, "ts": ts, "dur": 1, "name": "other thread", "args": {}})
-        events.append({"ph": "X", "pid": 701, "tid": 1, "ts": ts + 1.5, "dur": 4, "name": "wait", "args": {}})
+        events += [_host_event(ts, 1.5, "launch"), _host_event(ts + 0.5, 0.5, "pack"),
+                   _host_event(ts, 1, "other thread", tid=5), _host_event(ts + 1.5, 4, "wait")]
     _engine_trace(tmp_path / "t", events)
     shares = bench_engine.trace_shares(str(tmp_path / "t"), 2, 4)
     host_events = shares.pop("host_events_ms")
@@ -434,11 +441,9 @@ def test_engine_trace_shares_counts_a_decode_run_as_one_dispatch_of_its_steps(tm
                "args": {"step": str(k)}} for k, ts in ((0, 0), (1, 5), (2, 10), (6, 40), (10, 70), (14, 100))]
     for start in (35, 65, 95):  # the runs at steps 2, 6 and 10 on the device
         for ts in range(start, start + 24, 6):  # four kernels of 5 us; each also on the derived line
-            events.append({"ph": "X", "pid": 1, "tid": 14, "ts": ts, "dur": 5, "name": "k", "args": {}})
-            events.append({"ph": "X", "pid": 1, "tid": 2, "ts": ts, "dur": 5, "name": "k", "args": {}})
+            events += _kernel(ts, 5)
     for ts in (10, 40, 70, 100):  # inside the runs' host parts: a launch with a packing nested in it
-        events.append({"ph": "X", "pid": 701, "tid": 1, "ts": ts + 0.5, "dur": 2, "name": "launch", "args": {}})
-        events.append({"ph": "X", "pid": 701, "tid": 1, "ts": ts + 1, "dur": 0.5, "name": "pack", "args": {}})
+        events += [_host_event(ts + 0.5, 2, "launch"), _host_event(ts + 1, 0.5, "pack")]
     _engine_trace(tmp_path / "t", events)
     shares = bench_engine.trace_shares(str(tmp_path / "t"), 6, 14)
     host_events = shares.pop("host_events_ms")
