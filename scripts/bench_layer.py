@@ -17,7 +17,10 @@ model.compiler_options), static_update_skip (the static program with XLA's comma
 mode SKIP_PROFILED: buffers that keep their address over the first runs are remapped to fixed
 virtual addresses, so the graphs are not updated when they move), cond_graphs (the cond program
 with every command type in the graphs, its conditionals too, as CUDA conditional nodes, and
-SKIP_PROFILED: no host round trip at a conditional), xla (static plan, kernels="xla"), masked and sparse
+SKIP_PROFILED: no host round trip at a conditional), cond_slices and cond_2x_slices (cond and
+cond_2x compiled with XLA's dynamic-slice fusion too: a library call, cuBLAS's GEMM among them,
+reads its operand's row slice and writes its result's in place instead of a copy; XLA's default
+is off), xla (static plan, kernels="xla"), masked and sparse
 (prefill_route forced: every prefill longer than index_topk as masked MHA, or sparse). Hidden states are
 random; every cache slot holds random values of the cache's dtypes (contents do not change the
 work). Each call takes the cache the previous call returned (it is donated). A round times every
@@ -95,12 +98,15 @@ VARIANTS = {  # name -> (plan_batch options, kernels)
     "no_skip": ({"skip_indexer": False}, "auto"), "xla": ({}, "xla"),
     "masked": ({"prefill_route": "masked"}, "auto"), "sparse": ({"prefill_route": "sparse"}, "auto"),
     "static_update_skip": ({}, "auto"), "cond_graphs": ({"dispatch": "cond"}, "auto"),
+    "cond_slices": ({"dispatch": "cond"}, "auto"), "cond_2x_slices": ({"dispatch": "cond"}, "auto"),
 }
 UPDATE_SKIP = {"xla_gpu_command_buffer_update_mode": "SKIP_PROFILED"}
 OPTIONS = {  # variant -> the XLA compiler options its program is compiled with (others: jit_forward's)
     "static_graphs_off": COMMAND_BUFFERS_OFF, "static_update_skip": UPDATE_SKIP,
     "cond_graphs": {"xla_gpu_enable_command_buffer":
                     "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE", **UPDATE_SKIP}}
+SLICE_FUSION = {"xla_gpu_enable_dynamic_slice_fusion": True}
+ADDED_OPTIONS = {"cond_slices": SLICE_FUSION, "cond_2x_slices": SLICE_FUSION}  # variant -> added to its plan's
 DISPATCH_CALLS = 10
 KV = {"bf16": "bfloat16", "fp8": "fp8"}
 LIBRARY_SCOPES = ("projections", "cache_write", "indexer_queries", "indexer_logits", "indexer_topk",
@@ -534,11 +540,11 @@ SMOKE_LIMITS = dict(max_num_seqs=8, max_model_len=256)
 
 def variant_options(config, variant: str, smoke: bool, num_tokens: int) -> dict:
     """plan_batch's options of a variant for a batch of num_tokens rows (cond: an engine's buckets
-    at ENGINE_LIMITS; cond_2x: those with min_tokens twice the batch's row bucket)."""
+    at ENGINE_LIMITS; cond_2x, cond_2x_slices: those with min_tokens twice the batch's row bucket)."""
     options = dict(VARIANTS[variant][0])
     if options.get("dispatch") == "cond":
         bp = BucketPolicy.for_limits(config, **(SMOKE_LIMITS if smoke else ENGINE_LIMITS))
-        if variant == "cond_2x":
+        if variant in ("cond_2x", "cond_2x_slices"):
             bp = dataclasses.replace(bp, min_tokens=2 * BucketPolicy.round_up(num_tokens, bp.min_tokens))
         options["buckets"] = bp
     return options
@@ -573,7 +579,8 @@ def run_kind(config, kv, params, kind, specs, args, key):
     hidden = {v: x[:p.num_tokens] for v, (p, _) in plans.items()}  # the same rows, each variant's bucket
     cache = random_cache(config, num_pages, jax.random.fold_in(key, 1))
     steps = {v: compiled_step(params, hidden[v], *plans[v], config, VARIANTS[v][1],
-                              OPTIONS.get(v, compiler_options(plans[v][0]))) for v in args.variants}
+                              OPTIONS.get(v, compiler_options(plans[v][0])) | ADDED_OPTIONS.get(v, {}))
+             for v in args.variants}
     ms, outs, errors, reps, first = defaultdict(list), {}, {}, {}, {}
     same = {v for v in args.variants if v != "static" and v not in OPTIONS and "static" in plans
             and VARIANTS[v][1] == "auto" and plans[v][0] == plans["static"][0]}  # e.g. no_skip on the sparse route

@@ -195,6 +195,21 @@ def test_layer_profile_matches_gpu_kernels_to_instructions(bench_layer, tmp_path
                                                    ("loop_neg_fusion.2 fusion f32[4]", pytest.approx(0.003))]
 
 
+def test_layer_slice_fusion_variants_plan_as_their_cond_variant_and_add_the_flag(bench_layer):
+    """cond_slices / cond_2x_slices: the plans of cond / cond_2x (the latter's bucket doubled), compiled
+    with XLA's dynamic-slice fusion on top of the plan's own options."""
+    from jax_sparse_mla import MLAConfig
+
+    config = MLAConfig.tiny()
+    for base in ("cond", "cond_2x"):
+        assert (bench_layer.variant_options(config, f"{base}_slices", True, 40)
+                == bench_layer.variant_options(config, base, True, 40))
+        assert bench_layer.ADDED_OPTIONS[f"{base}_slices"] == {"xla_gpu_enable_dynamic_slice_fusion": True}
+    doubled = bench_layer.variant_options(config, "cond_2x_slices", True, 40)["buckets"].min_tokens
+    own = bench_layer.variant_options(config, "cond", True, 40)["buckets"]
+    assert doubled == 2 * own.round_up(40, own.min_tokens)
+
+
 def test_layer_profile_names_an_op_outside_the_scopes_by_the_layer_function_that_made_it(bench_layer):
     """An op outside the named scopes takes the layer's function below its entry, the program
     dispatchers and their branch closures (the jit's caller above them does not count)."""
