@@ -119,7 +119,7 @@ def trace_shares(trace_dir: str, first: int, last: int) -> dict:
     i, j = order.index(first), order.index(last)
     if not 0 < i < j:
         raise RuntimeError(f"first = {first} must start a dispatch after the trace's first and before last = {last}'s "
-                           "(the window holds the device time of the dispatches before them)")
+                           "(the window holds the device's busy time of the dispatches before them)")
     lo, hi = spans[first]["ts"], spans[last]["ts"]
     on_device = [e for e in events if (on_stream(e, lines, devices) if devices else "hlo_op" in e.get("args", {}))]
     clipped = sorted((max(e["ts"], lo), min(e["ts"] + e.get("dur", 0), hi)) for e in on_device)
@@ -128,7 +128,7 @@ def trace_shares(trace_dir: str, first: int, last: int) -> dict:
         if a < b and b > end:
             busy += b - max(a, end)
             end = b
-    parts = [spans[k] for k in order[i - 1:j - 1]]  # the host parts of the dispatches whose device time it holds
+    parts = [spans[k] for k in order[i - 1:j - 1]]  # the host parts of the dispatches whose device busy time it holds
     starts = [p["ts"] for p in parts]  # ascending, and the parts do not overlap (one loop)
     inside = collections.Counter()  # what the host parts hold: event name -> its time, inclusive
     for e in events:

@@ -334,7 +334,7 @@ def markdown(results) -> str:
     lines += ["",
              f"(a) short prefills: input {m['prefill_input_len']} (range ratio {m['prefill_range_ratio']}), output 1.",
              f"Medians of {m['repeats']} runs a setting; the runs' range: the lowest and highest gain of run i "
-             "against run i; host / device: the median step's host part (planning, launch) and device time.",
+             "against run i; host / device: the median step's host part (planning, launch) and device busy time.",
              "", col + "| concurrency | requests | req/s skip | req/s no skip | gain | runs' range | median TTFT ms "
              "skip | no skip | host / device ms skip | no skip |",
              sep + "|---|---|---|---|---|---|---|---|---|---|"]

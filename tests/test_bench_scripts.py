@@ -447,7 +447,7 @@ def test_engine_trace_shares_counts_the_decode_steps_device_time(tmp_path, bench
 def test_engine_trace_shares_counts_a_decode_run_as_one_dispatch_of_its_steps(tmp_path, bench_engine):
     """trace_shares over decode runs of 4 (one span each, named by its first step): dispatches at
     steps 0, 1 (single steps), 2, 6, 10, 14 (runs), their spans at 0, 5, 10, 40, 70, 100 us. The
-    window of 6 .. 14 (60 us) holds the device time of the runs at 2 and 6, 8 steps: four 5 us
+    window of 6 .. 14 (60 us) holds the device's busy time of the runs at 2 and 6, 8 steps: four 5 us
     kernels each, the first run's first cut off before the window, 15 + 20 us, and 5 us of the run
     at 10 before the window ends: 40 us, 20 a dispatch, 5 a step. Host parts (3 us) and their
     launches (2 us, a 0.5 us packing nested) are those of the runs at 2 and 6, not of those at 10
@@ -475,7 +475,7 @@ def test_engine_trace_shares_counts_a_decode_run_as_one_dispatch_of_its_steps(tm
 def test_skip_bench_reports_each_comparison_with_its_runs_range_and_host_against_device():
     """bench_skip's repeats: the gain and the TPOT ratio of run i against run i, lowest and highest
     (with two runs the gain of the medians lies between them: a mediant), printed in the tables
-    beside each setting's median step host and device time."""
+    beside each setting's median step host and device busy time."""
     spec = importlib.util.spec_from_file_location("bench_skip", SCRIPTS / "bench_skip.py")
     skip = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(skip)

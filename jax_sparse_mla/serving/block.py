@@ -18,10 +18,10 @@ arithmetic, random (seeded) weights in the config dtype:
 An expert is SwiGLU: down(silu(gate(x)) * up(x)). The routed experts run as grouped matmuls:
 the T * k (token, expert) pairs are sorted by expert, each expert's rows are one group, and
 `grouped_matmul` computes gate, up and down over the groups (each group's rows padded to whole
-tiles, each tile times its expert's weights, in chunks of tiles: the real rows' FLOPs plus under a
-tile a group; not `jax.lax.ragged_dot`, which XLA expands on the GPU to a dense dot over every
-expert, E times the FLOPs, whose autotuner scratch did not fit an 80 GB card); the rows are then
-unsorted and summed per token with the routing weights.
+tiles, each tile times its expert's weights, in chunks of tiles: FLOPs that follow the real rows,
+padded to each group's last tile and the last chunk; not `jax.lax.ragged_dot`, which XLA expands
+on the GPU to a dense dot over every expert, E times the FLOPs, whose autotuner scratch did not
+fit an 80 GB card); the rows are then unsorted and summed per token with the routing weights.
 
 Weight layout (grouped_matmul's [group, in, out]; Hugging Face stores each expert's Linear as [out, in]):
   "attn_norm.weight" [hidden], "ffn_norm.weight" [hidden], "router.weight" [hidden, E],
