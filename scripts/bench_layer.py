@@ -13,11 +13,10 @@ tokens: one program per row bucket and stage set), no_skip
 (skip_indexer=False: every row scored), cond_2x (cond with the row bucket doubled:
 the same rows in a bucket of 2N, what padding rows cost the serving program), static_graphs_off
 (the static program compiled with XLA's command buffers off, as programs with conditionals are:
-model.compiler_options), static_update_skip (the static program with XLA's command-buffer update
-mode SKIP_PROFILED: buffers that keep their address over the first runs are remapped to fixed
-virtual addresses, so the graphs are not updated when they move), cond_graphs (the cond program
-with every command type in the graphs, its conditionals too, as CUDA conditional nodes, and
-SKIP_PROFILED: no host round trip at a conditional), cond_slices and cond_2x_slices (cond and
+model.compiler_options), cond_graphs (the cond program with every command type in the graphs,
+its conditionals too, as CUDA conditional nodes: no host round trip at a conditional),
+cond_graphs_around (the cond program with XLA's default command buffers: graphs between the
+conditionals, each branch's body its own graph), cond_slices and cond_2x_slices (cond and
 cond_2x compiled with XLA's dynamic-slice fusion too: a library call, cuBLAS's GEMM among them,
 reads its operand's row slice and writes its result's in place instead of a copy; XLA's default
 is off), xla (static plan, kernels="xla"), masked and sparse
@@ -97,14 +96,15 @@ VARIANTS = {  # name -> (plan_batch options, kernels)
     "cond_2x": ({"dispatch": "cond"}, "auto"),  # the same rows in a row bucket twice cond's
     "no_skip": ({"skip_indexer": False}, "auto"), "xla": ({}, "xla"),
     "masked": ({"prefill_route": "masked"}, "auto"), "sparse": ({"prefill_route": "sparse"}, "auto"),
-    "static_update_skip": ({}, "auto"), "cond_graphs": ({"dispatch": "cond"}, "auto"),
+    "cond_graphs": ({"dispatch": "cond"}, "auto"), "cond_graphs_around": ({"dispatch": "cond"}, "auto"),
     "cond_slices": ({"dispatch": "cond"}, "auto"), "cond_2x_slices": ({"dispatch": "cond"}, "auto"),
 }
-UPDATE_SKIP = {"xla_gpu_command_buffer_update_mode": "SKIP_PROFILED"}
+# (XLA's command-buffer update mode is not among them: it takes effect only set process-wide, in
+# XLA_FLAGS before jax starts, where it switches the client's allocator; docs/design/dispatch.md)
 OPTIONS = {  # variant -> the XLA compiler options its program is compiled with (others: jit_forward's)
-    "static_graphs_off": COMMAND_BUFFERS_OFF, "static_update_skip": UPDATE_SKIP,
+    "static_graphs_off": COMMAND_BUFFERS_OFF, "cond_graphs_around": {},
     "cond_graphs": {"xla_gpu_enable_command_buffer":
-                    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE", **UPDATE_SKIP}}
+                    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"}}
 SLICE_FUSION = {"xla_gpu_enable_dynamic_slice_fusion": True}
 ADDED_OPTIONS = {"cond_slices": SLICE_FUSION, "cond_2x_slices": SLICE_FUSION}  # variant -> added to its plan's
 DISPATCH_CALLS = 10
@@ -468,10 +468,13 @@ def trace_breakdown(trace_dir: str, scopes: HloScopes, steps: int) -> dict:
     an hlo_op arg (XLA:CPU's thunks, on the host's threads); of this module where their
     hlo_module arg names it. An event's instructions (HloScopes.event_instructions; for an event no
     name matches, HloScopes.unmatched_around the nearest matched events on its line) give its
-    scope where they agree on one; else the named scope in its name arg (a GPU event's op_name,
-    cut at its first comma); else it is UNATTRIBUTED. named_share: the share of the traced time
-    in LIBRARY_SCOPES; attributed_share: in any scope (named, or the function that emitted the
-    op, or control flow)."""
+    scope where they agree on one; where they name several, the scope of its nearest event of one
+    scope on its line (before it, else after it) that is among them (a kernel name that fusions
+    of several scopes share: a graph's loop kernels); with none, the scope of the events on both
+    sides where they agree (a graph's own loop copies and condition kernels); else the named scope
+    in its name arg (a GPU event's op_name, cut at its first comma); else it is UNATTRIBUTED.
+    named_share: the share of the traced time in LIBRARY_SCOPES; attributed_share: in any scope
+    (named, or the function that emitted the op, or control flow)."""
     loaded = load_trace(trace_dir)
     if loaded is None:
         return {"ms": {}, "ops": {}, "traced_ms": 0.0, "named_share": 0.0, "attributed_share": 0.0,
@@ -501,11 +504,27 @@ def trace_breakdown(trace_dir: str, scopes: HloScopes, steps: int) -> dict:
                 before = next((next(iter(found[j])) for j in reversed(line[:k]) if len(found[j]) == 1), None)
                 after = next((next(iter(found[j])) for j in line[k + 1:] if len(found[j]) == 1), None)
                 guessed[i] = scopes.unmatched_around(before, after, matched)
+    candidates = [{scopes.scope[n] for n in found[i] or guessed.get(i, set())} for i in range(len(events))]
+    resolved = {i: next(iter(c)) for i, c in enumerate(candidates) if len(c) == 1}
+
+    def beside(line, k, known):  # the scopes of the nearest events before and after line[k] in `known`
+        return [next((known[j] for j in side if j in known), None) for side in (reversed(line[:k]), line[k + 1:])]
+    for line in by_line.values():  # a kernel name that fusions of several scopes share (a graph's loop
+        for k, i in enumerate(line):  # kernels): the scope of its nearest neighbour of one scope among them
+            if len(candidates[i]) > 1:
+                scope = next((s for s in beside(line, k, resolved) if s in candidates[i]), None)
+                if scope is not None:
+                    candidates[i] = {scope}
+    known = {i: next(iter(c)) for i, c in enumerate(candidates) if len(c) == 1}
+    for line in by_line.values():  # no instruction of its own (a graph's loop copies and condition
+        for k, i in enumerate(line):  # kernels): the scope of the events on both sides where they agree
+            if not candidates[i] and (sides := beside(line, k, known))[0] is not None and sides[0] == sides[1]:
+                candidates[i] = {sides[0]}
     totals, ops = defaultdict(float), defaultdict(lambda: defaultdict(float))
     for i, (e, t) in enumerate(zip(events, _self_times(events, scopes))):
         ins = found[i] or guessed.get(i, set())
-        candidates = {scopes.scope[n] for n in ins}
-        scope = (candidates.pop() if len(candidates) == 1 else _named(e.get("args", {}).get("name"))) or UNATTRIBUTED
+        scope = next(iter(candidates[i])) if len(candidates[i]) == 1 else None
+        scope = scope or _named(e.get("args", {}).get("name")) or UNATTRIBUTED
         ms = t / 1e3 / steps
         totals[scope] += ms
         ops[scope][_op_label(scopes, ins) if len(ins) == 1 else _event_label(e)] += ms

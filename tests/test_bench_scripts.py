@@ -38,19 +38,19 @@ def bench_layer():
 
 def test_layer_profile_attributes_a_cond_step_to_its_scopes(tmp_path):
     """--profile on the CPU: nearly all of the traced op time maps to an instruction and most of
-    it to the named scopes, in the static program (also compiled with command buffers off and
-    with the update mode: the same output) and in the cond one (whose work runs inside
+    it to the named scopes, in the static program (also compiled with command buffers off: the
+    same output) and in the cond one (whose work runs inside
     the conditional's branches: spread over the scopes, dense_mha among them; also compiled with
-    its conditionals in the graphs: the same output), and the table prints each variant's scopes
+    its conditionals in the graphs and with graphs between them: the same output), and the table prints each variant's scopes
     and coverage, and every row its dispatch time."""
     out = _run("bench_layer.py", "--smoke", "--kv", "bf16", "--kinds", "mixed_12_4x40", "--variants",
-               "static,static_graphs_off,static_update_skip,cond,cond_graphs", "--profile", str(tmp_path / "profile"),
+               "static,static_graphs_off,cond,cond_graphs,cond_graphs_around", "--profile", str(tmp_path / "profile"),
                "--out", str(tmp_path / "rows.json"), cwd=tmp_path)
     rows = {r["variant"]: r for r in json.loads((tmp_path / "rows.json").read_text())["rows"]}
-    assert set(rows) == {"static", "static_graphs_off", "static_update_skip", "cond", "cond_graphs"}
+    assert set(rows) == {"static", "static_graphs_off", "cond", "cond_graphs", "cond_graphs_around"}
     # the static and the cond program, each compiled with other options: the same outputs
-    assert rows["static_graphs_off"]["rel_err"] == rows["static_update_skip"]["rel_err"] == 0
-    assert rows["cond_graphs"]["rel_err"] == rows["cond"]["rel_err"]
+    assert rows["static_graphs_off"]["rel_err"] == 0
+    assert rows["cond_graphs"]["rel_err"] == rows["cond_graphs_around"]["rel_err"] == rows["cond"]["rel_err"]
     for r in rows.values():
         assert r["dispatch_ms"] > 0
         ms, traced = r["profile_ms_per_step"], r["profile_traced_ms"]
@@ -291,6 +291,76 @@ def test_layer_profile_attributes_a_loop_inside_a_command_buffer(bench_layer, tm
     assert loop["ms"] == pytest.approx({"indexer_logits": (4 * 5 + 2) / 1e3, "o_proj": 0.003})
     assert loop["attributed_share"] == 1.0
     assert dict(loop["ops"]["indexer_logits"])["loop_neg_fusion fusion f32[4]"] == pytest.approx(0.008)
+
+
+def _fused(name: str, scope: str) -> str:
+    """A fused computation %name of one negate in `scope`."""
+    return (f"%{name} (p: s32[]) -> s32[] {{\n  %p = s32[] parameter(0)\n  ROOT %n.{name} = s32[] negate(%p), "
+            f'metadata={{op_name="jit(forward)/{scope}/neg"}}\n}}\n')
+
+
+# a graph holding a loop in indexer_logits and one in dense_mha (as jnp.searchsorted makes them),
+# a fusion before and after each; the loops' condition and counter fusions share their kernels
+# (deduplicated_name), each body has a fusion of its own
+_TWO_LOOPS_HLO = "HloModule jit_forward, is_scheduled=true\n\n" + "\n".join(
+    _fused(f"f_{part}_{loop}", scope) for loop, scope in (("a", "indexer_logits"), ("b", "dense_mha"))
+    for part in ("lt", "add", "own", "pre", "post")) + """
+%condition_a (i.0: s32[]) -> s32[] {
+  %i.0 = s32[] parameter(0)
+  ROOT %loop_compare_fusion = s32[] fusion(%i.0), kind=kLoop, calls=%f_lt_a
+}
+
+%body_a (i.1: s32[]) -> s32[] {
+  %i.1 = s32[] parameter(0)
+  %loop_neg_fusion.a = s32[] fusion(%i.1), kind=kLoop, calls=%f_own_a
+  ROOT %loop_add_fusion = s32[] fusion(%loop_neg_fusion.a), kind=kLoop, calls=%f_add_a
+}
+
+%condition_b (i.2: s32[]) -> s32[] {
+  %i.2 = s32[] parameter(0)
+  ROOT %loop_compare_fusion.1 = s32[] fusion(%i.2), kind=kLoop, calls=%f_lt_b, metadata={deduplicated_name="loop_compare_fusion"}
+}
+
+%body_b (i.3: s32[]) -> s32[] {
+  %i.3 = s32[] parameter(0)
+  %loop_neg_fusion.b = s32[] fusion(%i.3), kind=kLoop, calls=%f_own_b
+  ROOT %loop_add_fusion.1 = s32[] fusion(%loop_neg_fusion.b), kind=kLoop, calls=%f_add_b, metadata={deduplicated_name="loop_add_fusion"}
+}
+
+%command_buffer (i.4: s32[]) -> s32[] {
+  %i.4 = s32[] parameter(0)
+  %pre_fusion.a = s32[] fusion(%i.4), kind=kLoop, calls=%f_pre_a
+  %while.a = s32[] while(%pre_fusion.a), condition=%condition_a, body=%body_a
+  %post_fusion.a = s32[] fusion(%while.a), kind=kLoop, calls=%f_post_a
+  %pre_fusion.b = s32[] fusion(%post_fusion.a), kind=kLoop, calls=%f_pre_b
+  %while.b = s32[] while(%pre_fusion.b), condition=%condition_b, body=%body_b
+  ROOT %post_fusion.b = s32[] fusion(%while.b), kind=kLoop, calls=%f_post_b
+}
+
+ENTRY %main.5 (i.5: s32[]) -> s32[] {
+  %i.5 = s32[] parameter(0)
+  ROOT %call.1 = s32[] call(%i.5), to_apply=%command_buffer
+}
+"""
+
+
+def test_layer_profile_attributes_loop_kernels_several_scopes_share(bench_layer, tmp_path):
+    """Two loops of two scopes in one graph, the events under a name no instruction has (as XLA's
+    command buffers launch them): their condition and counter kernels, one name each for both
+    loops, take the scope of their neighbours on the line; the graph's own set_while_condition
+    and predicate copy, matching no instruction, that of the events on both sides: every event
+    attributed, each loop's time to its scope."""
+    scopes = bench_layer.HloScopes(_TWO_LOOPS_HLO)
+    assert scopes.scope["loop_compare_fusion"] == "indexer_logits" and scopes.scope["loop_compare_fusion.1"] == "dense_mha"
+
+    def loop(name, iterations):  # the events of a loop's run: before, each iteration, the last condition, after
+        step = [("loop_compare_fusion", 1), ("set_while_condition", 0.5), ("memcpy32_post", 0.5),
+                (f"loop_neg_fusion_{name}", 2), ("loop_add_fusion", 1)]
+        return [(f"pre_fusion_{name}", 3)] + step * iterations + step[:3] + [(f"post_fusion_{name}", 3)]
+    _gpu_trace(tmp_path / "two", [(k, "command_buffer_1", t) for k, t in loop("a", 3) + loop("b", 2)], steps=1)
+    two = bench_layer.trace_breakdown(str(tmp_path / "two"), scopes, steps=1)
+    assert two["attributed_share"] == 1.0, two["ops"]
+    assert two["ms"] == pytest.approx({"indexer_logits": (8 + 5 * 3) / 1e3, "dense_mha": (8 + 5 * 2) / 1e3})
 
 
 def test_warmup_bench_restart_loads_every_program_from_the_store(tmp_path):
