@@ -9,6 +9,8 @@ while the device runs step N, so host time under the device's is hidden.
     python scripts/bench_engine.py --host-only [--seqs 256 --context 4096]    # any machine: the host alone
     python scripts/bench_engine.py --compare-command-buffers [--rounds 3] [--profile DIR]    # GPU
     python scripts/bench_engine.py --decode-steps 1,8 --loop-in-graphs [--rounds 2] [--profile DIR]    # GPU
+    XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP \
+        python scripts/bench_engine.py --conditionals-in-graphs [--rounds 2] [--profile DIR]    # GPU
 
 Every request has the same prompt and is sent at once; the scheduler puts decodes first, so the
 early requests decode while the later ones still prefill. Each request's output is long enough
@@ -33,6 +35,15 @@ DIR_command_buffers_off).
 WHILE among XLA's command-buffer types (the default types hold none, so the host walks the
 run's loop and launches each step's graphs), interleaved with the others: rows "decode (runs of
 K, loop in graphs)".
+
+--conditionals-in-graphs times the engine's programs with conditionals (its prefill steps')
+against the same programs compiled with CONDITIONAL among XLA's command-buffer types (each
+conditional a CUDA conditional node: no host round trip for its branch index), interleaved:
+rows "prefill" and "prefill (conditionals in graphs)" (and decode rows: their programs have no
+conditional). In the engine's program a layer's output feeds the residual add outside the
+conditionals, so at a launch XLA updates no branch for a moved output (a layer step timed
+alone writes its output from o_proj's branches); XLA's command-buffer update mode, which fixes
+the graphs' temps' addresses (SKIP_TEMP), takes effect only set in XLA_FLAGS before jax starts.
 
 --profile DIR runs each variant once more under jax.profiler.trace (into DIR and its row's
 suffix: DIR for single steps, DIR_command_buffers_off, DIR_runs_of_8, ...) and prints, for the
@@ -146,8 +157,11 @@ def trace_shares(trace_dir: str, first: int, last: int) -> dict:
             "host_events_ms": {name: t / 1e3 / n for name, t in inside.most_common(HOST_EVENTS)}}
 
 
-# XLA's default command-buffer types (jax 0.11.2) and WHILE: a decode run's loop inside the graphs
-LOOP_IN_GRAPHS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE"}
+# XLA's default command-buffer types (jax 0.11.2) and WHILE: a decode run's loop inside the graphs;
+# and CONDITIONAL: a step's conditionals inside them
+DEFAULT_COMMAND_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
+LOOP_IN_GRAPHS = {"xla_gpu_enable_command_buffer": DEFAULT_COMMAND_TYPES + ",WHILE"}
+CONDITIONALS_IN_GRAPHS = {"xla_gpu_enable_command_buffer": DEFAULT_COMMAND_TYPES + ",CONDITIONAL"}
 
 
 def recompiled(engine: Engine, options: dict, which) -> dict:
@@ -195,12 +209,18 @@ def main(argv=None) -> int:
     p.add_argument("--loop-in-graphs", action="store_true",
                    help="also time each decode run (--decode-steps K > 1) with its loop inside XLA's command "
                         "buffers (WHILE among their types): rows 'decode (runs of K, loop in graphs)'")
+    p.add_argument("--conditionals-in-graphs", action="store_true",
+                   help="also time the programs with conditionals (prefill steps) with CONDITIONAL among XLA's "
+                        "command-buffer types: rows '... (conditionals in graphs)'")
     p.add_argument("--rounds", type=int, default=3,
-                   help="runs of each variant with --compare-command-buffers or several --decode-steps")
+                   help="runs of each variant with --compare-command-buffers, --conditionals-in-graphs or several "
+                        "--decode-steps")
     p.add_argument("--out", default=None, help="write the step records and the medians as JSON here")
     a = p.parse_args(argv)
-    if a.host_only and a.compare_command_buffers:
+    if a.host_only and (a.compare_command_buffers or a.conditionals_in_graphs):
         p.error("--host-only runs no program: nothing to compare")
+    if a.compare_command_buffers and a.conditionals_in_graphs:
+        p.error("--compare-command-buffers and --conditionals-in-graphs: one comparison a run")
     if any(k < 1 for k in a.decode_steps) or len(set(a.decode_steps)) != len(a.decode_steps):
         p.error(f"--decode-steps must be distinct positive integers, got {a.decode_steps}")
     if a.compare_command_buffers and a.decode_steps != [1]:
@@ -250,6 +270,12 @@ def main(argv=None) -> int:
     if a.compare_command_buffers:
         variants = {"": (None, 1), " (command buffers off)": (
             recompiled(engine, COMMAND_BUFFERS_OFF, lambda plan, kernels, steps: not plan.has_conditionals), 1)}
+    if a.conditionals_in_graphs:
+        with_conditionals = sum(plan.has_conditionals for plan, _, _ in engine._executables)
+        print(f"conditionals in graphs: {with_conditionals} of {len(engine._executables)} programs compiled again",
+              flush=True)
+        variants = {"": (None, 1), " (conditionals in graphs)": (
+            recompiled(engine, CONDITIONALS_IN_GRAPHS, lambda plan, kernels, steps: plan.has_conditionals), 1)}
     own = dict(engine._executables)  # the variants' None
     results = {suffix: [] for suffix in variants}
     for _ in range(a.rounds if len(variants) > 1 else 1):  # the variants interleaved

@@ -439,6 +439,18 @@ def test_engine_bench_times_steps_with_every_sequence_decoding(tmp_path):
     assert out.count("compiled 0") == 4
 
 
+def test_engine_bench_times_prefill_steps_with_their_conditionals_in_the_graphs(tmp_path):
+    """--smoke --conditionals-in-graphs: the prefill step's program (the dense call's key sizes: a
+    conditional) is compiled again with its conditionals in the graphs and timed beside the
+    engine's own, no step compiling."""
+    out = _run("bench_engine.py", "--smoke", "--decodes", "2", "--conditionals-in-graphs",
+               "--rounds", "1", "--out", str(tmp_path / "engine.json"), cwd=tmp_path)
+    medians = json.loads((tmp_path / "engine.json").read_text())["medians"]
+    assert set(medians) == {"decode", "prefill", "decode (conditionals in graphs)", "prefill (conditionals in graphs)"}
+    assert all(row["new_programs"] == 0 and row["steps"] >= 1 for row in medians.values()), medians
+    assert "conditionals in graphs: 1 of 2 programs compiled again" in out
+
+
 def test_engine_bench_profiles_single_steps_and_decode_runs(tmp_path):
     """--smoke --decode-steps 1,2 --profile DIR: each variant is traced into its own directory (DIR,
     DIR_runs_of_2) and prints its traced decode line and host events; the runs' window counts
