@@ -9,8 +9,7 @@ while the device runs step N, so host time under the device's is hidden.
     python scripts/bench_engine.py --host-only [--seqs 256 --context 4096]    # any machine: the host alone
     python scripts/bench_engine.py --compare-command-buffers [--rounds 3] [--profile DIR]    # GPU
     python scripts/bench_engine.py --decode-steps 1,8 --loop-in-graphs [--rounds 2] [--profile DIR]    # GPU
-    XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP \
-        python scripts/bench_engine.py --conditionals-in-graphs [--rounds 2] [--profile DIR]    # GPU
+    python scripts/bench_engine.py --conditionals-in-graphs [--rounds 2]    # GPU, XLA_FLAGS as below
 
 Every request has the same prompt and is sent at once; the scheduler puts decodes first, so the
 early requests decode while the later ones still prefill. Each request's output is long enough
@@ -41,9 +40,12 @@ against the same programs compiled with CONDITIONAL among XLA's command-buffer t
 conditional a CUDA conditional node: no host round trip for its branch index), interleaved:
 rows "prefill" and "prefill (conditionals in graphs)" (and decode rows: their programs have no
 conditional). In the engine's program a layer's output feeds the residual add outside the
-conditionals, so at a launch XLA updates no branch for a moved output (a layer step timed
-alone writes its output from o_proj's branches); XLA's command-buffer update mode, which fixes
-the graphs' temps' addresses (SKIP_TEMP), takes effect only set in XLA_FLAGS before jax starts.
+conditionals, so a launch should need no branch re-recorded for a moved output, as a layer step
+timed alone does (its output comes from o_proj's branches): the hypothesis this run tests, with
+the graphs' temps at fixed addresses, XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP
+(XLA's update mode takes effect only set there, before jax starts). Under --profile, XLA runs
+a graph's thunks instead of the graph unless XLA_FLAGS also holds
+--xla_enable_command_buffers_during_profiling=true.
 
 --profile DIR runs each variant once more under jax.profiler.trace (into DIR and its row's
 suffix: DIR for single steps, DIR_command_buffers_off, DIR_runs_of_8, ...) and prints, for the
@@ -221,6 +223,8 @@ def main(argv=None) -> int:
         p.error("--host-only runs no program: nothing to compare")
     if a.compare_command_buffers and a.conditionals_in_graphs:
         p.error("--compare-command-buffers and --conditionals-in-graphs: one comparison a run")
+    if a.conditionals_in_graphs and a.decode_steps != [1]:
+        p.error("--conditionals-in-graphs times single steps: leave --decode-steps out")
     if any(k < 1 for k in a.decode_steps) or len(set(a.decode_steps)) != len(a.decode_steps):
         p.error(f"--decode-steps must be distinct positive integers, got {a.decode_steps}")
     if a.compare_command_buffers and a.decode_steps != [1]:

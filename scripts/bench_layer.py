@@ -468,11 +468,12 @@ def trace_breakdown(trace_dir: str, scopes: HloScopes, steps: int) -> dict:
     an hlo_op arg (XLA:CPU's thunks, on the host's threads); of this module where their
     hlo_module arg names it. An event's instructions (HloScopes.event_instructions; for an event no
     name matches, HloScopes.unmatched_around the nearest matched events on its line) give its
-    scope where they agree on one; where they name several, the scope of its nearest event of one
-    scope on its line (before it, else after it) that is among them (a kernel name that fusions
-    of several scopes share: a graph's loop kernels); with none, the scope of the events on both
-    sides where they agree (a graph's own loop copies and condition kernels); else the named scope
-    in its name arg (a GPU event's op_name, cut at its first comma); else it is UNATTRIBUTED.
+    scope where they agree on one; where they name several, the scope of the nearest event of one
+    scope on its line before it, else after it, where that scope is among theirs (a kernel name
+    that fusions of several scopes share: a graph's loop kernels); else the named scope in its
+    name arg (a GPU event's op_name, cut at its first comma); with neither, the scope of the
+    events on both sides where they agree (a graph's own copies and condition kernels); else it
+    is UNATTRIBUTED.
     named_share: the share of the traced time in LIBRARY_SCOPES; attributed_share: in any scope
     (named, or the function that emitted the op, or control flow)."""
     loaded = load_trace(trace_dir)
@@ -505,26 +506,29 @@ def trace_breakdown(trace_dir: str, scopes: HloScopes, steps: int) -> dict:
                 after = next((next(iter(found[j])) for j in line[k + 1:] if len(found[j]) == 1), None)
                 guessed[i] = scopes.unmatched_around(before, after, matched)
     candidates = [{scopes.scope[n] for n in found[i] or guessed.get(i, set())} for i in range(len(events))]
-    resolved = {i: next(iter(c)) for i, c in enumerate(candidates) if len(c) == 1}
 
-    def beside(line, k, known):  # the scopes of the nearest events before and after line[k] in `known`
-        return [next((known[j] for j in side if j in known), None) for side in (reversed(line[:k]), line[k + 1:])]
-    for line in by_line.values():  # a kernel name that fusions of several scopes share (a graph's loop
-        for k, i in enumerate(line):  # kernels): the scope of its nearest neighbour of one scope among them
+    def beside(line, k, known):  # the scopes of the nearest events in `known` before and after line[k]
+        sides = (range(k - 1, -1, -1), range(k + 1, len(line)))
+        return [next((known[line[j]] for j in side if line[j] in known), None) for side in sides]
+    resolved = {i: next(iter(c)) for i, c in enumerate(candidates) if len(c) == 1}
+    for line in by_line.values():  # a kernel name that fusions of several scopes share (a graph's loop kernels):
+        for k, i in enumerate(line):  # the nearest one-scope event's scope, before it, else after it, if a candidate
             if len(candidates[i]) > 1:
                 scope = next((s for s in beside(line, k, resolved) if s in candidates[i]), None)
                 if scope is not None:
                     candidates[i] = {scope}
     known = {i: next(iter(c)) for i, c in enumerate(candidates) if len(c) == 1}
-    for line in by_line.values():  # no instruction of its own (a graph's loop copies and condition
-        for k, i in enumerate(line):  # kernels): the scope of the events on both sides where they agree
-            if not candidates[i] and (sides := beside(line, k, known))[0] is not None and sides[0] == sides[1]:
-                candidates[i] = {sides[0]}
+    for line in by_line.values():  # no instruction and no named scope of its own (a graph's copies and
+        for k, i in enumerate(line):  # condition kernels): the scope of the events on both sides where they agree
+            if not candidates[i] and _named(events[i].get("args", {}).get("name")) is None:
+                before, after = beside(line, k, known)
+                if before is not None and before == after:
+                    candidates[i] = {before}
     totals, ops = defaultdict(float), defaultdict(lambda: defaultdict(float))
     for i, (e, t) in enumerate(zip(events, _self_times(events, scopes))):
-        ins = found[i] or guessed.get(i, set())
         scope = next(iter(candidates[i])) if len(candidates[i]) == 1 else None
         scope = scope or _named(e.get("args", {}).get("name")) or UNATTRIBUTED
+        ins = {n for n in found[i] or guessed.get(i, set()) if scopes.scope[n] == scope}  # (those of its scope)
         ms = t / 1e3 / steps
         totals[scope] += ms
         ops[scope][_op_label(scopes, ins) if len(ins) == 1 else _event_label(e)] += ms

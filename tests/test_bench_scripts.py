@@ -347,9 +347,9 @@ ENTRY %main.5 (i.5: s32[]) -> s32[] {
 def test_layer_profile_attributes_loop_kernels_several_scopes_share(bench_layer, tmp_path):
     """Two loops of two scopes in one graph, the events under a name no instruction has (as XLA's
     command buffers launch them): their condition and counter kernels, one name each for both
-    loops, take the scope of their neighbours on the line; the graph's own set_while_condition
-    and predicate copy, matching no instruction, that of the events on both sides: every event
-    attributed, each loop's time to its scope."""
+    loops, take the scope of their neighbours on the line (the loop's own fusion before them, or
+    the fusion before the loop); the graph's own set_while_condition and predicate copy go to the
+    loop around them (unmatched_around): every event attributed, each loop's time to its scope."""
     scopes = bench_layer.HloScopes(_TWO_LOOPS_HLO)
     assert scopes.scope["loop_compare_fusion"] == "indexer_logits" and scopes.scope["loop_compare_fusion.1"] == "dense_mha"
 
@@ -361,6 +361,35 @@ def test_layer_profile_attributes_loop_kernels_several_scopes_share(bench_layer,
     two = bench_layer.trace_breakdown(str(tmp_path / "two"), scopes, steps=1)
     assert two["attributed_share"] == 1.0, two["ops"]
     assert two["ms"] == pytest.approx({"indexer_logits": (8 + 5 * 3) / 1e3, "dense_mha": (8 + 5 * 2) / 1e3})
+
+
+_THREE_FUSIONS_HLO = "HloModule jit_forward, is_scheduled=true\n\n" + "\n".join(
+    _fused(name, scope) for name, scope in (("f_1", "projections"), ("f_2", "projections"), ("f_3", "o_proj"))) + """
+%command_buffer (i.0: s32[]) -> s32[] {
+  %i.0 = s32[] parameter(0)
+  %fusion.1 = s32[] fusion(%i.0), kind=kLoop, calls=%f_1
+  %fusion.2 = s32[] fusion(%fusion.1), kind=kLoop, calls=%f_2
+  ROOT %fusion.3 = s32[] fusion(%fusion.2), kind=kLoop, calls=%f_3
+}
+
+ENTRY %main.1 (i.1: s32[]) -> s32[] {
+  %i.1 = s32[] parameter(0)
+  ROOT %call.1 = s32[] call(%i.1), to_apply=%command_buffer
+}
+"""
+
+
+def test_layer_profile_gives_an_unclaimed_event_the_scope_around_it(bench_layer, tmp_path):
+    """An event no instruction claims, between events of instructions scheduled next to each other
+    (nothing unmatched between them): the scope of the events on both sides where they agree,
+    unattributed where they differ."""
+    scopes = bench_layer.HloScopes(_THREE_FUSIONS_HLO)
+    events = [("fusion_1", 2), ("memcpy32_post", 1), ("fusion_2", 2), ("set_while_condition", 3), ("fusion_3", 4)]
+    _gpu_trace(tmp_path / "around", [(k, "command_buffer_1", t) for k, t in events], steps=1)
+    around = bench_layer.trace_breakdown(str(tmp_path / "around"), scopes, steps=1)
+    assert around["ms"] == pytest.approx({"projections": 0.005, "(unattributed)": 0.003, "o_proj": 0.004})
+    assert dict(around["ops"]["projections"]) == pytest.approx(
+        {"fusion.1 fusion s32[]": 0.002, "fusion.2 fusion s32[]": 0.002, "memcpy32_post (hlo_op command_buffer_1)": 0.001})
 
 
 def test_warmup_bench_restart_loads_every_program_from_the_store(tmp_path):

@@ -113,8 +113,8 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16", dispatch="static"):
 
 def poisoned_rows(dp, tp, dispatch="static"):
     """A short prefill (dense MHA) beside a long one (scored) whose hidden row 5 holds a NaN,
-    through sharded_forward on a (dp, tp) mesh (the output summed over the tensor shards before
-    the non-finite rows are set) and through the one-device forward: {"nan_rows", "ref_nan_rows":
+    through sharded_forward on a (dp, tp) mesh (the non-finite rows set on each tensor shard's
+    partial output, which the sum over the shards keeps NaN) and through the one-device forward: {"nan_rows", "ref_nan_rows":
     the rows that are NaN in every column, "partial": rows NaN in some columns only, "err": the
     other rows' largest relative difference}."""
     config = TINY
