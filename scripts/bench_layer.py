@@ -498,18 +498,17 @@ def trace_breakdown(trace_dir: str, scopes: HloScopes, steps: int) -> dict:
     by_line = defaultdict(list)
     for i, e in enumerate(events):
         by_line[(e.get("pid"), e.get("tid"))].append(i)
-    guessed = {}  # event -> unmatched_around its nearest matched neighbours (never itself a neighbour)
-    for line in by_line.values():
-        for k, i in enumerate(line):
-            if not found[i]:
-                before = next((next(iter(found[j])) for j in reversed(line[:k]) if len(found[j]) == 1), None)
-                after = next((next(iter(found[j])) for j in line[k + 1:] if len(found[j]) == 1), None)
-                guessed[i] = scopes.unmatched_around(before, after, matched)
-    candidates = [{scopes.scope[n] for n in found[i] or guessed.get(i, set())} for i in range(len(events))]
 
-    def beside(line, k, known):  # the scopes of the nearest events in `known` before and after line[k]
+    def beside(line, k, known):  # known's values of the nearest events in it before and after line[k]
         sides = (range(k - 1, -1, -1), range(k + 1, len(line)))
         return [next((known[line[j]] for j in side if line[j] in known), None) for side in sides]
+    one = {i: next(iter(f)) for i, f in enumerate(found) if len(f) == 1}  # event -> its one instruction
+    claimed = list(found)  # each event's instructions; for one no name matches, unmatched_around its
+    for line in by_line.values():  # nearest neighbours of one instruction (never itself a neighbour)
+        for k, i in enumerate(line):
+            if not found[i]:
+                claimed[i] = scopes.unmatched_around(*beside(line, k, one), matched)
+    candidates = [{scopes.scope[n] for n in c} for c in claimed]
     resolved = {i: next(iter(c)) for i, c in enumerate(candidates) if len(c) == 1}
     for line in by_line.values():  # a kernel name that fusions of several scopes share (a graph's loop kernels):
         for k, i in enumerate(line):  # the nearest one-scope event's scope, before it, else after it, if a candidate
@@ -528,7 +527,7 @@ def trace_breakdown(trace_dir: str, scopes: HloScopes, steps: int) -> dict:
     for i, (e, t) in enumerate(zip(events, _self_times(events, scopes))):
         scope = next(iter(candidates[i])) if len(candidates[i]) == 1 else None
         scope = scope or _named(e.get("args", {}).get("name")) or UNATTRIBUTED
-        ins = {n for n in found[i] or guessed.get(i, set()) if scopes.scope[n] == scope}  # (those of its scope)
+        ins = {n for n in claimed[i] if scopes.scope[n] == scope}  # (those of its scope)
         ms = t / 1e3 / steps
         totals[scope] += ms
         ops[scope][_op_label(scopes, ins) if len(ins) == 1 else _event_label(e)] += ms
