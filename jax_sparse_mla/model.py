@@ -630,6 +630,9 @@ def forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib
 
 
 COMMAND_BUFFERS_OFF = {"xla_gpu_enable_command_buffer": ""}  # XLA's compiler option: no CUDA graphs
+# XLA's default command-buffer types (jax 0.11.2): what a program without that option captures
+# (the benches add CONDITIONAL or WHILE to them)
+DEFAULT_COMMAND_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
 
 
 def compiler_options(plan: BatchPlan) -> dict[str, str]:

@@ -80,7 +80,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from jax_sparse_mla import BatchMeta, MLAConfig  # noqa: E402
-from jax_sparse_mla.model import COMMAND_BUFFERS_OFF  # noqa: E402
+from jax_sparse_mla.model import COMMAND_BUFFERS_OFF, DEFAULT_COMMAND_TYPES  # noqa: E402
 from jax_sparse_mla.serving import Engine, RequestSpec  # noqa: E402
 from jax_sparse_mla.serving.engine import STEP_ANNOTATION, jit_layer_stack  # noqa: E402
 from traces import load_trace, on_stream  # noqa: E402
@@ -159,9 +159,8 @@ def trace_shares(trace_dir: str, first: int, last: int) -> dict:
             "host_events_ms": {name: t / 1e3 / n for name, t in inside.most_common(HOST_EVENTS)}}
 
 
-# XLA's default command-buffer types (jax 0.11.2) and WHILE: a decode run's loop inside the graphs;
-# and CONDITIONAL: a step's conditionals inside them
-DEFAULT_COMMAND_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
+# XLA's default command-buffer types and WHILE: a decode run's loop inside the graphs; and
+# CONDITIONAL: a step's conditionals inside them
 LOOP_IN_GRAPHS = {"xla_gpu_enable_command_buffer": DEFAULT_COMMAND_TYPES + ",WHILE"}
 CONDITIONALS_IN_GRAPHS = {"xla_gpu_enable_command_buffer": DEFAULT_COMMAND_TYPES + ",CONDITIONAL"}
 

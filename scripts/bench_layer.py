@@ -74,7 +74,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (also when a test loads it by path)
 
 from jax_sparse_mla import MLAConfig, Request, init_cache, init_params, jit_forward, plan_batch  # noqa: E402
-from jax_sparse_mla.model import COMMAND_BUFFERS_OFF, compiler_options  # noqa: E402
+from jax_sparse_mla.model import COMMAND_BUFFERS_OFF, DEFAULT_COMMAND_TYPES, compiler_options  # noqa: E402
 from jax_sparse_mla.plan import BucketPolicy  # noqa: E402
 from traces import load_trace, on_stream  # noqa: E402
 
@@ -103,8 +103,7 @@ VARIANTS = {  # name -> (plan_batch options, kernels)
 # XLA_FLAGS before jax starts, where it switches the client's allocator; docs/design/dispatch.md)
 OPTIONS = {  # variant -> the XLA compiler options its program is compiled with (others: jit_forward's)
     "static_graphs_off": COMMAND_BUFFERS_OFF, "cond_graphs_around": {},
-    "cond_graphs": {"xla_gpu_enable_command_buffer":
-                    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"}}
+    "cond_graphs": {"xla_gpu_enable_command_buffer": DEFAULT_COMMAND_TYPES + ",CONDITIONAL,WHILE"}}
 SLICE_FUSION = {"xla_gpu_enable_dynamic_slice_fusion": True}
 ADDED_OPTIONS = {"cond_slices": SLICE_FUSION, "cond_2x_slices": SLICE_FUSION}  # variant -> added to its plan's
 DISPATCH_CALLS = 10
