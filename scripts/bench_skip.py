@@ -198,12 +198,17 @@ def run_pair(engine: Engine, workload: Workload, args, label: str, level: int) -
     return out
 
 
+def throughput_gain_pct(on: dict, off: dict) -> float:
+    """The skip's request-throughput gain (%) of run summary `on` over `off`."""
+    return 100 * (on["request_throughput"] / off["request_throughput"] - 1)
+
+
 def spread(skip: list[dict], no_skip: list[dict]) -> dict:
     """The range over the repeats of the two settings' run summaries (run i against run i):
     {"throughput_gain_pct": [lowest, highest] of the skip's request-throughput gain (%),
     "tpot_ratio": [lowest, highest] of skip / no-skip median TPOT (None: no run decoded)}."""
     pairs = list(zip(skip, no_skip, strict=True))
-    gains = [100 * (on["request_throughput"] / off["request_throughput"] - 1) for on, off in pairs]
+    gains = [throughput_gain_pct(on, off) for on, off in pairs]
     ratios = [on["median_tpot_ms"] / off["median_tpot_ms"] for on, off in pairs
               if on["median_tpot_ms"] and off["median_tpot_ms"]]
     return {"throughput_gain_pct": [min(gains), max(gains)], "tpot_ratio": [min(ratios), max(ratios)] if ratios else None}
@@ -220,7 +225,7 @@ def phase_prefill(engine, args, t_start) -> list[dict]:
         r = run_pair(engine, w, args, f"(a) c={c}", level)
         on, off = r["skip"], r["no_skip"]
         row = {"concurrency": c, "num_requests": w.num_requests, **r,
-               "throughput_gain_pct": 100 * (on["request_throughput"] / off["request_throughput"] - 1)}
+               "throughput_gain_pct": throughput_gain_pct(on, off)}
         rows.append(row)
         lo, hi = r["spread"]["throughput_gain_pct"]
         print(f"  (a) c={c:>3}: req/s {on['request_throughput']:.2f} vs {off['request_throughput']:.2f} "
