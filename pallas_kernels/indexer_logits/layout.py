@@ -67,7 +67,9 @@ def tile_schedule(row_seq, row_end, num_seqs, num_keys, block_rows):
     tile_rows = jnp.full((t_max, br), -1, jnp.int32).at[tile_first[seq] + rank // br, rank % br].set(
         jnp.arange(n, dtype=jnp.int32), unique_indices=True)
     t = jnp.arange(t_max, dtype=jnp.int32)
-    tile_seq = jnp.minimum(jnp.searchsorted(tile_stop, t, side="right"), num_seqs - 1).astype(jnp.int32)
+    # compare_all: one fused kernel (the default scan is a loop of small kernels in the program)
+    tile_seq = jnp.minimum(jnp.searchsorted(tile_stop, t, side="right", method="compare_all"),
+                           num_seqs - 1).astype(jnp.int32)
     ends = jnp.where(tile_rows >= 0, jnp.clip(row_end.astype(jnp.int32)[jnp.maximum(tile_rows, 0)], 0, num_keys), 0)
     tile_meta = jnp.stack([tile_seq, ends.max(axis=1)], axis=1).astype(jnp.int32)
     return tile_rows, tile_meta
