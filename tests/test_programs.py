@@ -10,6 +10,7 @@ from flax import nnx
 
 from jax_sparse_mla import (BucketPolicy, MLAConfig, Request, SparseMLA, init_cache, init_params, jit_forward,
                             plan_batch)
+from jax_sparse_mla import kernels as kernel_ops
 from jax_sparse_mla import model
 from jax_sparse_mla import plan as plan_lib
 from jax_sparse_mla.model import compiler_options, forward
@@ -196,3 +197,47 @@ def test_cond_programs_hold_the_stages_their_batches_need(monkeypatch):
     hlo = compiled_hlo(plan_a, meta_a)
     assert scoring_ops(hlo)["indexer_logits"] > 0 and len(re.findall(r"\bconditional\(", hlo)) >= 3
     assert plan_a.has_conditionals
+
+
+def _loops_outside_kernels(jaxpr) -> list[str]:
+    """The while / scan equations of a jaxpr and its sub-jaxprs, kernel bodies left out."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("pallas_call", "mpmd_map", "core_map"):  # a kernel's own loops
+            continue
+        if eqn.primitive.name in ("while", "scan"):
+            found.append(str(eqn)[:200])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                if hasattr(sub, "jaxpr") and hasattr(sub, "consts"):
+                    found += _loops_outside_kernels(sub.jaxpr)
+                elif hasattr(sub, "eqns"):
+                    found += _loops_outside_kernels(sub)
+    return found
+
+
+def test_programs_run_no_loop_outside_the_kernels(monkeypatch):
+    """The layer's programs on Hopper (the Pallas kernels as they run there, traced on the CPU)
+    hold no while loop outside the kernels: XLA runs such a loop from the host, an iteration at
+    a time (a loop of small kernels, launched one by one, that also splits the CUDA graphs of a
+    program around it). A jnp.searchsorted of the default method is such a loop (a scan over the
+    halvings); the kernels' wrappers use method="compare_all". Static programs (the batch's own
+    route and the sparse one) and a cond program of every stage, at DeepSeek-V3.2 dimensions."""
+    monkeypatch.setattr(kernel_ops, "interpret_mode", lambda: False)
+    monkeypatch.setattr(kernel_ops, "on_hopper", lambda: True)
+    config = MLAConfig.deepseek_v32(num_attention_heads=16)
+    requests, start = [], 0
+    for context, query in ((0, 600), (3000, 1), (3000, 1), (6000, 700)):  # prefill, decodes, a chunk
+        pages = -(-(context + query) // config.page_size)
+        requests.append(Request(context, query, list(range(start, start + pages))))
+        start += pages
+    params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    cache = jax.eval_shape(lambda: init_cache(config, start))
+    cond = {"dispatch": "cond", "buckets": BucketPolicy.for_limits(config, max_num_seqs=8, max_model_len=8192)}
+    for options in ({}, {"force_sparse": True}, cond):
+        plan, meta = plan_batch(config, requests, num_pages=start, **options)
+        assert plan.has_indexer_scoring
+        x = jax.ShapeDtypeStruct((plan.num_tokens, config.hidden_size), config.jnp_dtype)
+        traced = jax.jit(forward, static_argnames=("plan", "config", "kernels")).trace(
+            params, x, cache, meta, plan=plan, config=config, kernels="pallas")
+        assert _loops_outside_kernels(traced.jaxpr.jaxpr) == [], (options, plan.route)
