@@ -216,16 +216,18 @@ def _loops_outside_kernels(jaxpr) -> list[str]:
     return found
 
 
-def test_programs_run_no_loop_outside_the_kernels(monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8"])
+def test_programs_run_no_loop_outside_the_kernels(monkeypatch, kv_cache_dtype):
     """The layer's programs on Hopper (the Pallas kernels as they run there, traced on the CPU)
     hold no while loop outside the kernels: XLA runs such a loop from the host, an iteration at
     a time (a loop of small kernels, launched one by one, that also splits the CUDA graphs of a
     program around it). A jnp.searchsorted of the default method is such a loop (a scan over the
     halvings); the kernels' wrappers use method="compare_all". Static programs (the batch's own
-    route and the sparse one) and a cond program of every stage, at DeepSeek-V3.2 dimensions."""
+    route and the sparse one) and a cond program of every stage, at DeepSeek-V3.2 dimensions, both
+    latent cache formats."""
     monkeypatch.setattr(kernel_ops, "interpret_mode", lambda: False)
     monkeypatch.setattr(kernel_ops, "on_hopper", lambda: True)
-    config = MLAConfig.deepseek_v32(num_attention_heads=16)
+    config = MLAConfig.deepseek_v32(num_attention_heads=16, kv_cache_dtype=kv_cache_dtype)
     requests, start = [], 0
     for context, query in ((0, 600), (3000, 1), (3000, 1), (6000, 700)):  # prefill, decodes, a chunk
         pages = -(-(context + query) // config.page_size)
