@@ -191,8 +191,9 @@ def grouped_matmul(x, w, group_sizes, *, tile: int | None = None, chunk: int | N
     row_start = jnp.cumsum(sizes) - sizes                        # [G] each group's first row in x
     group_tiles = -(-sizes // tile)
     tile_start = jnp.cumsum(group_tiles) - group_tiles           # [G] each group's first tile
-    tile_group = jnp.minimum(jnp.searchsorted(tile_start + group_tiles, jnp.arange(n_tiles), side="right"),
-                             g - 1)                              # [n_tiles]
+    # compare_all: one fused kernel each (the default method is a loop of small kernels in the program)
+    tile_group = jnp.minimum(jnp.searchsorted(tile_start + group_tiles, jnp.arange(n_tiles), side="right",
+                                              method="compare_all"), g - 1)  # [n_tiles]
     pos = jnp.arange(n_tiles * tile)                             # padded position -> its row of x
     pos_group = tile_group[pos // tile]
     j = pos - tile_start[pos_group] * tile                       # its row within the group
@@ -206,7 +207,7 @@ def grouped_matmul(x, w, group_sizes, *, tile: int | None = None, chunk: int | N
 
     y = jax.lax.map(one, (src.reshape(n_chunks, -1), real.reshape(n_chunks, -1), tile_group.reshape(n_chunks, -1)))
     rows = jnp.arange(m)
-    row_group = jnp.searchsorted(row_start + sizes, rows, side="right")
+    row_group = jnp.searchsorted(row_start + sizes, rows, side="right", method="compare_all")
     return y.reshape(-1, n)[tile_start[row_group] * tile + rows - row_start[row_group]]
 
 
