@@ -101,6 +101,34 @@ def dispatches(steps) -> list:
     return firsts
 
 
+def step_medians(runs, suffix: str, a) -> dict:
+    """Rows "decode{suffix}" (the steps in which every sequence decodes) and "prefill{suffix}" (the
+    steps with a prefill) of `runs`: each field's median in ms, the host share, programs compiled."""
+    every = [s for r in runs for s in every_decoding(r.steps, a.seqs)]
+    if len(every) < a.decodes * len(runs):
+        raise RuntimeError(f"{len(every)} steps in {len(runs)} runs had every sequence decoding, fewer than "
+                           f"--decodes {a.decodes} a run (this is a bug)")
+    prefills = [s for r in runs for s in r.steps if s.num_prefills > 0]
+    rows = {}
+    for name, steps in ((f"decode{suffix}", every), (f"prefill{suffix}", prefills)):
+        if not steps:
+            continue
+        med = {f: statistics.median(getattr(s, f) for s in steps) * 1e3
+               for f in ("host_s", "plan_s", "launch_s", "device_s", "duration_s")}
+        rows[name] = {"steps": len(steps), **{k.replace("_s", "_ms"): v for k, v in med.items()},
+                      "host_share": med["host_s"] / med["duration_s"],
+                      "new_programs": sum(s.new_programs for s in steps)}
+    return rows
+
+
+def print_rows(rows: dict, prefix: str) -> None:
+    for name, r in rows.items():
+        print(f"{prefix}{name:<8} steps {r['steps']:>4}  host {r['host_ms']:8.3f} ms (plan {r['plan_ms']:.3f}, launch "
+              f"{r['launch_ms']:.3f})  device "
+              f"{r['device_ms']:8.3f} ms  step {r['duration_ms']:8.3f} ms  host / step {r['host_share']:.3f}  "
+              f"compiled {r['new_programs']}", flush=True)
+
+
 HOST_EVENTS = 12  # trace_shares' host_events_ms: the names that take the most time
 
 
@@ -281,30 +309,17 @@ def main(argv=None) -> int:
             recompiled(engine, CONDITIONALS_IN_GRAPHS, lambda plan, kernels, steps: plan.has_conditionals), 1)}
     own = dict(engine._executables)  # the variants' None
     results = {suffix: [] for suffix in variants}
-    for _ in range(a.rounds if len(variants) > 1 else 1):  # the variants interleaved
+    rounds = a.rounds if len(variants) > 1 else 1
+    for r in range(rounds):  # the variants interleaved; each round's medians printed as it ends
         for suffix, (executables, k) in variants.items():
             engine._executables = own if executables is None else executables
             results[suffix].append(engine.run(specs, max_steps=output_len, progress=False, decode_steps=k))
+            if rounds > 1:
+                print_rows(step_medians(results[suffix][-1:], suffix, a), f"round {r + 1}: ")
     rows = {}
     for suffix, runs in results.items():
-        every = [s for r in runs for s in every_decoding(r.steps, a.seqs)]
-        if len(every) < a.decodes * len(runs):
-            raise RuntimeError(f"{len(every)} steps in {len(runs)} runs had every sequence decoding, fewer than "
-                               f"--decodes {a.decodes} a run (this is a bug)")
-        prefills = [s for r in runs for s in r.steps if s.num_prefills > 0]
-        for name, steps in ((f"decode{suffix}", every), (f"prefill{suffix}", prefills)):
-            if not steps:
-                continue
-            med = {f: statistics.median(getattr(s, f) for s in steps) * 1e3
-                   for f in ("host_s", "plan_s", "launch_s", "device_s", "duration_s")}
-            rows[name] = {"steps": len(steps), **{k.replace("_s", "_ms"): v for k, v in med.items()},
-                          "host_share": med["host_s"] / med["duration_s"],
-                          "new_programs": sum(s.new_programs for s in steps)}
-            r = rows[name]
-            print(f"{name:<8} steps {r['steps']:>4}  host {r['host_ms']:8.3f} ms (plan {r['plan_ms']:.3f}, launch "
-                  f"{r['launch_ms']:.3f})  device "
-                  f"{r['device_ms']:8.3f} ms  step {r['duration_ms']:8.3f} ms  host / step {r['host_share']:.3f}  "
-                  f"compiled {r['new_programs']}", flush=True)
+        rows.update(step_medians(runs, suffix, a))
+    print_rows(rows, "")
     traced = {}
     for suffix, (executables, k) in variants.items() if a.profile else ():
         engine._executables = own if executables is None else executables
