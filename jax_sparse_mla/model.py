@@ -345,7 +345,30 @@ def _topk_positions(params, x, qr, positions, cache: cache_lib.PagedCache, meta:
 
 def _score_rows(params, x, qr, positions, cache: cache_lib.PagedCache, meta: BatchMeta, rows, group: RowGroup, *,
                 config: MLAConfig, impl: kernel_ops.Implementations):
-    """_topk_positions on one device: indexer queries, logits and top-k of `rows` (as _pick's)."""
+    """_topk_positions on one device: indexer queries, logits and top-k of `rows` (as _pick's),
+    in group.score_chunks chunks of rows (row ids, -1 padded to whole chunks), each chunk's
+    scoring made to wait for the previous chunk's top-k, so that one chunk's logits exist at a
+    time (policy.SCORING_WORKSPACE_BYTES)."""
+    if group.score_chunks == 1:
+        return _score_chunk(params, x, qr, positions, cache, meta, rows, config=config, group=group, impl=impl)
+    ids = rows if rows is not None and not isinstance(rows, int) else \
+        jnp.arange(meta.positions.shape[0], dtype=jnp.int32)[:rows]
+    n = ids.shape[0]
+    size = -(-n // group.score_chunks)
+    ids = jnp.pad(ids, (0, size * group.score_chunks - n), constant_values=-1).reshape(group.score_chunks, size)
+    # one jitted function for every chunk: its kernels are lowered once, not once a chunk
+    score = jax.jit(functools.partial(_score_chunk, config=config, group=group, impl=impl))
+    tops = []
+    for chunk in ids:
+        if tops:  # ids >= -1 always: a select XLA cannot drop, which orders the chunks
+            chunk = jnp.where(jnp.min(tops[-1]) < -1, -1, chunk)
+        tops.append(score(params, x, qr, positions, cache, meta, chunk))
+    return jnp.concatenate(tops)[:n]
+
+
+def _score_chunk(params, x, qr, positions, cache: cache_lib.PagedCache, meta: BatchMeta, rows, *,
+                 config: MLAConfig, group: RowGroup, impl: kernel_ops.Implementations):
+    """Indexer queries, logits and top-k of `rows` (as _pick's) in one call of each kernel."""
     c_ = config
     row_pos = _pick(meta.positions, rows)
     row_end = jnp.where(row_pos >= 0, row_pos + 1, 0)

@@ -143,6 +143,9 @@ class RowGroup:
       sparse attention (policy.dequantize_route over the per-shard heads and the pages the group
       reads: meta.upfront_pages for "upfront", every block table otherwise); "kernel" for
       other caches.
+    score_chunks: the row chunks one shard scores the group in (policy.score_chunks over its
+      rows and the block tables' key positions): each chunk's logits and top-k before the next
+      chunk's, so that one chunk's logits exist at a time; 1: the call whole.
     """
 
     name: str
@@ -150,6 +153,7 @@ class RowGroup:
     indexer_shards: int
     indexer_kernel: str
     dequantize: str
+    score_chunks: int
 
 
 ROW_LADDER_STEPS = 5  # a cond plan's row sizes: num_tokens, / 2, ..., / 16
@@ -213,7 +217,8 @@ def _row_groups(plan: BatchPlan) -> tuple[RowGroup, ...]:
                  else "kernel")
         shards = policy.indexer_shards(num_rows, plan.tensor_parallel)
         kernel = kernel or policy.indexer_kernel(num_rows // shards, plan.num_seqs)
-        return RowGroup(name, num_rows, shards, kernel, route)
+        chunks = policy.score_chunks(num_rows // shards, plan.pages_per_seq * c.page_size)
+        return RowGroup(name, num_rows, shards, kernel, route, chunks)
 
     if plan.use_dense_mha is None:  # the cond program: each scoring call and attending size of its ladders
         calls = ([] if plan.skip_indexer else [("all", plan.num_tokens, None)])

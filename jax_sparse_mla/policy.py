@@ -35,6 +35,12 @@ MGPU_MIN_ROWS_PER_SEQ = 16
 # which every row of a split share is (shard s scores rows s, s + tp, ...).
 INDEXER_SPLIT_MIN_ROWS = 256
 
+# indexer scoring: a call's logits, [rows, keys] float32 (keys: the block tables' width times the
+# page size, the engine's max_model_len), are computed and top-k'd in chunks of rows, one chunk
+# after the other, each chunk's logits at most this many bytes: an 8K-row chunk over a 128K table
+# wrote 4 GB of logits at once (a layer call), in chunks 512 MB.
+SCORING_WORKSPACE_BYTES = 1 << 29
+
 DEQUANTIZE_ROUTES = ("kernel", "upfront")
 INDEXER_KERNELS = ("prefill", "decode")
 
@@ -53,6 +59,14 @@ def indexer_shards(rows: int, tensor_parallel: int) -> int:
     if tensor_parallel > 1 and rows >= INDEXER_SPLIT_MIN_ROWS and rows % tensor_parallel == 0:
         return tensor_parallel
     return 1
+
+
+def score_chunks(rows: int, keys: int) -> int:
+    """Row chunks of a scoring call of `rows` rows (one shard's) over `keys` key positions: the
+    fewest whose f32 logits [ceil(rows / chunks), keys] fit SCORING_WORKSPACE_BYTES (1: the call
+    whole), at most rows."""
+    most_rows = max(SCORING_WORKSPACE_BYTES // (4 * keys), 1)
+    return max(min(-(-rows // most_rows), rows), 1)
 
 
 def indexer_kernel(rows: int, seqs: int) -> str:

@@ -639,7 +639,8 @@ def run_kind(config, kv, params, kind, specs, args, key):
             row["error" if v in errors else "note"] = errors.get(v, "the static program (not timed again)")
         else:
             row.update(ms=statistics.median(ms[v]), min_ms=min(ms[v]), reps=reps[v], rounds=len(ms[v]),
-                       first_s=first[v], dispatch_ms=statistics.median(dispatch[v]))
+                       first_s=first[v], dispatch_ms=statistics.median(dispatch[v]),
+                       temp_mb=steps[v].compiled[0].memory_analysis().temp_size_in_bytes / 2**20)  # its workspace
             for key, ref in (("rel_err", base), ("rel_err_xla", oracle)):
                 if ref is not None:
                     a, b = np.asarray(outs[v][:n], np.float32), np.asarray(ref[:n], np.float32)

@@ -600,3 +600,39 @@ def test_per_head_on_the_gpu_accumulates_in_float32(spec, a_shape, a_dtype, out_
         got = jax.jit(lambda a, w: per_head(spec, a, w, config, in_f32=in_f32, dtype=out_dtype))(a, w)
         assert got.dtype == jnp.dtype(out_dtype)
         assert rel_err(got.astype(jnp.float32), want) < (4e-3 if out_dtype == "bfloat16" else 1e-3), in_f32
+
+
+@pytest.mark.parametrize("kernels,options", [
+    ("auto", {"prefill_route": "sparse"}), ("auto", {"prefill_route": "masked"}), ("auto", {"dispatch": "cond"}),
+    ("pallas", {"prefill_route": "sparse"}),
+], ids=["sparse", "masked", "cond", "pallas"])
+def test_scoring_in_row_chunks_gives_the_whole_calls_result(monkeypatch, kernels, options):
+    """With a scoring workspace of a few rows' logits (policy.SCORING_WORKSPACE_BYTES), every
+    scoring call runs in row chunks (RowGroup.score_chunks > 1; a call's rows -1 padded to whole
+    chunks) and gives the outputs and caches of the calls made whole: a long prefill beside a
+    short one, then decodes."""
+    from jax_sparse_mla import policy
+
+    runs = {}
+    for bound in (None, 3 * 4 * 64):  # 3 rows of 64 keys a chunk: chunks that do not divide the rows
+        if bound:
+            monkeypatch.setattr(policy, "SCORING_WORKSPACE_BYTES", bound)
+        jax.clear_caches()  # the programs of the same plans, traced again under the bound
+        h = Harness(TINY, seed=21, num_pages=32, kernels=kernels)
+        for sid, n in [(0, 41), (1, 10)]:
+            h.add(sid, n)
+        outs, chunks = [], []
+        for work in ([(0, 40), (1, 9)], [(0, 1), (1, 1)]):
+            out, plan, _ = h.step(work, **options)
+            assert plan.pages_per_seq * TINY.page_size == 64 and plan.has_indexer_scoring
+            chunks.append(max(g.score_chunks for g in plan.groups))
+            h.check(out, TOL_F32)
+            outs.append(out)
+        runs[bound] = (outs, h.cache, chunks)
+    (whole, whole_cache, whole_chunks), (split, split_cache, split_chunks) = runs.values()
+    assert whole_chunks == [1, 1] and min(split_chunks) > 1, split_chunks
+    for a, b in zip(whole, split):
+        for sid in a:
+            assert rel_err(b[sid], a[sid]) < 1e-6, sid
+    for a, b in zip(jax.tree.leaves(whole_cache), jax.tree.leaves(split_cache)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
