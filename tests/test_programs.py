@@ -243,3 +243,25 @@ def test_programs_run_no_loop_outside_the_kernels(monkeypatch, kv_cache_dtype):
         traced = jax.jit(forward, static_argnames=("plan", "config", "kernels")).trace(
             params, x, cache, meta, plan=plan, config=config, kernels="pallas")
         assert _loops_outside_kernels(traced.jaxpr.jaxpr) == [], (options, plan.route)
+
+
+def test_scoring_in_row_chunks_holds_one_chunks_logits_at_a_time(monkeypatch):
+    """The compiled program's workspace follows the scoring chunks: a 256-row sparse prefill over
+    8192 key positions (8 MB of f32 logits, and the XLA scoring's per-head products beside them)
+    scored in 16 chunks needs under a third of the temp memory of the call made whole, so XLA
+    keeps one chunk's logits at a time (each chunk waits for the previous one's top-k)."""
+    from jax_sparse_mla import policy
+
+    requests = [Request(4000, 256, list(range(1064)))]
+    temp = {}
+    for bound in (None, 16 * 4 * 8192):  # 16 rows a chunk
+        if bound:
+            monkeypatch.setattr(policy, "SCORING_WORKSPACE_BYTES", bound)
+        plan, meta = plan_batch(TINY, requests, num_pages=1100, prefill_route="sparse")
+        assert plan.pages_per_seq * TINY.page_size == 8192
+        (group,) = plan.groups
+        params = init_params(TINY, jax.random.key(0))
+        x = jnp.ones((plan.num_tokens, TINY.hidden_size))
+        compiled = jit_forward.lower(params, x, init_cache(TINY, 1100), meta, plan=plan, config=TINY).compile()
+        temp[group.score_chunks] = compiled.memory_analysis().temp_size_in_bytes
+    assert set(temp) == {1, 16} and temp[16] < temp[1] / 3, temp
