@@ -360,7 +360,7 @@ def _score_rows(params, x, qr, positions, cache: cache_lib.PagedCache, meta: Bat
     score = jax.jit(functools.partial(_score_chunk, config=config, group=group, impl=impl))
     tops = []
     for chunk in ids:
-        if tops:  # ids >= -1 always: a select XLA cannot drop, which orders the chunks
+        if tops:  # top-k positions are >= -1: a select XLA cannot drop, which orders the chunks
             chunk = jnp.where(jnp.min(tops[-1]) < -1, -1, chunk)
         tops.append(score(params, x, qr, positions, cache, meta, chunk))
     return jnp.concatenate(tops)[:n]
