@@ -66,8 +66,8 @@ def indexer_shards(rows: int, tensor_parallel: int) -> int:
 def score_chunks(rows: int, keys: int) -> int:
     """Row chunks of a scoring call of `rows` rows (one shard's) over `keys` key positions: the
     fewest whose f32 logits [ceil(rows / chunks), keys] fit SCORING_WORKSPACE_BYTES (1: the call
-    whole), at most rows."""
-    most_rows = max(SCORING_WORKSPACE_BYTES // (4 * keys), 1)
+    whole), at least 1 and at most max(rows, 1)."""
+    most_rows = max(SCORING_WORKSPACE_BYTES // max(4 * keys, 1), 1)
     return max(min(-(-rows // most_rows), rows), 1)
 
 

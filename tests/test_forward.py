@@ -617,7 +617,6 @@ def test_scoring_in_row_chunks_gives_the_whole_calls_result(monkeypatch, kernels
     for bound in (None, 3 * 4 * 64):  # 3 rows of 64 keys a chunk: chunks that do not divide the rows
         if bound:
             monkeypatch.setattr(policy, "SCORING_WORKSPACE_BYTES", bound)
-        jax.clear_caches()  # the programs of the same plans, traced again under the bound
         h = Harness(TINY, seed=21, num_pages=32, kernels=kernels)
         for sid, n in [(0, 41), (1, 10)]:
             h.add(sid, n)

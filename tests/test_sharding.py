@@ -37,6 +37,9 @@ results["cond 2x2"] = mesh_errors([(2, 2)], dispatch="cond")["2x2"]
 policy.INDEXER_SPLIT_MIN_ROWS = 1
 results.update(mesh_errors({[m for m, split in MESHES if split]!r}))
 results["cond 1x4 split"] = mesh_errors([(1, 4)], dispatch="cond")["1x4"]
+policy.SCORING_WORKSPACE_BYTES = 768  # a few rows' logits a scoring chunk
+results["cond 1x4 split chunks"] = mesh_errors([(1, 4)], dispatch="cond")["1x4"]
+policy.SCORING_WORKSPACE_BYTES = {policy.SCORING_WORKSPACE_BYTES}
 policy.INDEXER_SPLIT_MIN_ROWS = {policy.INDEXER_SPLIT_MIN_ROWS}
 policy.UPFRONT_MIN_USES = 1
 results["fp8 2x2"] = mesh_errors([(2, 2)], "fp8")["2x2"]
@@ -74,15 +77,20 @@ def test_fp8_split_mesh_matches_one_device(mesh_results):
     assert r["splits"][0] > 0  # step 1: the long prefill's rows over their own pages
 
 
-@pytest.mark.parametrize("name,split_rows", [("cond 1x2", False), ("cond 2x2", False), ("cond 1x4 split", True)])
-def test_cond_plan_mesh_matches_one_device(mesh_results, name, split_rows):
+@pytest.mark.parametrize("name,split_rows,chunks", [("cond 1x2", False, False), ("cond 2x2", False, False),
+                                                   ("cond 1x4 split", True, False),
+                                                   ("cond 1x4 split chunks", True, True)])
+def test_cond_plan_mesh_matches_one_device(mesh_results, name, split_rows, chunks):
     """A dispatch="cond" plan through sharded_forward (plan_batch's on one data shard,
     plan_data_parallel's on two: one plan, each shard's own meta.branches): dense and sparse
     steps, each shard's rows as the one-device forward of its own cond plan gives them; with the
-    indexer's rows split over the tensor shards (all_gather inside the branch) too."""
+    indexer's rows split over the tensor shards (all_gather inside the branch) too, and each
+    shard's share scored in row chunks (policy.SCORING_WORKSPACE_BYTES of a few rows)."""
     r = mesh_results[name]
     assert r["routes"] == ROUTES and r["err"] < TOL, r
     assert (4 in r["indexer_shards"]) == split_rows, r["indexer_shards"]
+    split_and_chunked = [s > 1 and c > 1 for s, c in zip(r["indexer_shards"], r["score_chunks"])]
+    assert any(split_and_chunked) == chunks and (max(r["score_chunks"]) > 1) == chunks, r["score_chunks"]
 
 
 @pytest.mark.parametrize("name", ["nan 1x2", "nan cond 2x2"])

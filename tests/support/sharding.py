@@ -45,7 +45,7 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16", dispatch="static"):
         local_caches = [init_cache(config, PAGES) for _ in range(dp)]
         seqs = [dict() for _ in range(dp)]  # per shard: seq_id -> [hidden rows, done, block table]
         free = [list(range(PAGES)) for _ in range(dp)]
-        worst, routes, splits, indexer_shards = 0.0, [], [], []
+        worst, routes, splits, indexer_shards, score_chunks = 0.0, [], [], [], []
         for step in STEPS:
             shards, rows = [], []
             for d in range(dp):
@@ -76,6 +76,7 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16", dispatch="static"):
                 routes.append(plan.route)
             splits.append(plan.num_upfront_rows)
             indexer_shards += [g.indexer_shards for g in plan.groups]
+            score_chunks += [g.score_chunks for g in plan.groups]
             T = plan.num_tokens
             hidden = np.zeros((dp * T, config.hidden_size), np.float32)
             for d in range(dp):
@@ -107,7 +108,7 @@ def mesh_errors(meshes, kv_cache_dtype="bfloat16", dispatch="static"):
             "index_pages": sorted(s.data.shape[0] for s in cache.index_k.addressable_shards),
             "q_b_rows": sorted(s.data.shape[0] for s in sharded_params["q_b_proj.weight"].addressable_shards),
             "wq_b_rows": sorted(s.data.shape[0] for s in sharded_params["indexer.wq_b.weight"].addressable_shards),
-            "indexer_shards": indexer_shards}
+            "indexer_shards": indexer_shards, "score_chunks": score_chunks}
     return results
 
 
