@@ -38,9 +38,8 @@ INDEXER_SPLIT_MIN_ROWS = 256
 # indexer scoring: a call's logits, [rows, keys] float32 (keys: the block tables' width times the
 # page size, the engine's max_model_len), are computed and top-k'd in chunks of rows, one chunk
 # after the other, each chunk's logits at most this many bytes: an 8K-row call over a 128K table
-# wrote 4 GB of logits at once, in 2 chunks 2 GB. Chunks cost time: at 512 MiB (4 chunks of
-# 1024 rows) a 4K prefill's cond step took 1.06x its time whole, a 4K chunk after 28K 1.04x
-# (H100, docs/design/topk.md); at 2 GiB both run whole.
+# wrote 4 GB of logits at once, in 2 chunks 2 GB. A chunk costs time (~0.1 ms in a cond program;
+# docs/design/topk.md), so the bound keeps 4K-row calls over 128K whole.
 SCORING_WORKSPACE_BYTES = 1 << 31
 
 DEQUANTIZE_ROUTES = ("kernel", "upfront")
