@@ -158,7 +158,7 @@ class RowGroup:
 
 ROW_LADDER_STEPS = 5  # a cond plan's row sizes: num_tokens, / 2, ..., / 16
 LADDER_MIN_TOKENS = 512  # below this many rows a cond plan runs its row stages at num_tokens
-PROJECTION_STEPS = 8  # a cond plan's projection sizes: num_tokens x (8 + j) / 16, j = 1 .. 8
+PROJECTION_STEPS = (8, 4)  # a cond plan's projection sizes a halving of the bucket: the top one, each below
 KEY_LADDER = (-3, 2)  # a cond plan's dense key sizes: num_tokens x 2**e for e in [-3, 2]
 MIN_LADDER_SIZE = 16
 
@@ -177,14 +177,21 @@ def row_ladder(num_tokens: int) -> tuple[int, ...]:
 
 def projection_ladder(num_tokens: int) -> tuple[int, ...]:
     """A cond plan's sizes for its dense matmuls over every row (the projections, o_proj;
-    ascending): num_tokens x (8 + j) / 16 for j = 1 .. PROJECTION_STEPS from
-    LADDER_MIN_TOKENS rows up, else (num_tokens,). A batch's rows are more than half its
-    bucket, so the padding those matmuls pay is at most 1/16 of the bucket (at 8K rows, 512
-    rows of ~0.37 GFLOP each), not up to half of it."""
+    ascending), from LADDER_MIN_TOKENS rows up, else (num_tokens,): each of the row ladder's
+    halvings (T / 2**(k + 1), T / 2**k] split into s even steps, s = PROJECTION_STEPS[0] for the
+    top one and [1] below (none of those below MIN_LADDER_SIZE), and T / 16 (T = num_tokens).
+    So the rows those matmuls run exceed the real ones by at most 1/8 of them at the top (a
+    batch's usual place: more than half its bucket) and 1/4 below (a bucket a policy's minimum or
+    an engine's coarser buckets hold open), not up to the bucket: at 8K rows a padding row costs
+    ~0.34 GFLOP."""
     if num_tokens < LADDER_MIN_TOKENS:
         return (num_tokens,)
-    return tuple(sorted({-(-num_tokens * (PROJECTION_STEPS + j) // (2 * PROJECTION_STEPS))
-                         for j in range(1, PROJECTION_STEPS + 1)}))
+    top, below = PROJECTION_STEPS
+    sizes = {-(-num_tokens * (top + j) // (2 * top)) for j in range(1, top + 1)}
+    sizes |= {max(MIN_LADDER_SIZE, -(-num_tokens // 2 ** (ROW_LADDER_STEPS - 1)))}
+    for k in range(1, ROW_LADDER_STEPS - 1):
+        sizes |= {max(MIN_LADDER_SIZE, -(-num_tokens * (below + j) // (2 * below << k))) for j in range(1, below + 1)}
+    return tuple(sorted(sizes))
 
 
 def key_ladder(num_tokens: int) -> tuple[int, ...]:

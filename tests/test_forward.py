@@ -527,15 +527,33 @@ def test_cond_stages_follow_the_batch(monkeypatch):
         ((True, True), 16, (64, False), 16, 15)]  # 75 keys > 4 x 16: the last prefill attends sparsely
 
 
+@pytest.mark.parametrize("num_tokens", [512, 1024, 8192, 16384])
+def test_projection_ladder_pads_a_bounded_share_of_the_real_rows(num_tokens):
+    """At every real row count n of a bucket of T rows, the projection size picked for it holds n
+    and exceeds it by under 1/8 of n above T / 2, under 1/4 of n down to T / 16, and is T / 16
+    below: the matmuls over every row cost about the real rows whatever the bucket (a policy's
+    minimum or an engine's coarser buckets hold more rows open than a power of two of n)."""
+    from jax_sparse_mla import plan as plan_lib
+
+    ladder = np.array(plan_lib.projection_ladder(num_tokens))
+    n = np.arange(1, num_tokens + 1)
+    picked = ladder[np.searchsorted(ladder, n)]
+    assert ladder[-1] == num_tokens and (picked >= n).all()
+    top, mid, low = n > num_tokens // 2, (n > num_tokens // 16) & (n <= num_tokens // 2), n <= num_tokens // 16
+    assert (picked[top] - n[top] < n[top] / 8).all()
+    assert (picked[mid] - n[mid] < n[mid] / 4).all()
+    assert (picked[low] == num_tokens // 16).all()
+
+
 def test_cond_projects_about_its_real_rows(monkeypatch):
     """A cond plan's matmuls over every row (projections, o_proj) run over its real rows rounded
-    up to a 1/16 of the bucket (plan.projection_ladder; from LADDER_MIN_TOKENS rows up,
-    lowered here to the tiny buckets): the pick is meta.branches[3], and every step gives the
+    up to plan.projection_ladder's next size (from LADDER_MIN_TOKENS rows up, lowered here to
+    the tiny buckets): the pick is meta.branches[3], and every step gives the
     static plan's outputs and cache (rows past the pick are padding: zero, written nowhere)."""
     from jax_sparse_mla import plan as plan_lib
 
     monkeypatch.setattr(plan_lib, "LADDER_MIN_TOKENS", 16)
-    assert plan_lib.projection_ladder(32) == (18, 20, 22, 24, 26, 28, 30, 32)
+    assert plan_lib.projection_ladder(32) == (16, 18, 20, 22, 24, 26, 28, 30, 32)
     work = [[(0, 17), (1, 3)], [(0, 1), (1, 1), (2, 20)], [(0, 1), (1, 1), (2, 1), (3, 32)]]
     _, cond_steps = _cond_against_static(TINY, 16, [(0, 19), (1, 5), (2, 22), (3, 32)], work)
     assert [(plan.num_tokens, plan.row_sizes[int(meta.branches[3])]) for plan, meta in cond_steps] == [
