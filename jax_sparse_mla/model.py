@@ -495,8 +495,9 @@ def _switch(index, branches, *operands):
 
 def _over_rows(fn, plan: BatchPlan, meta: BatchMeta):
     """fn(n): a matmul stage over the first n rows, padded to num_tokens. A cond plan runs it at
-    the size meta.branches[3] picks from plan.row_sizes (its real rows, rounded up to a 1/16 of
-    the bucket: padding rows cost those matmuls full FLOPs); a static plan over every row."""
+    the size meta.branches[3] picks from plan.row_sizes (its real rows, rounded up to
+    plan.projection_ladder's next size: padding rows cost those matmuls full FLOPs); a static
+    plan over every row."""
     return _switch(meta.branches[3] if plan.row_sizes else None,
                    [functools.partial(fn, n) for n in plan.row_sizes or (plan.num_tokens,)])
 
