@@ -19,6 +19,7 @@ from typing import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import cache as cache_lib
 from . import kernels as kernel_ops
@@ -485,11 +486,14 @@ def _pad_rows(arrays, num_rows: int):
 
 
 def _switch(index, branches, *operands):
-    """jax.lax.switch, or the one branch called directly: XLA's GPU conditional copies its index
-    to the host and waits for it (the GPU idles until the host launches the branch), so a stage
-    of one size has none."""
+    """jax.lax.switch, or the branch called directly where there is one or the index is a
+    constant (a numpy integer: meta.branches given as numpy, the stages' sizes fixed at trace
+    time): XLA's GPU conditional copies its index to the host and waits for it (the GPU idles
+    until the host launches the branch), so a stage of one size has none."""
     if len(branches) == 1:
         return branches[0](*operands)
+    if isinstance(index, (int, np.integer)):
+        return branches[int(index)](*operands)
     return jax.lax.switch(index, branches, *operands)
 
 

@@ -19,7 +19,10 @@ cond_graphs_around (the cond program with XLA's default command buffers: graphs 
 conditionals, each branch's body its own graph), cond_slices and cond_2x_slices (cond and
 cond_2x compiled with XLA's dynamic-slice fusion too: a library call, cuBLAS's GEMM among them,
 reads its operand's row slice and writes its result's in place instead of a copy; XLA's default
-is off), xla (static plan, kernels="xla"), masked and sparse
+is off), cond_baked and cond_2x_baked (cond and cond_2x with the batch's stage sizes compiled in
+as constants: no conditional, XLA's default command buffers; one program per combination of
+sizes, so not a serving program: what the cond program's conditionals cost, the round trips and
+the bucket-sized tensors between stages), xla (static plan, kernels="xla"), masked and sparse
 (prefill_route forced: every prefill longer than index_topk as masked MHA, or sparse). Hidden states are
 random; every cache slot holds random values of the cache's dtypes (contents do not change the
 work). Each call takes the cache the previous call returned (it is donated). A round times every
@@ -58,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -74,7 +78,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (also when a test loads it by path)
 
 from jax_sparse_mla import MLAConfig, Request, init_cache, init_params, jit_forward, plan_batch  # noqa: E402
-from jax_sparse_mla.model import COMMAND_BUFFERS_OFF, DEFAULT_COMMAND_TYPES, compiler_options  # noqa: E402
+from jax_sparse_mla.model import COMMAND_BUFFERS_OFF, DEFAULT_COMMAND_TYPES, compiler_options, forward  # noqa: E402
 from jax_sparse_mla.plan import BucketPolicy  # noqa: E402
 from traces import load_trace, on_stream  # noqa: E402
 
@@ -98,11 +102,13 @@ VARIANTS = {  # name -> (plan_batch options, kernels)
     "masked": ({"prefill_route": "masked"}, "auto"), "sparse": ({"prefill_route": "sparse"}, "auto"),
     "cond_graphs": ({"dispatch": "cond"}, "auto"), "cond_graphs_around": ({"dispatch": "cond"}, "auto"),
     "cond_slices": ({"dispatch": "cond"}, "auto"), "cond_2x_slices": ({"dispatch": "cond"}, "auto"),
+    "cond_baked": ({"dispatch": "cond"}, "auto"), "cond_2x_baked": ({"dispatch": "cond"}, "auto"),
 }
+BAKED = ("cond_baked", "cond_2x_baked")  # compiled with the batch's stage sizes as constants (baked_forward)
 # (XLA's command-buffer update mode is not among them: it takes effect only set process-wide, in
 # XLA_FLAGS before jax starts, where it switches the client's allocator; docs/design/dispatch.md)
 OPTIONS = {  # variant -> the XLA compiler options its program is compiled with (others: jit_forward's)
-    "static_graphs_off": COMMAND_BUFFERS_OFF, "cond_graphs_around": {},
+    "static_graphs_off": COMMAND_BUFFERS_OFF, "cond_graphs_around": {}, "cond_baked": {}, "cond_2x_baked": {},
     "cond_graphs": {"xla_gpu_enable_command_buffer": DEFAULT_COMMAND_TYPES + ",CONDITIONAL,WHILE"}}
 SLICE_FUSION = {"xla_gpu_enable_dynamic_slice_fusion": True}
 ADDED_OPTIONS = {"cond_slices": SLICE_FUSION, "cond_2x_slices": SLICE_FUSION}  # variant -> added to its plan's
@@ -561,17 +567,27 @@ SMOKE_LIMITS = dict(max_num_seqs=8, max_model_len=256)
 
 def variant_options(config, variant: str, smoke: bool, num_tokens: int) -> dict:
     """plan_batch's options of a variant for a batch of num_tokens rows (cond: an engine's buckets
-    at ENGINE_LIMITS; cond_2x, cond_2x_slices: those with min_tokens twice the batch's row bucket)."""
+    at ENGINE_LIMITS; cond_2x, cond_2x_slices, cond_2x_baked: those with min_tokens twice the batch's
+    row bucket)."""
     options = dict(VARIANTS[variant][0])
     if options.get("dispatch") == "cond":
         bp = BucketPolicy.for_limits(config, **(SMOKE_LIMITS if smoke else ENGINE_LIMITS))
-        if variant in ("cond_2x", "cond_2x_slices"):
+        if variant in ("cond_2x", "cond_2x_slices", "cond_2x_baked"):
             bp = dataclasses.replace(bp, min_tokens=2 * BucketPolicy.round_up(num_tokens, bp.min_tokens))
         options["buckets"] = bp
     return options
 
 
-def compiled_step(params, hidden, plan, meta, config, kernels: str, options: dict):
+@functools.partial(jax.jit, static_argnames=("plan", "config", "kernels", "branches"), donate_argnames=("cache",))
+def baked_forward(params, hidden, cache, meta, *, plan, config, kernels, branches: tuple[int, ...]):
+    """forward with meta.branches the constants `branches` (the batch's own): each stage at the
+    size the batch takes, no conditional (model._switch calls the branch). Not a serving program
+    (one per combination of stage sizes): what the cond program costs without its conditionals."""
+    meta = dataclasses.replace(meta, branches=np.asarray(branches, np.int32))
+    return forward(params, hidden, cache, meta, plan=plan, config=config, kernels=kernels)
+
+
+def compiled_step(params, hidden, plan, meta, config, kernels: str, options: dict, baked: bool = False):
     """step(cache) -> (out, cache): jit_forward's program of `plan` compiled ahead of time (at
     its first call) with the XLA compiler options `options`, the cache donated. Every variant
     is called this way (as the serving engine calls its programs), so that their dispatch
@@ -581,7 +597,11 @@ def compiled_step(params, hidden, plan, meta, config, kernels: str, options: dic
 
     def step(cache):
         if not compiled:
-            lowered = jit_forward.lower(params, hidden, cache, meta, plan=plan, config=config, kernels=kernels)
+            if baked:
+                lowered = baked_forward.lower(params, hidden, cache, meta, plan=plan, config=config, kernels=kernels,
+                                              branches=tuple(int(b) for b in np.asarray(meta.branches)))
+            else:
+                lowered = jit_forward.lower(params, hidden, cache, meta, plan=plan, config=config, kernels=kernels)
             compiled.append(lowered.compile(compiler_options=options))
         return compiled[0](params, hidden, cache, meta)
     step.compiled = compiled
@@ -600,7 +620,7 @@ def run_kind(config, kv, params, kind, specs, args, key):
     hidden = {v: x[:p.num_tokens] for v, (p, _) in plans.items()}  # the same rows, each variant's bucket
     cache = random_cache(config, num_pages, jax.random.fold_in(key, 1))
     steps = {v: compiled_step(params, hidden[v], *plans[v], config, VARIANTS[v][1],
-                              OPTIONS.get(v, compiler_options(plans[v][0])) | ADDED_OPTIONS.get(v, {}))
+                              OPTIONS.get(v, compiler_options(plans[v][0])) | ADDED_OPTIONS.get(v, {}), v in BAKED)
              for v in args.variants}
     ms, outs, errors, reps, first = defaultdict(list), {}, {}, {}, {}
     same = {v for v in args.variants if v != "static" and v not in OPTIONS and "static" in plans

@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -208,6 +209,32 @@ def test_layer_slice_fusion_variants_plan_as_their_cond_variant_and_add_the_flag
     doubled = bench_layer.variant_options(config, "cond_2x_slices", True, 40)["buckets"].min_tokens
     own = bench_layer.variant_options(config, "cond", True, 40)["buckets"]
     assert doubled == 2 * own.round_up(40, own.min_tokens)
+
+
+def test_layer_baked_variants_plan_as_their_cond_variant_and_compile_without_conditionals(bench_layer, monkeypatch):
+    """cond_baked / cond_2x_baked: the plans of cond / cond_2x, compiled (compiled_step's baked)
+    with the batch's stage sizes as constants and XLA's default options: the program holds no
+    conditional, and a step gives the switching program's output."""
+    from jax_sparse_mla import MLAConfig, init_params, plan as plan_lib
+
+    config = MLAConfig.tiny()
+    for base in ("cond", "cond_2x"):
+        assert (bench_layer.variant_options(config, f"{base}_baked", True, 40)
+                == bench_layer.variant_options(config, base, True, 40))
+        assert bench_layer.OPTIONS[f"{base}_baked"] == {}
+    monkeypatch.setattr(plan_lib, "LADDER_MIN_TOKENS", 16)  # stages of several sizes at a tiny bucket
+    requests, num_pages = bench_layer.batch(config, [(0, 20), (9, 1), (0, 5)])
+    plan, meta = bench_layer.plan_batch(config, requests, num_pages=num_pages,
+                                        **bench_layer.variant_options(config, "cond", True, 26))
+    params = init_params(config, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (plan.num_tokens, config.hidden_size))
+    outs = []
+    for baked in (False, True):
+        step = bench_layer.compiled_step(params, x, plan, meta, config, "xla", {}, baked)
+        out, _ = step(bench_layer.random_cache(config, num_pages, jax.random.key(2)))
+        assert ("conditional(" in step.compiled[0].as_text()) != baked
+        outs.append(np.asarray(out))
+    np.testing.assert_array_equal(outs[1], outs[0])
 
 
 def test_layer_profile_names_an_op_outside_the_scopes_by_the_layer_function_that_made_it(bench_layer):

@@ -527,6 +527,42 @@ def test_cond_stages_follow_the_batch(monkeypatch):
         ((True, True), 16, (64, False), 16, 15)]  # 75 keys > 4 x 16: the last prefill attends sparsely
 
 
+def test_cond_program_with_constant_stage_sizes_has_no_conditional_and_the_same_output(monkeypatch):
+    """meta.branches given as numpy (the stages' sizes fixed at trace time, as bench_layer's
+    cond_baked variants compile it): every stage calls its branch directly, the program holds no
+    conditional, and its output and cache equal the program that switches at run time (a masked
+    prefill beside a decode and a short prefill: scoring, the dense call, sparse attention and the
+    row matmuls each of several sizes)."""
+    from jax_sparse_mla import plan as plan_lib
+
+    monkeypatch.setattr(plan_lib, "LADDER_MIN_TOKENS", 16)
+    config = TINY
+    requests, start = [], 0
+    for context, query in ((0, 20), (9, 1), (0, 5)):
+        pages = -(-(context + query) // config.page_size)
+        requests.append(Request(context, query, list(range(start, start + pages))))
+        start += pages
+    plan, meta = plan_batch(config, requests, num_pages=start, dispatch="cond")
+    assert len(plan.row_sizes) > 1 and len(plan.dense_calls) > 1
+    params = init_params(config, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (plan.num_tokens, config.hidden_size))
+    branches = np.asarray(meta.branches)
+
+    def switching(params, x, cache, meta):
+        return forward(params, x, cache, meta, plan=plan, config=config, kernels="xla")
+
+    def baked(params, x, cache, meta):  # the sizes as constants inside the trace
+        return switching(params, x, cache, dataclasses.replace(meta, branches=branches))
+
+    runs = [jax.jit(f) for f in (switching, baked)]
+    jaxprs = [str(f.trace(params, x, init_cache(config, start), meta).jaxpr) for f in runs]
+    assert " cond[" in jaxprs[0] and " cond[" not in jaxprs[1]
+    (out, cache), (out_b, cache_b) = (f(params, x, init_cache(config, start), meta) for f in runs)
+    np.testing.assert_array_equal(np.asarray(out_b), np.asarray(out))
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(cache_b)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 @pytest.mark.parametrize("num_tokens", [512, 1024, 8192, 16384])
 def test_projection_ladder_pads_a_bounded_share_of_the_real_rows(num_tokens):
     """At every real row count n of a bucket of T rows, the projection size picked for it holds n
