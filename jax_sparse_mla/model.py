@@ -492,8 +492,8 @@ def _switch(index, branches, *operands):
     until the host launches the branch), so a stage of one size has none."""
     if len(branches) == 1:
         return branches[0](*operands)
-    if isinstance(index, (int, np.integer)):
-        return branches[int(index)](*operands)
+    if isinstance(index, (int, np.integer)):  # clamped, as lax.switch clamps
+        return branches[min(max(int(index), 0), len(branches) - 1)](*operands)
     return jax.lax.switch(index, branches, *operands)
 
 

@@ -158,7 +158,7 @@ class RowGroup:
 
 ROW_LADDER_STEPS = 5  # a cond plan's row sizes: num_tokens, / 2, ..., / 16
 LADDER_MIN_TOKENS = 512  # below this many rows a cond plan runs its row stages at num_tokens
-PROJECTION_STEPS = (8, 4)  # a cond plan's projection sizes a halving of the bucket: the top one, each below
+PROJECTION_STEPS = (8, 4)  # a cond plan's projection sizes per halving of the bucket: (the top halving, each below)
 KEY_LADDER = (-3, 2)  # a cond plan's dense key sizes: num_tokens x 2**e for e in [-3, 2]
 MIN_LADDER_SIZE = 16
 
@@ -179,7 +179,7 @@ def projection_ladder(num_tokens: int) -> tuple[int, ...]:
     """A cond plan's sizes for its dense matmuls over every row (the projections, o_proj;
     ascending), from LADDER_MIN_TOKENS rows up, else (num_tokens,): each of the row ladder's
     halvings (T / 2**(k + 1), T / 2**k] split into s even steps, s = PROJECTION_STEPS[0] for the
-    top one and [1] below (none of those below MIN_LADDER_SIZE), and T / 16 (T = num_tokens).
+    top one and [1] below (those raised to MIN_LADDER_SIZE at least), and T / 16 (T = num_tokens).
     So the rows those matmuls run exceed the real ones by at most 1/8 of them at the top (a
     batch's usual place: more than half its bucket) and 1/4 below (a bucket a policy's minimum or
     an engine's coarser buckets hold open), not up to the bucket: at 8K rows a padding row costs

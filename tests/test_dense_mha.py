@@ -187,6 +187,18 @@ def test_selection_reference_matches_naive():
         np.testing.assert_allclose(np.asarray(ref), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_reference_takes_host_start_locations():
+    """q_start_loc / k_start_loc as numpy arrays (a host BatchMeta's, forward called without jit):
+    the reference, selection and query blocks included, gives what it gives for device arrays."""
+    q, k, v, q_start, k_start = make_batch(11, [5, 0, 1, 9], [0, 4, 3, 6], heads=2, d_qk=16,
+                                           d_v=8, pad_q=3, pad_k=2, dtype=jnp.float32)
+    sel = random_selection(11, q_start, k_start, q.shape[0], 12)
+    config = XlaConfig(max_scores=4 * 2 * k.shape[0])  # several query blocks
+    want, got = (dense_mha(q, k, v, qs, ks, scale=0.3, implementation="xla", selection=sel, config=config)
+                 for qs, ks in ((jnp.asarray(q_start), jnp.asarray(k_start)), (np.asarray(q_start), np.asarray(k_start))))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 # Masked MHA: ragged sequences with contexts, a sequence whose rows select only their 40 most
 # recent keys (its blocks skip the early key tiles of a 300-key context), tilings with 128- and
 # 96-key tiles, several items per program.

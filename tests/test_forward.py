@@ -558,7 +558,7 @@ def test_cond_program_with_constant_stage_sizes_has_no_conditional_and_the_same_
     jaxprs = [str(f.trace(params, x, init_cache(config, start), meta).jaxpr) for f in runs]
     assert " cond[" in jaxprs[0] and " cond[" not in jaxprs[1]
     (out, cache), (out_b, cache_b) = (f(params, x, init_cache(config, start), meta) for f in runs)
-    np.testing.assert_array_equal(np.asarray(out_b), np.asarray(out))
+    assert rel_err(out_b, out) < 1e-6  # (two programs XLA may fuse differently)
     for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(cache_b)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 

@@ -72,6 +72,7 @@ def dense_mha_reference(q, k, v, q_start_loc, k_start_loc, *, scale, selection=N
     """
     check_inputs(q, k, v, q_start_loc, k_start_loc, (jnp.bfloat16, jnp.float16, jnp.float32))
     check_selection(selection, q.shape[0], None)
+    q_start_loc, k_start_loc = jnp.asarray(q_start_loc), jnp.asarray(k_start_loc)  # (host arrays: indexed by traced values)
     num_rows, heads, d_qk = q.shape
     num_keys, d_v = k.shape[0], v.shape[2]
     if num_rows == 0 or num_keys == 0:
