@@ -268,6 +268,13 @@ def _pick(a, rows):
     return a[:rows] if isinstance(rows, int) else take_rows(a, rows)
 
 
+def _row_ids(rows, num_tokens: int):
+    """A stage's rows as _pick takes them (None, an int n, [N] row ids) -> [N] int32 row ids."""
+    if rows is None or isinstance(rows, int):
+        return jnp.arange(num_tokens, dtype=jnp.int32)[:rows]
+    return rows
+
+
 def _dense_prefill(q, positions, w_uk, w_uv, cache: cache_lib.PagedCache, meta: BatchMeta, config: MLAConfig,
                    impl: kernel_ops.OpImpl, in_f32: bool, num_keys: int | None = None, select=None, max_kv_len=None):
     """Dense causal MHA of the sequences routed dense or masked, packed (no padding to the longest).
@@ -335,8 +342,7 @@ def _topk_positions(params, x, qr, positions, cache: cache_lib.PagedCache, meta:
     """
     tp = group.indexer_shards
     if tp > 1:
-        ids = jnp.arange(meta.positions.shape[0], dtype=jnp.int32)[:rows] if rows is None or isinstance(rows, int) \
-            else rows
+        ids = _row_ids(rows, meta.positions.shape[0])
         mine = ids.reshape(-1, tp)[:, jax.lax.axis_index(tensor_axis)]  # [N / tp]
         top = _score_rows(params, x, qr, positions, cache, meta, mine, group, config=config, impl=impl)
         gathered = jax.lax.all_gather(top, tensor_axis)  # [tp, N / tp, topk]: shard s holds rows s::tp
@@ -352,8 +358,7 @@ def _score_rows(params, x, qr, positions, cache: cache_lib.PagedCache, meta: Bat
     time (policy.SCORING_WORKSPACE_BYTES)."""
     if group.score_chunks == 1:
         return _score_chunk(params, x, qr, positions, cache, meta, rows, config=config, group=group, impl=impl)
-    ids = rows if rows is not None and not isinstance(rows, int) else \
-        jnp.arange(meta.positions.shape[0], dtype=jnp.int32)[:rows]
+    ids = _row_ids(rows, meta.positions.shape[0])
     n = ids.shape[0]
     size = -(-n // group.score_chunks)
     ids = jnp.pad(ids, (0, size * group.score_chunks - n), constant_values=-1).reshape(group.score_chunks, size)

@@ -108,8 +108,9 @@ BAKED = ("cond_baked", "cond_2x_baked")  # compiled with the batch's stage sizes
 # (XLA's command-buffer update mode is not among them: it takes effect only set process-wide, in
 # XLA_FLAGS before jax starts, where it switches the client's allocator; docs/design/dispatch.md)
 OPTIONS = {  # variant -> the XLA compiler options its program is compiled with (others: jit_forward's)
-    "static_graphs_off": COMMAND_BUFFERS_OFF, "cond_graphs_around": {}, "cond_baked": {}, "cond_2x_baked": {},
-    "cond_graphs": {"xla_gpu_enable_command_buffer": DEFAULT_COMMAND_TYPES + ",CONDITIONAL,WHILE"}}
+    "static_graphs_off": COMMAND_BUFFERS_OFF, "cond_graphs_around": {},
+    "cond_graphs": {"xla_gpu_enable_command_buffer": DEFAULT_COMMAND_TYPES + ",CONDITIONAL,WHILE"},
+    **{v: {} for v in BAKED}}  # (no conditional left: XLA's defaults)
 SLICE_FUSION = {"xla_gpu_enable_dynamic_slice_fusion": True}
 ADDED_OPTIONS = {"cond_slices": SLICE_FUSION, "cond_2x_slices": SLICE_FUSION}  # variant -> added to its plan's
 DISPATCH_CALLS = 10
@@ -567,12 +568,11 @@ SMOKE_LIMITS = dict(max_num_seqs=8, max_model_len=256)
 
 def variant_options(config, variant: str, smoke: bool, num_tokens: int) -> dict:
     """plan_batch's options of a variant for a batch of num_tokens rows (cond: an engine's buckets
-    at ENGINE_LIMITS; cond_2x, cond_2x_slices, cond_2x_baked: those with min_tokens twice the batch's
-    row bucket)."""
+    at ENGINE_LIMITS; the cond_2x variants: those with min_tokens twice the batch's row bucket)."""
     options = dict(VARIANTS[variant][0])
     if options.get("dispatch") == "cond":
         bp = BucketPolicy.for_limits(config, **(SMOKE_LIMITS if smoke else ENGINE_LIMITS))
-        if variant in ("cond_2x", "cond_2x_slices", "cond_2x_baked"):
+        if variant.startswith("cond_2x"):
             bp = dataclasses.replace(bp, min_tokens=2 * BucketPolicy.round_up(num_tokens, bp.min_tokens))
         options["buckets"] = bp
     return options
