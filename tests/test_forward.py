@@ -11,6 +11,7 @@ from jax_sparse_mla import MLAConfig, Request, init_cache, init_params, plan_bat
 from jax_sparse_mla import kernels as kernel_ops
 from jax_sparse_mla.model import forward, jit_forward, linear, mla_projections
 from jax_sparse_mla.serving.synthetic import Harness, rel_err
+from tests.support.cases import requests_on_fresh_pages
 
 TINY = MLAConfig.tiny()  # topk 16, page 4, float32 activations, bf16 latent cache, fp8 indexer
 DENSE_KERNEL_TINY = dataclasses.replace(TINY, dtype="bfloat16", qk_nope_head_dim=56, v_head_dim=64)  # head dims the dense kernel takes
@@ -537,11 +538,7 @@ def test_cond_program_with_constant_stage_sizes_has_no_conditional_and_the_same_
 
     monkeypatch.setattr(plan_lib, "LADDER_MIN_TOKENS", 16)
     config = TINY
-    requests, start = [], 0
-    for context, query in ((0, 20), (9, 1), (0, 5)):
-        pages = -(-(context + query) // config.page_size)
-        requests.append(Request(context, query, list(range(start, start + pages))))
-        start += pages
+    requests, start = requests_on_fresh_pages(config, ((0, 20), (9, 1), (0, 5)))
     plan, meta = plan_batch(config, requests, num_pages=start, dispatch="cond")
     assert len(plan.row_sizes) > 1 and len(plan.dense_calls) > 1
     params = init_params(config, jax.random.key(0))

@@ -15,6 +15,7 @@ from jax_sparse_mla import model
 from jax_sparse_mla import plan as plan_lib
 from jax_sparse_mla.model import compiler_options, forward
 from jax_sparse_mla.serving.synthetic import rel_err
+from tests.support.cases import requests_on_fresh_pages
 
 TINY = MLAConfig.tiny()
 
@@ -228,11 +229,8 @@ def test_programs_run_no_loop_outside_the_kernels(monkeypatch, kv_cache_dtype):
     monkeypatch.setattr(kernel_ops, "interpret_mode", lambda: False)
     monkeypatch.setattr(kernel_ops, "on_hopper", lambda: True)
     config = MLAConfig.deepseek_v32(num_attention_heads=16, kv_cache_dtype=kv_cache_dtype)
-    requests, start = [], 0
-    for context, query in ((0, 600), (3000, 1), (3000, 1), (6000, 700)):  # prefill, decodes, a chunk
-        pages = -(-(context + query) // config.page_size)
-        requests.append(Request(context, query, list(range(start, start + pages))))
-        start += pages
+    # a prefill, two decodes, a chunk
+    requests, start = requests_on_fresh_pages(config, ((0, 600), (3000, 1), (3000, 1), (6000, 700)))
     params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
     cache = jax.eval_shape(lambda: init_cache(config, start))
     cond = {"dispatch": "cond", "buckets": BucketPolicy.for_limits(config, max_num_seqs=8, max_model_len=8192)}

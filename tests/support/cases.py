@@ -8,6 +8,19 @@ import numpy as np
 FP8 = jnp.float8_e4m3fn
 
 
+def requests_on_fresh_pages(config, specs):
+    """Requests [(context_len, query_len)] on consecutive pages from 0, each holding the pages its
+    context and queries fill -> (the Requests, the page count they use)."""
+    from jax_sparse_mla import Request
+
+    requests, start = [], 0
+    for context, query in specs:
+        pages = -(-(context + query) // config.page_size)
+        requests.append(Request(context, query, list(range(start, start + pages))))
+        start += pages
+    return requests, start
+
+
 def make_indexer_case(seed, *, dtype, scaled, hi, d, page, lengths, rows_per_seq, extra_pages=3,
                       interleave_rows=True):
     """A ragged batch: sequence s has lengths[s] keys (pages shuffled over a shared pool) and
