@@ -4,7 +4,7 @@
 ("xla": the pure-jnp reference; "triton": a Pallas Triton-backend kernel; "mosaic": a Pallas
 Mosaic GPU kernel), whether it interprets (off the GPU), and its config. The batch-dependent
 choices (the Mosaic indexer kernel's shape, an fp8 cache's dequantisation route) are the plan's
-(BatchPlan.groups, policy.py). The layer calls the four ops of `pallas_kernels`, re-exported
+(BatchPlan.groups, policy.py). The layer calls the five ops of `pallas_kernels`, re-exported
 below, with both: `op(..., **impl.kwargs, <the plan's choice>)`; the ops decide nothing.
 
 `kernels="xla"` runs each op's pure-jnp implementation and `"pallas"` every Pallas kernel
@@ -13,7 +13,8 @@ fastest on the H200 and XLA off the GPU: on a GPU the same as "pallas":
   indexer logits: Mosaic GPU on Hopper (prefill and decode kernels), Triton elsewhere; top-k:
   Triton (several times lax.top_k); sparse MLA: Mosaic GPU on Hopper where it takes the
   config's operands, Triton elsewhere; dense MHA: Mosaic GPU (the only option taking the packed
-  layout). Numbers: docs/benchmarks.md.
+  layout); the cond program's matmuls over every row: Mosaic GPU on Hopper (a run-time row
+  count, no conditional), XLA's ladder of sizes elsewhere. Numbers: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ import jax.numpy as jnp
 
 from pallas_kernels import dense_mha as dense_mha_lib
 from pallas_kernels import indexer_logits as indexer_logits_lib
+from pallas_kernels import row_matmul as row_matmul_lib
 from pallas_kernels import sparse_mla as sparse_mla_lib
 from pallas_kernels import topk as topk_lib
 from pallas_kernels.device import on_hopper
 
 Kernels = Literal["auto", "xla", "pallas"]  # the `kernels` argument of forward, SparseMLA, ...
 CHOICES = get_args(Kernels)
-OPS = ("indexer_logits", "topk", "sparse_mla", "dense_mha")
+OPS = ("indexer_logits", "topk", "sparse_mla", "dense_mha", "row_matmul")
 IMPLEMENTATIONS = ("xla", "triton", "mosaic")  # every op's names (dense_mha has no "triton")
 MOSAIC_INDEXER_DTYPES = ("fp8", "bfloat16")  # indexer dtypes the Mosaic indexer kernels take (q and keys alike)
 
@@ -70,6 +72,7 @@ class Implementations:
     topk: OpImpl
     sparse_mla: OpImpl
     dense_mha: OpImpl
+    row_matmul: OpImpl
     dots_in_f32: bool
 
 
@@ -99,13 +102,16 @@ def resolve(kernels: str, config) -> Implementations:
         when XLA's CPU thread pool (PJRT_NPROC, else the schedulable CPUs) is too small for
         Mosaic GPU's interpreter: it runs the kernel's warpgroups as concurrent callbacks on
         that pool and deadlocks with fewer threads than warpgroups (tests/conftest.py sets
-        PJRT_NPROC).
+        PJRT_NPROC);
+      row_matmul: "mosaic" on Hopper (and interpreted off the GPU) for bf16 / f16 configs, with
+        dense_mha's thread condition off the GPU; else "xla" (the layer then runs its ladder of
+        row counts through a conditional instead).
     Off the GPU every Pallas backend interprets, and the per-head einsums run in float32.
     """
     check_kernels(kernels)
     interpret = interpret_mode()
     if kernels == "xla" or (kernels == "auto" and interpret):
-        return Implementations(XLA, XLA, XLA, XLA, dots_in_f32=interpret)
+        return Implementations(XLA, XLA, XLA, XLA, XLA, dots_in_f32=interpret)
     hopper = not interpret and on_hopper()
     triton = OpImpl("triton", interpret=interpret)
     indexer = OpImpl("mosaic") if hopper and config.indexer_dtype in MOSAIC_INDEXER_DTYPES else triton
@@ -114,7 +120,11 @@ def resolve(kernels: str, config) -> Implementations:
     dense_unsupported = dense_mha_lib.unsupported_reason(config.jnp_dtype, config.qk_head_dim, config.v_head_dim)
     dense = XLA if too_few_threads or dense_unsupported else OpImpl("mosaic", interpret=interpret)
     topk = OpImpl("mosaic") if hopper else triton
-    return Implementations(indexer_logits=indexer, topk=topk, sparse_mla=sparse, dense_mha=dense,
+    rows_unsupported = row_matmul_lib.unsupported_reason(config.jnp_dtype, config.jnp_dtype)
+    rows_threads = interpret and cpu_threads() < row_matmul_lib.INTERPRET_MIN_CPU_THREADS
+    row = (OpImpl("mosaic", interpret=interpret) if (hopper or interpret) and not rows_unsupported and not rows_threads
+           else XLA)
+    return Implementations(indexer_logits=indexer, topk=topk, sparse_mla=sparse, dense_mha=dense, row_matmul=row,
                            dots_in_f32=interpret)
 
 
@@ -145,11 +155,12 @@ def cpu_threads() -> int:
     return int(os.environ.get("PJRT_NPROC") or len(os.sched_getaffinity(0)))
 
 
-# The four ops (called with an OpImpl's kwargs) and the cache-layout helpers the layer shares with them.
+# The five ops (called with an OpImpl's kwargs) and the cache-layout helpers the layer shares with them.
 indexer_logits = indexer_logits_lib.indexer_logits
 topk = topk_lib.topk
 sparse_mla = sparse_mla_lib.sparse_mla
 dense_mha = dense_mha_lib.dense_mha
+row_matmul = row_matmul_lib.row_matmul
 gather_paged_rows = indexer_logits_lib.gather_paged_rows
 dequantize_index_keys = indexer_logits_lib.dequantize_index_keys
 dequantize_latent = sparse_mla_lib.dequantize_latent

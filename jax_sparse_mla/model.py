@@ -34,12 +34,18 @@ def _precision(config: MLAConfig):
     return ops.matmul_precision(config.jnp_dtype)
 
 
-def linear(x, weight, config: MLAConfig, *, dtype=jnp.float32, in_f32: bool = True):
+def linear(x, weight, config: MLAConfig, *, dtype=jnp.float32, in_f32: bool = True, rows=None):
     """x: [..., in] @ weight[out, in]^T -> [..., out] in dtype, accumulated in float32 (operands
     in config.dtype). in_f32 (Implementations.dots_in_f32): the product in float32, then rounded
     to dtype; else the dot writes dtype itself (a GPU's accumulates in float32 whatever it
     writes: no float32 product and no convert kernel, 0.2 ms for q_b_proj's at 4096 rows on an
-    H100). The same rounding either way."""
+    H100). The same rounding either way.
+    rows: None, or (count, OpImpl of row_matmul): x [T, in]'s first `count` rows (an int32
+    scalar, traced) through the row_matmul kernel, zero past them (`_over_rows`)."""
+    if rows is not None:
+        count, impl = rows
+        dt = config.jnp_dtype
+        return kernel_ops.row_matmul(x.astype(dt), weight.astype(dt), count, out_dtype=dtype, **impl.kwargs)
     out = jnp.einsum("...i,oi->...o", x.astype(config.jnp_dtype), weight.astype(config.jnp_dtype),
                      precision=_precision(config), preferred_element_type=jnp.float32 if in_f32 else dtype)
     return out.astype(dtype)
@@ -57,7 +63,7 @@ def per_head(spec: str, a, w, config: MLAConfig, *, in_f32: bool, dtype=jnp.floa
     return out.astype(dtype)
 
 
-def projection_matmuls(params, x, config: MLAConfig, *, in_f32: bool = True):
+def projection_matmuls(params, x, config: MLAConfig, *, in_f32: bool = True, rows=None):
     """The projections' matmuls over rows, x [T, hidden] -> (qr [T, q_lora] (q_a_proj, normed),
     q [T, H * qk_head_dim] (q_b_proj), kv [T, R + rope] (kv_a_proj_with_mqa), k [T, D]
     (indexer.wk)), float32 but q in config.dtype (rounded where DeepSeek's reference rounds it:
@@ -65,12 +71,18 @@ def projection_matmuls(params, x, config: MLAConfig, *, in_f32: bool = True):
     projections whose cost follows the rows (a cond plan runs it over about its real rows);
     `projections` finishes them row by row. q_b_proj stays one
     matmul: as two over slices of its weight, both dispatches' layer steps took 0.07-0.13 ms
-    longer on an H100 (the slices copied every step). in_f32: linear's, for q."""
+    longer on an H100 (the slices copied every step). in_f32: linear's, for q. rows: linear's
+    (the three matmuls over x as one kernel call, their weights stacked, as XLA fuses them)."""
     c_ = config
-    qr = ops.rms_norm(linear(x, params["q_a_proj.weight"], c_), params["q_a_layernorm.weight"], c_.rms_norm_eps)
-    return (qr, linear(qr, params["q_b_proj.weight"], c_, dtype=c_.jnp_dtype, in_f32=in_f32),
-            linear(x, params["kv_a_proj_with_mqa.weight"], c_),
-            linear(x, params["indexer.wk.weight"], c_))
+    names = ("q_a_proj.weight", "kv_a_proj_with_mqa.weight", "indexer.wk.weight")
+    if rows is None:
+        a, kv, k = (linear(x, params[name], c_) for name in names)
+    else:
+        a, kv, k = jnp.split(linear(x, jnp.concatenate([params[name].astype(c_.jnp_dtype) for name in names]), c_,
+                                    rows=rows),
+                             np.cumsum([params[name].shape[0] for name in names[:2]]), axis=1)
+    qr = ops.rms_norm(a, params["q_a_layernorm.weight"], c_.rms_norm_eps)
+    return qr, linear(qr, params["q_b_proj.weight"], c_, dtype=c_.jnp_dtype, in_f32=in_f32, rows=rows), kv, k
 
 
 def projections(params, matmuls, positions, config: MLAConfig):
@@ -502,13 +514,17 @@ def _switch(index, branches, *operands):
     return jax.lax.switch(index, branches, *operands)
 
 
-def _over_rows(fn, plan: BatchPlan, meta: BatchMeta):
-    """fn(n): a matmul stage over the first n rows, padded to num_tokens. A cond plan runs it at
-    the size meta.branches[3] picks from plan.row_sizes (its real rows, rounded up to
-    plan.projection_ladder's next size: padding rows cost those matmuls full FLOPs); a static
-    plan over every row."""
+def _over_rows(fn, plan: BatchPlan, meta: BatchMeta, impl: kernel_ops.OpImpl):
+    """fn(n, rows): a matmul stage over the first n rows, padded to num_tokens (rows: linear's).
+    A cond plan whose plan.row_sizes has several sizes runs it over its real rows (padding rows
+    cost those matmuls full FLOPs): with the row_matmul kernel (impl, Implementations.row_matmul)
+    over every row, the real ones counted at run time (the plan puts padding last); else at the
+    size meta.branches[3] picks (the real rows rounded up to plan.projection_ladder's next size),
+    a conditional. A static plan, and a ladder of one size, over every row."""
+    if len(plan.row_sizes) > 1 and impl.implementation != "xla":
+        return fn(plan.num_tokens, (jnp.sum(meta.positions >= 0, dtype=jnp.int32), impl))
     return _switch(meta.branches[3] if plan.row_sizes else None,
-                   [functools.partial(fn, n) for n in plan.row_sizes or (plan.num_tokens,)])
+                   [functools.partial(fn, n, None) for n in plan.row_sizes or (plan.num_tokens,)])
 
 
 def _cond_program(score, attend, dense, plan: BatchPlan, meta: BatchMeta, out: jax.ShapeDtypeStruct, topk: int):
@@ -617,11 +633,12 @@ def forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib
     x = hidden.astype(c_.jnp_dtype)
     positions = jnp.maximum(meta.positions, 0)
 
-    def project(n):  # the first n rows' matmuls, zero past them
-        return _pad_rows(projection_matmuls(params, x[:n], c_, in_f32=impl.dots_in_f32), T)
+    def project(n, rows):  # the first n rows' matmuls, zero past them
+        return _pad_rows(projection_matmuls(params, x[:n], c_, in_f32=impl.dots_in_f32, rows=rows), T)
 
     with jax.named_scope("projections"):  # row-wise work outside the conditional, fused into its readers
-        qr, q, c, k_pe, k_index = projections(params, _over_rows(project, plan, meta), positions, c_)
+        qr, q, c, k_pe, k_index = projections(params, _over_rows(project, plan, meta, impl.row_matmul), positions,
+                                              c_)
     # Both caches are written first: the dense program still fills the indexer key cache,
     # or later decode steps would score against stale keys.
     with jax.named_scope("cache_write"):
@@ -648,15 +665,16 @@ def forward(params: Mapping[str, jax.Array], hidden: jax.Array, cache: cache_lib
     # a request's own non-finite input shows in its rows on every route (see _nonfinite_rows)
     nonfinite = _nonfinite_rows(x, meta, plan.num_seqs)
 
-    def o_proj(n):  # the first n rows' output, zero past them (in config.dtype, unless summed over shards)
+    def o_proj(n, rows):  # the first n rows' output, zero past them (in config.dtype, unless summed over shards)
         out = linear(out_heads[:n].reshape(n, H * c_.v_head_dim), params["o_proj.weight"], c_,
-                     dtype=jnp.float32 if tensor_axis is not None else c_.jnp_dtype, in_f32=impl.dots_in_f32)
+                     dtype=jnp.float32 if tensor_axis is not None else c_.jnp_dtype, in_f32=impl.dots_in_f32,
+                     rows=rows)
         # NaN set on the n rows, fused into their padding (a select over every row of the bucket
         # took 0.18 ms at 8192 rows, H100); a NaN partial sum stays NaN through the psum
         return _pad_rows(jnp.where(nonfinite[:n, None], jnp.nan, out), T)
 
     with jax.named_scope("o_proj"):
-        out = _over_rows(o_proj, plan, meta)
+        out = _over_rows(o_proj, plan, meta, impl.row_matmul)
         if tensor_axis is not None:  # o_proj's columns are split by head: partial sums, in float32
             out = jax.lax.psum(out, tensor_axis).astype(c_.jnp_dtype)
     return out, cache

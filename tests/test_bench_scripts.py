@@ -425,6 +425,17 @@ def test_layer_profile_gives_an_unclaimed_event_the_scope_around_it(bench_layer,
         {"fusion.1 fusion s32[]": 0.002, "fusion.2 fusion s32[]": 0.002, "memcpy32_post (hlo_op command_buffer_1)": 0.001})
 
 
+def test_row_matmul_bench_checks_each_kernel_row_against_xla(tmp_path):
+    """--smoke --shapes tiny: per row count (M, M / 2 + 1, M / 2) an XLA row and a kernel row,
+    the kernel's (interpreted) within bf16's rounding of XLA's over the live rows and 0 past them."""
+    _run("bench_row_matmul.py", "--smoke", "--shapes", "tiny", "--configs", "default", "--out", "rows.json",
+         cwd=tmp_path)
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert sorted((r["rows"], r["variant"]) for r in rows) == [
+        (n, v) for n in (128, 129, 256) for v in ("kernel default", "xla")]
+    assert all(r["zero_past_rows"] and r["rel_err"] < 4e-3 and r["ms"] > 0 for r in rows)
+
+
 def test_warmup_bench_restart_loads_every_program_from_the_store(tmp_path):
     """--smoke --programs 1: --decode-steps 2 (the set but its first program, and the decode runs'
     programs): the counts come before any compile, and each phase's precompile covered the slice

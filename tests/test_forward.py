@@ -1,6 +1,7 @@
 """forward against the whole-sequence reference: routes, chunking, decode, padding, dtypes."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ from jax_sparse_mla import MLAConfig, Request, init_cache, init_params, plan_bat
 from jax_sparse_mla import kernels as kernel_ops
 from jax_sparse_mla.model import forward, jit_forward, linear, mla_projections
 from jax_sparse_mla.serving.synthetic import Harness, rel_err
+from tests.support import INTERPRET
 from tests.support.cases import requests_on_fresh_pages
 
 TINY = MLAConfig.tiny()  # topk 16, page 4, float32 activations, bf16 latent cache, fp8 indexer
@@ -558,6 +560,47 @@ def test_cond_program_with_constant_stage_sizes_has_no_conditional_and_the_same_
     assert rel_err(out_b, out) < 1e-6  # (two programs XLA may fuse differently)
     for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(cache_b)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def conditionals(jaxpr) -> int:
+    """The cond equations of a jaxpr and the jaxprs inside it, a Pallas kernel's body excluded."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == "cond"
+        if eqn.primitive.name not in ("pallas_call", "mpmd_map"):  # (mpmd_map: a Mosaic GPU kernel's)
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    count += conditionals(inner) if hasattr(inner, "eqns") else 0
+    return count
+
+
+def test_cond_program_with_the_row_kernel_has_no_row_conditional_and_the_same_output(monkeypatch):
+    """Where the row_matmul kernel runs (Implementations.row_matmul: Hopper, interpreted here), a
+    cond program's projections and o_proj run over every row with the real rows counted at run
+    time: two conditionals fewer than the ladder's program, the same output and caches (a bf16
+    config: the kernel's operands), and padding rows 0 though hidden's are NaN there."""
+    from jax_sparse_mla import plan as plan_lib
+
+    monkeypatch.setattr(plan_lib, "LADDER_MIN_TOKENS", 16)
+    config = dataclasses.replace(TINY, dtype="bfloat16")
+    requests, start = requests_on_fresh_pages(config, ((0, 20), (9, 1), (0, 5)))
+    plan, meta = plan_batch(config, requests, num_pages=start, dispatch="cond")
+    assert len(plan.row_sizes) > 1
+    params = init_params(config, jax.random.key(0))
+    real = sum(r.query_len for r in requests)
+    x = jax.random.normal(jax.random.key(1), (plan.num_tokens, config.hidden_size)).at[real:].set(jnp.nan)
+    ladder = kernel_ops.resolve("xla", config)
+    row_kernel = dataclasses.replace(ladder, row_matmul=kernel_ops.OpImpl("mosaic", interpret=INTERPRET))
+    monkeypatch.setattr(kernel_ops, "resolve", lambda kernels, config: row_kernel if kernels == "pallas" else ladder)
+    runs = [jax.jit(functools.partial(forward, plan=plan, config=config, kernels=k)) for k in ("xla", "pallas")]
+    conds = [conditionals(f.trace(params, x, init_cache(config, start), meta).jaxpr.jaxpr) for f in runs]
+    assert conds[1] == conds[0] - 2, conds
+    (out, cache), (out_k, cache_k) = (f(params, x, init_cache(config, start), meta) for f in runs)
+    assert np.all(np.asarray(out_k[real:]) == 0) and np.isfinite(np.asarray(out_k, np.float32)).all()
+    assert rel_err(out_k, out) < 1e-2  # (bf16 roundings of float32 sums taken in another order)
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(cache_k)):
+        assert rel_err(jnp.asarray(b, jnp.float32), jnp.asarray(a, jnp.float32)) < 1e-2
 
 
 @pytest.mark.parametrize("num_tokens", [512, 1024, 8192, 16384])

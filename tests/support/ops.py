@@ -30,6 +30,7 @@ BACKENDS = {
     "topk": ("xla", "triton", "mosaic"),
     "sparse_mla": ("xla", "triton", "mosaic"),
     "dense_mha": ("xla", "mosaic"),
+    "row_matmul": ("xla", "mosaic"),
 }
 # (op, implementation) pairs that only run compiled on a GPU: the sparse Mosaic kernel's gathers and the
 # Mosaic top-k write sweep are inline PTX, which Mosaic GPU's interpreter cannot run.
