@@ -39,21 +39,23 @@ SMOKE_SHAPES = {"tiny": (256, 128, 320, jnp.bfloat16), "tiny_f32": (200, 64, 136
 
 
 def configs(spec: str) -> dict[str, MosaicConfig | None]:
-    """"default,128x64" -> {label: MosaicConfig or None (the kernel's defaults)}."""
+    """"default,128x64,128x128w16" -> {label: MosaicConfig or None (the kernel's defaults)}:
+    TILE_MxTILE_N, optionally wGRID_WIDTH."""
     out = {}
     for item in spec.split(","):
         if item == "default":
             out[item] = None
         else:
-            tile_m, tile_n = (int(v) for v in item.split("x"))
-            out[item] = MosaicConfig(tile_m=tile_m, tile_n=tile_n)
+            tiles, _, width = item.partition("w")
+            tile_m, tile_n = (int(v) for v in tiles.split("x"))
+            out[item] = MosaicConfig(tile_m=tile_m, tile_n=tile_n, grid_width=int(width) if width else None)
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=None, help=f"default: all of {','.join(SHAPES)}")
-    p.add_argument("--configs", default="default,128x64", help="kernel tilings: default, TILE_MxTILE_N, ...")
+    p.add_argument("--configs", default="default,128x64", help="kernel tilings: default, TILE_MxTILE_N[wGRID_WIDTH], ...")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, the kernel interpreted (CPU)")
     p.add_argument("--out", default=None)
