@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.row_matmul import MosaicConfig, row_matmul
+from pallas_kernels.row_matmul.mosaic import tile_order
 from tests.support import INTERPRET, compiled_functions, ops
 
 param = functools.partial(ops.implementation_param, "row_matmul")
@@ -68,6 +69,22 @@ def test_shapes_that_do_not_tile(implementation, m, k, n, rows, out_dtype):
     check(run(implementation, x, w, rows, out_dtype=out_dtype), x, w, rows, out_dtype)
 
 
+@pytest.mark.parametrize("m_iters,n_iters,width", [(16, 56, 8), (3, 5, 2), (7, 3, 4), (1, 4, 8), (5, 1, 2)])
+def test_tile_order_deals_the_live_tiles_first(m_iters, n_iters, width):
+    """The persistent programs' tile order is a permutation of the tiles at every live row-tile
+    count, the live ones first (so the programs share them evenly), the first band's column
+    tiles row by row."""
+    lin = jnp.arange(m_iters * n_iters, dtype=jnp.int32)
+    order = jax.jit(jax.vmap(lambda i, live_m: tile_order(i, live_m, m_iters, n_iters, width), (0, None)))
+    for live_m in range(m_iters + 1):
+        mi, ni = (np.asarray(v) for v in order(lin, jnp.int32(live_m)))
+        assert sorted(zip(mi.tolist(), ni.tolist())) == [(m, n) for m in range(m_iters) for n in range(n_iters)]
+        live = live_m * n_iters
+        assert np.all(mi[:live] < live_m) and np.all(mi[live:] >= live_m)
+        band = min(width, n_iters)
+        np.testing.assert_array_equal(mi[:band * live_m], np.arange(band * live_m) // band)
+
+
 def test_one_program_serves_every_count():
     x, w = operands(0, 256, 128, 256)
     f = jax.jit(functools.partial(row_matmul, implementation="mosaic", config=SMALL, interpret=INTERPRET))
@@ -94,6 +111,20 @@ def test_tiles_past_shared_memory_are_refused():
     with pytest.raises(ValueError, match="shared memory"):
         row_matmul(x, w, 3, implementation="mosaic", config=MosaicConfig(tile_n=256, num_stages=4),
                    interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("m,k,n,out_dtype", [(8192, 1536, 24576, jnp.bfloat16), (4096, 7168, 2240, jnp.float32),
+                                             (2048, 16384, 7168, jnp.bfloat16), (1024, 7168, 2240, jnp.float32),
+                                             (200, 96, 300, jnp.float32)])
+def test_kernel_lowers_for_hopper_at_the_layers_shapes(m, k, n, out_dtype):
+    """The compiled kernel, with its default tiles and stages, lowered for the GPU on any machine:
+    Mosaic GPU's lowering rules and its shared-memory bound (a float32 output's pieces leave room
+    for three stages, not four) are checked here, not only on a GPU."""
+    sd = jax.ShapeDtypeStruct
+    fn = jax.jit(functools.partial(row_matmul, out_dtype=out_dtype, implementation="mosaic"))
+    text = fn.trace(sd((m, k), jnp.bfloat16), sd((n, k), jnp.bfloat16), sd((), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
 
 
 @pytest.mark.gpu

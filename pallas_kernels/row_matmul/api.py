@@ -28,8 +28,9 @@ class MosaicConfig(TuningConfig):
     """Tuning of the Mosaic GPU kernel (None: its default). tile_m x tile_n: one consumer
     warpgroup's output tile (a CTA computes tile_m x 2 tile_n; multiples of 64); tile_k: the K
     step (64: one 128-byte swizzled row of 16-bit values); num_stages: K steps in flight
-    (default: as many as shared memory holds, up to MAX_STAGES); grid_width: row tiles to a band of the snake order; num_programs: persistent CTAs
-    (default one per SM, at most one per output tile)."""
+    (default: as many as shared memory holds, up to MAX_STAGES); grid_width: column tiles to a
+    band of the tile order (`mosaic.tile_order`); num_programs: persistent CTAs (default one per
+    SM, at most one per output tile)."""
 
     tile_m: int | None = None
     tile_n: int | None = None

@@ -23,15 +23,32 @@ def _transforms(cols: int, dtype):
     return plgpu.TilingTransform((8, swizzle // item)), plgpu.SwizzleTransform(swizzle)
 
 
+def tile_order(lin, live_m, m_iters: int, n_iters: int, width: int):
+    """The lin-th output tile (row tile, column tile) the persistent programs take: first the
+    tiles of the live_m row tiles that hold a live row, in jax's planar snake over them (bands of
+    `width` column tiles walked row by row, every other band upwards: a band's tiles share w's
+    columns from L2, a row's share x's rows), then the other tiles row by row. Live tiles first:
+    the programs deal them out evenly whatever the count (the snake over the whole bucket
+    interleaves the dead ones with them, so a program can draw one more live tile than the
+    others: 0.61 against 0.34 ms for cuBLAS at 1025 of 2048 rows). lin, live_m: int32 scalars
+    (lax's scalar ops, as planar_snake's: what the kernel lowers)."""
+    live = live_m * n_iters
+    mi, ni = plgpu.planar_snake(lin, (lax.max(live_m, jnp.int32(1)), n_iters), 1, width)
+    dead = lax.max(lin - live, jnp.int32(0))
+    is_live = lin < live
+    return (lax.select(is_live, mi, live_m + lax.div(dead, jnp.int32(n_iters))),
+            lax.select(is_live, ni, lax.rem(dead, jnp.int32(n_iters))))
+
+
 def row_matmul_mosaic(x, w, rows, *, out_dtype, tile_m: int, tile_n: int, tile_k: int, num_stages: int,
                       grid_width: int, num_programs: int, interpret: bool = False):
     """x [M, K] @ w[N, K]^T over x's first rows[0] rows -> [M, N] out_dtype, zero past them.
 
     rows: [1] int32. Shapes must tile: M by tile_m, N by 2 tile_n, K by tile_k (the api pads).
     num_programs persistent programs walk the (M / tile_m) x (N / 2 tile_n) output tiles in
-    planar snake order, grid_width row tiles to a band (the column tiles of a band reuse its x
-    tiles from L2). A tile with no live row stores zeros without loading anything; a tile with
-    some stores its products' live rows and zeros below them.
+    `tile_order` (the live ones first, grid_width column tiles to a band). A tile with no live row
+    stores zeros without loading anything; a tile with some stores its products' live rows and
+    zeros below them.
     """
     m, k = x.shape
     n = w.shape[0]
@@ -59,11 +76,12 @@ def row_matmul_mosaic(x, w, rows, *, out_dtype, tile_m: int, tile_n: int, tile_k
         def _(allocs, out_smem):
             wg = lax.axis_index("wg")
             live_rows = rows_gmem[0]
+            live_m = lax.min(lax.div(live_rows + tile_m - 1, jnp.int32(tile_m)), jnp.int32(m_iters))  # live row tiles
 
             @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
             def _(info):
                 (lin,) = info.index
-                mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1, grid_width)
+                mi, ni = tile_order(lin, live_m, m_iters, n_iters, grid_width)
                 m_slice, n_slice = pl.ds(mi * tile_m, tile_m), pl.ds(ni * cta_n, cta_n)
                 wg_n = pl.ds(wg * tile_n, tile_n)  # this consumer's columns of the tile
                 live = live_rows - mi * tile_m  # the tile's live rows (<= 0: none)
