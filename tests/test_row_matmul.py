@@ -106,11 +106,13 @@ def test_bad_operands_are_refused(x_shape, w_shape, rows, dtype, match):
         row_matmul(x, w, rows, implementation="mosaic", interpret=INTERPRET)
 
 
-def test_tiles_past_shared_memory_are_refused():
+@pytest.mark.parametrize("config,match", [(MosaicConfig(tile_n=256, num_stages=4), "shared memory"),
+                                          (MosaicConfig(tile_n=96), "multiples of 64"),
+                                          (MosaicConfig(tile_m=32), "multiples of 64")])
+def test_tiles_the_kernel_cannot_run_are_refused(config, match):
     x, w = operands(0, 256, 128, 512)
-    with pytest.raises(ValueError, match="shared memory"):
-        row_matmul(x, w, 3, implementation="mosaic", config=MosaicConfig(tile_n=256, num_stages=4),
-                   interpret=INTERPRET)
+    with pytest.raises(ValueError, match=match):
+        row_matmul(x, w, 3, implementation="mosaic", config=config, interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("m,k,n,out_dtype", [(8192, 1536, 24576, jnp.bfloat16), (4096, 7168, 2240, jnp.float32),

@@ -103,6 +103,9 @@ def row_matmul(x, w, rows, *, out_dtype=None, implementation, config=None, inter
         raise ValueError(f"row_matmul: {reason}")
     m, n = x.shape[0], w.shape[0]
     tiles = {**DEFAULTS, "tile_n": default_tile_n(m), **overrides(config)}
+    if tiles["tile_m"] % EPI or tiles["tile_n"] % EPI or tiles["tile_k"] % EPI:
+        raise ValueError(f"row_matmul: tile_m, tile_n and tile_k must be multiples of {EPI} (the kernel stores and "
+                         f"swizzles in pieces of {EPI}), got {config}")
     cta_m, cta_n = tiles["tile_m"], CONSUMER_WGS * tiles["tile_n"]
     xp = _pad_to(x, (cta_m, tiles["tile_k"]))
     wp = _pad_to(w, (cta_n, tiles["tile_k"]))

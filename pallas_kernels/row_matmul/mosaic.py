@@ -33,9 +33,11 @@ def tile_order(lin, live_m, m_iters: int, n_iters: int, width: int):
     others: 0.61 against 0.34 ms for cuBLAS at 1025 of 2048 rows). lin, live_m: int32 scalars
     (lax's scalar ops, as planar_snake's: what the kernel lowers)."""
     live = live_m * n_iters
-    mi, ni = plgpu.planar_snake(lin, (lax.max(live_m, jnp.int32(1)), n_iters), 1, width)
-    dead = lax.max(lin - live, jnp.int32(0))
     is_live = lin < live
+    # (a dead tile's index is kept inside the snake's domain: past it the snake divides by 0)
+    mi, ni = plgpu.planar_snake(lax.select(is_live, lin, jnp.int32(0)), (lax.max(live_m, jnp.int32(1)), n_iters), 1,
+                                width)
+    dead = lax.max(lin - live, jnp.int32(0))
     return (lax.select(is_live, mi, live_m + lax.div(dead, jnp.int32(n_iters))),
             lax.select(is_live, ni, lax.rem(dead, jnp.int32(n_iters))))
 
