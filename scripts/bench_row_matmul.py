@@ -55,7 +55,8 @@ def configs(spec: str) -> dict[str, MosaicConfig | None]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=None, help=f"default: all of {','.join(SHAPES)}")
-    p.add_argument("--configs", default="default,128x64", help="kernel tilings: default, TILE_MxTILE_N[wGRID_WIDTH], ...")
+    p.add_argument("--configs", default="default,128x64",
+                   help="kernel tilings: default, TILE_MxTILE_N[wGRID_WIDTH], ...")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, the kernel interpreted (CPU)")
     p.add_argument("--out", default=None)
@@ -65,8 +66,8 @@ def main() -> None:
     interpret = jax.default_backend() != "gpu"
     rows_out = []
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
-    print(f"{'shape':<13} {'rows':>5} {'variant':<16} {'ms':>8} {'TFLOP/s':>8} {'xla/this':>8} {'rel_err':>8} zero past",
-          flush=True)
+    print(f"{'shape':<13} {'rows':>5} {'variant':<16} {'ms':>8} {'TFLOP/s':>8} {'xla/this':>8} {'rel_err':>8} "
+          "zero past", flush=True)
     for name in names:
         m, k, n, out_dtype = shapes[name]
         key = jax.random.key(0)

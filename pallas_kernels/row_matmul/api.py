@@ -113,7 +113,8 @@ def row_matmul(x, w, rows, *, out_dtype=None, implementation, config=None, inter
     num_programs = min(tiles.pop("num_programs", None) or num_sms(), num_tiles)
     sizes = (x.dtype.itemsize, out_dtype.itemsize)
     if "num_stages" not in tiles:  # (a float32 output's pieces take what a fourth stage would)
-        tiles["num_stages"] = max([2] + [s for s in range(2, MAX_STAGES + 1) if smem_bytes(tiles, *sizes, s) <= SMEM_BYTES])
+        fit = [s for s in range(2, MAX_STAGES + 1) if smem_bytes(tiles, *sizes, s) <= SMEM_BYTES]
+        tiles["num_stages"] = max(fit, default=2)
     if smem_bytes(tiles, *sizes, tiles["num_stages"]) > SMEM_BYTES:
         raise ValueError(f"row_matmul: tiles {tiles} with {out_dtype.name} output need "
                          f"{smem_bytes(tiles, *sizes, tiles['num_stages'])} bytes of shared memory, over {SMEM_BYTES}")
