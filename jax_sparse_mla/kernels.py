@@ -116,14 +116,16 @@ def resolve(kernels: str, config) -> Implementations:
     triton = OpImpl("triton", interpret=interpret)
     indexer = OpImpl("mosaic") if hopper and config.indexer_dtype in MOSAIC_INDEXER_DTYPES else triton
     sparse = OpImpl("mosaic") if hopper and _sparse_mosaic_takes(config) else triton
-    too_few_threads = interpret and cpu_threads() < dense_mha_lib.INTERPRET_MIN_CPU_THREADS
+
+    def too_few_threads(lib) -> bool:  # Mosaic GPU's interpreter needs a CPU thread per warpgroup
+        return interpret and cpu_threads() < lib.INTERPRET_MIN_CPU_THREADS
+
     dense_unsupported = dense_mha_lib.unsupported_reason(config.jnp_dtype, config.qk_head_dim, config.v_head_dim)
-    dense = XLA if too_few_threads or dense_unsupported else OpImpl("mosaic", interpret=interpret)
+    dense = XLA if too_few_threads(dense_mha_lib) or dense_unsupported else OpImpl("mosaic", interpret=interpret)
     topk = OpImpl("mosaic") if hopper else triton
     rows_unsupported = row_matmul_lib.unsupported_reason(config.jnp_dtype, config.jnp_dtype)
-    rows_threads = interpret and cpu_threads() < row_matmul_lib.INTERPRET_MIN_CPU_THREADS
-    row = (OpImpl("mosaic", interpret=interpret) if (hopper or interpret) and not rows_unsupported and not rows_threads
-           else XLA)
+    row = (OpImpl("mosaic", interpret=interpret)
+           if (hopper or interpret) and not rows_unsupported and not too_few_threads(row_matmul_lib) else XLA)
     return Implementations(indexer_logits=indexer, topk=topk, sparse_mla=sparse, dense_mha=dense, row_matmul=row,
                            dots_in_f32=interpret)
 

@@ -40,6 +40,8 @@ class MosaicConfig(TuningConfig):
     num_programs: int | None = None
 
 
+CONFIGS = {"xla": None, "mosaic": MosaicConfig}  # implementation -> its config class
+IMPLEMENTATIONS = tuple(CONFIGS)
 DEFAULTS = dict(tile_m=128, tile_k=64, grid_width=8)
 MAX_STAGES = 4  # K steps in flight by default: as many as shared memory holds, up to this
 SMALL_M = 2048  # at most this many rows: tile_n 64 (CTA tiles 128 x 128), else 128 (128 x 256)
@@ -48,10 +50,9 @@ SMALL_M = 2048  # at most this many rows: tile_n 64 (CTA tiles 128 x 128), else 
 def default_tile_n(m: int) -> int:
     """The kernel's tile_n for an M-row x: 128 x 256 CTA tiles where there are enough of them to
     fill the SMs, 128 x 128 at SMALL_M rows and below (H200, o_proj's shape at 2048 rows: 0.713
-    ms against 0.832 with the wider tiles; at 8192 rows the wider tiles win, docs/design/row_matmul.md)."""
+    ms against 0.832 with the wider tiles; at 8192 rows the wider tiles win,
+    docs/design/row_matmul.md)."""
     return 64 if m <= SMALL_M else 128
-CONFIGS = {"xla": None, "mosaic": MosaicConfig}  # implementation -> its config class
-IMPLEMENTATIONS = tuple(CONFIGS)
 
 
 def unsupported_reason(x_dtype, w_dtype) -> str | None:
@@ -115,9 +116,10 @@ def row_matmul(x, w, rows, *, out_dtype=None, implementation, config=None, inter
     if "num_stages" not in tiles:  # (a float32 output's pieces take what a fourth stage would)
         fit = [s for s in range(2, MAX_STAGES + 1) if smem_bytes(tiles, *sizes, s) <= SMEM_BYTES]
         tiles["num_stages"] = max(fit, default=2)
-    if smem_bytes(tiles, *sizes, tiles["num_stages"]) > SMEM_BYTES:
-        raise ValueError(f"row_matmul: tiles {tiles} with {out_dtype.name} output need "
-                         f"{smem_bytes(tiles, *sizes, tiles['num_stages'])} bytes of shared memory, over {SMEM_BYTES}")
+    need = smem_bytes(tiles, *sizes, tiles["num_stages"])
+    if need > SMEM_BYTES:
+        raise ValueError(f"row_matmul: tiles {tiles} with {out_dtype.name} output need {need} bytes of shared "
+                         f"memory, over {SMEM_BYTES}")
     live = jnp.clip(jnp.asarray(rows, jnp.int32), 0, m).reshape(1)
     out = row_matmul_mosaic(xp, wp, live, out_dtype=out_dtype, num_programs=num_programs, interpret=interpret,
                             **tiles)
