@@ -12,7 +12,7 @@ from jax_sparse_mla import MLAConfig, Request, init_cache, init_params, plan_bat
 from jax_sparse_mla import kernels as kernel_ops
 from jax_sparse_mla.model import forward, jit_forward, linear, mla_projections
 from jax_sparse_mla.serving.synthetic import Harness, rel_err
-from tests.support import INTERPRET
+from tests.support import INTERPRET, equations_outside_kernels
 from tests.support.cases import requests_on_fresh_pages
 
 TINY = MLAConfig.tiny()  # topk 16, page 4, float32 activations, bf16 latent cache, fp8 indexer
@@ -562,19 +562,6 @@ def test_cond_program_with_constant_stage_sizes_has_no_conditional_and_the_same_
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def conditionals(jaxpr) -> int:
-    """The cond equations of a jaxpr and the jaxprs inside it, a Pallas kernel's body excluded."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name == "cond"
-        if eqn.primitive.name not in ("pallas_call", "mpmd_map"):  # (mpmd_map: a Mosaic GPU kernel's)
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    count += conditionals(inner) if hasattr(inner, "eqns") else 0
-    return count
-
-
 def test_cond_program_with_the_row_kernel_has_no_row_conditional_and_the_same_output(monkeypatch):
     """Where the row_matmul kernel runs (Implementations.row_matmul: Hopper, interpreted here), a
     cond program's projections and o_proj run over every row with the real rows counted at run
@@ -594,7 +581,8 @@ def test_cond_program_with_the_row_kernel_has_no_row_conditional_and_the_same_ou
     row_kernel = dataclasses.replace(ladder, row_matmul=kernel_ops.OpImpl("mosaic", interpret=INTERPRET))
     monkeypatch.setattr(kernel_ops, "resolve", lambda kernels, config: row_kernel if kernels == "pallas" else ladder)
     runs = [jax.jit(functools.partial(forward, plan=plan, config=config, kernels=k)) for k in ("xla", "pallas")]
-    conds = [conditionals(f.trace(params, x, init_cache(config, start), meta).jaxpr.jaxpr) for f in runs]
+    conds = [len(equations_outside_kernels(f.trace(params, x, init_cache(config, start), meta).jaxpr.jaxpr, ("cond",)))
+             for f in runs]
     assert conds[1] == conds[0] - 2, conds
     (out, cache), (out_k, cache_k) = (f(params, x, init_cache(config, start), meta) for f in runs)
     assert np.all(np.asarray(out_k[real:]) == 0) and np.isfinite(np.asarray(out_k, np.float32)).all()

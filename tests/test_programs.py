@@ -15,6 +15,7 @@ from jax_sparse_mla import model
 from jax_sparse_mla import plan as plan_lib
 from jax_sparse_mla.model import compiler_options, forward
 from jax_sparse_mla.serving.synthetic import rel_err
+from tests.support import equations_outside_kernels
 from tests.support.cases import requests_on_fresh_pages
 
 TINY = MLAConfig.tiny()
@@ -200,23 +201,6 @@ def test_cond_programs_hold_the_stages_their_batches_need(monkeypatch):
     assert plan_a.has_conditionals
 
 
-def _loops_outside_kernels(jaxpr) -> list[str]:
-    """The while / scan equations of a jaxpr and its sub-jaxprs, kernel bodies left out."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("pallas_call", "mpmd_map", "core_map"):  # a kernel's own loops
-            continue
-        if eqn.primitive.name in ("while", "scan"):
-            found.append(str(eqn)[:200])
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                if hasattr(sub, "jaxpr") and hasattr(sub, "consts"):
-                    found += _loops_outside_kernels(sub.jaxpr)
-                elif hasattr(sub, "eqns"):
-                    found += _loops_outside_kernels(sub)
-    return found
-
-
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8"])
 def test_programs_run_no_loop_outside_the_kernels(monkeypatch, kv_cache_dtype):
     """The layer's programs on Hopper (the Pallas kernels as they run there, traced on the CPU)
@@ -240,7 +224,7 @@ def test_programs_run_no_loop_outside_the_kernels(monkeypatch, kv_cache_dtype):
         x = jax.ShapeDtypeStruct((plan.num_tokens, config.hidden_size), config.jnp_dtype)
         traced = jax.jit(forward, static_argnames=("plan", "config", "kernels")).trace(
             params, x, cache, meta, plan=plan, config=config, kernels="pallas")
-        assert _loops_outside_kernels(traced.jaxpr.jaxpr) == [], (options, plan.route)
+        assert equations_outside_kernels(traced.jaxpr.jaxpr, ("while", "scan")) == [], (options, plan.route)
 
 
 def test_scoring_in_row_chunks_holds_one_chunks_logits_at_a_time(monkeypatch):

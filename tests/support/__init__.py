@@ -52,6 +52,25 @@ def compiled_functions():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
+def equations_outside_kernels(jaxpr, primitives: tuple[str, ...]) -> list[str]:
+    """The equations of a jaxpr and its sub-jaxprs whose primitive is one of `primitives`
+    (e.g. ("while", "scan"), ("cond",)), kernel bodies left out (each as its text's first 200
+    characters)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("pallas_call", "mpmd_map", "core_map"):  # a kernel's own control flow
+            continue
+        if eqn.primitive.name in primitives:
+            found.append(str(eqn)[:200])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                if hasattr(sub, "jaxpr") and hasattr(sub, "consts"):
+                    found += equations_outside_kernels(sub.jaxpr, primitives)
+                elif hasattr(sub, "eqns"):
+                    found += equations_outside_kernels(sub, primitives)
+    return found
+
+
 def quantize_fp8_blocks(w):
     """float32 [out, in] -> (e4m3 [out, in], fp32 scales [ceil(out/128), ceil(in/128)]), DeepSeek's layout."""
     rows, cols = w.shape
