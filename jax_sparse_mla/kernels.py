@@ -38,6 +38,11 @@ CHOICES = get_args(Kernels)
 OPS = ("indexer_logits", "topk", "sparse_mla", "dense_mha", "row_matmul")
 IMPLEMENTATIONS = ("xla", "triton", "mosaic")  # every op's names (dense_mha has no "triton")
 MOSAIC_INDEXER_DTYPES = ("fp8", "bfloat16")  # indexer dtypes the Mosaic indexer kernels take (q and keys alike)
+# Bucket rows from which a cond program's row stages run through row_matmul (below: the ladder of
+# XLA matmuls). H100, one run: over a full 2048-row bucket the kernel lost to cuBLAS (prefill_8x256
+# cond / static 1.185 against 1.062 with the ladder); from 4096 it was even or ahead
+# (docs/design/row_matmul.md).
+ROW_KERNEL_MIN_TOKENS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +110,7 @@ def resolve(kernels: str, config) -> Implementations:
         PJRT_NPROC);
       row_matmul: "mosaic" on Hopper (and interpreted off the GPU) for bf16 / f16 configs, with
         dense_mha's thread condition off the GPU; else "xla" (the layer then runs its ladder of
-        row counts through a conditional instead).
+        row counts through a conditional instead; `row_kernel` says for which buckets).
     Off the GPU every Pallas backend interprets, and the per-head einsums run in float32.
     """
     check_kernels(kernels)
@@ -128,6 +133,13 @@ def resolve(kernels: str, config) -> Implementations:
            if (hopper or interpret) and not rows_unsupported and not too_few_threads(row_matmul_lib) else XLA)
     return Implementations(indexer_logits=indexer, topk=topk, sparse_mla=sparse, dense_mha=dense, row_matmul=row,
                            dots_in_f32=interpret)
+
+
+def row_kernel(impl: OpImpl, num_tokens: int) -> OpImpl | None:
+    """The row_matmul implementation (Implementations.row_matmul) a cond program of num_tokens rows
+    runs its row stages through, with the real row count given at run time; None: the ladder
+    (XLA, or a bucket under ROW_KERNEL_MIN_TOKENS rows)."""
+    return impl if impl.implementation != "xla" and num_tokens >= ROW_KERNEL_MIN_TOKENS else None
 
 
 def _sparse_mosaic_takes(config) -> bool:

@@ -517,12 +517,14 @@ def _switch(index, branches, *operands):
 def _over_rows(fn, plan: BatchPlan, meta: BatchMeta, impl: kernel_ops.OpImpl):
     """fn(n, rows): a matmul stage over the first n rows, padded to num_tokens (rows: linear's).
     A cond plan whose plan.row_sizes has several sizes runs it over its real rows (padding rows
-    cost those matmuls full FLOPs): with the row_matmul kernel (impl, Implementations.row_matmul)
-    over every row, the real ones counted at run time (the plan puts padding last); else at the
-    size meta.branches[3] picks (the real rows rounded up to plan.projection_ladder's next size),
-    a conditional. A static plan, and a ladder of one size, over every row."""
-    if len(plan.row_sizes) > 1 and impl.implementation != "xla":
-        return fn(plan.num_tokens, (jnp.sum(meta.positions >= 0, dtype=jnp.int32), impl))
+    cost those matmuls full FLOPs): with the row_matmul kernel where `kernels.row_kernel` picks it
+    for the bucket (impl: Implementations.row_matmul) over every row, the real ones counted at run
+    time (the plan puts padding last); else at the size meta.branches[3] picks (the real rows
+    rounded up to plan.projection_ladder's next size), a conditional. A static plan, and a ladder
+    of one size, over every row."""
+    kernel = kernel_ops.row_kernel(impl, plan.num_tokens)
+    if len(plan.row_sizes) > 1 and kernel is not None:
+        return fn(plan.num_tokens, (jnp.sum(meta.positions >= 0, dtype=jnp.int32), kernel))
     return _switch(meta.branches[3] if plan.row_sizes else None,
                    [functools.partial(fn, n, None) for n in plan.row_sizes or (plan.num_tokens,)])
 

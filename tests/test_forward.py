@@ -566,7 +566,8 @@ def test_cond_program_with_the_row_kernel_has_no_row_conditional_and_the_same_ou
     """Where the row_matmul kernel runs (Implementations.row_matmul: Hopper, interpreted here), a
     cond program's projections and o_proj run over every row with the real rows counted at run
     time: two conditionals fewer than the ladder's program, the same output and caches (a bf16
-    config: the kernel's operands), and padding rows 0 though hidden's are NaN there."""
+    config: the kernel's operands), and padding rows 0 though hidden's are NaN there. A bucket
+    under kernels.ROW_KERNEL_MIN_TOKENS keeps the ladder."""
     from jax_sparse_mla import plan as plan_lib
 
     monkeypatch.setattr(plan_lib, "LADDER_MIN_TOKENS", 16)
@@ -580,10 +581,19 @@ def test_cond_program_with_the_row_kernel_has_no_row_conditional_and_the_same_ou
     ladder = kernel_ops.resolve("xla", config)
     row_kernel = dataclasses.replace(ladder, row_matmul=kernel_ops.OpImpl("mosaic", interpret=INTERPRET))
     monkeypatch.setattr(kernel_ops, "resolve", lambda kernels, config: row_kernel if kernels == "pallas" else ladder)
-    runs = [jax.jit(functools.partial(forward, plan=plan, config=config, kernels=k)) for k in ("xla", "pallas")]
-    conds = [len(equations_outside_kernels(f.trace(params, x, init_cache(config, start), meta).jaxpr.jaxpr, ("cond",)))
-             for f in runs]
-    assert conds[1] == conds[0] - 2, conds
+
+    def program(kernels):  # a new jit each time: the threshold is read when it traces
+        return jax.jit(functools.partial(forward, plan=plan, config=config, kernels=kernels))
+
+    def conds(kernels):
+        jaxpr = program(kernels).trace(params, x, init_cache(config, start), meta).jaxpr.jaxpr
+        return len(equations_outside_kernels(jaxpr, ("cond",)))
+
+    monkeypatch.setattr(kernel_ops, "ROW_KERNEL_MIN_TOKENS", plan.num_tokens + 1)
+    assert conds("pallas") == conds("xla")
+    monkeypatch.setattr(kernel_ops, "ROW_KERNEL_MIN_TOKENS", plan.num_tokens)
+    assert conds("pallas") == conds("xla") - 2
+    runs = [program(k) for k in ("xla", "pallas")]
     (out, cache), (out_k, cache_k) = (f(params, x, init_cache(config, start), meta) for f in runs)
     assert np.all(np.asarray(out_k[real:]) == 0) and np.isfinite(np.asarray(out_k, np.float32)).all()
     assert rel_err(out_k, out) < 1e-2  # (bf16 roundings of float32 sums taken in another order)
