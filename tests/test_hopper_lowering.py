@@ -1,0 +1,53 @@
+"""The layer's programs at DeepSeek-V3.2's dimensions, with the kernels `kernels.resolve` picks
+on Hopper, lowered for the GPU on any machine: every kernel's lowering rules (Mosaic GPU and
+Triton) and shared-memory bounds are checked at the shapes the layer gives them, which the
+interpreted tests (small configs, no lowering) do not reach, before a GPU run would."""
+
+import dataclasses
+import functools
+
+import jax
+import pytest
+
+from jax_sparse_mla import MLAConfig, Request, forward, init_cache, init_params, plan_batch
+from jax_sparse_mla import kernels as kernel_ops
+
+# Triton's lowering reads the target from the abstract mesh's device where no GPU is attached.
+HOPPER = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+HOPPER_MESH = jax.sharding.AbstractMesh((1,), ("device",), (jax.sharding.AxisType.Auto,), abstract_device=HOPPER)
+
+
+def _requests(config, specs):
+    """Requests of (context, query) lengths on consecutive fresh pages, and the page count."""
+    page, start, requests = config.page_size, 0, []
+    for context, query in specs:
+        pages = -(-(context + query) // page)
+        requests.append(Request(context, query, list(range(start, start + pages))))
+        start += pages
+    return requests, start
+
+
+@pytest.mark.parametrize("specs,kv,dispatch", [
+    ([(4096, 1)] * 64, "bfloat16", "static"),  # sparse decode: indexer decode kernel, top-k, sparse MLA
+    ([(4096, 1)] * 64, "fp8", "static"),  # the fp8 latent cache's sparse path
+    ([(0, 256)] * 8, "bfloat16", "static"),  # dense causal MHA
+    ([(0, 4096)], "bfloat16", "static"),  # masked MHA: indexer prefill kernel, top-k over 4096 rows
+    ([(0, 1024)] * 2 + [(4096, 1)] * 64, "bfloat16", "cond"),  # the serving program, row_matmul included
+], ids=["decode", "decode-fp8", "dense", "masked", "mixed-cond"])
+def test_layer_lowers_for_hopper_at_real_dimensions(monkeypatch, specs, kv, dispatch):
+    monkeypatch.setattr(kernel_ops, "interpret_mode", lambda: False)
+    monkeypatch.setattr(kernel_ops, "on_hopper", lambda: True)
+    config = dataclasses.replace(MLAConfig.deepseek_v32(), kv_cache_dtype=kv)
+    impl = kernel_ops.resolve("pallas", config)
+    assert {getattr(impl, op).implementation for op in kernel_ops.OPS} == {"mosaic"}, impl
+    requests, num_pages = _requests(config, specs)
+    plan, meta = plan_batch(config, requests, num_pages=num_pages, dispatch=dispatch)
+    if dispatch == "cond":  # a bucket whose row stages run through row_matmul
+        assert len(plan.row_sizes) > 1 and kernel_ops.row_kernel(impl.row_matmul, plan.num_tokens) is not None
+    params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    cache = jax.eval_shape(lambda: init_cache(config, num_pages))
+    hidden = jax.ShapeDtypeStruct((plan.num_tokens, config.hidden_size), config.jnp_dtype)
+    fn = jax.jit(functools.partial(forward, plan=plan, config=config, kernels="pallas"))
+    with jax.sharding.use_abstract_mesh(HOPPER_MESH):
+        text = fn.trace(params, hidden, cache, meta).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
