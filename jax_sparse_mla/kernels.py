@@ -13,8 +13,9 @@ fastest on the H200 and XLA off the GPU: on a GPU the same as "pallas":
   indexer logits: Mosaic GPU on Hopper (prefill and decode kernels), Triton elsewhere; top-k:
   Triton (several times lax.top_k); sparse MLA: Mosaic GPU on Hopper where it takes the
   config's operands, Triton elsewhere; dense MHA: Mosaic GPU (the only option taking the packed
-  layout); the cond program's matmuls over every row: Mosaic GPU on Hopper (a run-time row
-  count, no conditional), XLA's ladder of sizes elsewhere. Numbers: docs/benchmarks.md.
+  layout); the cond program's matmuls over every row: Mosaic GPU on Hopper in buckets of
+  ROW_KERNEL_MIN_TOKENS rows or more (a run-time row count, no conditional), XLA's ladder of
+  sizes below and elsewhere. Numbers: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -109,8 +110,9 @@ def resolve(kernels: str, config) -> Implementations:
         that pool and deadlocks with fewer threads than warpgroups (tests/conftest.py sets
         PJRT_NPROC);
       row_matmul: "mosaic" on Hopper (and interpreted off the GPU) for bf16 / f16 configs, with
-        dense_mha's thread condition off the GPU; else "xla" (the layer then runs its ladder of
-        row counts through a conditional instead; `row_kernel` says for which buckets).
+        dense_mha's thread condition off the GPU (`row_kernel` says for which buckets the layer
+        uses it); else "xla" (the layer then runs its ladder of row counts through a
+        conditional instead).
     Off the GPU every Pallas backend interprets, and the per-head einsums run in float32.
     """
     check_kernels(kernels)

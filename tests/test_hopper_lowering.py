@@ -1,7 +1,8 @@
 """The layer's programs at DeepSeek-V3.2's dimensions, with the kernels `kernels.resolve` picks
-on Hopper, lowered for the GPU on any machine: every kernel's lowering rules (Mosaic GPU and
-Triton) and shared-memory bounds are checked at the shapes the layer gives them, which the
-interpreted tests (small configs, no lowering) do not reach, before a GPU run would."""
+on Hopper, lowered for the GPU on any machine: Mosaic GPU's lowering rules and shared-memory
+bounds, and Triton's lowering rules (its shared memory is checked only when XLA compiles), at
+the shapes the layer gives the kernels, which the interpreted tests (small configs, no
+lowering) do not reach, before a GPU run would."""
 
 import dataclasses
 import functools

@@ -208,10 +208,11 @@ def test_programs_run_no_loop_outside_the_kernels(monkeypatch, kv_cache_dtype):
     a time (a loop of small kernels, launched one by one, that also splits the CUDA graphs of a
     program around it). A jnp.searchsorted of the default method is such a loop (a scan over the
     halvings); the kernels' wrappers use method="compare_all". Static programs (the batch's own
-    route and the sparse one) and a cond program of every stage, at DeepSeek-V3.2 dimensions, both
-    latent cache formats."""
+    route and the sparse one) and a cond program of every stage, its row stages through row_matmul
+    (at any bucket size here), at DeepSeek-V3.2 dimensions, both latent cache formats."""
     monkeypatch.setattr(kernel_ops, "interpret_mode", lambda: False)
     monkeypatch.setattr(kernel_ops, "on_hopper", lambda: True)
+    monkeypatch.setattr(kernel_ops, "ROW_KERNEL_MIN_TOKENS", 0)
     config = MLAConfig.deepseek_v32(num_attention_heads=16, kv_cache_dtype=kv_cache_dtype)
     # a prefill, two decodes, a chunk
     requests, start = requests_on_fresh_pages(config, ((0, 600), (3000, 1), (3000, 1), (6000, 700)))
