@@ -10,22 +10,13 @@ import functools
 import jax
 import pytest
 
-from jax_sparse_mla import MLAConfig, Request, forward, init_cache, init_params, plan_batch
+from jax_sparse_mla import MLAConfig, forward, init_cache, init_params, plan_batch
 from jax_sparse_mla import kernels as kernel_ops
+from tests.support.cases import requests_on_fresh_pages
 
 # Triton's lowering reads the target from the abstract mesh's device where no GPU is attached.
 HOPPER = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
 HOPPER_MESH = jax.sharding.AbstractMesh((1,), ("device",), (jax.sharding.AxisType.Auto,), abstract_device=HOPPER)
-
-
-def _requests(config, specs):
-    """Requests of (context, query) lengths on consecutive fresh pages, and the page count."""
-    page, start, requests = config.page_size, 0, []
-    for context, query in specs:
-        pages = -(-(context + query) // page)
-        requests.append(Request(context, query, list(range(start, start + pages))))
-        start += pages
-    return requests, start
 
 
 @pytest.mark.parametrize("specs,kv,dispatch", [
@@ -41,7 +32,7 @@ def test_layer_lowers_for_hopper_at_real_dimensions(monkeypatch, specs, kv, disp
     config = dataclasses.replace(MLAConfig.deepseek_v32(), kv_cache_dtype=kv)
     impl = kernel_ops.resolve("pallas", config)
     assert {getattr(impl, op).implementation for op in kernel_ops.OPS} == {"mosaic"}, impl
-    requests, num_pages = _requests(config, specs)
+    requests, num_pages = requests_on_fresh_pages(config, specs)
     plan, meta = plan_batch(config, requests, num_pages=num_pages, dispatch=dispatch)
     if dispatch == "cond":  # a bucket whose row stages run through row_matmul
         assert len(plan.row_sizes) > 1 and kernel_ops.row_kernel(impl.row_matmul, plan.num_tokens) is not None
