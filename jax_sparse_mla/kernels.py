@@ -40,9 +40,8 @@ OPS = ("indexer_logits", "topk", "sparse_mla", "dense_mha", "row_matmul")
 IMPLEMENTATIONS = ("xla", "triton", "mosaic")  # every op's names (dense_mha has no "triton")
 MOSAIC_INDEXER_DTYPES = ("fp8", "bfloat16")  # indexer dtypes the Mosaic indexer kernels take (q and keys alike)
 # Bucket rows from which a cond program's row stages run through row_matmul (below: the ladder of
-# XLA matmuls). H100, one run: over a full 2048-row bucket the kernel lost to cuBLAS (prefill_8x256
-# cond / static 1.185 against 1.062 with the ladder); from 4096 it was even or ahead
-# (docs/design/row_matmul.md).
+# XLA matmuls): on an H100 the kernel lost to cuBLAS over full 2048-row buckets and was even or
+# ahead from 4096 (docs/design/row_matmul.md).
 ROW_KERNEL_MIN_TOKENS = 4096
 
 

@@ -72,14 +72,13 @@ def projection_matmuls(params, x, config: MLAConfig, *, in_f32: bool = True, row
     `projections` finishes them row by row. q_b_proj stays one
     matmul: as two over slices of its weight, both dispatches' layer steps took 0.07-0.13 ms
     longer on an H100 (the slices copied every step). in_f32: linear's, for q. rows: linear's,
-    for q_b_proj only: the three matmuls over x (N 2240 together, K 7168) run over every row
-    through XLA, which an H100 ran faster over a bucket than row_matmul over its live rows unless
-    fewer than ~60% of them were live (docs/design/row_matmul.md)."""
+    for q_b_proj only (the matmuls over x run over every row through XLA: cheaper than row_matmul
+    over the live rows of a mostly live bucket, docs/design/row_matmul.md)."""
     c_ = config
-    a, kv, k = (linear(x, params[name], c_) for name in ("q_a_proj.weight", "kv_a_proj_with_mqa.weight",
-                                                          "indexer.wk.weight"))
-    qr = ops.rms_norm(a, params["q_a_layernorm.weight"], c_.rms_norm_eps)
-    return qr, linear(qr, params["q_b_proj.weight"], c_, dtype=c_.jnp_dtype, in_f32=in_f32, rows=rows), kv, k
+    qr = ops.rms_norm(linear(x, params["q_a_proj.weight"], c_), params["q_a_layernorm.weight"], c_.rms_norm_eps)
+    return (qr, linear(qr, params["q_b_proj.weight"], c_, dtype=c_.jnp_dtype, in_f32=in_f32, rows=rows),
+            linear(x, params["kv_a_proj_with_mqa.weight"], c_),
+            linear(x, params["indexer.wk.weight"], c_))
 
 
 def projections(params, matmuls, positions, config: MLAConfig):
