@@ -1,7 +1,7 @@
 """Benchmark the Pallas sparse MLA kernels against the XLA path (jit of the jnp reference).
 
     python scripts/bench_sparse_attention.py --out results.json [--quick] [--sweep] [--impls triton,mosaic]
-                                             [--empty 0,0.5,1] [--splits 1,2,4]
+                                             [--empty 0,0.5,1] [--splits 1,2,4] [--base REV] [--rounds N]
 
 Kernels, side by side in one run (--impls): "triton" (the Pallas Triton kernel, the earlier
 implementation) and "mosaic" (the Pallas Mosaic GPU kernel, Hopper only); "xla" is the reference.
@@ -26,15 +26,28 @@ merged by LSE), beside its own choice (splits.auto_num_splits), to measure that 
 --empty F,..: each config again with the last fraction F of its rows padding (every slot -1, as
 a bucket's padding rows are); TFLOP/s and GB/s then count the real rows' work only, so a kernel
 whose cost follows the real rows keeps its rate.
+--base REV: an A/B against a kernel change. pallas_kernels as of git revision REV (`git archive`,
+imported under another package name: the module copy) runs beside the working tree's. Each of
+--impls gets a variant "<impl>@REV" on the same inputs, checked against the reference like the
+others. The record of the working tree's kernel then holds `speedup`: the base's time over its
+own (above 1: the working tree is faster).
+--rounds N: time a config's variants N times, interleaved, and record the median of the rounds
+(with `spread`, (max - min) / median of the rounds): the A/B method of docs/design/sparse_mla.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
+import io
 import json
 import os
+import statistics
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import traceback
 import warnings
@@ -49,7 +62,8 @@ from jax_sparse_mla.config import FP8_TILE  # noqa: E402
 from timing import median_ms  # noqa: E402
 from jax_sparse_mla.ops import quantize_tiles  # noqa: E402
 from jax_sparse_mla.policy import dequantize_route  # noqa: E402
-from pallas_kernels.sparse_mla import CONFIGS, sparse_mla, sparse_mla_reference  # noqa: E402
+from pallas_kernels import sparse_mla as kernels_here  # noqa: E402
+from pallas_kernels.sparse_mla import sparse_mla_reference  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
@@ -134,19 +148,37 @@ def rel_err(out, ref_out, lse, ref_lse, slots):
     return err, lse_err
 
 
-def kernel_fn(impl, tiling, dequantize, num_splits=None):
+BASES = {}  # --base: {label "@REV": pallas_kernels.sparse_mla as of REV}
+
+
+def import_base(rev):
+    """pallas_kernels.sparse_mla as of git revision `rev`, imported from a copy of that revision's
+    pallas_kernels under another package name (its imports are relative)."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    tree = subprocess.run(["git", "-C", root, "archive", rev, "pallas_kernels"], capture_output=True, check=True).stdout
+    where = tempfile.mkdtemp(prefix="bench_base_")
+    with tarfile.open(fileobj=io.BytesIO(tree)) as tar:
+        tar.extractall(where, filter="data")
+    name = f"pallas_kernels_{zlib.crc32(rev.encode()):08x}"
+    os.rename(os.path.join(where, "pallas_kernels"), os.path.join(where, name))
+    sys.path.insert(0, where)
+    return importlib.import_module(f"{name}.sparse_mla")
+
+
+def kernel_fn(impl, tiling, dequantize, num_splits=None, base=""):
     """The jitted kernel of one backend ("triton", with an optional tiling, or "mosaic", with an
-    optional num_splits)."""
+    optional num_splits), from the working tree or (base "@REV") from BASES."""
+    kernels = BASES[base] if base else kernels_here
     tuning = {} if tiling is None else dict(zip(TILING_KEYS, tiling))
     if num_splits is not None:
         tuning["num_splits"] = num_splits
-    config = CONFIGS[impl](**tuning) if tuning else None
-    return jax.jit(functools.partial(sparse_mla, scale=SCALE, implementation=impl, config=config,
+    config = kernels.CONFIGS[impl](**tuning) if tuning else None
+    return jax.jit(functools.partial(kernels.sparse_mla, scale=SCALE, implementation=impl, config=config,
                                      dequantize=dequantize, page_size=PAGE_SIZE, **INTERPRET))
 
 
 def run_config(kind, fmt, a, b, num_slots, reference_fn, impls, tilings=(None,), time_reference=True, empty=0.0,
-               splits=()):
+               splits=(), rounds=1):
     q, slots, s_kv, batch, s_q = make_problem(kind, a, b)
     latent, latent_scale, k_pe = get_cache(fmt, num_slots)
     rows = q.shape[0]
@@ -182,29 +214,40 @@ def run_config(kind, fmt, a, b, num_slots, reference_fn, impls, tilings=(None,),
         record("xla", error=f"{type(e).__name__}: {e}"[:2000])
         return records
 
-    variants = [(impl, tiling, None) for impl in impls for tiling in (tilings if impl == "triton" else (None,))]
-    variants += [("mosaic", None, s) for s in splits if "mosaic" in impls]
-    for impl, tiling, num_splits in variants:
+    variants = [(impl, tiling, None, rev) for impl in impls for rev in ("", *BASES)
+                for tiling in (tilings if impl == "triton" else (None,))]
+    variants += [("mosaic", None, s, "") for s in splits if "mosaic" in impls]
+    checked = []  # [variant, rev, record fields, the call, times]: every variant checked before any is timed
+    for impl, tiling, num_splits, rev in variants:
         for dequantize in DEQUANTIZE if fmt == "fp8" else ("kernel",):
             extra = dict(dequantize=dequantize) if fmt == "fp8" else {}
             if num_splits is not None:
                 extra["num_splits"] = num_splits
             try:
-                fn = kernel_fn(impl, tiling, dequantize, num_splits)
+                fn = kernel_fn(impl, tiling, dequantize, num_splits, rev)
                 out, lse = jax.block_until_ready(fn(*args, pages=pages))
                 err, lse_err = rel_err(out, ref_out, lse, ref_lse, slots)
                 if not (err < OUT_TOL and lse_err < LSE_TOL[fmt]):
                     raise AssertionError(f"mismatch vs reference: rel err {err:.3e}, lse err {lse_err:.3e}")
-                record(impl, tiling, seconds=median_ms(functools.partial(fn, pages=pages), *args) / 1e3,
-                       rel_err=err, lse_err=lse_err, **extra)
+                fields = dict(rel_err=err, lse_err=lse_err, **extra)
+                checked.append([(impl, tiling, num_splits, dequantize), rev, fields, functools.partial(fn, pages=pages), []])
             except Exception as e:  # noqa: BLE001 - a config that fails to compile must not end the run
-                record(impl, tiling, error=f"{type(e).__name__}: {e}"[:2000],
+                record(impl + rev, tiling, error=f"{type(e).__name__}: {e}"[:2000],
                        traceback=traceback.format_exc()[-3000:], **extra)
+    for r in range(rounds):  # interleaved: each round times every variant once, every other round in reverse
+        for entry in checked[::-1] if r % 2 else checked:
+            entry[4].append(median_ms(entry[3], *args))
+    base_ms = {variant: statistics.median(t) for variant, rev, _, _, t in checked if rev}
+    for variant, rev, extra, _, t in checked:
+        ms = statistics.median(t)
+        if not rev and variant in base_ms:  # the working tree's kernel against the base's twin
+            extra["speedup"] = base_ms[variant] / ms
+        record(variant[0] + rev, variant[1], seconds=ms / 1e3, spread=(max(t) - min(t)) / ms, **extra)
     return records
 
 
 def print_table(records):
-    head = f"{'kind':8} {'cache':5} {'batch':>5} {'s_q':>5} {'s_kv':>7} {'impl':7} {'ms':>9} {'TFLOP/s':>8} {'GB/s':>7}  note"
+    head = f"{'kind':8} {'cache':5} {'batch':>5} {'s_q':>5} {'s_kv':>7} {'impl':14} {'ms':>9} {'TFLOP/s':>8} {'GB/s':>7}  note"
     print("\n" + head + "\n" + "-" * len(head))
     for r in records:
         note = r.get("error", "")[:60] or (f"err {r['rel_err']:.1e}" if "rel_err" in r else "")
@@ -216,10 +259,12 @@ def print_table(records):
             note = f"{r['empty']:.0%} padding rows " + note
         if "num_splits" in r:
             note = f"num_splits {r['num_splits']} " + note
+        if "speedup" in r:
+            note = f"{r['speedup']:.3f}x the base " + note
         ms = f"{r['ms']:9.3f}" if "ms" in r else f"{'-':>9}"
         tf = f"{r['tflops']:8.1f}" if "tflops" in r else f"{'-':>8}"
         gb = f"{r['gbps']:7.0f}" if "gbps" in r else f"{'-':>7}"
-        print(f"{r['kind']:8} {r['cache']:5} {r['batch']:5} {r['s_q']:5} {r['s_kv']:7} {r['impl']:7} {ms} {tf} {gb}  {note}")
+        print(f"{r['kind']:8} {r['cache']:5} {r['batch']:5} {r['s_q']:5} {r['s_kv']:7} {r['impl']:14} {ms} {tf} {gb}  {note}")
 
 
 def main():
@@ -234,6 +279,8 @@ def main():
     parser.add_argument("--dequantize", default=",".join(DEQUANTIZE), help="fp8 routes: comma list of kernel, upfront")
     parser.add_argument("--empty", default="0", help="comma list of padding-row fractions (see above)")
     parser.add_argument("--splits", default="", help="comma list of Mosaic num_splits to time beside the auto choice")
+    parser.add_argument("--base", default="", help="git revision whose kernels run beside the working tree's (A/B)")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds a config (median)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes in Pallas interpret mode: checks this script on a CPU")
     args = parser.parse_args()
@@ -245,6 +292,8 @@ def main():
         INTERPRET["interpret"] = True
 
     DEQUANTIZE = tuple(args.dequantize.split(","))
+    if args.base:
+        BASES["@" + args.base] = import_base(args.base)
     start = time.perf_counter()
     print(f"devices: {jax.devices()}", flush=True)
     reference_fn = jax.jit(lambda q, l, s, p, i: sparse_mla_reference(q, l, s, p, i, scale=SCALE))
@@ -271,7 +320,7 @@ def main():
     for kind, fmt, a, b in plan:
         for empty in empties:
             records += run_config(kind, fmt, a, b, num_slots, reference_fn, impls, empty=empty,
-                                  splits=[int(x) for x in args.splits.split(",") if x])
+                                  splits=[int(x) for x in args.splits.split(",") if x], rounds=args.rounds)
             save()
     for kind, fmt, a, b in sweep:
         records += run_config(kind, fmt, a, b, num_slots, reference_fn, ("triton",), tilings=tuple(SWEEP),

@@ -436,6 +436,32 @@ def test_row_matmul_bench_checks_each_kernel_row_against_xla(tmp_path):
     assert all(r["zero_past_rows"] and r["rel_err"] < 4e-3 and r["ms"] > 0 for r in rows)
 
 
+def test_sparse_attention_bench_times_a_revision_beside_the_working_tree(tmp_path):
+    """--base REV --rounds 2: every kernel variant twice, the working tree's and REV's (module copy),
+    both checked against the reference; the working tree's record holds its speedup over REV's."""
+    _run("bench_sparse_attention.py", "--smoke", "--base", "HEAD", "--rounds", "2", "--kinds", "decode",
+         "--formats", "bf16", "--impls", "triton", "--out", "ab.json", cwd=tmp_path)
+    records = {r["impl"]: r for r in json.loads((tmp_path / "ab.json").read_text())["records"]}
+    assert sorted(records) == ["triton", "triton@HEAD", "xla"]
+    here, base = records["triton"], records["triton@HEAD"]
+    assert here["rel_err"] < 2e-2 and base["rel_err"] < 2e-2 and here["spread"] >= 0 and base["spread"] >= 0
+    assert here["speedup"] == pytest.approx(base["ms"] / here["ms"]) and "speedup" not in base
+
+
+def test_sparse_attention_bench_imports_the_revision_not_the_working_tree(monkeypatch):
+    """The base is the revision's pallas_kernels from `git archive`, under another package name."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))  # the script's own imports (timing)
+    spec = importlib.util.spec_from_file_location("bench_sparse_attention", SCRIPTS / "bench_sparse_attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    kernels = bench.import_base("HEAD")
+    here = pathlib.Path(kernels.__file__).resolve()
+    assert ROOT not in here.parents and kernels.__name__ != "pallas_kernels.sparse_mla"
+    committed = subprocess.run(["git", "-C", str(ROOT), "show", "HEAD:pallas_kernels/sparse_mla/api.py"],
+                               capture_output=True, text=True, check=True).stdout
+    assert (here.parent / "api.py").read_text() == committed
+
+
 def test_warmup_bench_restart_loads_every_program_from_the_store(tmp_path):
     """--smoke --programs 1: --decode-steps 2 (the set but its first program, and the decode runs'
     programs): the counts come before any compile, and each phase's precompile covered the slice
