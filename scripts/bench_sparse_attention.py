@@ -155,7 +155,10 @@ def import_base(rev):
     """pallas_kernels.sparse_mla as of git revision `rev`, imported from a copy of that revision's
     pallas_kernels under another package name (its imports are relative)."""
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    tree = subprocess.run(["git", "-C", root, "archive", rev, "pallas_kernels"], capture_output=True, check=True).stdout
+    archive = subprocess.run(["git", "-C", root, "archive", rev, "pallas_kernels"], capture_output=True)
+    if archive.returncode:
+        raise SystemExit(f"--base {rev}: git archive failed: {archive.stderr.decode().strip()}")
+    tree = archive.stdout
     where = tempfile.mkdtemp(prefix="bench_base_")
     with tarfile.open(fileobj=io.BytesIO(tree)) as tar:
         tar.extractall(where, filter="data")
@@ -165,10 +168,10 @@ def import_base(rev):
     return importlib.import_module(f"{name}.sparse_mla")
 
 
-def kernel_fn(impl, tiling, dequantize, num_splits=None, base=""):
+def kernel_fn(impl, tiling, dequantize, num_splits=None, rev=""):
     """The jitted kernel of one backend ("triton", with an optional tiling, or "mosaic", with an
-    optional num_splits), from the working tree or (base "@REV") from BASES."""
-    kernels = BASES[base] if base else kernels_here
+    optional num_splits), from the working tree or (rev "@REV") from BASES."""
+    kernels = BASES[rev] if rev else kernels_here
     tuning = {} if tiling is None else dict(zip(TILING_KEYS, tiling))
     if num_splits is not None:
         tuning["num_splits"] = num_splits
