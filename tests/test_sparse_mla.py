@@ -32,7 +32,7 @@ from jax_sparse_mla.config import FP8_TILE
 from jax_sparse_mla.ops import quantize_tiles
 from jax_sparse_mla.policy import UPFRONT_MIN_USES
 from pallas_kernels.sparse_mla import MosaicConfig, TritonConfig, dequantize_latent, dequantize_pages, sparse_mla
-from pallas_kernels.sparse_mla.splits import auto_num_splits, live_blocks
+from pallas_kernels.sparse_mla.splits import auto_num_splits, combine_splits, live_blocks
 from tests.support import INTERPRET, assert_same_as_clean, ops
 
 OP = "sparse_mla"
@@ -187,6 +187,31 @@ def test_live_blocks_reach_the_last_valid_slot():
     slots[4] = np.arange(70)
     np.testing.assert_array_equal(np.asarray(live_blocks(jnp.asarray(slots), 16)), [0, 1, 5, 3, 5])
     np.testing.assert_array_equal(np.asarray(live_blocks(jnp.asarray(slots), 64)), [0, 1, 2, 1, 2])
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_combine_splits_merges_by_log_sum_exp(splits):
+    """Against float64 numpy: empty splits (lse -inf, out 0) weigh nothing, a row whose every split is
+    empty gives out 0 and lse +inf, and lse far apart (100 nats) merge without overflow."""
+    rng = np.random.default_rng(splits)
+    out = rng.standard_normal((splits, 6, 4, 8)).astype(np.float32)
+    lse = (rng.standard_normal((splits, 6, 4)) * 20).astype(np.float32)
+    lse[0, 1] = -np.inf                     # one empty split
+    lse[:, 2] = -np.inf                     # a row with every split empty
+    lse[1:, 3] = -np.inf                    # only the first split holds the row
+    lse[0, 4], lse[-1, 4] = 100.0, 0.0      # far apart: exp(100) overflows f32
+    out[lse == -np.inf] = 0.0
+    got_out, got_lse = combine_splits(jnp.asarray(out), jnp.asarray(lse))
+    lse64 = lse.astype(np.float64)
+    top = np.max(lse64, axis=0)
+    weight = np.exp(lse64 - np.where(np.isfinite(top), top, 0.0))
+    total = weight.sum(axis=0)
+    want_out = np.einsum("snh,snhr->nhr", weight, out) / np.where(total > 0, total, 1.0)[..., None]
+    want_lse = np.where(total > 0, np.log(np.where(total > 0, total, 1.0)) + np.where(np.isfinite(top), top, 0.0),
+                        np.inf)
+    np.testing.assert_allclose(np.asarray(got_out), want_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_lse), want_lse, rtol=1e-6)
+    assert np.all(np.asarray(got_out)[2] == 0) and np.all(np.asarray(got_lse)[2] == np.inf)
 
 
 @pytest.mark.parametrize("wave,min_blocks", [(132, 4), (264, 4), (132, 2)])
