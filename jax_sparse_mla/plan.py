@@ -386,12 +386,12 @@ class BatchPlan:
     @functools.cached_property
     def has_conditionals(self) -> bool:
         """Whether the plan's program picks a stage's size at run time: a cond plan with a stage
-        of several sizes or calls (each is an XLA conditional, model._switch, but the row stages
-        where row_matmul runs them, kernels.row_kernel: those buckets' score, dense or attend
-        stages have several sizes too; score_calls has several exactly where score_sizes has).
-        A decode bucket's (fewer than LADDER_MIN_TOKENS
-        rows, no dense call) has none, nor has a static plan. Cached: the dispatch asks for it
-        every call (model.compiler_options)."""
+        of several sizes or calls, each an XLA conditional (model._switch). Row stages that
+        row_matmul runs (kernels.row_kernel) have none, but those buckets' score, dense or attend
+        stages have several sizes too, so the answer holds for them; score_calls has several
+        exactly where score_sizes has. A decode bucket's (fewer than LADDER_MIN_TOKENS rows, no
+        dense call) has none, nor has a static plan. Cached: the dispatch asks for it every call
+        (model.compiler_options)."""
         return any(len(sizes) > 1 for sizes in (self.score_sizes, self.dense_calls, self.attend_sizes, self.row_sizes))
 
     def dense_keys_picked(self, branch) -> int:
